@@ -1,0 +1,2 @@
+//! The `kvq` command-line tool (feature `cli`).
+fn main() {}

@@ -1,0 +1,1 @@
+//! Reference decode attention on the CPU: the oracle the GPU kernels are tested against.

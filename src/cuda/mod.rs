@@ -1,0 +1,1 @@
+//! GPU path (feature `cuda`): device cache, append / dequantize / fused decode kernels.

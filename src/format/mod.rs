@@ -1,0 +1,324 @@
+//! Element formats of the KV cache: pure math, no memory layout beyond one token's row.
+//!
+//! A *row* is the `head_dim` values of one token for one KV head. Every format turns a row into
+//! `code_bytes(head_dim)` bytes of codes plus `meta_bytes(head_dim)` bytes of per-group metadata
+//! (f16 scales, and zeros for affine INT4). FP8 formats additionally take one f32 scale per KV
+//! head (or per tensor) that lives outside the rows. The normative definition is FORMATS.md; the
+//! CUDA kernels implement the same functions in `cuda/format.cuh`, bit for bit.
+
+pub mod fp8;
+pub mod int4;
+pub mod sanitize;
+
+pub use fp8::Fp8Kind;
+pub use sanitize::{Element, sanitize};
+
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+use std::fmt;
+
+/// A cache element format, usable for keys or values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum KvFormat {
+    /// IEEE binary16, stored as is.
+    F16 = 0,
+    /// bfloat16, stored as is.
+    Bf16 = 1,
+    /// FP8 E4M3 with an f32 scale per KV head (or one per tensor).
+    Fp8E4m3 = 2,
+    /// FP8 E5M2 with an f32 scale per KV head (or one per tensor).
+    Fp8E5m2 = 3,
+    /// INT4, symmetric, groups of 32 along head_dim, f16 scale per group (the key format).
+    Int4Sym32 = 4,
+    /// INT4, affine, groups of 64 along head_dim, f16 scale + f16 zero per group (the value format).
+    Int4Affine64 = 5,
+}
+
+impl KvFormat {
+    /// Every format, in a fixed order.
+    pub const ALL: [KvFormat; 6] = [
+        KvFormat::F16,
+        KvFormat::Bf16,
+        KvFormat::Fp8E4m3,
+        KvFormat::Fp8E5m2,
+        KvFormat::Int4Sym32,
+        KvFormat::Int4Affine64,
+    ];
+
+    /// Short name used by the CLI and in tables: `f16`, `bf16`, `fp8-e4m3`, `fp8-e5m2`,
+    /// `int4-k32`, `int4-v64`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KvFormat::F16 => "f16",
+            KvFormat::Bf16 => "bf16",
+            KvFormat::Fp8E4m3 => "fp8-e4m3",
+            KvFormat::Fp8E5m2 => "fp8-e5m2",
+            KvFormat::Int4Sym32 => "int4-k32",
+            KvFormat::Int4Affine64 => "int4-v64",
+        }
+    }
+
+    /// Parse a [`name`](Self::name).
+    pub fn from_name(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
+                Error::InvalidArgument(format!(
+                    "unknown format '{name}' (known: {})",
+                    known.join(", ")
+                ))
+            })
+    }
+
+    /// Bits per code.
+    pub const fn bits(self) -> u32 {
+        match self {
+            KvFormat::F16 | KvFormat::Bf16 => 16,
+            KvFormat::Fp8E4m3 | KvFormat::Fp8E5m2 => 8,
+            KvFormat::Int4Sym32 | KvFormat::Int4Affine64 => 4,
+        }
+    }
+
+    /// Group size along head_dim for grouped formats.
+    pub const fn group_size(self) -> Option<usize> {
+        match self {
+            KvFormat::Int4Sym32 => Some(int4::SYM_GROUP),
+            KvFormat::Int4Affine64 => Some(int4::AFFINE_GROUP),
+            _ => None,
+        }
+    }
+
+    /// The FP8 encoding, for FP8 formats.
+    pub const fn fp8_kind(self) -> Option<Fp8Kind> {
+        match self {
+            KvFormat::Fp8E4m3 => Some(Fp8Kind::E4M3),
+            KvFormat::Fp8E5m2 => Some(Fp8Kind::E5M2),
+            _ => None,
+        }
+    }
+
+    /// Whether the format takes an f32 scale per KV head from outside the rows (FP8).
+    pub const fn has_head_scale(self) -> bool {
+        self.fp8_kind().is_some()
+    }
+
+    /// `head_dim` must be a positive multiple of this: the group size for INT4, and one 16-byte
+    /// vector of codes for the others.
+    pub const fn head_dim_multiple(self) -> usize {
+        match self {
+            KvFormat::F16 | KvFormat::Bf16 => 8,
+            KvFormat::Fp8E4m3 | KvFormat::Fp8E5m2 => 16,
+            KvFormat::Int4Sym32 => int4::SYM_GROUP,
+            KvFormat::Int4Affine64 => int4::AFFINE_GROUP,
+        }
+    }
+
+    /// Check that `head_dim` suits this format.
+    pub fn check_head_dim(self, head_dim: usize) -> Result<()> {
+        let multiple = self.head_dim_multiple();
+        if head_dim == 0 || head_dim % multiple != 0 {
+            return Err(Error::HeadDim {
+                head_dim,
+                format: self,
+                multiple,
+            });
+        }
+        Ok(())
+    }
+
+    /// Bytes of codes in one row.
+    pub const fn code_bytes(self, head_dim: usize) -> usize {
+        head_dim * self.bits() as usize / 8
+    }
+
+    /// Bytes of per-group metadata in one row (f16 scales; scale+zero pairs for affine INT4).
+    pub const fn meta_bytes(self, head_dim: usize) -> usize {
+        match self {
+            KvFormat::Int4Sym32 => head_dim / int4::SYM_GROUP * 2,
+            KvFormat::Int4Affine64 => head_dim / int4::AFFINE_GROUP * 4,
+            _ => 0,
+        }
+    }
+
+    /// Bytes per element including in-row metadata (not the per-head FP8 scale).
+    pub fn bytes_per_element(self) -> f64 {
+        let d = 256; // any valid head_dim gives the same ratio
+        (self.code_bytes(d) + self.meta_bytes(d)) as f64 / d as f64
+    }
+
+    /// Quantize one row. Inputs are sanitized first (FORMATS.md); the number of non-finite
+    /// inputs is returned. `head_scale` is the FP8 scale (ignored by other formats).
+    ///
+    /// `codes` must be `code_bytes(x.len())` long and `meta` `meta_bytes(x.len())`.
+    pub fn encode_row<T: Element>(
+        self,
+        x: &[T],
+        head_scale: f32,
+        codes: &mut [u8],
+        meta: &mut [u8],
+    ) -> u64 {
+        let d = x.len();
+        debug_assert_eq!(codes.len(), self.code_bytes(d));
+        debug_assert_eq!(meta.len(), self.meta_bytes(d));
+        let mut non_finite = 0u64;
+        let mut vals = vec![0f32; d];
+        sanitize::sanitize_into(x, &mut vals, &mut non_finite);
+        match self {
+            KvFormat::F16 => {
+                for (c, v) in codes.chunks_exact_mut(2).zip(&vals) {
+                    c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+                }
+            }
+            KvFormat::Bf16 => {
+                for (c, v) in codes.chunks_exact_mut(2).zip(&vals) {
+                    c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+                }
+            }
+            KvFormat::Fp8E4m3 | KvFormat::Fp8E5m2 => {
+                let kind = self.fp8_kind().expect("fp8 format");
+                for (c, v) in codes.iter_mut().zip(&vals) {
+                    *c = kind.quantize(*v, head_scale);
+                }
+            }
+            KvFormat::Int4Sym32 => {
+                let g = int4::SYM_GROUP;
+                let mut q = [0i8; int4::SYM_GROUP];
+                for (i, group) in vals.chunks_exact(g).enumerate() {
+                    let s = int4::quantize_sym_group(group, &mut q);
+                    int4::pack_nibbles(
+                        q.iter().map(|&c| c as u8),
+                        &mut codes[i * g / 2..][..g / 2],
+                    );
+                    meta[i * 2..i * 2 + 2].copy_from_slice(&s.to_le_bytes());
+                }
+            }
+            KvFormat::Int4Affine64 => {
+                let g = int4::AFFINE_GROUP;
+                let mut q = [0u8; int4::AFFINE_GROUP];
+                for (i, group) in vals.chunks_exact(g).enumerate() {
+                    let (s, z) = int4::quantize_affine_group(group, &mut q);
+                    int4::pack_nibbles(q.iter().copied(), &mut codes[i * g / 2..][..g / 2]);
+                    meta[i * 4..i * 4 + 2].copy_from_slice(&s.to_le_bytes());
+                    meta[i * 4 + 2..i * 4 + 4].copy_from_slice(&z.to_le_bytes());
+                }
+            }
+        }
+        non_finite
+    }
+
+    /// Dequantize one row into `out` (`head_dim` values), exactly as FORMATS.md defines.
+    pub fn decode_row(self, codes: &[u8], meta: &[u8], head_scale: f32, out: &mut [f32]) {
+        let d = out.len();
+        debug_assert_eq!(codes.len(), self.code_bytes(d));
+        debug_assert_eq!(meta.len(), self.meta_bytes(d));
+        match self {
+            KvFormat::F16 => {
+                for (o, c) in out.iter_mut().zip(codes.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            KvFormat::Bf16 => {
+                for (o, c) in out.iter_mut().zip(codes.chunks_exact(2)) {
+                    *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            KvFormat::Fp8E4m3 | KvFormat::Fp8E5m2 => {
+                let kind = self.fp8_kind().expect("fp8 format");
+                for (o, &c) in out.iter_mut().zip(codes) {
+                    *o = kind.dequantize(c, head_scale);
+                }
+            }
+            KvFormat::Int4Sym32 => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    let g = i / int4::SYM_GROUP;
+                    let s = f16::from_le_bytes([meta[g * 2], meta[g * 2 + 1]]);
+                    *o = int4::dequantize_sym(int4::signed_nibble(codes, i), s);
+                }
+            }
+            KvFormat::Int4Affine64 => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    let g = i / int4::AFFINE_GROUP;
+                    let s = f16::from_le_bytes([meta[g * 4], meta[g * 4 + 1]]);
+                    let z = f16::from_le_bytes([meta[g * 4 + 2], meta[g * 4 + 3]]);
+                    *o = int4::dequantize_affine(int4::nibble(codes, i), s, z);
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Display for KvFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvFormat {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::from_name(s)
+    }
+}
+
+/// Largest |x| over sanitized inputs: the amax FP8 scales are calibrated from.
+pub fn sanitized_amax<T: Element>(x: &[T]) -> f32 {
+    x.iter()
+        .fold(0.0f32, |m, v| m.max(sanitize(v.to_f32()).0.abs()))
+}
+
+/// FP8 scale granularity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ScaleGranularity {
+    /// One scale for the whole tensor (all KV heads of a layer's K, or V).
+    PerTensor,
+    /// One scale per KV head.
+    PerHead,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for f in KvFormat::ALL {
+            assert_eq!(KvFormat::from_name(f.name()).unwrap(), f);
+        }
+        assert!(KvFormat::from_name("int3").is_err());
+    }
+
+    #[test]
+    fn bytes_per_element_match_spec() {
+        assert_eq!(KvFormat::Int4Sym32.bytes_per_element(), 0.5625);
+        assert_eq!(KvFormat::Int4Affine64.bytes_per_element(), 0.5625);
+        assert_eq!(KvFormat::Fp8E4m3.bytes_per_element(), 1.0);
+        assert_eq!(KvFormat::Bf16.bytes_per_element(), 2.0);
+    }
+
+    #[test]
+    fn row_round_trip_every_format() {
+        let d = 128;
+        let x: Vec<f32> = (0..d)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        for f in KvFormat::ALL {
+            let mut codes = vec![0u8; f.code_bytes(d)];
+            let mut meta = vec![0u8; f.meta_bytes(d)];
+            let s = f
+                .fp8_kind()
+                .map_or(1.0, |k| k.scale_from_amax(sanitized_amax(&x)));
+            assert_eq!(f.encode_row(&x, s, &mut codes, &mut meta), 0);
+            let mut out = vec![0f32; d];
+            f.decode_row(&codes, &meta, s, &mut out);
+            let err = x
+                .iter()
+                .zip(&out)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f32::max);
+            assert!(err < 1.0, "{f}: max error {err}");
+        }
+    }
+}

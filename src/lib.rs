@@ -1,0 +1,23 @@
+//! # kvq — decode attention over a quantized, paged KV cache
+//!
+//! Data flows one way, and each step is a module you can read alone:
+//!
+//! | layer | module | what it holds |
+//! |---|---|---|
+//! | element format | [`format`] | FP8 / INT4 / f16 / bf16 math for one token row, bit-exact with FORMATS.md |
+//! | layout | [`layout`] | where codes, scales and zeros of a block live (host and device agree) |
+//! | cache | [`cache`] | block allocator, block tables, a host-side pool that quantizes on append |
+//! | attention | [`cpu`] | the reference decode attention, the oracle for the GPU kernels |
+//! | GPU | `cuda` (feature `cuda`) | device cache, append / dequantize / fused decode kernels |
+
+pub mod cache;
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod error;
+pub mod format;
+pub mod layout;
+
+pub use error::{Error, Result};
+pub use format::{KvFormat, ScaleGranularity};
+pub use layout::{BlockLayout, CacheConfig};
