@@ -17,6 +17,9 @@ pub mod cuda;
 pub mod error;
 pub mod format;
 pub mod layout;
+#[cfg(feature = "plot")]
+pub mod plot;
+pub mod report;
 
 pub use error::{Error, Result};
 pub use format::{KvFormat, ScaleGranularity};

@@ -1,0 +1,232 @@
+//! Benchmark results: the bytes a decode must read, and the tables, CSV and JSON the benches
+//! write. Kept free of GPU code so reports can be re-rendered (and plotted) on any machine.
+
+use crate::error::{Error, Result};
+use crate::layout::BlockLayout;
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+
+/// Bytes a decode step must read from device memory at the least: every K and V code and its
+/// metadata for each (sequence, KV head, token), the block-table entries in use, the FP8 head
+/// scales, and the queries. This is the numerator of every bandwidth figure the crate reports.
+pub fn decode_bytes_to_read(
+    layout: &BlockLayout,
+    context_lens: &[usize],
+    num_q_heads: usize,
+    q_len: usize,
+    q_elem_bytes: usize,
+) -> u64 {
+    let c = &layout.config;
+    let per_token_head = (layout.k_codes.row_bytes
+        + layout.k_meta.row_bytes
+        + layout.v_codes.row_bytes
+        + layout.v_meta.row_bytes) as u64;
+    let head_scales = 4
+        * c.num_kv_heads as u64
+        * (c.k_format.has_head_scale() as u64 + c.v_format.has_head_scale() as u64);
+    context_lens
+        .iter()
+        .map(|&len| {
+            let kv = len as u64 * c.num_kv_heads as u64 * per_token_head;
+            let table = 4 * len.div_ceil(c.block_size) as u64;
+            let q = (num_q_heads * q_len * c.head_dim * q_elem_bytes) as u64;
+            kv + table + q + 4 // + the context length itself
+        })
+        .sum::<u64>()
+        + head_scales
+}
+
+/// One measured decode configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecodeBenchRow {
+    /// Name of the shape family (e.g. `llama3-8b`, `8x22b-tp8`, `mha-d64`).
+    pub case: String,
+    pub batch: usize,
+    pub context_len: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub q_len: usize,
+    pub k_format: String,
+    pub v_format: String,
+    /// Split-KV partitions the plan chose.
+    pub splits: usize,
+    /// Median kernel time (decode + reduce), CUDA events.
+    pub median_us: f64,
+    /// [`decode_bytes_to_read`].
+    pub bytes: u64,
+    /// `bytes / median time`, in GB/s (1e9).
+    pub gbps: f64,
+    /// `gbps` as a percentage of the read ceiling measured in the same run.
+    pub pct_of_ceiling: f64,
+    /// Time of the bf16 cache on the same shape over this row's time.
+    pub speedup_vs_bf16: Option<f64>,
+}
+
+/// A whole benchmark run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecodeBenchReport {
+    /// GPU name.
+    pub device: String,
+    /// Streaming-read bandwidth measured in the same run, GB/s.
+    pub ceiling_gbps: f64,
+    /// kvq version that produced it.
+    pub kvq_version: String,
+    pub rows: Vec<DecodeBenchRow>,
+}
+
+impl DecodeBenchReport {
+    /// A new report with no rows.
+    pub fn new(device: impl Into<String>, ceiling_gbps: f64) -> Self {
+        DecodeBenchReport {
+            device: device.into(),
+            ceiling_gbps,
+            kvq_version: env!("CARGO_PKG_VERSION").to_string(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Fill `speedup_vs_bf16` for every row that has a bf16/bf16 row of the same shape.
+    pub fn fill_speedups(&mut self) {
+        let base: Vec<(String, usize, usize, usize, f64)> = self
+            .rows
+            .iter()
+            .filter(|r| r.k_format == "bf16" && r.v_format == "bf16")
+            .map(|r| {
+                (
+                    r.case.clone(),
+                    r.batch,
+                    r.context_len,
+                    r.head_dim,
+                    r.median_us,
+                )
+            })
+            .collect();
+        for r in &mut self.rows {
+            r.speedup_vs_bf16 = base
+                .iter()
+                .find(|b| {
+                    b.0 == r.case && b.1 == r.batch && b.2 == r.context_len && b.3 == r.head_dim
+                })
+                .map(|b| b.4 / r.median_us);
+        }
+    }
+
+    /// A markdown table, one row per measurement.
+    pub fn markdown(&self) -> String {
+        let mut s = format!(
+            "Device: {} — read ceiling {:.0} GB/s (measured in this run)\n\n",
+            self.device, self.ceiling_gbps
+        );
+        s.push_str("| case | B | L | q/kv heads | d | K | V | splits | µs (median) | MB read | GB/s | % ceiling | × bf16 |\n");
+        s.push_str("|---|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|\n");
+        for r in &self.rows {
+            let speedup = r
+                .speedup_vs_bf16
+                .map_or("—".to_string(), |x| format!("{x:.2}"));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.1} | {} |",
+                r.case,
+                r.batch,
+                r.context_len,
+                r.num_q_heads,
+                r.num_kv_heads,
+                r.head_dim,
+                r.k_format,
+                r.v_format,
+                r.splits,
+                r.median_us,
+                r.bytes as f64 / 1e6,
+                r.gbps,
+                r.pct_of_ceiling,
+                speedup
+            );
+        }
+        s
+    }
+
+    /// CSV with a header line.
+    pub fn csv(&self) -> String {
+        let mut s = String::from(
+            "case,batch,context_len,num_q_heads,num_kv_heads,head_dim,block_size,q_len,k_format,v_format,splits,median_us,bytes,gbps,pct_of_ceiling,speedup_vs_bf16\n",
+        );
+        for r in &self.rows {
+            let _ = writeln!(
+                s,
+                "{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{:.1},{:.2},{}",
+                r.case,
+                r.batch,
+                r.context_len,
+                r.num_q_heads,
+                r.num_kv_heads,
+                r.head_dim,
+                r.block_size,
+                r.q_len,
+                r.k_format,
+                r.v_format,
+                r.splits,
+                r.median_us,
+                r.bytes,
+                r.gbps,
+                r.pct_of_ceiling,
+                r.speedup_vs_bf16
+                    .map_or(String::new(), |x| format!("{x:.3}"))
+            );
+        }
+        s
+    }
+
+    /// Pretty JSON of the whole report.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("report serializes")
+    }
+
+    /// Parse a report written by [`to_json`](Self::to_json).
+    pub fn from_json(text: &str) -> Result<Self> {
+        serde_json::from_str(text).map_err(|e| Error::InvalidArgument(format!("bench JSON: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{CacheConfig, KvFormat};
+
+    #[test]
+    fn bytes_to_read_counts_codes_meta_tables_and_q() {
+        let c = CacheConfig::new(8, 128, 16, KvFormat::Int4Sym32, KvFormat::Int4Affine64).unwrap();
+        let b = decode_bytes_to_read(&c.layout(), &[1000], 32, 1, 2);
+        // 1000 tokens * 8 heads * 2 * 128 * 0.5625 + 63 table entries + q + length
+        assert_eq!(b, 1000 * 8 * 144 + 63 * 4 + 32 * 128 * 2 + 4);
+    }
+
+    #[test]
+    fn report_round_trips_through_json() {
+        let mut r = DecodeBenchReport::new("test", 4700.0);
+        r.rows.push(DecodeBenchRow {
+            case: "x".into(),
+            batch: 1,
+            context_len: 4096,
+            num_q_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+            q_len: 1,
+            k_format: "bf16".into(),
+            v_format: "bf16".into(),
+            splits: 4,
+            median_us: 10.0,
+            bytes: 1,
+            gbps: 1.0,
+            pct_of_ceiling: 1.0,
+            speedup_vs_bf16: None,
+        });
+        r.fill_speedups();
+        assert_eq!(r.rows[0].speedup_vs_bf16, Some(1.0));
+        assert_eq!(DecodeBenchReport::from_json(&r.to_json()).unwrap(), r);
+        assert!(r.markdown().contains("| x | 1 | 4096 |"));
+        assert_eq!(r.csv().lines().count(), 2);
+    }
+}
