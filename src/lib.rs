@@ -14,6 +14,7 @@ pub mod cache;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod dense;
 pub mod error;
 pub mod format;
 pub mod layout;

@@ -1,0 +1,675 @@
+//! Quantizing whole dense tensors, outside any cache: what `kvq quantize` writes to a file, and
+//! what the GPU quantize kernels reproduce byte for byte.
+//!
+//! A dense tensor has shape `[..., heads, head_dim]`: the last axis is `head_dim` (the axis INT4
+//! groups run along), the second-to-last is the head axis (the axis FP8 per-head scales run
+//! along), and every axis before that is just more rows. A tensor of rank 1 is one head.
+//!
+//! The element math is [`KvFormat::encode_row`] / [`KvFormat::decode_row`] (FORMATS.md); this
+//! module only decides which scale a row gets and where each byte of the result goes:
+//!
+//! | format | `codes` (U8) | `scales` | `zeros` |
+//! |---|---|---|---|
+//! | `fp8-e4m3`, `fp8-e5m2` | `[..., head_dim]` | F32 `[1]` per tensor or `[heads]` per head | — |
+//! | `int4-k32` | `[..., head_dim / 2]` | F16 `[..., head_dim / 32]` | — |
+//! | `int4-v64` | `[..., head_dim / 2]` | F16 `[..., head_dim / 64]` | F16 `[..., head_dim / 64]` |
+//! | `int4-uniform` | `[..., head_dim / 2]` | F32 `[1]` | — |
+//!
+//! INT4 codes are packed two per byte, element `2i` in the low nibble. All multi-byte values are
+//! little-endian.
+
+use crate::error::{Error, Result};
+use crate::format::{Element, Fp8Kind, KvFormat, int4, sanitize, sanitized_amax};
+use half::f16;
+use std::fmt;
+
+/// A dense-tensor quantization format: the four quantized cache formats plus a per-tensor INT4
+/// baseline that exists only to show what grouping buys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DenseFormat {
+    /// FP8 E4M3 with an f32 scale per tensor or per head.
+    Fp8E4m3,
+    /// FP8 E5M2 with an f32 scale per tensor or per head.
+    Fp8E5m2,
+    /// Symmetric INT4, groups of 32 along `head_dim`, f16 scale per group.
+    Int4K32,
+    /// Affine INT4, groups of 64 along `head_dim`, f16 scale and zero per group.
+    Int4V64,
+    /// Symmetric INT4 with one f32 scale for the whole tensor (reference baseline only).
+    Int4Uniform,
+}
+
+impl DenseFormat {
+    /// Every format, in a fixed order.
+    pub const ALL: [DenseFormat; 5] = [
+        DenseFormat::Fp8E4m3,
+        DenseFormat::Fp8E5m2,
+        DenseFormat::Int4K32,
+        DenseFormat::Int4V64,
+        DenseFormat::Int4Uniform,
+    ];
+
+    /// Name used by the CLI and in file metadata: `fp8-e4m3`, `fp8-e5m2`, `int4-k32`,
+    /// `int4-v64`, `int4-uniform`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DenseFormat::Fp8E4m3 => "fp8-e4m3",
+            DenseFormat::Fp8E5m2 => "fp8-e5m2",
+            DenseFormat::Int4K32 => "int4-k32",
+            DenseFormat::Int4V64 => "int4-v64",
+            DenseFormat::Int4Uniform => "int4-uniform",
+        }
+    }
+
+    /// Parse a [`name`](Self::name).
+    pub fn from_name(name: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| {
+                let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
+                Error::InvalidArgument(format!(
+                    "unknown format '{name}' (known: {})",
+                    known.join(", ")
+                ))
+            })
+    }
+
+    /// The cache format with the same element math, for all but `int4-uniform`.
+    pub const fn kv_format(self) -> Option<KvFormat> {
+        match self {
+            DenseFormat::Fp8E4m3 => Some(KvFormat::Fp8E4m3),
+            DenseFormat::Fp8E5m2 => Some(KvFormat::Fp8E5m2),
+            DenseFormat::Int4K32 => Some(KvFormat::Int4Sym32),
+            DenseFormat::Int4V64 => Some(KvFormat::Int4Affine64),
+            DenseFormat::Int4Uniform => None,
+        }
+    }
+
+    /// The FP8 encoding, for FP8 formats.
+    pub const fn fp8_kind(self) -> Option<Fp8Kind> {
+        match self.kv_format() {
+            Some(kv) => kv.fp8_kind(),
+            None => None,
+        }
+    }
+
+    /// Bits per code.
+    pub const fn bits(self) -> u32 {
+        match self.kv_format() {
+            Some(kv) => kv.bits(),
+            None => 4,
+        }
+    }
+
+    /// Check that `head_dim` (the last axis) suits this format: the cache formats' rule
+    /// ([`KvFormat::check_head_dim`]), and a positive even number for `int4-uniform`.
+    pub fn check_head_dim(self, head_dim: usize) -> Result<()> {
+        match self.kv_format() {
+            Some(kv) => kv.check_head_dim(head_dim),
+            None if head_dim == 0 || head_dim % 2 != 0 => Err(Error::Config {
+                what: "head_dim",
+                value: head_dim,
+                expected: "a positive even number for int4-uniform",
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Bytes of codes for one row of `head_dim` elements.
+    pub const fn code_bytes(self, head_dim: usize) -> usize {
+        head_dim * self.bits() as usize / 8
+    }
+}
+
+impl fmt::Display for DenseFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for DenseFormat {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::from_name(s)
+    }
+}
+
+/// Where an FP8 tensor's scale comes from. Grouped INT4 and `int4-uniform` always derive their
+/// scales from the data, and accept only the default, [`PerTensorAmax`](Self::PerTensorAmax).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Fp8ScaleChoice {
+    /// One given scale for the whole tensor (positive and finite).
+    Fixed(f32),
+    /// One scale for the whole tensor, `amax / max_finite` over all its (sanitized) elements.
+    #[default]
+    PerTensorAmax,
+    /// One scale per head (second-to-last axis), from the amax of that head's elements.
+    PerHeadAmax,
+}
+
+/// Element type of a stored part of a quantized tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StoredDtype {
+    /// Bytes: codes.
+    U8,
+    /// IEEE binary16, little-endian: INT4 group scales and zeros.
+    F16,
+    /// IEEE binary32, little-endian: FP8 and uniform INT4 scales.
+    F32,
+}
+
+impl StoredDtype {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            StoredDtype::U8 => 1,
+            StoredDtype::F16 => 2,
+            StoredDtype::F32 => 4,
+        }
+    }
+}
+
+/// One stored part (codes, scales or zeros): raw little-endian bytes with a dtype and a shape
+/// whose element count matches the bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredTensor {
+    dtype: StoredDtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+impl StoredTensor {
+    /// A part, checked: `data` holds exactly `product(shape)` elements of `dtype`.
+    pub fn new(dtype: StoredDtype, shape: Vec<usize>, data: Vec<u8>) -> Result<Self> {
+        let expected = element_count(&shape)?
+            .checked_mul(dtype.size())
+            .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} is too large")))?;
+        if data.len() != expected {
+            return Err(Error::Length {
+                what: "stored tensor bytes",
+                expected,
+                actual: data.len(),
+            });
+        }
+        Ok(StoredTensor { dtype, shape, data })
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> StoredDtype {
+        self.dtype
+    }
+
+    /// Shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Raw little-endian bytes.
+    pub fn data(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Take the bytes.
+    pub fn into_data(self) -> Vec<u8> {
+        self.data
+    }
+
+    /// The elements as f32s (F16 widened exactly); `None` for U8.
+    fn floats(&self) -> Option<Vec<f32>> {
+        match self.dtype {
+            StoredDtype::U8 => None,
+            StoredDtype::F16 => Some(
+                self.data
+                    .chunks_exact(2)
+                    .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                    .collect(),
+            ),
+            StoredDtype::F32 => Some(
+                self.data
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            ),
+        }
+    }
+}
+
+/// A quantized dense tensor: codes, scales and (for `int4-v64`) zeros, laid out as the module
+/// documentation's table says. Its parts are always consistent with each other.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantizedTensor {
+    format: DenseFormat,
+    shape: Vec<usize>,
+    codes: StoredTensor,
+    scales: StoredTensor,
+    zeros: Option<StoredTensor>,
+    non_finite: u64,
+}
+
+impl QuantizedTensor {
+    /// Reassemble a tensor from its stored parts (e.g. read back from a file), checking every
+    /// dtype and shape against `format` and every scale and zero for validity.
+    pub fn from_parts(
+        format: DenseFormat,
+        codes: StoredTensor,
+        scales: StoredTensor,
+        zeros: Option<StoredTensor>,
+    ) -> Result<Self> {
+        let bad = |msg: String| Error::InvalidArgument(format!("{format} tensor: {msg}"));
+        if codes.dtype != StoredDtype::U8 {
+            return Err(bad(format!("codes must be U8, not {:?}", codes.dtype)));
+        }
+        let Some((&code_dim, prefix)) = codes.shape.split_last() else {
+            return Err(bad("codes have no axes".into()));
+        };
+        let head_dim = code_dim * 8 / format.bits() as usize;
+        let mut shape = prefix.to_vec();
+        shape.push(head_dim);
+        let geometry = Geometry::of(format, &shape)?;
+        let (scale_dtype, scale_shape) = geometry.group_scale_shape(format);
+        let expect_part = |part: &StoredTensor, what: &str, dtype, shapes: &[Vec<usize>]| {
+            if part.dtype != dtype || !shapes.contains(&part.shape) {
+                return Err(bad(format!(
+                    "{what} must be {dtype:?} {}, not {:?} {:?}",
+                    shapes
+                        .iter()
+                        .map(|s| format!("{s:?}"))
+                        .collect::<Vec<_>>()
+                        .join(" or "),
+                    part.dtype,
+                    part.shape
+                )));
+            }
+            Ok(())
+        };
+        match format {
+            DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => expect_part(
+                &scales,
+                "scales",
+                StoredDtype::F32,
+                &[vec![1], vec![geometry.heads]],
+            )?,
+            _ => expect_part(
+                &scales,
+                "scales",
+                scale_dtype,
+                std::slice::from_ref(&scale_shape),
+            )?,
+        }
+        match (format, &zeros) {
+            (DenseFormat::Int4V64, Some(z)) => {
+                expect_part(z, "zeros", StoredDtype::F16, &[scale_shape])?
+            }
+            (DenseFormat::Int4V64, None) => return Err(bad("zeros are missing".into())),
+            (_, Some(_)) => return Err(bad("has zeros, which only int4-v64 uses".into())),
+            (_, None) => {}
+        }
+        check_scale_values(format, &scales, zeros.as_ref())?;
+        Ok(QuantizedTensor {
+            format,
+            shape,
+            codes,
+            scales,
+            zeros,
+            non_finite: 0,
+        })
+    }
+
+    /// The format.
+    pub fn format(&self) -> DenseFormat {
+        self.format
+    }
+
+    /// Shape of the original (and the dequantized) tensor.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Packed codes.
+    pub fn codes(&self) -> &StoredTensor {
+        &self.codes
+    }
+
+    /// Scales.
+    pub fn scales(&self) -> &StoredTensor {
+        &self.scales
+    }
+
+    /// Zeros (`int4-v64` only).
+    pub fn zeros(&self) -> Option<&StoredTensor> {
+        self.zeros.as_ref()
+    }
+
+    /// Non-finite inputs met while quantizing (stored as the sanitized values, FORMATS.md);
+    /// 0 for a tensor built with [`from_parts`](Self::from_parts).
+    pub fn non_finite(&self) -> u64 {
+        self.non_finite
+    }
+
+    /// Bytes of all parts together.
+    pub fn stored_bytes(&self) -> usize {
+        self.codes.data.len()
+            + self.scales.data.len()
+            + self.zeros.as_ref().map_or(0, |z| z.data.len())
+    }
+
+    /// Split into `(codes, scales, zeros)`.
+    pub fn into_parts(self) -> (StoredTensor, StoredTensor, Option<StoredTensor>) {
+        (self.codes, self.scales, self.zeros)
+    }
+}
+
+/// How a dense tensor's elements split into rows and heads.
+struct Geometry {
+    /// Rows of `head_dim` elements.
+    rows: usize,
+    /// Size of the head axis (1 for a rank-1 tensor).
+    heads: usize,
+    head_dim: usize,
+    /// The shape without its last axis.
+    prefix: Vec<usize>,
+}
+
+impl Geometry {
+    fn of(format: DenseFormat, shape: &[usize]) -> Result<Self> {
+        let Some((&head_dim, prefix)) = shape.split_last() else {
+            return Err(Error::InvalidArgument(
+                "a tensor to quantize needs at least one axis (head_dim)".into(),
+            ));
+        };
+        format.check_head_dim(head_dim)?;
+        element_count(shape)?;
+        Ok(Geometry {
+            rows: prefix.iter().product(),
+            heads: prefix.last().copied().unwrap_or(1),
+            head_dim,
+            prefix: prefix.to_vec(),
+        })
+    }
+
+    fn elements(&self) -> usize {
+        self.rows * self.head_dim
+    }
+
+    fn codes_shape(&self, format: DenseFormat) -> Vec<usize> {
+        let mut s = self.prefix.clone();
+        s.push(format.code_bytes(self.head_dim));
+        s
+    }
+
+    /// Dtype and shape of the scales of grouped INT4 (per group) and of `int4-uniform` (one);
+    /// FP8 is `[1]` or `[heads]`, chosen at quantize time.
+    fn group_scale_shape(&self, format: DenseFormat) -> (StoredDtype, Vec<usize>) {
+        match format.kv_format().and_then(KvFormat::group_size) {
+            Some(g) => {
+                let mut s = self.prefix.clone();
+                s.push(self.head_dim / g);
+                (StoredDtype::F16, s)
+            }
+            None => (StoredDtype::F32, vec![1]),
+        }
+    }
+}
+
+/// Product of a shape's axes, or an error when it overflows.
+fn element_count(shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} is too large")))
+}
+
+/// Reject scales and zeros that would decode to non-finite or sign-flipped values.
+fn check_scale_values(
+    format: DenseFormat,
+    scales: &StoredTensor,
+    zeros: Option<&StoredTensor>,
+) -> Result<()> {
+    // FP8 divides by its scale, so it must be positive; INT4 scales are 0 for all-zero groups.
+    let fp8 = format.fp8_kind().is_some();
+    for s in scales.floats().unwrap_or_default() {
+        if !s.is_finite() || s < 0.0 || (fp8 && s == 0.0) {
+            return Err(Error::Scale {
+                what: "stored scale",
+                value: s,
+            });
+        }
+    }
+    if let Some(z) = zeros.and_then(|z| z.floats()) {
+        if let Some(bad) = z.into_iter().find(|z| !z.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "stored zero {bad} is not finite"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Quantize a dense tensor of `shape` (`[..., heads, head_dim]`, row-major) held in `data`.
+///
+/// Inputs are sanitized first (NaN → 0, clamp to ±65504) and counted in
+/// [`QuantizedTensor::non_finite`]. Errors: `data.len()` not matching `shape`, a `head_dim`
+/// the format cannot use, a fixed scale that is not positive and finite, or a scale choice
+/// other than the default for a non-FP8 format.
+pub fn quantize<T: Element>(
+    format: DenseFormat,
+    data: &[T],
+    shape: &[usize],
+    scale: Fp8ScaleChoice,
+) -> Result<QuantizedTensor> {
+    let geometry = Geometry::of(format, shape)?;
+    if data.len() != geometry.elements() {
+        return Err(Error::Length {
+            what: "tensor data",
+            expected: geometry.elements(),
+            actual: data.len(),
+        });
+    }
+    if format.fp8_kind().is_none() && scale != Fp8ScaleChoice::PerTensorAmax {
+        return Err(Error::Unsupported(format!(
+            "{format} derives its scales from the data; a {scale:?} scale applies only to FP8"
+        )));
+    }
+    match format.kv_format() {
+        Some(kv) => quantize_rows(format, kv, data, &geometry, scale),
+        None => quantize_uniform(data, &geometry),
+    }
+}
+
+/// FP8 scales for a tensor: `[1]` or `[heads]` values.
+fn fp8_scales<T: Element>(
+    kind: Fp8Kind,
+    data: &[T],
+    geometry: &Geometry,
+    choice: Fp8ScaleChoice,
+) -> Result<Vec<f32>> {
+    Ok(match choice {
+        Fp8ScaleChoice::Fixed(s) => {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(Error::Scale {
+                    what: "fixed FP8 scale",
+                    value: s,
+                });
+            }
+            vec![s]
+        }
+        Fp8ScaleChoice::PerTensorAmax => vec![kind.scale_from_amax(sanitized_amax(data))],
+        Fp8ScaleChoice::PerHeadAmax => {
+            let mut amax = vec![0.0f32; geometry.heads];
+            for (r, row) in data.chunks_exact(geometry.head_dim).enumerate() {
+                let a = &mut amax[r % geometry.heads];
+                *a = a.max(sanitized_amax(row));
+            }
+            amax.into_iter().map(|a| kind.scale_from_amax(a)).collect()
+        }
+    })
+}
+
+/// Quantize row by row with the cache format's own row encoder.
+fn quantize_rows<T: Element>(
+    format: DenseFormat,
+    kv: KvFormat,
+    data: &[T],
+    geometry: &Geometry,
+    choice: Fp8ScaleChoice,
+) -> Result<QuantizedTensor> {
+    let d = geometry.head_dim;
+    let head_scales = match kv.fp8_kind() {
+        Some(kind) => fp8_scales(kind, data, geometry, choice)?,
+        None => vec![1.0], // unused by INT4
+    };
+    let (code_len, meta_len) = (kv.code_bytes(d), kv.meta_bytes(d));
+    let mut codes = vec![0u8; geometry.rows * code_len];
+    let mut meta = vec![0u8; geometry.rows * meta_len];
+    let mut non_finite = 0u64;
+    for (r, (x, c)) in data
+        .chunks_exact(d)
+        .zip(codes.chunks_exact_mut(code_len))
+        .enumerate()
+    {
+        // Indexing rather than chunks_exact_mut: FP8 rows have no metadata (meta_len == 0).
+        let m = &mut meta[r * meta_len..(r + 1) * meta_len];
+        let s = head_scales[if head_scales.len() == 1 {
+            0
+        } else {
+            r % geometry.heads
+        }];
+        non_finite += kv.encode_row(x, s, c, m);
+    }
+
+    let codes = StoredTensor::new(StoredDtype::U8, geometry.codes_shape(format), codes)?;
+    let (scales, zeros) = match kv {
+        KvFormat::Int4Sym32 => {
+            let (dtype, shape) = geometry.group_scale_shape(format);
+            (StoredTensor::new(dtype, shape, meta)?, None)
+        }
+        KvFormat::Int4Affine64 => {
+            // The row metadata interleaves (scale, zero) per group; files keep them apart.
+            let (dtype, shape) = geometry.group_scale_shape(format);
+            let (mut s, mut z) = (Vec::with_capacity(meta.len() / 2), Vec::new());
+            z.reserve(meta.len() / 2);
+            for pair in meta.chunks_exact(4) {
+                s.extend_from_slice(&pair[..2]);
+                z.extend_from_slice(&pair[2..]);
+            }
+            (
+                StoredTensor::new(dtype, shape.clone(), s)?,
+                Some(StoredTensor::new(dtype, shape, z)?),
+            )
+        }
+        _ => {
+            let bytes = head_scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+            (
+                StoredTensor::new(StoredDtype::F32, vec![head_scales.len()], bytes)?,
+                None,
+            )
+        }
+    };
+    Ok(QuantizedTensor {
+        format,
+        shape: geometry.prefix.iter().copied().chain([d]).collect(),
+        codes,
+        scales,
+        zeros,
+        non_finite,
+    })
+}
+
+/// `int4-uniform`: one f32 scale `amax / 7` over the whole tensor.
+fn quantize_uniform<T: Element>(data: &[T], geometry: &Geometry) -> Result<QuantizedTensor> {
+    let format = DenseFormat::Int4Uniform;
+    let s = int4::uniform_scale(sanitized_amax(data));
+    let mut non_finite = 0u64;
+    let codes_iter = data.iter().map(|x| {
+        let (v, bad) = sanitize(x.to_f32());
+        non_finite += bad as u64;
+        int4::quantize_uniform(v, s) as u8
+    });
+    let mut codes = vec![0u8; data.len() / 2];
+    int4::pack_nibbles(codes_iter, &mut codes);
+    Ok(QuantizedTensor {
+        format,
+        shape: geometry
+            .prefix
+            .iter()
+            .copied()
+            .chain([geometry.head_dim])
+            .collect(),
+        codes: StoredTensor::new(StoredDtype::U8, geometry.codes_shape(format), codes)?,
+        scales: StoredTensor::new(StoredDtype::F32, vec![1], s.to_le_bytes().to_vec())?,
+        zeros: None,
+        non_finite,
+    })
+}
+
+/// Dequantize into f32 values of [`QuantizedTensor::shape`], exactly as FORMATS.md defines.
+pub fn dequantize(q: &QuantizedTensor) -> Vec<f32> {
+    let geometry = Geometry::of(q.format, &q.shape).expect("validated at construction");
+    let d = geometry.head_dim;
+    let mut out = vec![0f32; geometry.elements()];
+    if out.is_empty() {
+        return out;
+    }
+    let scales = q.scales.floats().expect("scales are floats");
+    let Some(kv) = q.format.kv_format() else {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = int4::dequantize_uniform(int4::signed_nibble(&q.codes.data, i), scales[0]);
+        }
+        return out;
+    };
+    let code_len = kv.code_bytes(d);
+    let groups = kv.group_size().map_or(0, |g| d / g);
+    let mut meta = vec![0u8; kv.meta_bytes(d)];
+    for (r, (o, c)) in out
+        .chunks_exact_mut(d)
+        .zip(q.codes.data.chunks_exact(code_len))
+        .enumerate()
+    {
+        // Rebuild the row metadata the row decoder expects from the stored scales (and zeros).
+        let s_row = &q.scales.data[r * groups * 2..][..groups * 2];
+        match (kv, &q.zeros) {
+            (KvFormat::Int4Sym32, _) => meta.copy_from_slice(s_row),
+            (KvFormat::Int4Affine64, Some(z)) => {
+                let z_row = &z.data[r * groups * 2..][..groups * 2];
+                for (g, m) in meta.chunks_exact_mut(4).enumerate() {
+                    m[..2].copy_from_slice(&s_row[g * 2..g * 2 + 2]);
+                    m[2..].copy_from_slice(&z_row[g * 2..g * 2 + 2]);
+                }
+            }
+            _ => {}
+        }
+        let head_scale = match scales.len() {
+            _ if kv.fp8_kind().is_none() => 1.0,
+            1 => scales[0],
+            _ => scales[r % geometry.heads],
+        };
+        kv.decode_row(c, &meta, head_scale, o);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for f in DenseFormat::ALL {
+            assert_eq!(f.name().parse::<DenseFormat>().unwrap(), f);
+        }
+        assert!(DenseFormat::from_name("int3").is_err());
+    }
+
+    #[test]
+    fn parts_round_trip_through_from_parts() {
+        let x: Vec<f32> = (0..2 * 3 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
+        for f in DenseFormat::ALL {
+            let q = quantize(f, &x, &[2, 3, 64], Fp8ScaleChoice::default()).unwrap();
+            let (c, s, z) = q.clone().into_parts();
+            let back = QuantizedTensor::from_parts(f, c, s, z).unwrap();
+            assert_eq!(back, q);
+            assert_eq!(dequantize(&back), dequantize(&q));
+        }
+    }
+}
