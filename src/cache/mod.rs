@@ -1,1 +1,17 @@
 //! Paged cache: block allocator, block tables, and a host-side pool that quantizes on append.
+//!
+//! - [`BlockAllocator`] decides which pool blocks hold which sequence's tokens (bookkeeping only;
+//!   one allocator serves every layer).
+//! - [`BlockTables`] is that decision in the form kernels read.
+//! - [`HostCache`] is one layer's storage in host memory, byte-identical to the device layout.
+//! - [`PagedKvCache`] ties them together for a model: one allocator, one `HostCache` per layer.
+
+mod allocator;
+mod host;
+mod paged;
+mod tables;
+
+pub use allocator::{BlockAllocator, CopyBlock, Reservation, SeqId};
+pub use host::{HostCache, POISON};
+pub use paged::PagedKvCache;
+pub use tables::BlockTables;

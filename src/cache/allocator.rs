@@ -1,0 +1,328 @@
+//! Block allocator: which pool blocks each sequence owns. Pure bookkeeping, no storage, so one
+//! allocator can serve the caches of every layer of a model.
+//!
+//! Blocks are reference counted. [`BlockAllocator::fork`] gives a child sequence the parent's
+//! blocks; the first `reserve` that would write into a shared, partially filled last block
+//! gets a private copy instead (copy-on-write) and reports the copy as a [`CopyBlock`] the caller
+//! applies to its storage before writing the new tokens.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use super::tables::BlockTables;
+use crate::error::{Error, Result};
+use crate::layout::MAX_BLOCK_SIZE;
+
+/// Identifies a sequence inside one [`BlockAllocator`]. Ids are never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl fmt::Display for SeqId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Copy every byte of block `src` to block `dst` (all KV heads, K and V), in every layer's
+/// storage, before writing the tokens of the [`Reservation`] that asked for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CopyBlock {
+    /// Block to copy from (still owned by the other sequences that share it).
+    pub src: usize,
+    /// Freshly allocated block that replaces `src` in the reserving sequence.
+    pub dst: usize,
+}
+
+/// What [`BlockAllocator::reserve`] hands back: where the new tokens go, and the copies that
+/// must be applied first.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Reservation {
+    /// One slot (`block * block_size + offset_in_block`) per new token, in token order.
+    pub slots: Vec<usize>,
+    /// Copy-on-write block copies, to apply (in order) before writing to `slots`.
+    pub copies: Vec<CopyBlock>,
+}
+
+/// The blocks of one sequence, in position order, and its length in tokens.
+#[derive(Debug, Clone, Default)]
+struct Sequence {
+    /// Block ids as i32, the element type of a device block table.
+    blocks: Vec<i32>,
+    len: usize,
+}
+
+/// Hands out fixed-size blocks of a pool to sequences and tracks who shares what.
+#[derive(Debug, Clone)]
+pub struct BlockAllocator {
+    block_size: usize,
+    /// References held on each block by sequences; 0 means free.
+    ref_counts: Vec<u32>,
+    /// Free block ids; allocation pops from the end, so block 0 goes first and freed blocks are
+    /// reused most-recently-freed first.
+    free: Vec<usize>,
+    sequences: HashMap<u64, Sequence>,
+    next_id: u64,
+}
+
+impl BlockAllocator {
+    /// An allocator over `num_blocks` blocks of `block_size` tokens, all free.
+    ///
+    /// `num_blocks` must be in `1..=i32::MAX` (block tables are i32) and `block_size` in
+    /// `1..=MAX_BLOCK_SIZE`.
+    pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
+        if num_blocks == 0 || num_blocks > i32::MAX as usize {
+            return Err(Error::Config {
+                what: "num_blocks",
+                value: num_blocks,
+                expected: "1..=i32::MAX",
+            });
+        }
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+            return Err(Error::Config {
+                what: "block_size",
+                value: block_size,
+                expected: "1..=1024 tokens",
+            });
+        }
+        if num_blocks.checked_mul(block_size).is_none() {
+            return Err(Error::Config {
+                what: "num_blocks",
+                value: num_blocks,
+                expected: "num_blocks * block_size to fit in usize",
+            });
+        }
+        Ok(BlockAllocator {
+            block_size,
+            ref_counts: vec![0; num_blocks],
+            free: (0..num_blocks).rev().collect(),
+            sequences: HashMap::new(),
+            next_id: 0,
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.ref_counts.len()
+    }
+
+    /// Blocks no sequence holds.
+    pub fn num_free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Live sequences.
+    pub fn num_sequences(&self) -> usize {
+        self.sequences.len()
+    }
+
+    /// How many sequences hold `block` (0 when free).
+    pub fn ref_count(&self, block: usize) -> Result<usize> {
+        self.ref_counts
+            .get(block)
+            .map(|&r| r as usize)
+            .ok_or(Error::BlockIndex {
+                block,
+                num_blocks: self.num_blocks(),
+            })
+    }
+
+    /// Start an empty sequence.
+    pub fn create_sequence(&mut self) -> SeqId {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.sequences.insert(id, Sequence::default());
+        SeqId(id)
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&Sequence> {
+        self.sequences
+            .get(&seq.0)
+            .ok_or(Error::UnknownSequence(seq.0))
+    }
+
+    /// Tokens in `seq`.
+    pub fn len(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.seq(seq)?.len)
+    }
+
+    /// Whether `seq` holds no tokens.
+    pub fn is_empty(&self, seq: SeqId) -> Result<bool> {
+        Ok(self.len(seq)? == 0)
+    }
+
+    /// The blocks of `seq` in position order: exactly `ceil(len / block_size)` entries.
+    pub fn block_table(&self, seq: SeqId) -> Result<&[i32]> {
+        Ok(&self.seq(seq)?.blocks)
+    }
+
+    /// Release `seq`; blocks no other sequence holds become free.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        let s = self
+            .sequences
+            .remove(&seq.0)
+            .ok_or(Error::UnknownSequence(seq.0))?;
+        for &b in s.blocks.iter().rev() {
+            self.release(b as usize);
+        }
+        Ok(())
+    }
+
+    /// A new sequence with the same tokens as `seq`, sharing its blocks until either writes.
+    pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
+        let child = self.seq(seq)?.clone();
+        for &b in &child.blocks {
+            self.ref_counts[b as usize] += 1;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.sequences.insert(id, child);
+        Ok(SeqId(id))
+    }
+
+    /// Grow `seq` by `n_new_tokens` and return their slots, allocating blocks as needed.
+    ///
+    /// If the sequence's last block is partially filled and shared with another sequence, it is
+    /// replaced by a fresh private block and the reservation lists the [`CopyBlock`] to apply.
+    /// All or nothing: on [`Error::OutOfBlocks`] the allocator is unchanged.
+    pub fn reserve(&mut self, seq: SeqId, n_new_tokens: usize) -> Result<Reservation> {
+        let bs = self.block_size;
+        let s = self.seq(seq)?;
+        let len = s.len;
+        let new_len = len
+            .checked_add(n_new_tokens)
+            .filter(|&l| l <= i32::MAX as usize)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "sequence {seq} of {len} tokens cannot grow by {n_new_tokens}: \
+                     lengths must fit in i32"
+                ))
+            })?;
+        if n_new_tokens == 0 {
+            return Ok(Reservation::default());
+        }
+        let last_shared_partial =
+            len % bs != 0 && self.ref_counts[*s.blocks.last().expect("len > 0") as usize] > 1;
+        let needed = new_len.div_ceil(bs) - len.div_ceil(bs) + last_shared_partial as usize;
+        if needed > self.free.len() {
+            return Err(Error::OutOfBlocks {
+                needed,
+                free: self.free.len(),
+                total: self.num_blocks(),
+            });
+        }
+
+        // Checked above: every pop below succeeds.
+        let mut copies = Vec::new();
+        let mut fresh: Vec<i32> = (0..needed)
+            .map(|_| {
+                let b = self.free.pop().expect("enough free blocks");
+                self.ref_counts[b] = 1;
+                b as i32
+            })
+            .collect();
+        let s = self.sequences.get_mut(&seq.0).expect("checked above");
+        if last_shared_partial {
+            let dst = fresh.remove(0);
+            let last = s.blocks.last_mut().expect("len > 0");
+            self.ref_counts[*last as usize] -= 1;
+            copies.push(CopyBlock {
+                src: *last as usize,
+                dst: dst as usize,
+            });
+            *last = dst;
+        }
+        s.blocks.extend(fresh);
+        s.len = new_len;
+        let slots = (len..new_len)
+            .map(|p| s.blocks[p / bs] as usize * bs + p % bs)
+            .collect();
+        Ok(Reservation { slots, copies })
+    }
+
+    /// Block tables of several sequences, one row each (see [`BlockTables`]).
+    pub fn block_tables(&self, seqs: &[SeqId]) -> Result<BlockTables> {
+        let rows = seqs
+            .iter()
+            .map(|&s| self.seq(s))
+            .collect::<Result<Vec<_>>>()?;
+        let max_blocks = rows
+            .iter()
+            .map(|s| s.blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut data = vec![BlockTables::UNUSED; rows.len() * max_blocks];
+        for (row, s) in data.chunks_exact_mut(max_blocks).zip(&rows) {
+            row[..s.blocks.len()].copy_from_slice(&s.blocks);
+        }
+        let context_lens = rows.iter().map(|s| s.len as i32).collect();
+        Ok(BlockTables {
+            data,
+            max_blocks,
+            context_lens,
+        })
+    }
+
+    /// Drop one reference to `block`, freeing it at zero.
+    fn release(&mut self, block: usize) {
+        let r = &mut self.ref_counts[block];
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(block);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserve_fork_cow_free() {
+        let mut a = BlockAllocator::new(4, 4).unwrap();
+        let s = a.create_sequence();
+        let r = a.reserve(s, 5).unwrap();
+        assert_eq!(r.slots, vec![0, 1, 2, 3, 4]);
+        assert!(r.copies.is_empty());
+        assert_eq!(a.block_table(s).unwrap(), &[0, 1]);
+        let c = a.fork(s).unwrap();
+        assert_eq!(a.ref_count(1).unwrap(), 2);
+        // The child writes into the shared, partial block 1: it gets block 2, a copy.
+        let r = a.reserve(c, 1).unwrap();
+        assert_eq!(r.copies, vec![CopyBlock { src: 1, dst: 2 }]);
+        assert_eq!(r.slots, vec![2 * 4 + 1]);
+        assert_eq!(a.block_table(c).unwrap(), &[0, 2]);
+        // The parent is now the only holder of block 1 and writes in place.
+        let r = a.reserve(s, 1).unwrap();
+        assert!(r.copies.is_empty());
+        assert_eq!(r.slots, vec![5]);
+        a.free(s).unwrap();
+        assert_eq!(a.num_free_blocks(), 2);
+        a.free(c).unwrap();
+        assert_eq!(a.num_free_blocks(), 4);
+        assert_eq!(a.free(c), Err(Error::UnknownSequence(c.0)));
+    }
+
+    #[test]
+    fn out_of_blocks_changes_nothing() {
+        let mut a = BlockAllocator::new(2, 4).unwrap();
+        let s = a.create_sequence();
+        a.reserve(s, 3).unwrap();
+        let err = a.reserve(s, 6).unwrap_err();
+        assert_eq!(
+            err,
+            Error::OutOfBlocks {
+                needed: 2,
+                free: 1,
+                total: 2
+            }
+        );
+        assert_eq!(a.len(s).unwrap(), 3);
+        assert_eq!(a.num_free_blocks(), 1);
+    }
+}

@@ -1,0 +1,443 @@
+//! [`HostCache`]: the quantized KV storage of one layer in host memory, laid out exactly as on
+//! the device ([`BlockLayout`]), so it can be uploaded as is and read back byte for byte.
+
+use super::allocator::CopyBlock;
+use crate::error::{Error, Result};
+use crate::format::{Element, KvFormat, ScaleGranularity, sanitize};
+use crate::layout::{BlockLayout, CacheConfig, Region};
+
+/// Byte a new pool is filled with, so that tests can tell unwritten slots from written ones.
+/// As f16/bf16 it is a finite negative number, as FP8 a finite negative code, as INT4 codes
+/// 5 and -6 (0xA5 nibbles), so reading poison never produces NaN by itself.
+pub const POISON: u8 = 0xA5;
+
+/// Which half of a head section a row belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    K,
+    V,
+}
+
+/// Quantized K/V storage of one layer: a pool of `num_blocks` blocks plus the FP8 per-KV-head
+/// scales (1.0 until set; ignored by non-FP8 formats).
+#[derive(Debug, Clone)]
+pub struct HostCache {
+    layout: BlockLayout,
+    num_blocks: usize,
+    pool: Vec<u8>,
+    k_scales: Vec<f32>,
+    v_scales: Vec<f32>,
+}
+
+impl HostCache {
+    /// An all-[`POISON`] pool of `num_blocks` blocks for `config`.
+    pub fn new(config: CacheConfig, num_blocks: usize) -> Result<Self> {
+        config.validate()?;
+        if num_blocks == 0 || num_blocks > i32::MAX as usize {
+            return Err(Error::Config {
+                what: "num_blocks",
+                value: num_blocks,
+                expected: "1..=i32::MAX",
+            });
+        }
+        let layout = config.layout();
+        // Slots (`num_blocks * block_size`) and pool bytes must both be addressable.
+        let bytes = layout
+            .block_stride
+            .checked_mul(num_blocks)
+            .filter(|&b| b <= isize::MAX as usize)
+            .filter(|_| num_blocks.checked_mul(config.block_size).is_some())
+            .ok_or(Error::Config {
+                what: "num_blocks",
+                value: num_blocks,
+                expected: "a pool size that fits in memory",
+            })?;
+        Ok(HostCache {
+            layout,
+            num_blocks,
+            pool: vec![POISON; bytes],
+            k_scales: vec![1.0; config.num_kv_heads],
+            v_scales: vec![1.0; config.num_kv_heads],
+        })
+    }
+
+    /// The configuration this cache was built for.
+    pub fn config(&self) -> &CacheConfig {
+        &self.layout.config
+    }
+
+    /// Byte layout of a block.
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Token slots in the pool (`num_blocks * block_size`).
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.layout.config.block_size
+    }
+
+    /// The raw pool, `layout().pool_bytes(num_blocks())` bytes.
+    pub fn pool(&self) -> &[u8] {
+        &self.pool
+    }
+
+    /// The raw pool, writable (e.g. to copy a device pool back).
+    pub fn pool_mut(&mut self) -> &mut [u8] {
+        &mut self.pool
+    }
+
+    /// FP8 key scales, one per KV head.
+    pub fn k_scales(&self) -> &[f32] {
+        &self.k_scales
+    }
+
+    /// FP8 value scales, one per KV head.
+    pub fn v_scales(&self) -> &[f32] {
+        &self.v_scales
+    }
+
+    /// Set the FP8 scales (`num_kv_heads` each, positive and finite). Rows already written keep
+    /// the codes they were quantized with, so set scales before writing.
+    pub fn set_scales(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
+        let heads = self.layout.config.num_kv_heads;
+        for (what, s) in [("k_scales", k), ("v_scales", v)] {
+            if s.len() != heads {
+                return Err(Error::Length {
+                    what,
+                    expected: heads,
+                    actual: s.len(),
+                });
+            }
+            if let Some(&bad) = s.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                return Err(Error::Scale { what, value: bad });
+            }
+        }
+        self.k_scales.copy_from_slice(k);
+        self.v_scales.copy_from_slice(v);
+        Ok(())
+    }
+
+    /// Set the FP8 scales from sample data `k`, `v` laid out `[tokens, num_kv_heads, head_dim]`:
+    /// `s = amax / max_finite` (1.0 when amax is 0) over the sanitized samples, per tensor or per
+    /// KV head. A side whose format is not FP8 keeps scale 1.0.
+    pub fn calibrate_fp8_scales<T: Element>(
+        &mut self,
+        k: &[T],
+        v: &[T],
+        granularity: ScaleGranularity,
+    ) -> Result<()> {
+        let c = self.layout.config;
+        let row = c.num_kv_heads * c.head_dim;
+        let mut scales = [vec![1.0f32; c.num_kv_heads], vec![1.0f32; c.num_kv_heads]];
+        for ((what, x, format), out) in [("k samples", k, c.k_format), ("v samples", v, c.v_format)]
+            .into_iter()
+            .zip(&mut scales)
+        {
+            if x.len() % row != 0 {
+                return Err(Error::Length {
+                    what,
+                    expected: x.len().div_ceil(row) * row,
+                    actual: x.len(),
+                });
+            }
+            let Some(kind) = format.fp8_kind() else {
+                continue;
+            };
+            let mut amax = vec![0.0f32; c.num_kv_heads];
+            for (i, x) in x.iter().enumerate() {
+                let h = i / c.head_dim % c.num_kv_heads;
+                amax[h] = amax[h].max(sanitize(x.to_f32()).0.abs());
+            }
+            if granularity == ScaleGranularity::PerTensor {
+                let all = amax.iter().copied().fold(0.0, f32::max);
+                amax.fill(all);
+            }
+            for (s, a) in out.iter_mut().zip(amax) {
+                *s = kind.scale_from_amax(a);
+            }
+        }
+        let [ks, vs] = scales;
+        self.set_scales(&ks, &vs)
+    }
+
+    /// Check that `slot` is in the pool and split it into (block, offset in block).
+    fn check_slot(&self, slot: usize) -> Result<(usize, usize)> {
+        let (block, off) = self.layout.split_slot(slot);
+        if block >= self.num_blocks {
+            return Err(Error::BlockIndex {
+                block,
+                num_blocks: self.num_blocks,
+            });
+        }
+        Ok((block, off))
+    }
+
+    fn check_head(&self, head: usize) -> Result<()> {
+        let heads = self.layout.config.num_kv_heads;
+        if head >= heads {
+            return Err(Error::InvalidArgument(format!(
+                "kv head {head} is out of range for {heads} kv heads"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+        if expected != actual {
+            return Err(Error::Length {
+                what,
+                expected,
+                actual,
+            });
+        }
+        Ok(())
+    }
+
+    fn side(&self, side: Side) -> (KvFormat, Region, Region, &[f32]) {
+        let (l, c) = (&self.layout, &self.layout.config);
+        match side {
+            Side::K => (c.k_format, l.k_codes, l.k_meta, &self.k_scales),
+            Side::V => (c.v_format, l.v_codes, l.v_meta, &self.v_scales),
+        }
+    }
+
+    /// Quantize `[tokens, num_kv_heads, head_dim]` keys and values into `slots` (one per
+    /// token), row by row with [`KvFormat::encode_row`]. Returns the number of non-finite
+    /// inputs met (they are sanitized, FORMATS.md). Everything is validated before any byte is
+    /// written; a slot outside the pool is [`Error::BlockIndex`].
+    pub fn write<T: Element>(&mut self, slots: &[usize], k: &[T], v: &[T]) -> Result<u64> {
+        self.check_write(slots, k, v)?;
+        let mut non_finite = 0;
+        for (t, &slot) in slots.iter().enumerate() {
+            let (block, off) = self.layout.split_slot(slot);
+            for (side, x) in [(Side::K, k), (Side::V, v)] {
+                let d = self.layout.config.head_dim;
+                let heads = self.layout.config.num_kv_heads;
+                for h in 0..heads {
+                    let row = &x[(t * heads + h) * d..][..d];
+                    non_finite += self.encode_row(side, block, off, h, row);
+                }
+            }
+        }
+        Ok(non_finite)
+    }
+
+    /// Like [`write`](Self::write), but any non-finite input is an [`Error::NonFinite`] and then
+    /// nothing is written.
+    pub fn write_strict<T: Element>(&mut self, slots: &[usize], k: &[T], v: &[T]) -> Result<()> {
+        self.check_write(slots, k, v)?;
+        let count = k
+            .iter()
+            .chain(v)
+            .filter(|x| !x.to_f32().is_finite())
+            .count() as u64;
+        if count > 0 {
+            return Err(Error::NonFinite {
+                what: "kv cache write",
+                count,
+            });
+        }
+        self.write(slots, k, v).map(|_| ())
+    }
+
+    fn check_write<T>(&self, slots: &[usize], k: &[T], v: &[T]) -> Result<()> {
+        let c = &self.layout.config;
+        let expected = slots.len() * c.num_kv_heads * c.head_dim;
+        Self::check_len("k ([tokens, kv_heads, head_dim])", expected, k.len())?;
+        Self::check_len("v ([tokens, kv_heads, head_dim])", expected, v.len())?;
+        for &s in slots {
+            self.check_slot(s)?;
+        }
+        Ok(())
+    }
+
+    /// Quantize one row into (block, off, head); returns its non-finite count. Unchecked.
+    fn encode_row<T: Element>(
+        &mut self,
+        side: Side,
+        block: usize,
+        off: usize,
+        head: usize,
+        x: &[T],
+    ) -> u64 {
+        let (format, codes_r, meta_r, scales) = self.side(side);
+        let scale = scales[head];
+        let section = self.layout.head_section(block, head);
+        let codes_at = section + codes_r.row(off);
+        let meta_at = section + meta_r.row(off);
+        // Metadata regions follow their codes region, so one split gives both rows.
+        let (lo, hi) = self.pool.split_at_mut(meta_at);
+        let codes = &mut lo[codes_at..][..codes_r.row_bytes];
+        let meta = &mut hi[..meta_r.row_bytes];
+        format.encode_row(x, scale, codes, meta)
+    }
+
+    /// Dequantize the key row of (block, off, head) into `out` (`head_dim` values). Unchecked
+    /// (an out-of-range index panics): for the attention reference's inner loop, whose inputs
+    /// were validated once up front.
+    pub(crate) fn decode_k_at(&self, block: usize, off: usize, head: usize, out: &mut [f32]) {
+        self.decode_at(Side::K, block, off, head, out);
+    }
+
+    /// The value-row counterpart of [`decode_k_at`](Self::decode_k_at).
+    pub(crate) fn decode_v_at(&self, block: usize, off: usize, head: usize, out: &mut [f32]) {
+        self.decode_at(Side::V, block, off, head, out);
+    }
+
+    fn decode_at(&self, side: Side, block: usize, off: usize, head: usize, out: &mut [f32]) {
+        let (format, codes_r, meta_r, scales) = self.side(side);
+        let section = self.layout.head_section(block, head);
+        let codes = &self.pool[section + codes_r.row(off)..][..codes_r.row_bytes];
+        let meta = &self.pool[section + meta_r.row(off)..][..meta_r.row_bytes];
+        format.decode_row(codes, meta, scales[head], out);
+    }
+
+    fn read(&self, side: Side, slot: usize, head: usize, out: &mut [f32]) -> Result<()> {
+        let (block, off) = self.check_slot(slot)?;
+        self.check_head(head)?;
+        Self::check_len("row (head_dim)", self.layout.config.head_dim, out.len())?;
+        self.decode_at(side, block, off, head, out);
+        Ok(())
+    }
+
+    /// Dequantize the key row of (`slot`, `head`) into `out` (`head_dim` values), exactly.
+    pub fn read_k(&self, slot: usize, head: usize, out: &mut [f32]) -> Result<()> {
+        self.read(Side::K, slot, head, out)
+    }
+
+    /// Dequantize the value row of (`slot`, `head`) into `out` (`head_dim` values), exactly.
+    pub fn read_v(&self, slot: usize, head: usize, out: &mut [f32]) -> Result<()> {
+        self.read(Side::V, slot, head, out)
+    }
+
+    /// Copy block `src` over block `dst`, every head, K and V (a no-op when equal).
+    pub fn copy_block(&mut self, src: usize, dst: usize) -> Result<()> {
+        for block in [src, dst] {
+            if block >= self.num_blocks {
+                return Err(Error::BlockIndex {
+                    block,
+                    num_blocks: self.num_blocks,
+                });
+            }
+        }
+        let n = self.layout.block_stride;
+        self.pool.copy_within(src * n..(src + 1) * n, dst * n);
+        Ok(())
+    }
+
+    /// Apply the copy-on-write copies of a reservation, in order. All are validated first.
+    pub fn apply_copies(&mut self, copies: &[CopyBlock]) -> Result<()> {
+        for c in copies {
+            for block in [c.src, c.dst] {
+                if block >= self.num_blocks {
+                    return Err(Error::BlockIndex {
+                        block,
+                        num_blocks: self.num_blocks,
+                    });
+                }
+            }
+        }
+        for c in copies {
+            self.copy_block(c.src, c.dst)?;
+        }
+        Ok(())
+    }
+
+    /// Dequantize the first `len` tokens of the sequence whose blocks are `block_table` into
+    /// dense `[len, num_kv_heads, head_dim]` keys and values.
+    pub fn gather(
+        &self,
+        block_table: &[i32],
+        len: usize,
+        out_k: &mut [f32],
+        out_v: &mut [f32],
+    ) -> Result<()> {
+        let c = &self.layout.config;
+        let (heads, d, bs) = (c.num_kv_heads, c.head_dim, c.block_size);
+        let expected = len * heads * d;
+        Self::check_len("out_k ([len, kv_heads, head_dim])", expected, out_k.len())?;
+        Self::check_len("out_v ([len, kv_heads, head_dim])", expected, out_v.len())?;
+        let used = len.div_ceil(bs);
+        if block_table.len() < used {
+            return Err(Error::Length {
+                what: "block table entries (ceil(len / block_size))",
+                expected: used,
+                actual: block_table.len(),
+            });
+        }
+        for (i, &e) in block_table[..used].iter().enumerate() {
+            match usize::try_from(e) {
+                Ok(block) if block < self.num_blocks => {}
+                Ok(block) => {
+                    return Err(Error::BlockIndex {
+                        block,
+                        num_blocks: self.num_blocks,
+                    });
+                }
+                Err(_) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "block table entry {i} = {e}: a used entry must be a block id"
+                    )));
+                }
+            }
+        }
+        for p in 0..len {
+            let block = block_table[p / bs] as usize;
+            for h in 0..heads {
+                let at = (p * heads + h) * d;
+                self.decode_k_at(block, p % bs, h, &mut out_k[at..at + d]);
+                self.decode_v_at(block, p % bs, h, &mut out_v[at..at + d]);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_read_round_trip_and_poison() {
+        let c = CacheConfig::new(2, 64, 4, KvFormat::F16, KvFormat::Int4Affine64).unwrap();
+        let mut cache = HostCache::new(c, 3).unwrap();
+        assert!(cache.pool().iter().all(|&b| b == POISON));
+        let k: Vec<f32> = (0..2 * 64).map(|i| i as f32 * 0.25).collect();
+        let v: Vec<f32> = (0..2 * 64).map(|i| -(i as f32)).collect();
+        assert_eq!(cache.write(&[9], &k, &v).unwrap(), 0);
+        let mut row = vec![0f32; 64];
+        cache.read_k(9, 1, &mut row).unwrap();
+        assert_eq!(row, k[64..]);
+        assert!(matches!(
+            cache.write(&[12], &k, &v),
+            Err(Error::BlockIndex { block: 3, .. })
+        ));
+        assert!(matches!(
+            cache.read_v(0, 2, &mut row),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn strict_write_rejects_non_finite_and_writes_nothing() {
+        let c = CacheConfig::new(1, 16, 4, KvFormat::Fp8E4m3, KvFormat::Fp8E4m3).unwrap();
+        let mut cache = HostCache::new(c, 1).unwrap();
+        let mut k = vec![1.0f32; 16];
+        k[3] = f32::NAN;
+        let v = vec![1.0f32; 16];
+        assert_eq!(
+            cache.write_strict(&[0], &k, &v),
+            Err(Error::NonFinite {
+                what: "kv cache write",
+                count: 1
+            })
+        );
+        assert!(cache.pool().iter().all(|&b| b == POISON));
+        assert_eq!(cache.write(&[0], &k, &v).unwrap(), 1);
+    }
+}

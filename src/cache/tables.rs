@@ -1,0 +1,126 @@
+//! Block tables: the per-sequence lists of pool blocks that attention kernels read.
+
+use crate::error::{Error, Result};
+
+/// Block tables of a batch of sequences, laid out as the kernels take them.
+///
+/// - `data` is row-major `[batch, max_blocks]`: row `b` lists, in position order, the pool
+///   blocks holding sequence `b`'s tokens; token `p` lives in block `data[b * max_blocks + p /
+///   block_size]` at offset `p % block_size`.
+/// - Only the first `ceil(context_lens[b] / block_size)` entries of a row are meaningful;
+///   the rest are [`BlockTables::UNUSED`] (-1) when built by the allocator, and kernels never
+///   read them.
+/// - `context_lens[b]` is sequence `b`'s length in tokens, including any new tokens that were
+///   just appended and are being decoded.
+/// - `max_blocks >= 1`, so the table is never an empty array.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockTables {
+    /// `[batch, max_blocks]` block ids.
+    pub data: Vec<i32>,
+    /// Row stride of `data`.
+    pub max_blocks: usize,
+    /// `[batch]` sequence lengths in tokens.
+    pub context_lens: Vec<i32>,
+}
+
+impl BlockTables {
+    /// Filler for the entries past a sequence's last block.
+    pub const UNUSED: i32 = -1;
+
+    /// Tables from one block list and one length per sequence (rows are padded with
+    /// [`UNUSED`](Self::UNUSED)). Each list must hold at least `ceil(len / block_size)`
+    /// entries; that is checked when the tables are used against a cache.
+    pub fn from_rows(rows: &[&[i32]], context_lens: &[usize]) -> Result<Self> {
+        if rows.len() != context_lens.len() {
+            return Err(Error::Length {
+                what: "context_lens (one per block-table row)",
+                expected: rows.len(),
+                actual: context_lens.len(),
+            });
+        }
+        let max_blocks = rows.iter().map(|r| r.len()).max().unwrap_or(0).max(1);
+        let mut data = vec![Self::UNUSED; rows.len() * max_blocks];
+        for (dst, src) in data.chunks_exact_mut(max_blocks).zip(rows) {
+            dst[..src.len()].copy_from_slice(src);
+        }
+        let context_lens = context_lens
+            .iter()
+            .map(|&l| {
+                i32::try_from(l).map_err(|_| {
+                    Error::InvalidArgument(format!("context length {l} does not fit in i32"))
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(BlockTables {
+            data,
+            max_blocks,
+            context_lens,
+        })
+    }
+
+    /// Number of sequences.
+    pub fn batch(&self) -> usize {
+        self.context_lens.len()
+    }
+
+    /// Row `b` of `data` (all `max_blocks` entries).
+    pub fn row(&self, b: usize) -> &[i32] {
+        &self.data[b * self.max_blocks..][..self.max_blocks]
+    }
+
+    /// Longest context in the batch (0 for an empty batch or negative lengths).
+    pub fn max_context_len(&self) -> usize {
+        self.context_lens
+            .iter()
+            .map(|&l| l.max(0) as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Check the tables against a pool of `num_blocks` blocks of `block_size` tokens: shape,
+    /// non-negative lengths that fit in `max_blocks` rows, and every entry a kernel will read
+    /// (`< ceil(len / block_size)` in its row) a valid block id.
+    pub fn validate(&self, num_blocks: usize, block_size: usize) -> Result<()> {
+        if self.max_blocks == 0 {
+            return Err(Error::Config {
+                what: "max_blocks",
+                value: 0,
+                expected: "at least 1",
+            });
+        }
+        let expected = self.batch().checked_mul(self.max_blocks).ok_or_else(|| {
+            Error::InvalidArgument("block table size overflows usize".to_string())
+        })?;
+        if self.data.len() != expected {
+            return Err(Error::Length {
+                what: "block table data ([batch, max_blocks])",
+                expected,
+                actual: self.data.len(),
+            });
+        }
+        for (b, &len) in self.context_lens.iter().enumerate() {
+            let len = usize::try_from(len).map_err(|_| {
+                Error::InvalidArgument(format!("context_lens[{b}] = {len} is negative"))
+            })?;
+            let used = len.div_ceil(block_size);
+            if used > self.max_blocks {
+                return Err(Error::InvalidArgument(format!(
+                    "context_lens[{b}] = {len} needs {used} blocks of {block_size}, \
+                     but rows hold max_blocks = {}",
+                    self.max_blocks
+                )));
+            }
+            for (i, &e) in self.row(b)[..used].iter().enumerate() {
+                let block = usize::try_from(e).map_err(|_| {
+                    Error::InvalidArgument(format!(
+                        "block table row {b} entry {i} = {e}: a used entry must be a block id"
+                    ))
+                })?;
+                if block >= num_blocks {
+                    return Err(Error::BlockIndex { block, num_blocks });
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,166 @@
+//! The one inner loop of the reference attention: causal softmax attention of a group of query
+//! rows over the K/V rows of one KV head, whatever those rows are stored in.
+
+use std::ops::{Add, Div, Mul, Sub};
+
+/// Where the loop reads the K/V rows of one sequence from (a paged cache or dense slices).
+pub(crate) trait KvRows {
+    /// Write the key row at `pos` of `kv_head` into `out` (`head_dim` values).
+    fn k(&self, pos: usize, kv_head: usize, out: &mut [f32]);
+    /// Write the value row at `pos` of `kv_head` into `out` (`head_dim` values).
+    fn v(&self, pos: usize, kv_head: usize, out: &mut [f32]);
+}
+
+/// The arithmetic type logits, softmax sums and outputs are accumulated in (f32 or f64).
+pub(crate) trait Acc:
+    Copy
+    + PartialOrd
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+{
+    const ZERO: Self;
+    fn of(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+}
+
+impl Acc for f32 {
+    const ZERO: Self = 0.0;
+    fn of(x: f32) -> Self {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn exp(self) -> Self {
+        f32::exp(self)
+    }
+    fn ln(self) -> Self {
+        f32::ln(self)
+    }
+}
+
+impl Acc for f64 {
+    const ZERO: Self = 0.0;
+    fn of(x: f32) -> Self {
+        x as f64
+    }
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    fn ln(self) -> Self {
+        f64::ln(self)
+    }
+}
+
+/// Buffers reused across calls so the loop allocates nothing per token.
+pub(crate) struct Scratch<A> {
+    q: Vec<A>,
+    logits: Vec<A>,
+    acc: Vec<A>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl<A: Acc> Scratch<A> {
+    pub(crate) fn new() -> Self {
+        Scratch {
+            q: Vec::new(),
+            logits: Vec::new(),
+            acc: Vec::new(),
+            k: Vec::new(),
+            v: Vec::new(),
+        }
+    }
+}
+
+/// One call's geometry: `rows = group * q_len` query rows of `head_dim`, attending to a
+/// context of `context_len` positions of which the last `q_len` are the queries' own tokens.
+pub(crate) struct GroupShape {
+    pub(crate) q_len: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) context_len: usize,
+    pub(crate) softmax_scale: f32,
+}
+
+/// Attend the query rows `q` (`[group, q_len, head_dim]`, the q heads sharing `kv_head`) to the
+/// K/V rows of `kv_head`, writing `out` (same shape as `q`) and `lse` (`[group, q_len]`).
+///
+/// Query row `i` (within its head) sits at position `p = context_len - q_len + i` and sees
+/// positions `0..=p`. Three passes: logits; max and exp-sum per row; weighted sum of V. Values
+/// are rounded to f32 only when stored into `out` / `lse`.
+pub(crate) fn attend_group<A: Acc, R: KvRows>(
+    rows: &R,
+    kv_head: usize,
+    g: &GroupShape,
+    q: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+    s: &mut Scratch<A>,
+) {
+    let (d, ctx) = (g.head_dim, g.context_len);
+    let n_rows = q.len() / d;
+    // Row r (head r / q_len, query r % q_len) sees positions 0..=last[r].
+    let last = |r: usize| ctx - g.q_len + r % g.q_len;
+    let scale = A::of(g.softmax_scale);
+
+    s.q.clear();
+    s.q.extend(q.iter().map(|&x| A::of(x)));
+    s.logits.clear();
+    s.logits.resize(n_rows * ctx, A::ZERO);
+    s.k.resize(d, 0.0);
+    s.v.resize(d, 0.0);
+
+    for pos in 0..ctx {
+        rows.k(pos, kv_head, &mut s.k);
+        for r in (0..n_rows).filter(|&r| pos <= last(r)) {
+            let qr = &s.q[r * d..][..d];
+            let dot = qr
+                .iter()
+                .zip(&s.k)
+                .fold(A::ZERO, |acc, (&a, &b)| acc + a * A::of(b));
+            s.logits[r * ctx + pos] = scale * dot;
+        }
+    }
+
+    // Softmax numerators in place of the logits; keep max and sum for the lse.
+    let mut stats = Vec::with_capacity(n_rows);
+    for r in 0..n_rows {
+        let l = &mut s.logits[r * ctx..][..=last(r)];
+        let max = l
+            .iter()
+            .copied()
+            .fold(l[0], |m, x| if x > m { x } else { m });
+        let mut sum = A::ZERO;
+        for x in l.iter_mut() {
+            *x = (*x - max).exp();
+            sum = sum + *x;
+        }
+        stats.push((max, sum));
+    }
+
+    s.acc.clear();
+    s.acc.resize(n_rows * d, A::ZERO);
+    for pos in 0..ctx {
+        rows.v(pos, kv_head, &mut s.v);
+        for r in (0..n_rows).filter(|&r| pos <= last(r)) {
+            let w = s.logits[r * ctx + pos];
+            for (a, &x) in s.acc[r * d..][..d].iter_mut().zip(&s.v) {
+                *a = *a + w * A::of(x);
+            }
+        }
+    }
+
+    for (r, &(max, sum)) in stats.iter().enumerate() {
+        for (o, &a) in out[r * d..][..d].iter_mut().zip(&s.acc[r * d..][..d]) {
+            *o = (a / sum).to_f32();
+        }
+        lse[r] = (max + sum.ln()).to_f32();
+    }
+}
