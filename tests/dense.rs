@@ -6,146 +6,10 @@ use kvq::Error;
 use kvq::dense::{
     DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor, dequantize, quantize,
 };
-use kvq::format::{Fp8Kind, int4, sanitize};
+use kvq::format::Fp8Kind;
 
-/// Deterministic pseudo-random numbers (splitmix64), so failures reproduce.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1), scaled by a per-call magnitude spread over several decades, with an
-    /// occasional outlier so groups see very different ranges.
-    fn value(&mut self) -> f32 {
-        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
-        let decade = 10f32.powi((self.next_u64() % 5) as i32 - 2);
-        let outlier = if self.next_u64() % 97 == 0 { 40.0 } else { 1.0 };
-        u * decade * outlier
-    }
-
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.value()).collect()
-    }
-}
-
-/// What one format writes, recomputed element by element from `kvq::format`'s scalar functions.
-struct Expected {
-    codes: Vec<u8>,
-    scales: Vec<u8>,
-    zeros: Option<Vec<u8>>,
-}
-
-fn expected(format: DenseFormat, x: &[f32], heads: usize, d: usize, per_head: bool) -> Expected {
-    let clean: Vec<f32> = x.iter().map(|&v| sanitize(v).0).collect();
-    let amax = |vals: &[f32]| vals.iter().fold(0f32, |m, v| m.max(v.abs()));
-    match format {
-        DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => {
-            let kind = if format == DenseFormat::Fp8E4m3 {
-                Fp8Kind::E4M3
-            } else {
-                Fp8Kind::E5M2
-            };
-            let scales: Vec<f32> = if per_head {
-                (0..heads)
-                    .map(|h| {
-                        let head: Vec<f32> = clean
-                            .chunks(d)
-                            .enumerate()
-                            .filter(|(r, _)| r % heads == h)
-                            .flat_map(|(_, row)| row.iter().copied())
-                            .collect();
-                        kind.scale_from_amax(amax(&head))
-                    })
-                    .collect()
-            } else {
-                vec![kind.scale_from_amax(amax(&clean))]
-            };
-            let codes = clean
-                .iter()
-                .enumerate()
-                .map(|(i, &v)| {
-                    let h = (i / d) % heads;
-                    kind.quantize(v, scales[if per_head { h } else { 0 }])
-                })
-                .collect();
-            Expected {
-                codes,
-                scales: scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
-                zeros: None,
-            }
-        }
-        DenseFormat::Int4K32 => {
-            let mut nibbles = Vec::new();
-            let mut scales = Vec::new();
-            for g in clean.chunks(32) {
-                let s = f16::from_f32(amax(g) / 7.0);
-                scales.extend(s.to_le_bytes());
-                for &v in g {
-                    let q = if s.to_f32() == 0.0 {
-                        0
-                    } else {
-                        (v / s.to_f32()).round_ties_even().clamp(-7.0, 7.0) as i8
-                    };
-                    nibbles.push(q as u8 & 0xF);
-                }
-            }
-            Expected {
-                codes: pack(&nibbles),
-                scales,
-                zeros: None,
-            }
-        }
-        DenseFormat::Int4V64 => {
-            let (mut nibbles, mut scales, mut zeros) = (Vec::new(), Vec::new(), Vec::new());
-            for g in clean.chunks(64) {
-                let mn = g.iter().copied().fold(f32::INFINITY, f32::min);
-                let mx = g.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let s = f16::from_f32((mx - mn) / 15.0);
-                let z = f16::from_f32(mn);
-                scales.extend(s.to_le_bytes());
-                zeros.extend(z.to_le_bytes());
-                for &v in g {
-                    let q = if s.to_f32() == 0.0 {
-                        0
-                    } else {
-                        ((v - z.to_f32()) / s.to_f32())
-                            .round_ties_even()
-                            .clamp(0.0, 15.0) as u8
-                    };
-                    nibbles.push(q);
-                }
-            }
-            Expected {
-                codes: pack(&nibbles),
-                scales,
-                zeros: Some(zeros),
-            }
-        }
-        DenseFormat::Int4Uniform => {
-            let s = amax(&clean) / 7.0;
-            let nibbles: Vec<u8> = clean
-                .iter()
-                .map(|&v| int4::quantize_uniform(v, s) as u8 & 0xF)
-                .collect();
-            Expected {
-                codes: pack(&nibbles),
-                scales: s.to_le_bytes().to_vec(),
-                zeros: None,
-            }
-        }
-    }
-}
-
-/// Two nibbles per byte, the even element low.
-fn pack(nibbles: &[u8]) -> Vec<u8> {
-    nibbles.chunks(2).map(|p| p[0] | (p[1] << 4)).collect()
-}
+mod quant_ref;
+use quant_ref::{Expected, Rng, decode, expected};
 
 fn check_bytes(q: &QuantizedTensor, e: &Expected, what: &str) {
     assert_eq!(q.codes().data(), &e.codes[..], "{what}: codes");
@@ -188,7 +52,7 @@ fn bytes_match_elementwise_recomputation() {
                 };
                 let q = quantize(format, &x, &shape, choice).unwrap();
                 let what = format!("{format} {shape:?} per_head={per_head}");
-                check_bytes(&q, &expected(format, &x, heads, d, per_head), &what);
+                check_bytes(&q, &expected(format, &x, heads, d, per_head, None), &what);
                 assert_eq!(q.shape(), &shape[..]);
                 assert_eq!(q.non_finite(), 0);
             }
@@ -254,30 +118,21 @@ fn dequantize_decodes_every_element_per_spec() {
     let shape = [5, 3, 64];
     let x = rng.vec(shape.iter().product());
     for format in DenseFormat::ALL {
-        let q = quantize(format, &x, &shape, Fp8ScaleChoice::default()).unwrap();
-        let y = dequantize(&q);
-        assert_eq!(y.len(), x.len());
-        let codes = q.codes().data();
-        let f16s =
-            |t: &StoredTensor, i: usize| f16::from_le_bytes([t.data()[2 * i], t.data()[2 * i + 1]]);
-        let f32_scale = || f32::from_le_bytes(q.scales().data()[..4].try_into().unwrap());
-        for (i, &v) in y.iter().enumerate() {
-            let want = match format {
-                DenseFormat::Fp8E4m3 => Fp8Kind::E4M3.dequantize(codes[i], f32_scale()),
-                DenseFormat::Fp8E5m2 => Fp8Kind::E5M2.dequantize(codes[i], f32_scale()),
-                DenseFormat::Int4K32 => {
-                    int4::dequantize_sym(int4::signed_nibble(codes, i), f16s(q.scales(), i / 32))
-                }
-                DenseFormat::Int4V64 => int4::dequantize_affine(
-                    int4::nibble(codes, i),
-                    f16s(q.scales(), i / 64),
-                    f16s(q.zeros().unwrap(), i / 64),
-                ),
-                DenseFormat::Int4Uniform => {
-                    int4::dequantize_uniform(int4::signed_nibble(codes, i), f32_scale())
-                }
+        for choice in [Fp8ScaleChoice::PerTensorAmax, Fp8ScaleChoice::PerHeadAmax] {
+            let Ok(q) = quantize(format, &x, &shape, choice) else {
+                continue; // per-head is FP8 only
             };
-            assert_eq!(v.to_bits(), want.to_bits(), "{format} element {i}");
+            let stored = Expected {
+                codes: q.codes().data().to_vec(),
+                scales: q.scales().data().to_vec(),
+                zeros: q.zeros().map(|z| z.data().to_vec()),
+            };
+            let want = decode(format, &stored, 3, 64);
+            let got = dequantize(&q);
+            assert_eq!(got.len(), x.len());
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.to_bits(), w.to_bits(), "{format} {choice:?} element {i}");
+            }
         }
     }
 }

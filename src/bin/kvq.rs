@@ -1,2 +1,309 @@
 //! The `kvq` command-line tool (feature `cli`).
-fn main() {}
+//!
+//! - `kvq quantize --format F [--scale S | --per-head] IN OUT`: every tensor of a safetensors
+//!   file to `NAME.codes` / `NAME.scales` / `NAME.zeros` (layout in `kvq::dense`).
+//! - `kvq dequantize IN OUT`: back to F32 `NAME`.
+//! - `kvq eval IN`: reconstruction and decode-attention error of each K/V format pair on real
+//!   `q.L`, `k.L`, `v.L` tensors.
+//! - `kvq info`: version and what this build can run on.
+//!
+//! Bad input is one `kvq: error: ...` line on stderr and exit code 1 (usage errors: clap's 2);
+//! outputs are written to `OUT.tmp` and renamed, so a failed run leaves no partial file.
+
+// The binary's root is src/bin/kvq.rs (Cargo.toml), so its modules are named by path.
+#[path = "kvq/eval.rs"]
+mod eval;
+#[path = "kvq/files.rs"]
+mod files;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvq::dense::{self, DenseFormat, Fp8ScaleChoice, QuantizedTensor};
+
+use files::{InputFile, OutTensor};
+
+/// Metadata key naming the format of a quantized file.
+const META_FORMAT: &str = "kvq.format";
+/// Metadata key with the kvq version that wrote a file.
+const META_VERSION: &str = "kvq.version";
+/// Metadata key saying how FP8 scales were chosen (informational).
+const META_SCALE: &str = "kvq.scale";
+
+#[derive(Parser)]
+#[command(
+    name = "kvq",
+    version,
+    about = "Quantized KV-cache formats: convert tensors, measure errors"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Quantize every tensor ([..., heads, head_dim], F16/BF16/F32) of a safetensors file.
+    Quantize {
+        /// fp8-e4m3, fp8-e5m2, int4-k32, int4-v64 or int4-uniform.
+        #[arg(long)]
+        format: String,
+        /// FP8 only: use this scale for every tensor instead of amax / max_finite.
+        #[arg(long, conflicts_with = "per_head", allow_negative_numbers = true)]
+        scale: Option<f32>,
+        /// FP8 only: one amax scale per head (second-to-last axis) instead of per tensor.
+        #[arg(long)]
+        per_head: bool,
+        /// Input safetensors file.
+        input: PathBuf,
+        /// Output safetensors file (NAME.codes, NAME.scales, NAME.zeros).
+        output: PathBuf,
+    },
+    /// Turn a file written by `kvq quantize` back into F32 tensors.
+    Dequantize {
+        /// Input file written by `kvq quantize`.
+        input: PathBuf,
+        /// Output safetensors file (F32 NAME).
+        output: PathBuf,
+    },
+    /// Compare K/V format pairs on q.L, k.L, v.L tensors ([tokens, heads, head_dim]).
+    Eval(eval::EvalArgs),
+    /// Version, CUDA support compiled in, GPU architectures built, visible GPUs.
+    Info,
+}
+
+/// A failure to report: one line, exit code 1.
+#[derive(Debug)]
+pub struct CliError(String);
+
+impl CliError {
+    /// An error with this message (newlines are folded so it stays one line).
+    pub fn new(msg: impl Into<String>) -> Self {
+        CliError(msg.into().replace('\n', " "))
+    }
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<kvq::Error> for CliError {
+    fn from(e: kvq::Error) -> Self {
+        CliError::new(e.to_string())
+    }
+}
+
+/// A progress bar on stderr, hidden when stderr is not a terminal.
+pub fn progress(len: usize, what: &'static str) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len as u64);
+    if let Ok(style) = ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} {elapsed}") {
+        bar.set_style(style.progress_chars("=> "));
+    }
+    bar.set_message(what);
+    bar
+}
+
+/// Print to stdout; a closed pipe (`kvq eval | head`) is not an error.
+pub fn print_out(text: &str) -> Result<(), CliError> {
+    match std::io::stdout().write_all(text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(CliError::new(format!("cannot write to stdout: {e}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn quantize_file(
+    format: &str,
+    scale: Option<f32>,
+    per_head: bool,
+    input: &std::path::Path,
+    output: &std::path::Path,
+) -> Result<(), CliError> {
+    let format = DenseFormat::from_name(format)?;
+    let (choice, scale_note) = match (scale, per_head) {
+        (Some(s), _) => (Fp8ScaleChoice::Fixed(s), format!("fixed {s}")),
+        (None, true) => (Fp8ScaleChoice::PerHeadAmax, "per-head amax".into()),
+        (None, false) => (Fp8ScaleChoice::PerTensorAmax, "per-tensor amax".into()),
+    };
+    if format.fp8_kind().is_none() && choice != Fp8ScaleChoice::PerTensorAmax {
+        return Err(CliError::new(format!(
+            "--scale and --per-head apply only to FP8 formats, not {format}"
+        )));
+    }
+    let file = InputFile::read(input)?;
+    let st = file.parse()?;
+    let mut names = st.names();
+    names.sort();
+    if names.is_empty() {
+        return Err(CliError::new(format!(
+            "'{}' holds no tensors",
+            input.display()
+        )));
+    }
+    let bar = progress(names.len(), "quantize");
+    let (mut out, mut non_finite, mut bytes_in, mut bytes_out) = (Vec::new(), 0u64, 0, 0);
+    for name in names {
+        let view = st
+            .tensor(name)
+            .map_err(|e| CliError::new(format!("tensor '{name}': {e}")))?;
+        let x = files::to_f32(name, &view)?;
+        let q = dense::quantize(format, &x, view.shape(), choice)
+            .map_err(|e| CliError::new(format!("tensor '{name}': {e}")))?;
+        non_finite += q.non_finite();
+        bytes_in += view.data().len();
+        bytes_out += q.stored_bytes();
+        let (codes, scales, zeros) = q.into_parts();
+        out.push((format!("{name}.codes"), OutTensor::stored(codes)));
+        out.push((format!("{name}.scales"), OutTensor::stored(scales)));
+        if let Some(z) = zeros {
+            out.push((format!("{name}.zeros"), OutTensor::stored(z)));
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let metadata = HashMap::from([
+        (META_FORMAT.to_string(), format.name().to_string()),
+        (
+            META_VERSION.to_string(),
+            env!("CARGO_PKG_VERSION").to_string(),
+        ),
+        (META_SCALE.to_string(), scale_note),
+    ]);
+    files::write_atomic(output, out, metadata)?;
+    if non_finite > 0 {
+        eprintln!(
+            "kvq: note: {non_finite} non-finite input value(s) were sanitized (NaN -> 0, ±Inf -> ±65504)"
+        );
+    }
+    print_out(&format!(
+        "{} -> {} ({format}): {bytes_in} -> {bytes_out} bytes\n",
+        input.display(),
+        output.display()
+    ))
+}
+
+fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<(), CliError> {
+    let file = InputFile::read(input)?;
+    let st = file.parse()?;
+    let meta = file.metadata()?;
+    let format_name = meta.get(META_FORMAT).ok_or_else(|| {
+        CliError::new(format!(
+            "'{}' was not written by `kvq quantize` (no {META_FORMAT} in its metadata)",
+            file.path().display()
+        ))
+    })?;
+    let format = DenseFormat::from_name(format_name)?;
+    let mut names = st.names();
+    names.sort();
+    // Every tensor must belong to exactly one NAME: its codes, scales or zeros.
+    let bases: Vec<&str> = names
+        .iter()
+        .filter_map(|n| n.strip_suffix(".codes"))
+        .collect();
+    if let Some(stray) = names.iter().find(|n| {
+        !["codes", "scales", "zeros"].iter().any(|part| {
+            n.strip_suffix(part)
+                .and_then(|b| b.strip_suffix('.'))
+                .is_some_and(|b| bases.contains(&b))
+        })
+    }) {
+        return Err(CliError::new(format!(
+            "tensor '{stray}' is not the codes, scales or zeros of any NAME.codes"
+        )));
+    }
+    let bar = progress(bases.len(), "dequantize");
+    let mut out = Vec::new();
+    for base in bases {
+        let part = |suffix: &str| -> Result<Option<dense::StoredTensor>, CliError> {
+            let name = format!("{base}.{suffix}");
+            match st.tensor(&name) {
+                Ok(view) => files::to_stored(&name, &view).map(Some),
+                Err(_) => Ok(None),
+            }
+        };
+        let codes = part("codes")?.expect("listed above");
+        let scales = part("scales")?
+            .ok_or_else(|| CliError::new(format!("tensor '{base}.scales' is missing")))?;
+        let q = QuantizedTensor::from_parts(format, codes, scales, part("zeros")?)
+            .map_err(|e| CliError::new(format!("tensor '{base}': {e}")))?;
+        out.push((
+            base.to_string(),
+            OutTensor::f32(q.shape().to_vec(), &dense::dequantize(&q)),
+        ));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let n = out.len();
+    files::write_atomic(output, out, HashMap::new())?;
+    print_out(&format!(
+        "{} -> {} ({format}): {n} tensor(s) as F32\n",
+        input.display(),
+        output.display()
+    ))
+}
+
+/// Visible GPUs, as the CUDA layer describes them.
+///
+/// HOOK(cuda): once `kvq::cuda::device_summary()` exists, call it here.
+#[cfg(feature = "cuda")]
+fn visible_gpus() -> String {
+    "n/a (kvq::cuda::device_summary() is not available in this build)".into()
+}
+
+/// Visible GPUs: none can be used without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn visible_gpus() -> String {
+    "n/a (built without feature `cuda`)".into()
+}
+
+fn info() -> Result<(), CliError> {
+    let cuda = if cfg!(feature = "cuda") {
+        "yes"
+    } else {
+        "no (rebuild with --features cuda)"
+    };
+    let archs = option_env!("KVQ_CUDA_ARCHS_BUILT").unwrap_or("none");
+    print_out(&format!(
+        "kvq {}\ncuda support: {cuda}\ngpu archs built: {archs}\nvisible gpus: {}\n",
+        env!("CARGO_PKG_VERSION"),
+        visible_gpus()
+    ))
+}
+
+fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Quantize {
+            format,
+            scale,
+            per_head,
+            input,
+            output,
+        } => quantize_file(&format, scale, per_head, &input, &output),
+        Command::Dequantize { input, output } => dequantize_file(&input, &output),
+        Command::Eval(args) => eval::run(&args),
+        Command::Info => info(),
+    }
+}
+
+fn main() -> ExitCode {
+    // Usage errors exit with clap's code 2; --help and --version with 0.
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvq: error: {e}");
+            ExitCode::from(1)
+        }
+    }
+}

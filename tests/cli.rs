@@ -1,0 +1,497 @@
+//! The `kvq` binary, run as a user would: round trips through files for every format with the
+//! bytes checked against an independent recomputation, `eval` and `info`, and every kind of bad
+//! input (exit code 1 and one error line, or 2 for usage; never an output file).
+
+#![cfg(feature = "cli")]
+
+use std::collections::HashMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use half::{bf16, f16};
+use kvq::dense::DenseFormat;
+use safetensors::SafeTensors;
+use safetensors::tensor::{Dtype, TensorView};
+
+mod quant_ref;
+use quant_ref::{Expected, Rng, decode, expected};
+
+/// A fresh, empty scratch directory for one test under cargo's per-target temp dir.
+fn scratch(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{test}"));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn kvq(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvq"))
+        .args(args)
+        .output()
+        .expect("run kvq")
+}
+
+fn arg(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// One tensor to put in an input file.
+struct In {
+    name: &'static str,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    values: Vec<f32>,
+}
+
+impl In {
+    fn bytes(&self) -> Vec<u8> {
+        match self.dtype {
+            Dtype::F32 => self.values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Dtype::F16 => self
+                .values
+                .iter()
+                .flat_map(|v| f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            Dtype::BF16 => self
+                .values
+                .iter()
+                .flat_map(|v| bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            _ => unreachable!(),
+        }
+    }
+
+    /// The values as the file stores them (rounded to the dtype).
+    fn stored_values(&self) -> Vec<f32> {
+        match self.dtype {
+            Dtype::F16 => self
+                .values
+                .iter()
+                .map(|v| f16::from_f32(*v).to_f32())
+                .collect(),
+            Dtype::BF16 => self
+                .values
+                .iter()
+                .map(|v| bf16::from_f32(*v).to_f32())
+                .collect(),
+            _ => self.values.clone(),
+        }
+    }
+}
+
+fn write_input(path: &Path, tensors: &[In]) {
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(In::bytes).collect();
+    let views: Vec<(&str, TensorView<'_>)> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|(t, b)| {
+            (
+                t.name,
+                TensorView::new(t.dtype, t.shape.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+fn random_inputs(seed: u64, head_dim: usize) -> Vec<In> {
+    let mut rng = Rng(seed);
+    let mut t = |name, dtype, shape: Vec<usize>| {
+        let values = rng.vec(shape.iter().product());
+        In {
+            name,
+            dtype,
+            shape,
+            values,
+        }
+    };
+    vec![
+        t("k.0", Dtype::F16, vec![37, 4, head_dim]),
+        t("v.0", Dtype::BF16, vec![19, 3, head_dim]),
+        t("extra", Dtype::F32, vec![2, 5, 3, head_dim]),
+    ]
+}
+
+fn metadata(bytes: &[u8]) -> HashMap<String, String> {
+    let (_, meta) = SafeTensors::read_metadata(bytes).unwrap();
+    meta.metadata().clone().unwrap_or_default()
+}
+
+/// Quantize random F16/BF16/F32 tensors to a file, check every stored byte, dtype and shape,
+/// then dequantize and check every value.
+fn round_trip(format: DenseFormat, extra_args: &[&str], per_head: bool, fixed: Option<f32>) {
+    let dir = scratch(&format!("rt-{format}-{}", extra_args.join("")));
+    let (input, quant, back) = (dir.join("in.st"), dir.join("q.st"), dir.join("back.st"));
+    let tensors = random_inputs(format as u64 + 17, 128);
+    write_input(&input, &tensors);
+
+    let mut args = vec!["quantize", "--format", format.name()];
+    args.extend_from_slice(extra_args);
+    args.extend([arg(&input), arg(&quant)]);
+    let out = kvq(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!dir.join("q.st.tmp").exists());
+
+    let qbytes = fs::read(&quant).unwrap();
+    assert_eq!(metadata(&qbytes)["kvq.format"], format.name());
+    let q = SafeTensors::deserialize(&qbytes).unwrap();
+    let expected_names = tensors.len() * if format == DenseFormat::Int4V64 { 3 } else { 2 };
+    assert_eq!(q.len(), expected_names);
+    let mut wants = Vec::new();
+    for t in &tensors {
+        let (heads, d) = (t.shape[t.shape.len() - 2], t.shape[t.shape.len() - 1]);
+        let want = expected(format, &t.stored_values(), heads, d, per_head, fixed);
+        let codes = q.tensor(&format!("{}.codes", t.name)).unwrap();
+        let scales = q.tensor(&format!("{}.scales", t.name)).unwrap();
+        assert_eq!(codes.dtype(), Dtype::U8);
+        assert_eq!(codes.data(), &want.codes[..], "{format} {} codes", t.name);
+        assert_eq!(
+            scales.data(),
+            &want.scales[..],
+            "{format} {} scales",
+            t.name
+        );
+        let prefix = &t.shape[..t.shape.len() - 1];
+        let code_dim = if format.fp8_kind().is_some() {
+            d
+        } else {
+            d / 2
+        };
+        assert_eq!(codes.shape(), [prefix, &[code_dim]].concat());
+        let (scale_dtype, scale_shape) = match format {
+            DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => {
+                (Dtype::F32, vec![if per_head { heads } else { 1 }])
+            }
+            DenseFormat::Int4K32 => (Dtype::F16, [prefix, &[d / 32]].concat()),
+            DenseFormat::Int4V64 => (Dtype::F16, [prefix, &[d / 64]].concat()),
+            DenseFormat::Int4Uniform => (Dtype::F32, vec![1]),
+        };
+        assert_eq!(
+            (scales.dtype(), scales.shape()),
+            (scale_dtype, &scale_shape[..])
+        );
+        match q.tensor(&format!("{}.zeros", t.name)) {
+            Ok(z) => {
+                assert_eq!(format, DenseFormat::Int4V64);
+                assert_eq!((z.dtype(), z.shape()), (Dtype::F16, &scale_shape[..]));
+                assert_eq!(Some(z.data().to_vec()), want.zeros);
+            }
+            Err(_) => assert_ne!(format, DenseFormat::Int4V64),
+        }
+        wants.push((heads, d, want));
+    }
+
+    let out = kvq(&["dequantize", arg(&quant), arg(&back)]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bbytes = fs::read(&back).unwrap();
+    let b = SafeTensors::deserialize(&bbytes).unwrap();
+    assert_eq!(b.len(), tensors.len());
+    for (t, (heads, d, want)) in tensors.iter().zip(&wants) {
+        let v = b.tensor(t.name).unwrap();
+        assert_eq!((v.dtype(), v.shape()), (Dtype::F32, &t.shape[..]));
+        let got: Vec<u32> = v
+            .data()
+            .chunks(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        let expect: Vec<u32> = decode(format, want, *heads, *d)
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(got, expect, "{format} {} dequantized", t.name);
+    }
+}
+
+#[test]
+fn round_trip_every_format() {
+    for format in DenseFormat::ALL {
+        round_trip(format, &[], false, None);
+    }
+}
+
+#[test]
+fn fp8_per_head_and_fixed_scales() {
+    for format in [DenseFormat::Fp8E4m3, DenseFormat::Fp8E5m2] {
+        round_trip(format, &["--per-head"], true, None);
+        round_trip(format, &["--scale", "0.0625"], false, Some(0.0625));
+    }
+}
+
+/// A failed run: exit code 1, exactly one `kvq: error:` line, and neither the output nor its
+/// temp file written (an existing output stays as it was).
+fn assert_fails(args: &[&str], out_path: &Path, mention: &str) {
+    let before = fs::read(out_path).ok();
+    let out = kvq(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+    assert!(stderr.starts_with("kvq: error: "), "{stderr}");
+    assert!(
+        stderr.contains(mention),
+        "{args:?}: '{stderr}' lacks '{mention}'"
+    );
+    assert_eq!(
+        fs::read(out_path).ok(),
+        before,
+        "{args:?} touched the output"
+    );
+    let mut tmp = out_path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    assert!(!Path::new(&tmp).exists());
+}
+
+#[test]
+fn bad_inputs_fail_cleanly() {
+    let dir = scratch("bad");
+    let good = dir.join("good.st");
+    write_input(&good, &random_inputs(1, 64));
+    let out = dir.join("out.st");
+    let (g, o) = (arg(&good), arg(&out));
+
+    let missing = dir.join("missing.st");
+    assert_fails(
+        &["quantize", "--format", "int4-k32", arg(&missing), o],
+        &out,
+        "cannot read",
+    );
+
+    let garbage = dir.join("garbage.st");
+    fs::write(&garbage, b"\xff\xff\xff\xff\xff\xff\xff\x7fnot a header").unwrap();
+    assert_fails(
+        &["quantize", "--format", "int4-k32", arg(&garbage), o],
+        &out,
+        "not a valid safetensors file",
+    );
+    assert_fails(&["dequantize", arg(&garbage), o], &out, "not a valid");
+
+    let ints = dir.join("ints.st");
+    let data = [0u8; 4 * 64];
+    let view = TensorView::new(Dtype::I32, vec![1, 64], &data).unwrap();
+    fs::write(&ints, safetensors::serialize([("x", view)], None).unwrap()).unwrap();
+    assert_fails(
+        &["quantize", "--format", "fp8-e4m3", arg(&ints), o],
+        &out,
+        "dtype I32",
+    );
+
+    let d32 = dir.join("d32.st");
+    write_input(&d32, &random_inputs(2, 32));
+    assert_fails(
+        &["quantize", "--format", "int4-v64", arg(&d32), o],
+        &out,
+        "multiple of 64",
+    );
+    assert_fails(
+        &["quantize", "--format", "int3", g, o],
+        &out,
+        "unknown format 'int3'",
+    );
+    assert_fails(
+        &["quantize", "--format", "int4-k32", "--per-head", g, o],
+        &out,
+        "only to FP8",
+    );
+    assert_fails(
+        &["quantize", "--format", "fp8-e4m3", "--scale", "-1", g, o],
+        &out,
+        "scale -1",
+    );
+
+    // A plain file is not a kvq file; a kvq file with a part removed is rejected.
+    assert_fails(&["dequantize", g, o], &out, "kvq.format");
+    let q = dir.join("q.st");
+    let ok = kvq(&["quantize", "--format", "int4-v64", g, arg(&q)]);
+    assert!(ok.status.success());
+    let bytes = fs::read(&q).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<_> = st.iter().filter(|(n, _)| *n != "k.0.zeros").collect();
+    let meta = metadata(&bytes);
+    let broken = dir.join("broken.st");
+    fs::write(&broken, safetensors::serialize(kept, Some(meta)).unwrap()).unwrap();
+    assert_fails(&["dequantize", arg(&broken), o], &out, "zeros are missing");
+
+    // A failing run leaves an existing output alone.
+    fs::write(&out, b"previous contents").unwrap();
+    assert_fails(
+        &["quantize", "--format", "int4-v64", arg(&d32), o],
+        &out,
+        "head_dim",
+    );
+
+    assert_fails(&["eval", g], &out, "no layer");
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    for args in [
+        &["quantize", "in.st"][..],
+        &[
+            "quantize",
+            "--format",
+            "fp8-e4m3",
+            "--scale",
+            "1",
+            "--per-head",
+            "a",
+            "b",
+        ],
+        &[
+            "quantize", "--format", "fp8-e4m3", "--scale", "abc", "a", "b",
+        ],
+        &["frobnicate"],
+        &[],
+    ] {
+        let out = kvq(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+    }
+}
+
+#[test]
+fn non_finite_inputs_are_reported_not_fatal() {
+    let dir = scratch("nonfinite");
+    let (input, q) = (dir.join("in.st"), dir.join("q.st"));
+    let mut values = vec![0.5f32; 2 * 32];
+    values[3] = f32::NAN;
+    values[40] = f32::INFINITY;
+    write_input(
+        &input,
+        &[In {
+            name: "x",
+            dtype: Dtype::F32,
+            shape: vec![2, 32],
+            values,
+        }],
+    );
+    let out = kvq(&["quantize", "--format", "int4-k32", arg(&input), arg(&q)]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("2 non-finite"));
+}
+
+#[test]
+fn eval_reports_every_pair() {
+    let dir = scratch("eval");
+    let input = dir.join("layers.st");
+    let mut rng = Rng(5);
+    let mut t = |name, heads| {
+        let shape = vec![40, heads, 64];
+        In {
+            name,
+            dtype: Dtype::F16,
+            values: rng.vec(shape.iter().product()),
+            shape,
+        }
+    };
+    // GQA: 8 query heads over 4 KV heads.
+    write_input(&input, &[t("q.3", 8), t("k.3", 4), t("v.3", 4)]);
+    let out = kvq(&["eval", arg(&input), "--block-size", "16", "--per-layer"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for label in [
+        "| f16 / f16 |",
+        "| bf16 / bf16 |",
+        "| fp8-e4m3 / fp8-e4m3 (tensor) |",
+        "| fp8-e4m3 / fp8-e4m3 (head) |",
+        "| int4-k32 / int4-v64 | 0.5625 |",
+        "| int4-k32 / fp8-e4m3 (head) |",
+        "| fp8-e4m3 / int4-v64 (head) |",
+        "| int4-uniform / int4-uniform |",
+        "| L3 int4-k32 / int4-v64 |",
+    ] {
+        assert!(stdout.contains(label), "missing {label}:\n{stdout}");
+    }
+    assert!(!stdout.contains("n/a"), "{stdout}");
+
+    assert_fails(
+        &["eval", arg(&input), "--layers", "0"],
+        &dir.join("none"),
+        "layer 0 is not in",
+    );
+    assert_fails(
+        &["eval", arg(&input), "--pair-heads", "3"],
+        &dir.join("none"),
+        "--pair-heads 3",
+    );
+}
+
+/// Where the real MiniLM K/V lives: `KVQ_DATA_DIR`, else `shared/data` beside the checkout.
+fn real_data() -> Option<PathBuf> {
+    let dir = std::env::var_os("KVQ_DATA_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data"));
+    let file = dir.join("minilm_kv.safetensors");
+    file.exists().then_some(file)
+}
+
+/// The attention-error column of `label`'s row.
+fn attn_error(table: &str, label: &str) -> f64 {
+    let row = table
+        .lines()
+        .find(|l| l.starts_with(&format!("| {label} |")))
+        .unwrap_or_else(|| panic!("no row {label}:\n{table}"));
+    row.trim_end_matches('|')
+        .rsplit('|')
+        .next()
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn eval_on_real_minilm_kv() {
+    let Some(file) = real_data() else {
+        eprintln!("note: minilm_kv.safetensors not found (set KVQ_DATA_DIR); skipping");
+        return;
+    };
+    let out = kvq(&["eval", arg(&file), "--pair-heads", "2", "--layers", "0,5"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The file is f16, so an f16 cache is exact; the rest degrade in the expected order.
+    assert_eq!(attn_error(&table, "f16 / f16"), 0.0);
+    let fp8 = attn_error(&table, "fp8-e4m3 / fp8-e4m3 (head)");
+    let int4 = attn_error(&table, "int4-k32 / int4-v64");
+    let uniform = attn_error(&table, "int4-uniform / int4-uniform");
+    assert!(0.0 < fp8 && fp8 < int4 && int4 < uniform, "{table}");
+    assert!(int4 < 0.2, "{table}");
+}
+
+#[test]
+fn info_reports_the_build() {
+    let out = kvq(&["info"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with(&format!("kvq {}", env!("CARGO_PKG_VERSION"))));
+    assert!(text.contains("cuda support: "));
+    assert!(text.contains("gpu archs built: "));
+    assert!(text.contains("visible gpus: "));
+}
+
+/// Keep the reference decoder honest about FP8 per-head scales with an odd head count.
+#[test]
+fn reference_decoder_matches_expected_codes() {
+    let x: Vec<f32> = (0..3 * 16).map(|i| i as f32 - 20.0).collect();
+    let e: Expected = expected(DenseFormat::Fp8E4m3, &x, 3, 16, true, None);
+    let y = decode(DenseFormat::Fp8E4m3, &e, 3, 16);
+    assert!(
+        x.iter()
+            .zip(&y)
+            .all(|(a, b)| (a - b).abs() <= a.abs() / 8.0)
+    );
+}

@@ -1,0 +1,208 @@
+//! An independent, element-by-element recomputation of what `kvq::dense` (and so `kvq
+//! quantize`) must write, straight from FORMATS.md with `kvq::format`'s scalar functions, plus
+//! deterministic random data. Shared by tests/dense.rs and tests/cli.rs.
+
+#![allow(dead_code)] // each test binary uses a different part
+
+use half::f16;
+use kvq::dense::DenseFormat;
+use kvq::format::{Fp8Kind, int4, sanitize};
+
+/// Deterministic pseudo-random numbers (splitmix64), so failures reproduce.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1), scaled by a magnitude spread over five decades, with an occasional
+    /// outlier, so groups see very different ranges.
+    pub fn value(&mut self) -> f32 {
+        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+        let decade = 10f32.powi((self.next_u64() % 5) as i32 - 2);
+        let outlier = if self.next_u64() % 97 == 0 { 40.0 } else { 1.0 };
+        u * decade * outlier
+    }
+
+    /// `n` values.
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.value()).collect()
+    }
+}
+
+/// The bytes one format writes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Expected {
+    pub codes: Vec<u8>,
+    pub scales: Vec<u8>,
+    pub zeros: Option<Vec<u8>>,
+}
+
+fn fp8_kind(format: DenseFormat) -> Fp8Kind {
+    match format {
+        DenseFormat::Fp8E4m3 => Fp8Kind::E4M3,
+        DenseFormat::Fp8E5m2 => Fp8Kind::E5M2,
+        _ => unreachable!("not fp8"),
+    }
+}
+
+fn amax(vals: &[f32]) -> f32 {
+    vals.iter().fold(0f32, |m, v| m.max(v.abs()))
+}
+
+/// Two nibbles per byte, the even element low.
+pub fn pack(nibbles: &[u8]) -> Vec<u8> {
+    nibbles.chunks(2).map(|p| p[0] | (p[1] << 4)).collect()
+}
+
+/// FP8 scales: `fixed`, else per head (rows `r` with `r % heads == h`) or per tensor amax.
+pub fn fp8_scales(
+    format: DenseFormat,
+    x: &[f32],
+    heads: usize,
+    d: usize,
+    per_head: bool,
+    fixed: Option<f32>,
+) -> Vec<f32> {
+    let kind = fp8_kind(format);
+    let clean: Vec<f32> = x.iter().map(|&v| sanitize(v).0).collect();
+    if let Some(s) = fixed {
+        return vec![s];
+    }
+    if !per_head {
+        return vec![kind.scale_from_amax(amax(&clean))];
+    }
+    (0..heads)
+        .map(|h| {
+            let head: Vec<f32> = clean
+                .chunks(d)
+                .enumerate()
+                .filter(|(r, _)| r % heads == h)
+                .flat_map(|(_, row)| row.iter().copied())
+                .collect();
+            kind.scale_from_amax(amax(&head))
+        })
+        .collect()
+}
+
+/// What `format` must write for `x` (`[..., heads, d]`).
+pub fn expected(
+    format: DenseFormat,
+    x: &[f32],
+    heads: usize,
+    d: usize,
+    per_head: bool,
+    fixed: Option<f32>,
+) -> Expected {
+    let clean: Vec<f32> = x.iter().map(|&v| sanitize(v).0).collect();
+    match format {
+        DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => {
+            let kind = fp8_kind(format);
+            let scales = fp8_scales(format, x, heads, d, per_head, fixed);
+            let codes = clean
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| kind.quantize(v, scales[(i / d) % heads % scales.len()]))
+                .collect();
+            Expected {
+                codes,
+                scales: scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
+                zeros: None,
+            }
+        }
+        DenseFormat::Int4K32 => {
+            let (mut nibbles, mut scales) = (Vec::new(), Vec::new());
+            for g in clean.chunks(32) {
+                let s = f16::from_f32(amax(g) / 7.0);
+                scales.extend(s.to_le_bytes());
+                for &v in g {
+                    let q = if s.to_f32() == 0.0 {
+                        0
+                    } else {
+                        (v / s.to_f32()).round_ties_even().clamp(-7.0, 7.0) as i8
+                    };
+                    nibbles.push(q as u8 & 0xF);
+                }
+            }
+            Expected {
+                codes: pack(&nibbles),
+                scales,
+                zeros: None,
+            }
+        }
+        DenseFormat::Int4V64 => {
+            let (mut nibbles, mut scales, mut zeros) = (Vec::new(), Vec::new(), Vec::new());
+            for g in clean.chunks(64) {
+                let mn = g.iter().copied().fold(f32::INFINITY, f32::min);
+                let mx = g.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let s = f16::from_f32((mx - mn) / 15.0);
+                let z = f16::from_f32(mn);
+                scales.extend(s.to_le_bytes());
+                zeros.extend(z.to_le_bytes());
+                for &v in g {
+                    let q = if s.to_f32() == 0.0 {
+                        0
+                    } else {
+                        ((v - z.to_f32()) / s.to_f32())
+                            .round_ties_even()
+                            .clamp(0.0, 15.0) as u8
+                    };
+                    nibbles.push(q);
+                }
+            }
+            Expected {
+                codes: pack(&nibbles),
+                scales,
+                zeros: Some(zeros),
+            }
+        }
+        DenseFormat::Int4Uniform => {
+            let s = amax(&clean) / 7.0;
+            let nibbles: Vec<u8> = clean
+                .iter()
+                .map(|&v| int4::quantize_uniform(v, s) as u8 & 0xF)
+                .collect();
+            Expected {
+                codes: pack(&nibbles),
+                scales: s.to_le_bytes().to_vec(),
+                zeros: None,
+            }
+        }
+    }
+}
+
+/// Decode stored bytes element by element (FORMATS.md "Decode" lines); `heads` and `d` locate
+/// each element's per-head FP8 scale.
+pub fn decode(format: DenseFormat, e: &Expected, heads: usize, d: usize) -> Vec<f32> {
+    let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
+    let f32_at = |b: &[u8], i: usize| f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
+    let n = match format {
+        DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => e.codes.len(),
+        _ => e.codes.len() * 2,
+    };
+    (0..n)
+        .map(|i| match format {
+            DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => {
+                let scales = e.scales.len() / 4;
+                let s = f32_at(&e.scales, (i / d) % heads % scales);
+                fp8_kind(format).dequantize(e.codes[i], s)
+            }
+            DenseFormat::Int4K32 => {
+                int4::dequantize_sym(int4::signed_nibble(&e.codes, i), f16_at(&e.scales, i / 32))
+            }
+            DenseFormat::Int4V64 => int4::dequantize_affine(
+                int4::nibble(&e.codes, i),
+                f16_at(&e.scales, i / 64),
+                f16_at(e.zeros.as_ref().unwrap(), i / 64),
+            ),
+            DenseFormat::Int4Uniform => {
+                int4::dequantize_uniform(int4::signed_nibble(&e.codes, i), f32_at(&e.scales, 0))
+            }
+        })
+        .collect()
+}
