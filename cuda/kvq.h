@@ -58,6 +58,72 @@ typedef struct kvq_cache {
 
 /* ---- append / quantize / dequantize (cuda/append.cu) ---- */
 
+/* Element type of dense tensors (K/V inputs, dequantized outputs). */
+typedef enum kvq_dtype {
+  KVQ_DTYPE_F32 = 0,
+  KVQ_DTYPE_F16 = 1,
+  KVQ_DTYPE_BF16 = 2
+} kvq_dtype;
+
+/* Dense-only format id (beside kvq_format's FP8 and INT4 ids): per-tensor INT4, f32 scale. */
+#define KVQ_DENSE_INT4_UNIFORM 16
+
+/* Optional device counters (unsigned long long[KVQ_NUM_COUNTERS]) a launcher adds to:
+ * non-finite inputs met (they are sanitized, FORMATS.md), and tokens skipped because their slot
+ * (append) or block id (gather) lies outside the pool. */
+#define KVQ_COUNTER_NON_FINITE 0
+#define KVQ_COUNTER_OUT_OF_RANGE 1
+#define KVQ_NUM_COUNTERS 2
+
+/* Quantize-on-append. k and v are [num_tokens, num_kv_heads, head_dim] of `dtype` (kvq_dtype),
+ * row t starting at element t * k_token_stride (resp. v_token_stride), a multiple of 8 that is
+ * at least num_kv_heads * head_dim; k and v are 16-byte aligned. Token t goes to slot slots[t]
+ * (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.
+ * A negative slot skips the token (padding); a slot >= num_blocks * block_size skips it too and
+ * counts it in counters[KVQ_COUNTER_OUT_OF_RANGE]. FP8 formats read cache->k_scales/v_scales. */
+int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void *slots, int32_t slots_i64,
+               int64_t num_tokens, const void *k, const void *v, int32_t dtype,
+               int64_t k_token_stride, int64_t v_token_stride, unsigned long long *counters,
+               void *stream);
+
+/* Dequantize the first num_tokens tokens of one sequence (block_table[i] = its i-th block) into
+ * dense [num_tokens, num_kv_heads, head_dim] tensors of out_dtype; k_out or v_out may be null.
+ * A block id outside [0, num_blocks) yields zeros for its tokens and counts them in
+ * counters[KVQ_COUNTER_OUT_OF_RANGE]. Outputs 16-byte aligned. */
+int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks, const int32_t *block_table,
+                          int64_t num_tokens, int32_t out_dtype, void *k_out, void *v_out,
+                          unsigned long long *counters, void *stream);
+
+/* Calibration scales of a dense tensor x ([rows, head_dim], rows cycling through `heads` heads,
+ * so row r belongs to head r % heads) for `format` (FP8, or KVQ_DENSE_INT4_UNIFORM): FP8
+ * amax / max_finite (1 when amax is 0), one per head when per_head != 0, else one for the tensor;
+ * uniform INT4 one amax / 7. amax runs over the sanitized inputs. `amax_scratch` holds
+ * (per_head ? heads : 1) uint32 of device scratch. */
+int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, int64_t rows, int32_t heads,
+                     int32_t head_dim, int32_t per_head, float *scales_out,
+                     uint32_t *amax_scratch, void *stream);
+
+/* Quantize a dense tensor [rows, head_dim] (the layout of src/dense.rs): codes [rows, code
+ * bytes]; FP8 and uniform INT4 take num_head_scales (1, or `heads` for FP8) f32 scales; INT4 K
+ * writes f16 group_scales [rows, head_dim / 32]; INT4 V writes group_scales and group_zeros
+ * [rows, head_dim / 64]. Uniform INT4 packs the flat tensor (head_dim even). */
+int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, int64_t rows, int32_t heads,
+                       int32_t head_dim, const float *head_scales, int32_t num_head_scales,
+                       uint8_t *codes, uint16_t *group_scales, uint16_t *group_zeros,
+                       unsigned long long *counters, void *stream);
+
+/* The inverse of kvq_quantize_dense, to a dense [rows, head_dim] tensor of out_dtype, each value
+ * exactly as FORMATS.md decodes it (then rounded to out_dtype). */
+int kvq_dequantize_dense(int32_t format, const uint8_t *codes, const float *head_scales,
+                         int32_t num_head_scales, const uint16_t *group_scales,
+                         const uint16_t *group_zeros, int64_t rows, int32_t heads,
+                         int32_t head_dim, int32_t out_dtype, void *out, void *stream);
+
+/* Message of the last launch that returned KVQ_ERR_LAUNCH on the calling host thread (a static
+ * string; "no error" if none). */
+const char *kvq_last_error(void);
+
+
 /* ---- fused paged decode attention (cuda/decode.cu) ---- */
 
 #ifdef __cplusplus

@@ -1,0 +1,659 @@
+// append.cu: quantize-on-append into the paged pool, gather-dequantize of a sequence's pages,
+// and dense quantize / dequantize (the layout of src/dense.rs). Bit-exact with the CPU path.
+//
+// Work split, every kernel: one thread per 8 consecutive elements of a row (one 16-byte load of
+// f16 input), so a row of head_dim elements takes head_dim / 8 consecutive lanes and an INT4
+// group takes 4 (K, 32 elements) or 8 (V, 64 elements) lanes, reduced with warp shuffles. A thread
+// block holds whole rows; the launch geometry is the same for every kernel (RowGrid).
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace kvq {
+
+namespace {
+thread_local cudaError_t g_last_error = cudaSuccess;
+}
+void set_last_error(cudaError_t e) { g_last_error = e; }
+
+namespace {
+
+// Largest head_dim the row kernels serve: a row's lanes must fit in one thread block.
+constexpr int kMaxHeadDim = kThreadsPerBlock * kChunk;
+
+// ---- one row's quantized storage ---------------------------------------------------------
+
+// Where one row's codes and metadata live: in a paged head section or in dense arrays. Group g's
+// f16 scale (zero) is at scales[g * meta_step] (zeros[...]): the paged affine layout interleaves
+// scale and zero (step 2), everything else is contiguous (step 1).
+struct RowRef {
+  uint8_t *codes;
+  uint16_t *scales;
+  uint16_t *zeros;
+  int meta_step;
+  float head_scale;  // FP8
+};
+
+// Quantize this thread's 8 sanitized values, chunk `chunk` of the row, into `r`. Every lane of the
+// warp must call it (group reductions shuffle); only `active` lanes store.
+template <int F>
+__device__ __forceinline__ void encode_chunk(const float (&v)[8], int chunk, const RowRef &r,
+                                             bool active) {
+  if constexpr (F == kF16 || F == kBf16) {
+    uint4 raw;
+    uint32_t *w = reinterpret_cast<uint32_t *>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t lo = F == kF16 ? half_bits(v[2 * i]) : bf16_bits(v[2 * i]);
+      const uint32_t hi = F == kF16 ? half_bits(v[2 * i + 1]) : bf16_bits(v[2 * i + 1]);
+      w[i] = lo | (hi << 16);
+    }
+    if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
+  } else if constexpr (F == kFp8E4m3 || F == kFp8E5m2) {
+    uint2 raw;
+    uint16_t *h = reinterpret_cast<uint16_t *>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      h[i] = fp8x2_encode<F>(
+          make_float2(__fdiv_rn(v[2 * i], r.head_scale), __fdiv_rn(v[2 * i + 1], r.head_scale)));
+    if (active) reinterpret_cast<uint2 *>(r.codes)[chunk] = raw;
+  } else if constexpr (F == kInt4Sym32) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    amax = group_max<kSymGroup / kChunk>(amax);
+    const __half s = int4_sym_scale(amax);
+    const float sf = __half2float(s);
+    int q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = int4_sym_code(v[i], sf);
+    if (active) {
+      reinterpret_cast<uint32_t *>(r.codes)[chunk] = pack8_nibbles(q);
+      constexpr int lanes = kSymGroup / kChunk;
+      if (chunk % lanes == 0) r.scales[(chunk / lanes) * r.meta_step] = __half_as_ushort(s);
+    }
+  } else {
+    static_assert(F == kInt4Affine64, "unknown format");
+    float mn = v[0], mx = v[0];
+#pragma unroll
+    for (int i = 1; i < 8; ++i) {
+      mn = min_first(mn, v[i]);
+      mx = max_first(mx, v[i]);
+    }
+    group_min_max_ordered<kAffineGroup / kChunk>(mn, mx);
+    const __half s = int4_affine_scale(mn, mx);
+    const __half z = int4_affine_zero(mn);
+    const float sf = __half2float(s), zf = __half2float(z);
+    int q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = int4_affine_code(v[i], sf, zf);
+    if (active) {
+      reinterpret_cast<uint32_t *>(r.codes)[chunk] = pack8_nibbles(q);
+      constexpr int lanes = kAffineGroup / kChunk;
+      if (chunk % lanes == 0) {
+        const int g = (chunk / lanes) * r.meta_step;
+        r.scales[g] = __half_as_ushort(s);
+        r.zeros[g] = __half_as_ushort(z);
+      }
+    }
+  }
+}
+
+// Dequantize chunk `chunk` of the row at `r` into 8 f32 values, exactly as FORMATS.md decodes.
+template <int F>
+__device__ __forceinline__ void decode_chunk(const RowRef &r, int chunk, float (&v)[8]) {
+  if constexpr (F == kF16 || F == kBf16) {
+    const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint16_t lo = w[i] & 0xFFFF, hi = w[i] >> 16;
+      v[2 * i] = F == kF16 ? half_from_bits(lo) : bf16_from_bits(lo);
+      v[2 * i + 1] = F == kF16 ? half_from_bits(hi) : bf16_from_bits(hi);
+    }
+  } else if constexpr (F == kFp8E4m3 || F == kFp8E5m2) {
+    const uint2 raw = reinterpret_cast<const uint2 *>(r.codes)[chunk];
+    const uint8_t *c = reinterpret_cast<const uint8_t *>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = fp8_dequantize<F>(c[i], r.head_scale);
+  } else if constexpr (F == kInt4Sym32) {
+    const uint32_t w = reinterpret_cast<const uint32_t *>(r.codes)[chunk];
+    const float sf = half_from_bits(r.scales[(chunk * kChunk / kSymGroup) * r.meta_step]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = int4_sym_dequantize(nibble_s(w, i), sf);
+  } else {
+    static_assert(F == kInt4Affine64, "unknown format");
+    const uint32_t w = reinterpret_cast<const uint32_t *>(r.codes)[chunk];
+    const int g = (chunk * kChunk / kAffineGroup) * r.meta_step;
+    const float sf = half_from_bits(r.scales[g]), zf = half_from_bits(r.zeros[g]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = int4_affine_dequantize(nibble_u(w, i), sf, zf);
+  }
+}
+
+// ---- geometry ---------------------------------------------------------------------------
+
+// Which row and which 8-element chunk of it this thread serves. A block of kThreadsPerBlock
+// threads holds rows_per_block whole rows; threads past them (when head_dim / 8 does not divide
+// kThreadsPerBlock) have no row but still take part in shuffles.
+struct RowGrid {
+  int64_t row;
+  int chunk;
+  bool in_block;
+};
+
+__device__ __forceinline__ RowGrid row_grid(int head_dim) {
+  const int tpr = head_dim / kChunk;
+  const int rows_per_block = kThreadsPerBlock / tpr;
+  const int local = threadIdx.x / tpr;
+  RowGrid g;
+  g.chunk = threadIdx.x - local * tpr;
+  g.row = (int64_t)blockIdx.x * rows_per_block + local;
+  g.in_block = local < rows_per_block;
+  return g;
+}
+
+inline int64_t row_blocks(int64_t rows, int head_dim) {
+  const int rows_per_block = kThreadsPerBlock / (head_dim / kChunk);
+  return (rows + rows_per_block - 1) / rows_per_block;
+}
+
+// One side (K or V) of the paged layout.
+struct PagedSide {
+  uint8_t *pool;
+  int64_t head_stride, block_stride;
+  int block_size, num_heads, head_dim;
+  int codes_offset, codes_row, meta_offset, meta_row, meta_step;
+  const float *head_scales;  // FP8 only
+
+  __device__ __forceinline__ RowRef row(int64_t block, int offset, int head) const {
+    uint8_t *section = pool + block * block_stride + head * head_stride;
+    uint8_t *meta = section + meta_offset + (int64_t)offset * meta_row;
+    RowRef r;
+    r.codes = section + codes_offset + (int64_t)offset * codes_row;
+    r.scales = reinterpret_cast<uint16_t *>(meta);
+    r.zeros = reinterpret_cast<uint16_t *>(meta) + 1;
+    r.meta_step = meta_step;
+    r.head_scale = head_scales != nullptr ? head_scales[head] : 1.0f;
+    return r;
+  }
+};
+
+// Dense [rows, head_dim] quantized arrays (src/dense.rs): codes, f16 group scales / zeros.
+struct DenseRows {
+  uint8_t *codes;
+  uint16_t *scales;
+  uint16_t *zeros;
+  int code_bytes, groups, heads, num_head_scales;
+  const float *head_scales;
+
+  __device__ __forceinline__ RowRef row(int64_t r) const {
+    RowRef ref;
+    ref.codes = codes + r * code_bytes;
+    ref.scales = scales != nullptr ? scales + r * groups : nullptr;
+    ref.zeros = zeros != nullptr ? zeros + r * groups : nullptr;
+    ref.meta_step = 1;
+    ref.head_scale = head_scales == nullptr      ? 1.0f
+                     : num_head_scales == 1      ? head_scales[0]
+                                                 : head_scales[r % heads];
+    return ref;
+  }
+};
+
+// ---- kernels --------------------------------------------------------------------------
+
+template <typename In, int F>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    append_kernel(const In *__restrict__ x, int64_t token_stride, int64_t num_tokens,
+                  const void *__restrict__ slots, int slots_i64, int64_t num_slots, PagedSide side,
+                  int count_out_of_range, unsigned long long *counters) {
+  const RowGrid g = row_grid(side.head_dim);
+  const int64_t token = g.row / side.num_heads;
+  const int head = (int)(g.row - token * side.num_heads);
+  bool active = g.in_block && token < num_tokens;
+  int64_t slot = -1;
+  if (active)
+    slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
+                     : (int64_t) static_cast<const int32_t *>(slots)[token];
+  // A slot past the pool is an error the host learns about through the counter.
+  const uint32_t out_of_range =
+      count_out_of_range && active && slot >= num_slots && head == 0 && g.chunk == 0;
+  active = active && slot >= 0 && slot < num_slots;
+
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint32_t non_finite = 0;
+  RowRef r = {};
+  if (active) {
+    load8(x + token * token_stride + (int64_t)head * side.head_dim + g.chunk * kChunk, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = sanitize(v[i], non_finite);
+    const int64_t block = slot / side.block_size;
+    r = side.row(block, (int)(slot - block * side.block_size), head);
+  }
+  encode_chunk<F>(v, g.chunk, r, active);
+  warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
+  warp_count(counters ? counters + KVQ_COUNTER_OUT_OF_RANGE : nullptr, out_of_range);
+}
+
+template <typename Out, int F>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    gather_kernel(PagedSide side, const int32_t *__restrict__ block_table, int64_t num_tokens,
+                  int64_t num_blocks, Out *__restrict__ out, unsigned long long *counters) {
+  const RowGrid g = row_grid(side.head_dim);
+  const int64_t token = g.row / side.num_heads;
+  const int head = (int)(g.row - token * side.num_heads);
+  if (!g.in_block || token >= num_tokens) return;  // no shuffles below
+  const int64_t page = token / side.block_size;
+  const int64_t block = block_table[page];
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (block >= 0 && block < num_blocks) {
+    decode_chunk<F>(side.row(block, (int)(token - page * side.block_size), head), g.chunk, v);
+  } else if (counters != nullptr && head == 0 && g.chunk == 0) {
+    atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
+  }
+  store8(out + g.row * side.head_dim + g.chunk * kChunk, v);
+}
+
+template <typename In, int F>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    quantize_dense_kernel(const In *__restrict__ x, int64_t rows, int head_dim, DenseRows dst,
+                          unsigned long long *counters) {
+  const RowGrid g = row_grid(head_dim);
+  const bool active = g.in_block && g.row < rows;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint32_t non_finite = 0;
+  RowRef r = {};
+  if (active) {
+    load8(x + g.row * head_dim + g.chunk * kChunk, v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = sanitize(v[i], non_finite);
+    r = dst.row(g.row);
+  }
+  encode_chunk<F>(v, g.chunk, r, active);
+  warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
+}
+
+template <typename Out, int F>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    dequantize_dense_kernel(DenseRows src, int64_t rows, int head_dim, Out *__restrict__ out) {
+  const RowGrid g = row_grid(head_dim);
+  if (!g.in_block || g.row >= rows) return;
+  float v[8];
+  decode_chunk<F>(src.row(g.row), g.chunk, v);
+  store8(out + g.row * head_dim + g.chunk * kChunk, v);
+}
+
+// Sanitized values of elements [8c, min(8c + 8, n)) of a flat tensor; missing ones are 0.
+template <typename In>
+__device__ __forceinline__ int load_flat(const In *x, int64_t n, int64_t c, float (&v)[8],
+                                         uint32_t &non_finite) {
+  const int64_t base = c * kChunk;
+  const int count = n - base < kChunk ? (int)(n - base) : kChunk;
+  if (count == kChunk) {
+    load8(x + base, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = i < count ? to_f32(x[base + i]) : 0.0f;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = sanitize(v[i], non_finite);
+  return count;
+}
+
+// amax over the sanitized |x|, per head (row r → head r % heads) or for the whole tensor, as
+// f32 bit patterns (non-negative floats order like their bits, so atomicMax on uint32 works).
+template <typename In>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    amax_kernel(const In *__restrict__ x, int64_t n, int head_dim, int heads, int per_head,
+                uint32_t *amax) {
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint32_t unused = 0;
+  if (c * kChunk < n) load_flat(x, n, c, v, unused);
+  float a = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
+  const uint32_t bits = __float_as_uint(a);
+  if (per_head) {
+    // head_dim is a multiple of 8 for the per-head (FP8) case, so a chunk lies in one row.
+    if (bits != 0) atomicMax(amax + (c * kChunk / head_dim) % heads, bits);
+  } else {
+    const uint32_t m = __reduce_max_sync(kFullMask, bits);
+    if ((threadIdx.x & 31) == 0 && m != 0) atomicMax(amax, m);
+  }
+}
+
+template <int F>
+__global__ void scales_from_amax_kernel(const uint32_t *amax, int n, float *scales) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const float a = __uint_as_float(amax[i]);
+  if constexpr (F == KVQ_DENSE_INT4_UNIFORM)
+    scales[i] = int4_uniform_scale(a);
+  else
+    scales[i] = fp8_scale_from_amax<F>(a);
+}
+
+template <typename In>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    quantize_uniform_kernel(const In *__restrict__ x, int64_t n, const float *scale,
+                            uint8_t *codes, unsigned long long *counters) {
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint32_t non_finite = 0;
+  if (c * kChunk < n) {
+    const int count = load_flat(x, n, c, v, non_finite);
+    const float s = *scale;
+    int q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = int4_sym_code(v[i], s);
+    const uint32_t w = pack8_nibbles(q);
+    if (count == kChunk) {
+      reinterpret_cast<uint32_t *>(codes)[c] = w;
+    } else {
+      for (int b = 0; b < count / 2; ++b) codes[c * 4 + b] = (uint8_t)(w >> (8 * b));
+    }
+  }
+  warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
+}
+
+template <typename Out>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    dequantize_uniform_kernel(const uint8_t *codes, int64_t n, const float *scale, Out *out) {
+  const int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (c * kChunk >= n) return;
+  const int count = n - c * kChunk < kChunk ? (int)(n - c * kChunk) : kChunk;
+  const float s = *scale;
+  uint32_t w = 0;
+  for (int b = 0; b < count / 2; ++b) w |= (uint32_t)codes[c * 4 + b] << (8 * b);
+  float v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = __fmul_rn((float)nibble_s(w, i), s);
+  if (count == kChunk) {
+    store8(out + c * kChunk, v);
+  } else {
+    for (int i = 0; i < count; ++i) out[c * kChunk + i] = from_f32<Out>(v[i]);
+  }
+}
+
+// ---- host-side dispatch -----------------------------------------------------------------
+
+template <typename T> struct Tag {
+  using type = T;
+};
+template <int F> using FormatTag = std::integral_constant<int, F>;
+
+// Call fn(Tag<T>) for a kvq_dtype; KVQ_ERR_INVALID for an unknown one.
+template <typename Fn> int with_dtype(int32_t dtype, Fn &&fn) {
+  switch (dtype) {
+  case KVQ_DTYPE_F32: return fn(Tag<float>{});
+  case KVQ_DTYPE_F16: return fn(Tag<__half>{});
+  case KVQ_DTYPE_BF16: return fn(Tag<__nv_bfloat16>{});
+  default: return KVQ_ERR_INVALID;
+  }
+}
+
+// Call fn(FormatTag<F>) for a kvq_format; Dense excludes f16/bf16 (not dense formats).
+template <bool Dense, typename Fn> int with_format(int32_t format, Fn &&fn) {
+  switch (format) {
+  case kF16:
+    if constexpr (Dense) return KVQ_ERR_INVALID; else return fn(FormatTag<kF16>{});
+  case kBf16:
+    if constexpr (Dense) return KVQ_ERR_INVALID; else return fn(FormatTag<kBf16>{});
+  case kFp8E4m3: return fn(FormatTag<kFp8E4m3>{});
+  case kFp8E5m2: return fn(FormatTag<kFp8E5m2>{});
+  case kInt4Sym32: return fn(FormatTag<kInt4Sym32>{});
+  case kInt4Affine64: return fn(FormatTag<kInt4Affine64>{});
+  default: return KVQ_ERR_INVALID;
+  }
+}
+
+bool is_fp8(int32_t f) { return f == kFp8E4m3 || f == kFp8E5m2; }
+
+// head_dim rule of a format (mirrors KvFormat::head_dim_multiple) plus the kernels' own limit.
+bool head_dim_ok(int32_t format, int head_dim) {
+  int multiple = 8;
+  if (is_fp8(format)) multiple = 16;
+  if (format == kInt4Sym32) multiple = kSymGroup;
+  if (format == kInt4Affine64) multiple = kAffineGroup;
+  return head_dim > 0 && head_dim % multiple == 0 && head_dim <= kMaxHeadDim;
+}
+
+int code_bytes(int32_t format, int head_dim) {
+  if (format == kF16 || format == kBf16) return head_dim * 2;
+  if (is_fp8(format)) return head_dim;
+  return head_dim / 2;
+}
+
+int group_size(int32_t format) {
+  return format == kInt4Sym32 ? kSymGroup : format == kInt4Affine64 ? kAffineGroup : 0;
+}
+
+// A side of the cache, or false when the layout's fields are inconsistent.
+bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
+  const kvq_layout &l = c.layout;
+  const int32_t f = k ? l.k_format : l.v_format;
+  s.pool = c.pool;
+  s.head_stride = l.head_stride;
+  s.block_stride = l.block_stride;
+  s.block_size = l.block_size;
+  s.num_heads = l.num_kv_heads;
+  s.head_dim = l.head_dim;
+  s.codes_offset = k ? l.k_codes_offset : l.v_codes_offset;
+  s.codes_row = k ? l.k_codes_row : l.v_codes_row;
+  s.meta_offset = k ? l.k_meta_offset : l.v_meta_offset;
+  s.meta_row = k ? l.k_meta_row : l.v_meta_row;
+  s.meta_step = f == kInt4Affine64 ? 2 : 1;
+  s.head_scales = is_fp8(f) ? (k ? c.k_scales : c.v_scales) : nullptr;
+  return c.pool != nullptr && aligned16(c.pool) && l.num_kv_heads > 0 && l.block_size > 0 &&
+         head_dim_ok(f, l.head_dim) && s.codes_row == code_bytes(f, l.head_dim) &&
+         s.codes_offset % 16 == 0 && s.meta_offset % 16 == 0 &&
+         (!is_fp8(f) || s.head_scales != nullptr);
+}
+
+}  // namespace
+}  // namespace kvq
+
+using namespace kvq;
+
+extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void *slots,
+                          int32_t slots_i64, int64_t num_tokens, const void *k, const void *v,
+                          int32_t dtype, int64_t k_token_stride, int64_t v_token_stride,
+                          unsigned long long *counters, void *stream) {
+  if (cache == nullptr || num_tokens < 0 || num_blocks <= 0) return KVQ_ERR_INVALID;
+  if (num_tokens == 0) return KVQ_OK;
+  PagedSide ks, vs;
+  if (!paged_side(*cache, true, ks) || !paged_side(*cache, false, vs)) return KVQ_ERR_INVALID;
+  const int64_t row_elems = (int64_t)ks.num_heads * ks.head_dim;
+  if (slots == nullptr || k == nullptr || v == nullptr || !aligned16(k) || !aligned16(v) ||
+      k_token_stride < row_elems || v_token_stride < row_elems || k_token_stride % kChunk != 0 ||
+      v_token_stride % kChunk != 0)
+    return KVQ_ERR_INVALID;
+  const int64_t num_slots = num_blocks * ks.block_size;
+  const int64_t grid = row_blocks(num_tokens * ks.num_heads, ks.head_dim);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  auto launch_side = [&](const void *x, int64_t stride, const PagedSide &side, int32_t format,
+                         bool count_out_of_range) {
+    return with_dtype(dtype, [&](auto in) {
+      using In = typename decltype(in)::type;
+      return with_format<false>(format, [&](auto f) {
+        append_kernel<In, decltype(f)::value><<<(unsigned)grid, kThreadsPerBlock, 0, s>>>(
+            static_cast<const In *>(x), stride, num_tokens, slots, slots_i64 != 0, num_slots,
+            side, count_out_of_range, counters);
+        return launch_status();
+      });
+    });
+  };
+  const int rk = launch_side(k, k_token_stride, ks, cache->layout.k_format, true);
+  if (rk != KVQ_OK) return rk;
+  // A skipped token is counted once, by the K pass.
+  return launch_side(v, v_token_stride, vs, cache->layout.v_format, false);
+}
+
+extern "C" int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks,
+                                     const int32_t *block_table, int64_t num_tokens,
+                                     int32_t out_dtype, void *k_out, void *v_out,
+                                     unsigned long long *counters, void *stream) {
+  if (cache == nullptr || block_table == nullptr || num_tokens < 0 || num_blocks <= 0)
+    return KVQ_ERR_INVALID;
+  if (num_tokens == 0) return KVQ_OK;
+  PagedSide ks, vs;
+  if (!paged_side(*cache, true, ks) || !paged_side(*cache, false, vs)) return KVQ_ERR_INVALID;
+  if ((k_out != nullptr && !aligned16(k_out)) || (v_out != nullptr && !aligned16(v_out)))
+    return KVQ_ERR_INVALID;
+  const int64_t grid = row_blocks(num_tokens * ks.num_heads, ks.head_dim);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  bool counted = false;
+  auto launch_side = [&](void *out, const PagedSide &side, int32_t format) {
+    if (out == nullptr) return (int)KVQ_OK;
+    // Count out-of-range blocks once, on the first side gathered.
+    unsigned long long *c = counted ? nullptr : counters;
+    counted = true;
+    return with_dtype(out_dtype, [&](auto o) {
+      using Out = typename decltype(o)::type;
+      return with_format<false>(format, [&](auto f) {
+        gather_kernel<Out, decltype(f)::value><<<(unsigned)grid, kThreadsPerBlock, 0, s>>>(
+            side, block_table, num_tokens, num_blocks, static_cast<Out *>(out), c);
+        return launch_status();
+      });
+    });
+  };
+  const int rk = launch_side(k_out, ks, cache->layout.k_format);
+  if (rk != KVQ_OK) return rk;
+  return launch_side(v_out, vs, cache->layout.v_format);
+}
+
+extern "C" int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, int64_t rows,
+                                int32_t heads, int32_t head_dim, int32_t per_head,
+                                float *scales_out, uint32_t *amax_scratch, void *stream) {
+  const bool uniform = format == KVQ_DENSE_INT4_UNIFORM;
+  if (!(uniform || is_fp8(format)) || x == nullptr || !aligned16(x) || scales_out == nullptr ||
+      amax_scratch == nullptr || rows < 0 || heads <= 0 || head_dim <= 0 ||
+      (uniform && (per_head || head_dim % 2 != 0)) || (!uniform && !head_dim_ok(format, head_dim)))
+    return KVQ_ERR_INVALID;
+  const int n_scales = per_head ? heads : 1;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (cudaMemsetAsync(amax_scratch, 0, sizeof(uint32_t) * n_scales, s) != cudaSuccess)
+    return launch_status();
+  const int64_t n = rows * head_dim;
+  if (n > 0) {
+    const int r = with_dtype(dtype, [&](auto in) {
+      using In = typename decltype(in)::type;
+      amax_kernel<In><<<blocks_for((n + kChunk - 1) / kChunk), kThreadsPerBlock, 0, s>>>(
+          static_cast<const In *>(x), n, head_dim, heads, per_head, amax_scratch);
+      return launch_status();
+    });
+    if (r != KVQ_OK) return r;
+  }
+  const unsigned grid = (unsigned)((n_scales + 255) / 256);
+  switch (format) {
+  case kFp8E4m3:
+    scales_from_amax_kernel<kFp8E4m3><<<grid, 256, 0, s>>>(amax_scratch, n_scales, scales_out);
+    break;
+  case kFp8E5m2:
+    scales_from_amax_kernel<kFp8E5m2><<<grid, 256, 0, s>>>(amax_scratch, n_scales, scales_out);
+    break;
+  default:
+    scales_from_amax_kernel<KVQ_DENSE_INT4_UNIFORM>
+        <<<grid, 256, 0, s>>>(amax_scratch, n_scales, scales_out);
+  }
+  return launch_status();
+}
+
+extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, int64_t rows,
+                                  int32_t heads, int32_t head_dim, const float *head_scales,
+                                  int32_t num_head_scales, uint8_t *codes, uint16_t *group_scales,
+                                  uint16_t *group_zeros, unsigned long long *counters,
+                                  void *stream) {
+  if (x == nullptr || !aligned16(x) || codes == nullptr || !aligned16(codes) || rows < 0 ||
+      heads <= 0)
+    return KVQ_ERR_INVALID;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (format == KVQ_DENSE_INT4_UNIFORM) {
+    if (head_dim <= 0 || head_dim % 2 != 0 || head_scales == nullptr || num_head_scales != 1)
+      return KVQ_ERR_INVALID;
+    const int64_t n = rows * head_dim;
+    if (n == 0) return KVQ_OK;
+    return with_dtype(dtype, [&](auto in) {
+      using In = typename decltype(in)::type;
+      quantize_uniform_kernel<In><<<blocks_for((n + kChunk - 1) / kChunk), kThreadsPerBlock, 0,
+                                    s>>>(static_cast<const In *>(x), n, head_scales, codes,
+                                         counters);
+      return launch_status();
+    });
+  }
+  if (!head_dim_ok(format, head_dim)) return KVQ_ERR_INVALID;
+  const int g = group_size(format);
+  if (is_fp8(format) && (head_scales == nullptr || (num_head_scales != 1 && num_head_scales != heads)))
+    return KVQ_ERR_INVALID;
+  if (g != 0 && (group_scales == nullptr || (format == kInt4Affine64 && group_zeros == nullptr)))
+    return KVQ_ERR_INVALID;
+  if (rows == 0) return KVQ_OK;
+  DenseRows dst = {codes,
+                   group_scales,
+                   group_zeros,
+                   code_bytes(format, head_dim),
+                   g != 0 ? head_dim / g : 0,
+                   heads,
+                   num_head_scales,
+                   is_fp8(format) ? head_scales : nullptr};
+  const int64_t grid = row_blocks(rows, head_dim);
+  return with_dtype(dtype, [&](auto in) {
+    using In = typename decltype(in)::type;
+    return with_format<true>(format, [&](auto f) {
+      quantize_dense_kernel<In, decltype(f)::value><<<(unsigned)grid, kThreadsPerBlock, 0, s>>>(
+          static_cast<const In *>(x), rows, head_dim, dst, counters);
+      return launch_status();
+    });
+  });
+}
+
+extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
+                                    const float *head_scales, int32_t num_head_scales,
+                                    const uint16_t *group_scales, const uint16_t *group_zeros,
+                                    int64_t rows, int32_t heads, int32_t head_dim,
+                                    int32_t out_dtype, void *out, void *stream) {
+  if (codes == nullptr || !aligned16(codes) || out == nullptr || !aligned16(out) || rows < 0 ||
+      heads <= 0)
+    return KVQ_ERR_INVALID;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (format == KVQ_DENSE_INT4_UNIFORM) {
+    if (head_dim <= 0 || head_dim % 2 != 0 || head_scales == nullptr || num_head_scales != 1)
+      return KVQ_ERR_INVALID;
+    const int64_t n = rows * head_dim;
+    if (n == 0) return KVQ_OK;
+    return with_dtype(out_dtype, [&](auto o) {
+      using Out = typename decltype(o)::type;
+      dequantize_uniform_kernel<Out><<<blocks_for((n + kChunk - 1) / kChunk), kThreadsPerBlock,
+                                       0, s>>>(codes, n, head_scales, static_cast<Out *>(out));
+      return launch_status();
+    });
+  }
+  if (!head_dim_ok(format, head_dim)) return KVQ_ERR_INVALID;
+  const int g = group_size(format);
+  if (is_fp8(format) && (head_scales == nullptr || (num_head_scales != 1 && num_head_scales != heads)))
+    return KVQ_ERR_INVALID;
+  if (g != 0 && (group_scales == nullptr || (format == kInt4Affine64 && group_zeros == nullptr)))
+    return KVQ_ERR_INVALID;
+  if (rows == 0) return KVQ_OK;
+  DenseRows src = {const_cast<uint8_t *>(codes),
+                   const_cast<uint16_t *>(group_scales),
+                   const_cast<uint16_t *>(group_zeros),
+                   code_bytes(format, head_dim),
+                   g != 0 ? head_dim / g : 0,
+                   heads,
+                   num_head_scales,
+                   is_fp8(format) ? head_scales : nullptr};
+  const int64_t grid = row_blocks(rows, head_dim);
+  return with_dtype(out_dtype, [&](auto o) {
+    using Out = typename decltype(o)::type;
+    return with_format<true>(format, [&](auto f) {
+      dequantize_dense_kernel<Out, decltype(f)::value>
+          <<<(unsigned)grid, kThreadsPerBlock, 0, s>>>(src, rows, head_dim,
+                                                       static_cast<Out *>(out));
+      return launch_status();
+    });
+  });
+}
+
+extern "C" const char *kvq_last_error(void) { return cudaGetErrorString(g_last_error); }

@@ -1,0 +1,188 @@
+// format.cuh: the device side of FORMATS.md, element by element. It mirrors src/format/
+// (sanitize.rs, fp8.rs, int4.rs) and must stay bit-exact with it: every rounding step below is an
+// explicit `_rn` intrinsic, so nvcc can neither contract `a * b + c` into an FMA nor pick an
+// approximate division, whatever flags the including file is compiled with.
+//
+// Kernels that want speed over exactness (the fused decode may dequantize in f16, FORMATS.md
+// "What is not bit-exact") can use the raw code helpers (fp8_to_half2, int4 nibble unpacking)
+// and do their own arithmetic; everything named quantize_* / dequantize_* here is exact.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace kvq {
+
+// Discriminants of kvq_format (cuda/kvq.h) and kvq::KvFormat, usable as template arguments.
+enum Format : int {
+  kF16 = 0,
+  kBf16 = 1,
+  kFp8E4m3 = 2,
+  kFp8E5m2 = 3,
+  kInt4Sym32 = 4,
+  kInt4Affine64 = 5,
+};
+
+// Largest finite f16; inputs are clamped into [-kF16Max, kF16Max].
+constexpr float kF16Max = 65504.0f;
+// Group sizes of the INT4 formats (elements along head_dim).
+constexpr int kSymGroup = 32;
+constexpr int kAffineGroup = 64;
+
+// ---- input sanitizing (FORMATS.md "Input sanitizing") -------------------------------------
+
+// NaN → 0, then clamp to ±65504 (so ±Inf → ±65504); adds 1 to `non_finite` for NaN or ±Inf.
+// The sign of a zero is kept, as the CPU's f32::clamp keeps it.
+__device__ __forceinline__ float sanitize(float x, uint32_t &non_finite) {
+  if (isnan(x)) {
+    non_finite += 1;
+    return 0.0f;
+  }
+  non_finite += isinf(x) ? 1u : 0u;
+  return fminf(fmaxf(x, -kF16Max), kF16Max);
+}
+
+// Exact widening of the accepted input element types.
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// Round-to-nearest-even narrowing to an output element type.
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ uint16_t half_bits(float x) {
+  return __half_as_ushort(__float2half_rn(x));
+}
+__device__ __forceinline__ float half_from_bits(uint16_t b) {
+  return __half2float(__ushort_as_half(b));
+}
+__device__ __forceinline__ uint16_t bf16_bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+__device__ __forceinline__ float bf16_from_bits(uint16_t b) {
+  return __bfloat162float(__ushort_as_bfloat16(b));
+}
+
+// ---- FP8 (FORMATS.md "FP8 E4M3", E5M2) ----------------------------------------------------
+
+template <int F> struct Fp8Traits;
+template <> struct Fp8Traits<kFp8E4m3> {
+  static constexpr __nv_fp8_interpretation_t kind = __NV_E4M3;
+  static constexpr float max_finite = 448.0f;
+};
+template <> struct Fp8Traits<kFp8E5m2> {
+  static constexpr __nv_fp8_interpretation_t kind = __NV_E5M2;
+  static constexpr float max_finite = 57344.0f;
+};
+
+// Encode y (already divided by the scale) with round-to-nearest-even and saturation to ±max.
+template <int F> __device__ __forceinline__ uint8_t fp8_encode(float y) {
+  return __nv_cvt_float_to_fp8(y, __NV_SATFINITE, Fp8Traits<F>::kind);
+}
+
+// Encode two values at once: x.x in the low byte (one cvt instruction on sm_89+).
+template <int F> __device__ __forceinline__ uint16_t fp8x2_encode(float2 y) {
+  return __nv_cvt_float2_to_fp8x2(y, __NV_SATFINITE, Fp8Traits<F>::kind);
+}
+
+// The exact value of a code, as f16 (every E4M3 / E5M2 value is an f16 value).
+template <int F> __device__ __forceinline__ __half fp8_to_half(uint8_t code) {
+  return __half(__nv_cvt_fp8_to_halfraw(code, Fp8Traits<F>::kind));
+}
+
+// Two codes (low byte → .x) as f16x2, exact.
+template <int F> __device__ __forceinline__ __half2 fp8x2_to_half2(uint16_t codes) {
+  return __half2(__nv_cvt_fp8x2_to_halfraw2(codes, Fp8Traits<F>::kind));
+}
+
+// quantize: encode(x / s), the division correctly rounded.
+template <int F> __device__ __forceinline__ uint8_t fp8_quantize(float x, float scale) {
+  return fp8_encode<F>(__fdiv_rn(x, scale));
+}
+
+// dequantize: value(code) * s.
+template <int F> __device__ __forceinline__ float fp8_dequantize(uint8_t code, float scale) {
+  return __fmul_rn(__half2float(fp8_to_half<F>(code)), scale);
+}
+
+// Calibration scale: amax / max_finite, or 1 when amax == 0.
+template <int F> __device__ __forceinline__ float fp8_scale_from_amax(float amax) {
+  return amax == 0.0f ? 1.0f : __fdiv_rn(amax, Fp8Traits<F>::max_finite);
+}
+
+// ---- INT4 (FORMATS.md "INT4 K", "INT4 V", "Uniform INT4", "Packing") -----------------------
+
+// Symmetric group scale from the group's amax: f16(amax / 7).
+__device__ __forceinline__ __half int4_sym_scale(float amax) {
+  return __float2half_rn(__fdiv_rn(amax, 7.0f));
+}
+
+// Symmetric code in -7..=7 for x with scale sf = f32(s); 0 when sf == 0.
+__device__ __forceinline__ int int4_sym_code(float x, float sf) {
+  if (sf == 0.0f) return 0;
+  const float q = rintf(__fdiv_rn(x, sf));
+  return (int)fminf(fmaxf(q, -7.0f), 7.0f);
+}
+
+__device__ __forceinline__ float int4_sym_dequantize(int q, float sf) {
+  return __fmul_rn((float)q, sf);
+}
+
+// Affine group scale and zero from the group's min and max: f16((mx - mn) / 15), f16(mn).
+__device__ __forceinline__ __half int4_affine_scale(float mn, float mx) {
+  return __float2half_rn(__fdiv_rn(__fsub_rn(mx, mn), 15.0f));
+}
+__device__ __forceinline__ __half int4_affine_zero(float mn) { return __float2half_rn(mn); }
+
+// Affine code in 0..=15 for x with scale sf = f32(s) and zero zf = f32(z); 0 when sf == 0.
+__device__ __forceinline__ int int4_affine_code(float x, float sf, float zf) {
+  if (sf == 0.0f) return 0;
+  const float q = rintf(__fdiv_rn(__fsub_rn(x, zf), sf));
+  return (int)fminf(fmaxf(q, 0.0f), 15.0f);
+}
+
+// fma(q, s, z), one rounding.
+__device__ __forceinline__ float int4_affine_dequantize(int q, float sf, float zf) {
+  return __fmaf_rn((float)q, sf, zf);
+}
+
+// Uniform (per-tensor) INT4: codes as symmetric INT4 but with an f32 scale amax / 7.
+__device__ __forceinline__ float int4_uniform_scale(float amax) { return __fdiv_rn(amax, 7.0f); }
+
+// Nibble i (0..7) of a packed 32-bit word of 8 codes: unsigned, and two's-complement signed.
+__device__ __forceinline__ int nibble_u(uint32_t word, int i) { return (word >> (4 * i)) & 0xF; }
+__device__ __forceinline__ int nibble_s(uint32_t word, int i) {
+  return ((int)(word << (28 - 4 * i))) >> 28;
+}
+
+// Pack 8 codes (element 2i in the low nibble of byte i) into a 32-bit little-endian word.
+__device__ __forceinline__ uint32_t pack8_nibbles(const int (&q)[8]) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) w |= (uint32_t)(q[i] & 0xF) << (4 * i);
+  return w;
+}
+
+// ---- order-exact min / max --------------------------------------------------------------
+
+// The CPU reference folds min / max left to right with f32::min / f32::max, which keep the
+// accumulator when the two compare equal (so of -0.0 and +0.0 the one met first wins; the sign
+// reaches the stored f16 zero and scale). These keep `first` on ties, which makes them
+// associative; combining partial results in index order reproduces the sequential fold exactly.
+__device__ __forceinline__ float min_first(float first, float later) {
+  return later < first ? later : first;
+}
+__device__ __forceinline__ float max_first(float first, float later) {
+  return later > first ? later : first;
+}
+
+}  // namespace kvq

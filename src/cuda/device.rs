@@ -1,0 +1,275 @@
+//! [`DeviceCache`]: one layer's quantized K/V pool in device memory, byte for byte the layout of
+//! a [`HostCache`] (both follow [`BlockLayout`]), plus the FP8 per-KV-head scales and the device
+//! counters the append kernels report into.
+
+use super::{Gpu, driver_err, sys};
+use crate::cache::{HostCache, POISON};
+use crate::error::{Error, Result};
+use crate::layout::{BlockLayout, CacheConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+
+/// Largest `head_dim` the CUDA kernels serve (a row's lanes fit in one thread block).
+pub const MAX_GPU_HEAD_DIM: usize = 2048;
+
+/// What the append kernels counted since the last [`DeviceCache::take_counters`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct AppendCounters {
+    /// Non-finite inputs met (written as their sanitized values, FORMATS.md).
+    pub non_finite: u64,
+    /// Tokens skipped because their slot was outside the pool (an engine bug, reported by
+    /// [`DeviceCache::check_appends`] as an error).
+    pub out_of_range: u64,
+}
+
+/// Quantized K/V storage of one layer in device memory.
+#[derive(Debug)]
+pub struct DeviceCache {
+    gpu: Gpu,
+    layout: BlockLayout,
+    raw_layout: sys::kvq_layout,
+    num_blocks: usize,
+    pool: CudaSlice<u8>,
+    k_scales: CudaSlice<f32>,
+    v_scales: CudaSlice<f32>,
+    host_k_scales: Vec<f32>,
+    host_v_scales: Vec<f32>,
+    counters: CudaSlice<u64>,
+}
+
+/// The C view of a layout; [`Error::Unsupported`] when a field does not fit the ABI's int32.
+fn raw_layout(l: &BlockLayout) -> Result<sys::kvq_layout> {
+    let c = &l.config;
+    let i = |what: &str, v: usize| -> Result<i32> {
+        i32::try_from(v).map_err(|_| {
+            Error::Unsupported(format!("{what} = {v} does not fit the CUDA layout's int32"))
+        })
+    };
+    let i64_ = |what: &str, v: usize| -> Result<i64> {
+        i64::try_from(v)
+            .map_err(|_| Error::Unsupported(format!("{what} = {v} does not fit an int64")))
+    };
+    Ok(sys::kvq_layout {
+        num_kv_heads: i("num_kv_heads", c.num_kv_heads)?,
+        head_dim: i("head_dim", c.head_dim)?,
+        block_size: i("block_size", c.block_size)?,
+        k_format: c.k_format as i32,
+        v_format: c.v_format as i32,
+        k_codes_offset: i("k codes offset", l.k_codes.offset)?,
+        k_codes_row: i("k codes row", l.k_codes.row_bytes)?,
+        k_meta_offset: i("k meta offset", l.k_meta.offset)?,
+        k_meta_row: i("k meta row", l.k_meta.row_bytes)?,
+        v_codes_offset: i("v codes offset", l.v_codes.offset)?,
+        v_codes_row: i("v codes row", l.v_codes.row_bytes)?,
+        v_meta_offset: i("v meta offset", l.v_meta.offset)?,
+        v_meta_row: i("v meta row", l.v_meta.row_bytes)?,
+        head_stride: i64_("head_stride", l.head_stride)?,
+        block_stride: i64_("block_stride", l.block_stride)?,
+    })
+}
+
+/// Check FP8 scales as [`HostCache::set_scales`] does: `heads` each, positive and finite.
+fn check_scales(heads: usize, k: &[f32], v: &[f32]) -> Result<()> {
+    for (what, s) in [("k_scales", k), ("v_scales", v)] {
+        if s.len() != heads {
+            return Err(Error::Length {
+                what,
+                expected: heads,
+                actual: s.len(),
+            });
+        }
+        if let Some(&bad) = s.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+            return Err(Error::Scale { what, value: bad });
+        }
+    }
+    Ok(())
+}
+
+impl DeviceCache {
+    /// An all-[`POISON`] pool of `num_blocks` blocks for `config` on `gpu`, FP8 scales 1.0,
+    /// exactly what [`HostCache::new`] builds on the host.
+    pub fn new(gpu: &Gpu, config: CacheConfig, num_blocks: usize) -> Result<Self> {
+        config.validate()?;
+        if config.head_dim > MAX_GPU_HEAD_DIM {
+            return Err(Error::Unsupported(format!(
+                "head_dim {} on the GPU (at most {MAX_GPU_HEAD_DIM})",
+                config.head_dim
+            )));
+        }
+        if num_blocks == 0 || num_blocks > i32::MAX as usize {
+            return Err(Error::Config {
+                what: "num_blocks",
+                value: num_blocks,
+                expected: "1..=i32::MAX",
+            });
+        }
+        let layout = config.layout();
+        let raw_layout = raw_layout(&layout)?;
+        let bytes = layout
+            .block_stride
+            .checked_mul(num_blocks)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(Error::Config {
+                what: "num_blocks",
+                value: num_blocks,
+                expected: "a pool size that fits in memory",
+            })?;
+        gpu.bind()?;
+        let s = gpu.stream();
+        // SAFETY: filled with POISON right below, before anything can read it.
+        let mut pool =
+            unsafe { s.alloc::<u8>(bytes) }.map_err(driver_err("allocating the pool"))?;
+        {
+            let (ptr, _guard) = pool.device_ptr_mut(s);
+            // SAFETY: `ptr` is a live allocation of `bytes` bytes on this stream.
+            unsafe { cudarc::driver::result::memset_d8_async(ptr, POISON, bytes, s.cu_stream()) }
+                .map_err(driver_err("filling the pool"))?;
+        }
+        let ones = vec![1.0f32; config.num_kv_heads];
+        Ok(DeviceCache {
+            gpu: gpu.clone(),
+            layout,
+            raw_layout,
+            num_blocks,
+            pool,
+            k_scales: s
+                .clone_htod(&ones)
+                .map_err(driver_err("uploading scales"))?,
+            v_scales: s
+                .clone_htod(&ones)
+                .map_err(driver_err("uploading scales"))?,
+            host_k_scales: ones.clone(),
+            host_v_scales: ones,
+            counters: s
+                .alloc_zeros::<u64>(sys::KVQ_NUM_COUNTERS)
+                .map_err(driver_err("allocating counters"))?,
+        })
+    }
+
+    /// A device copy of `host`: pool bytes and FP8 scales.
+    pub fn from_host(gpu: &Gpu, host: &HostCache) -> Result<Self> {
+        let mut d = DeviceCache::new(gpu, *host.config(), host.num_blocks())?;
+        gpu.stream()
+            .memcpy_htod(host.pool(), &mut d.pool)
+            .map_err(driver_err("uploading the pool"))?;
+        d.set_scales(host.k_scales(), host.v_scales())?;
+        Ok(d)
+    }
+
+    /// Copy the cache back to the host (waits for queued work): for tests and inspection.
+    pub fn to_host(&self) -> Result<HostCache> {
+        let mut h = HostCache::new(*self.config(), self.num_blocks)?;
+        self.gpu
+            .stream()
+            .memcpy_dtoh(&self.pool, h.pool_mut())
+            .map_err(driver_err("downloading the pool"))?;
+        self.gpu.synchronize()?;
+        h.set_scales(&self.host_k_scales, &self.host_v_scales)?;
+        Ok(h)
+    }
+
+    /// Set the FP8 scales (`num_kv_heads` each, positive and finite), as
+    /// [`HostCache::set_scales`]. Rows already written keep the codes they were quantized with.
+    pub fn set_scales(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
+        check_scales(self.config().num_kv_heads, k, v)?;
+        let s = self.gpu.stream();
+        s.memcpy_htod(k, &mut self.k_scales)
+            .map_err(driver_err("uploading k scales"))?;
+        s.memcpy_htod(v, &mut self.v_scales)
+            .map_err(driver_err("uploading v scales"))?;
+        self.host_k_scales.copy_from_slice(k);
+        self.host_v_scales.copy_from_slice(v);
+        Ok(())
+    }
+
+    /// The GPU this cache lives on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.layout.config
+    }
+
+    /// Byte layout of a block.
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+
+    /// Blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Token slots in the pool (`num_blocks * block_size`).
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.layout.config.block_size
+    }
+
+    /// FP8 key scales, one per KV head (host copy).
+    pub fn k_scales(&self) -> &[f32] {
+        &self.host_k_scales
+    }
+
+    /// FP8 value scales, one per KV head (host copy).
+    pub fn v_scales(&self) -> &[f32] {
+        &self.host_v_scales
+    }
+
+    /// The pool in device memory.
+    pub fn pool(&self) -> &CudaSlice<u8> {
+        &self.pool
+    }
+
+    /// The C view of this cache for the launchers in [`sys`].
+    ///
+    /// The pointers stay valid while `self` lives and is not mutably borrowed elsewhere; work
+    /// using them must be queued on [`Gpu::stream`] of [`gpu`](Self::gpu) (or be ordered after
+    /// it), which is what orders it after earlier appends.
+    pub fn as_raw(&self) -> sys::kvq_cache {
+        let s = self.gpu.stream();
+        let (pool, _g1) = self.pool.device_ptr(s);
+        let (k, _g2) = self.k_scales.device_ptr(s);
+        let (v, _g3) = self.v_scales.device_ptr(s);
+        sys::kvq_cache {
+            pool: pool as *mut u8,
+            k_scales: k as *const f32,
+            v_scales: v as *const f32,
+            layout: self.raw_layout,
+        }
+    }
+
+    /// Device pointer of the counters array (`KVQ_NUM_COUNTERS` u64), for the launchers.
+    pub(crate) fn counters_ptr(&mut self) -> *mut u64 {
+        let (p, _g) = self.counters.device_ptr_mut(self.gpu.stream());
+        p as *mut u64
+    }
+
+    /// Read and reset the append counters (waits for queued work).
+    pub fn take_counters(&mut self) -> Result<AppendCounters> {
+        let s = self.gpu.stream().clone();
+        let c = s
+            .clone_dtoh(&self.counters)
+            .map_err(driver_err("reading counters"))?;
+        s.memset_zeros(&mut self.counters)
+            .map_err(driver_err("resetting counters"))?;
+        Ok(AppendCounters {
+            non_finite: c[sys::KVQ_COUNTER_NON_FINITE],
+            out_of_range: c[sys::KVQ_COUNTER_OUT_OF_RANGE],
+        })
+    }
+
+    /// Read and reset the counters; an error if any appended token had a slot outside the
+    /// pool (it was skipped). Returns the number of non-finite inputs met.
+    pub fn check_appends(&mut self) -> Result<u64> {
+        let c = self.take_counters()?;
+        if c.out_of_range > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{} appended token(s) had a slot outside the pool of {} slots and were skipped",
+                c.out_of_range,
+                self.num_slots()
+            )));
+        }
+        Ok(c.non_finite)
+    }
+}

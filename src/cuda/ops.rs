@@ -1,0 +1,722 @@
+//! Safe launches of the append / gather / dense quantize kernels: every argument is validated
+//! here, before any `unsafe`, and each function returns once the work is queued on the
+//! [`Gpu`]'s stream (results are ordered by that stream; copies back to the host wait for it).
+//!
+//! The `*_raw` functions are the same launches for engines that own their device memory: they
+//! take device pointers and a `CUstream`, check what can be checked on the host, and document
+//! what the caller must guarantee.
+
+use super::device::MAX_GPU_HEAD_DIM;
+use super::{DeviceCache, Gpu, check_status, driver_err, sys};
+use crate::dense::{DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor};
+use crate::error::{Error, Result};
+use crate::format::Element;
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
+use std::ffi::c_void;
+
+/// Element type of a dense device tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    /// f32.
+    F32,
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl Dtype {
+    fn raw(self) -> i32 {
+        match self {
+            Dtype::F32 => sys::KVQ_DTYPE_F32,
+            Dtype::F16 => sys::KVQ_DTYPE_F16,
+            Dtype::Bf16 => sys::KVQ_DTYPE_BF16,
+        }
+    }
+
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::Bf16 => 2,
+        }
+    }
+}
+
+/// Element types the kernels read and write: f32, f16, bf16.
+pub trait DeviceElement: DeviceRepr + Element + Default {
+    /// The matching [`Dtype`].
+    const DTYPE: Dtype;
+}
+impl DeviceElement for f32 {
+    const DTYPE: Dtype = Dtype::F32;
+}
+impl DeviceElement for half::f16 {
+    const DTYPE: Dtype = Dtype::F16;
+}
+impl DeviceElement for half::bf16 {
+    const DTYPE: Dtype = Dtype::Bf16;
+}
+
+/// Integer types of a slot mapping: i32 or i64 (engines use either).
+pub trait SlotIndex: DeviceRepr {
+    /// Whether this is the 64-bit variant.
+    const IS_I64: bool;
+}
+impl SlotIndex for i32 {
+    const IS_I64: bool = false;
+}
+impl SlotIndex for i64 {
+    const IS_I64: bool = true;
+}
+
+fn same_device(gpu: &Gpu, cache: &DeviceCache) -> Result<()> {
+    if gpu.context() != cache.gpu().context() {
+        return Err(Error::InvalidArgument(format!(
+            "the cache lives on GPU {}, the launch was asked for GPU {}",
+            cache.gpu().props().ordinal,
+            gpu.props().ordinal
+        )));
+    }
+    Ok(())
+}
+
+fn need_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if actual < expected {
+        return Err(Error::Length {
+            what,
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+fn to_i32(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Unsupported(format!("{what} = {v} exceeds int32")))
+}
+
+fn to_i64(v: usize) -> i64 {
+    // Every count here bounds a device allocation, which is far below i64::MAX.
+    v as i64
+}
+
+// ---- append --------------------------------------------------------------------------------
+
+/// Quantize `num_tokens` tokens of `k` and `v` (`[num_tokens, num_kv_heads, head_dim]`, row
+/// major; longer buffers are fine, only the first rows are read) into the pool slots
+/// `slots[..num_tokens]`. A negative slot skips its token (padding). A slot past the pool also
+/// skips it and is reported by [`DeviceCache::check_appends`]; non-finite inputs are sanitized
+/// and counted there too (FORMATS.md). Bytes equal [`HostCache::write`]'s bit for bit.
+///
+/// [`HostCache::write`]: crate::cache::HostCache::write
+pub fn append<T: DeviceElement, S: SlotIndex>(
+    gpu: &Gpu,
+    cache: &mut DeviceCache,
+    slots: &CudaSlice<S>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    num_tokens: usize,
+) -> Result<()> {
+    same_device(gpu, cache)?;
+    let c = *cache.config();
+    let row = c.num_kv_heads * c.head_dim;
+    need_len("slots", num_tokens, slots.len())?;
+    let elems = num_tokens.checked_mul(row).ok_or_else(|| {
+        Error::InvalidArgument(format!("{num_tokens} tokens overflow the element count"))
+    })?;
+    need_len("k ([tokens, kv_heads, head_dim])", elems, k.len())?;
+    need_len("v ([tokens, kv_heads, head_dim])", elems, v.len())?;
+    if num_tokens == 0 {
+        return Ok(());
+    }
+    gpu.bind()?;
+    let s = gpu.stream();
+    let raw = cache.as_raw();
+    let num_blocks = cache.num_blocks();
+    let counters = cache.counters_ptr();
+    let (slots_p, _g1) = slots.device_ptr(s);
+    let (k_p, _g2) = k.device_ptr(s);
+    let (v_p, _g3) = v.device_ptr(s);
+    // SAFETY: the cache view and counters come from a live DeviceCache on this device; slots,
+    // k and v hold at least num_tokens rows (checked above); everything is queued on `s`, whose
+    // order the slices' guards record.
+    let status = unsafe {
+        sys::kvq_append(
+            &raw,
+            to_i64(num_blocks),
+            slots_p as *const c_void,
+            S::IS_I64 as i32,
+            to_i64(num_tokens),
+            k_p as *const c_void,
+            v_p as *const c_void,
+            T::DTYPE.raw(),
+            to_i64(row),
+            to_i64(row),
+            counters.cast(),
+            gpu.raw_stream(),
+        )
+    };
+    check_status(status, "kvq_append")
+}
+
+/// [`append`] for memory the caller owns.
+///
+/// `k_token_stride` / `v_token_stride` are the elements between consecutive tokens' rows (at
+/// least `num_kv_heads * head_dim`, a multiple of 8), so K and V may be views into a fused QKV
+/// buffer. `counters` is a device array of [`sys::KVQ_NUM_COUNTERS`] u64 or 0 for none.
+///
+/// # Safety
+/// - `cache` describes a live device pool of `num_blocks` blocks laid out by its `layout`
+///   (build it with [`DeviceCache::as_raw`] or from a [`BlockLayout`](crate::BlockLayout)), and
+///   FP8 scale arrays of `num_kv_heads` f32 when a side is FP8;
+/// - `slots` points to `num_tokens` device integers (i64 when `slots_i64`, else i32);
+/// - `k` and `v` are 16-byte aligned device pointers to `num_tokens` rows of `dtype` at the
+///   given strides;
+/// - all of it stays valid, and is not written by other work, until the launch on `stream` (a
+///   stream of the context current on this thread) has finished.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn append_raw(
+    cache: &sys::kvq_cache,
+    num_blocks: usize,
+    slots: CUdeviceptr,
+    slots_i64: bool,
+    num_tokens: usize,
+    k: CUdeviceptr,
+    v: CUdeviceptr,
+    dtype: Dtype,
+    k_token_stride: usize,
+    v_token_stride: usize,
+    counters: CUdeviceptr,
+    stream: CUstream,
+) -> Result<()> {
+    let l = &cache.layout;
+    let row = (l.num_kv_heads.max(0) as usize) * (l.head_dim.max(0) as usize);
+    for (what, stride) in [
+        ("k_token_stride", k_token_stride),
+        ("v_token_stride", v_token_stride),
+    ] {
+        if stride < row || stride % 8 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{what} {stride} must be a multiple of 8 and at least num_kv_heads * head_dim = {row}"
+            )));
+        }
+    }
+    if k % 16 != 0 || v % 16 != 0 {
+        return Err(Error::InvalidArgument(
+            "k and v must be 16-byte aligned".into(),
+        ));
+    }
+    // SAFETY: forwarded from the caller's contract.
+    let status = unsafe {
+        sys::kvq_append(
+            cache,
+            to_i64(num_blocks),
+            slots as *const c_void,
+            slots_i64 as i32,
+            to_i64(num_tokens),
+            k as *const c_void,
+            v as *const c_void,
+            dtype.raw(),
+            to_i64(k_token_stride),
+            to_i64(v_token_stride),
+            counters as *mut u64,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_append")
+}
+
+// ---- gather ----------------------------------------------------------------------------
+
+/// Dequantize the first `len` tokens of the sequence whose blocks are `block_table` into dense
+/// `[len, num_kv_heads, head_dim]` keys and values of `T`: the f32 values of
+/// [`HostCache::gather`](crate::cache::HostCache::gather), rounded to `T`.
+pub fn gather_dequantize<T: DeviceElement>(
+    gpu: &Gpu,
+    cache: &DeviceCache,
+    block_table: &[i32],
+    len: usize,
+) -> Result<(CudaSlice<T>, CudaSlice<T>)> {
+    same_device(gpu, cache)?;
+    let c = cache.config();
+    let used = len.div_ceil(c.block_size);
+    need_len(
+        "block table entries (ceil(len / block_size))",
+        used,
+        block_table.len(),
+    )?;
+    for (i, &e) in block_table[..used].iter().enumerate() {
+        match usize::try_from(e) {
+            Ok(block) if block < cache.num_blocks() => {}
+            Ok(block) => {
+                return Err(Error::BlockIndex {
+                    block,
+                    num_blocks: cache.num_blocks(),
+                });
+            }
+            Err(_) => {
+                return Err(Error::InvalidArgument(format!(
+                    "block table entry {i} = {e}: a used entry must be a block id"
+                )));
+            }
+        }
+    }
+    let n = len * c.num_kv_heads * c.head_dim;
+    gpu.bind()?;
+    let s = gpu.stream();
+    if len == 0 {
+        let empty = || {
+            s.null::<T>()
+                .map_err(driver_err("allocating an empty output"))
+        };
+        return Ok((empty()?, empty()?));
+    }
+    // SAFETY: every element is written by the launch below before it can be read.
+    let mut k_out = unsafe { s.alloc::<T>(n) }.map_err(driver_err("allocating k_out"))?;
+    let mut v_out = unsafe { s.alloc::<T>(n) }.map_err(driver_err("allocating v_out"))?;
+    let table = s
+        .clone_htod(&block_table[..used])
+        .map_err(driver_err("uploading the block table"))?;
+    let raw = cache.as_raw();
+    {
+        let (t_p, _g1) = table.device_ptr(s);
+        let (k_p, _g2) = k_out.device_ptr_mut(s);
+        let (v_p, _g3) = v_out.device_ptr_mut(s);
+        // SAFETY: the table holds `used` validated block ids; outputs hold n elements.
+        let status = unsafe {
+            sys::kvq_gather_dequantize(
+                &raw,
+                to_i64(cache.num_blocks()),
+                t_p as *const i32,
+                to_i64(len),
+                T::DTYPE.raw(),
+                k_p as *mut c_void,
+                v_p as *mut c_void,
+                std::ptr::null_mut(),
+                gpu.raw_stream(),
+            )
+        };
+        check_status(status, "kvq_gather_dequantize")?;
+    }
+    Ok((k_out, v_out))
+}
+
+/// [`gather_dequantize`] for memory the caller owns: the block table is a device array and is
+/// not validated on the host; an entry outside `[0, num_blocks)` yields zeros for its tokens and
+/// adds them to `counters[KVQ_COUNTER_OUT_OF_RANGE]` (when `counters` is not 0). `k_out` or
+/// `v_out` may be 0 to skip that side.
+///
+/// # Safety
+/// - `cache` describes a live device pool of `num_blocks` blocks (see [`append_raw`]);
+/// - `block_table` points to `ceil(num_tokens / block_size)` device i32;
+/// - `k_out` / `v_out` are 16-byte aligned device buffers of `num_tokens * num_kv_heads *
+///   head_dim` elements of `out_dtype`, not used by other work until the launch on `stream`
+///   has finished.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gather_dequantize_raw(
+    cache: &sys::kvq_cache,
+    num_blocks: usize,
+    block_table: CUdeviceptr,
+    num_tokens: usize,
+    out_dtype: Dtype,
+    k_out: CUdeviceptr,
+    v_out: CUdeviceptr,
+    counters: CUdeviceptr,
+    stream: CUstream,
+) -> Result<()> {
+    if k_out % 16 != 0 || v_out % 16 != 0 {
+        return Err(Error::InvalidArgument(
+            "k_out and v_out must be 16-byte aligned".into(),
+        ));
+    }
+    // SAFETY: forwarded from the caller's contract.
+    let status = unsafe {
+        sys::kvq_gather_dequantize(
+            cache,
+            to_i64(num_blocks),
+            block_table as *const i32,
+            to_i64(num_tokens),
+            out_dtype.raw(),
+            k_out as *mut c_void,
+            v_out as *mut c_void,
+            counters as *mut u64,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_gather_dequantize")
+}
+
+// ---- dense quantize / dequantize ------------------------------------------------------------
+
+/// A dense tensor quantized on the device: the parts of a [`QuantizedTensor`] (same layout,
+/// same bytes) in device memory.
+#[derive(Debug)]
+pub struct DeviceQuantized {
+    format: DenseFormat,
+    shape: Vec<usize>,
+    /// Packed codes, `[..., code bytes per row]`.
+    codes: CudaSlice<u8>,
+    /// FP8 and uniform INT4: the f32 scales (`[1]` or `[heads]`).
+    head_scales: Option<CudaSlice<f32>>,
+    /// Grouped INT4: f16 scales `[..., head_dim / group]` as bits.
+    group_scales: Option<CudaSlice<u16>>,
+    /// Affine INT4: f16 zeros, like `group_scales`.
+    group_zeros: Option<CudaSlice<u16>>,
+    /// `[non_finite, unused]`, filled by the quantize launch.
+    counters: Option<CudaSlice<u64>>,
+}
+
+/// Rows, heads and head_dim of a dense shape `[..., heads, head_dim]` (src/dense.rs rules).
+struct DenseGeometry {
+    rows: usize,
+    heads: usize,
+    head_dim: usize,
+}
+
+impl DenseGeometry {
+    fn of(format: DenseFormat, shape: &[usize]) -> Result<Self> {
+        let Some((&head_dim, prefix)) = shape.split_last() else {
+            return Err(Error::InvalidArgument(
+                "a tensor to quantize needs at least one axis (head_dim)".into(),
+            ));
+        };
+        format.check_head_dim(head_dim)?;
+        if format.kv_format().is_some() && head_dim > MAX_GPU_HEAD_DIM {
+            return Err(Error::Unsupported(format!(
+                "head_dim {head_dim} on the GPU (at most {MAX_GPU_HEAD_DIM})"
+            )));
+        }
+        let rows = prefix
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .filter(|r| r.checked_mul(head_dim).is_some())
+            .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} is too large")))?;
+        let heads = prefix.last().copied().unwrap_or(1);
+        to_i32("heads", heads)?;
+        to_i32("head_dim", head_dim)?;
+        Ok(DenseGeometry {
+            rows,
+            heads,
+            head_dim,
+        })
+    }
+
+    fn elements(&self) -> usize {
+        self.rows * self.head_dim
+    }
+
+    /// Groups per row for grouped INT4, else 0.
+    fn groups(&self, format: DenseFormat) -> usize {
+        format
+            .kv_format()
+            .and_then(|f| f.group_size())
+            .map_or(0, |g| self.head_dim / g)
+    }
+}
+
+fn format_id(format: DenseFormat) -> i32 {
+    match format.kv_format() {
+        Some(kv) => kv as i32,
+        None => sys::KVQ_DENSE_INT4_UNIFORM,
+    }
+}
+
+fn head_scale_count(format: DenseFormat, g: &DenseGeometry, choice: Fp8ScaleChoice) -> usize {
+    match (format.fp8_kind(), choice) {
+        (Some(_), Fp8ScaleChoice::PerHeadAmax) => g.heads,
+        _ => 1,
+    }
+}
+
+/// Quantize a dense device tensor of `shape` (`[..., heads, head_dim]`, row major) exactly as
+/// [`crate::dense::quantize`] does on the host; scales from data are computed on the device.
+pub fn quantize_dense<T: DeviceElement>(
+    gpu: &Gpu,
+    format: DenseFormat,
+    data: &CudaSlice<T>,
+    shape: &[usize],
+    scale: Fp8ScaleChoice,
+) -> Result<DeviceQuantized> {
+    let g = DenseGeometry::of(format, shape)?;
+    if data.len() != g.elements() {
+        return Err(Error::Length {
+            what: "tensor data",
+            expected: g.elements(),
+            actual: data.len(),
+        });
+    }
+    if format.fp8_kind().is_none() && scale != Fp8ScaleChoice::PerTensorAmax {
+        return Err(Error::Unsupported(format!(
+            "{format} derives its scales from the data; a {scale:?} scale applies only to FP8"
+        )));
+    }
+    if let Fp8ScaleChoice::Fixed(s) = scale {
+        if !(s.is_finite() && s > 0.0) {
+            return Err(Error::Scale {
+                what: "fixed FP8 scale",
+                value: s,
+            });
+        }
+    }
+    gpu.bind()?;
+    let s = gpu.stream();
+    let fmt = format_id(format);
+    let stream = gpu.raw_stream();
+    let groups = g.groups(format);
+    let code_bytes = format.code_bytes(g.head_dim);
+    // SAFETY (allocations): every byte is written by the launches below before it is read.
+    let mut codes = unsafe { s.alloc::<u8>((g.rows * code_bytes).max(1)) }
+        .map_err(driver_err("allocating codes"))?;
+    let mut counters = s
+        .alloc_zeros::<u64>(sys::KVQ_NUM_COUNTERS)
+        .map_err(driver_err("allocating counters"))?;
+    let n_scales = head_scale_count(format, &g, scale);
+    let uses_head_scales = format.kv_format().is_none() || format.fp8_kind().is_some();
+    let mut head_scales = None;
+    if uses_head_scales {
+        let mut hs = match scale {
+            Fp8ScaleChoice::Fixed(v) => s.clone_htod(&[v]),
+            _ => s.alloc_zeros::<f32>(n_scales),
+        }
+        .map_err(driver_err("allocating scales"))?;
+        if !matches!(scale, Fp8ScaleChoice::Fixed(_)) {
+            let mut scratch = s
+                .alloc_zeros::<u32>(n_scales)
+                .map_err(driver_err("allocating scratch"))?;
+            let (x_p, _g1) = data.device_ptr(s);
+            let (hs_p, _g2) = hs.device_ptr_mut(s);
+            let (sc_p, _g3) = scratch.device_ptr_mut(s);
+            // SAFETY: x holds rows * head_dim elements; scales and scratch n_scales each.
+            let status = unsafe {
+                sys::kvq_dense_scales(
+                    fmt,
+                    x_p as *const c_void,
+                    T::DTYPE.raw(),
+                    to_i64(g.rows),
+                    g.heads as i32,
+                    g.head_dim as i32,
+                    (n_scales > 1) as i32,
+                    hs_p as *mut f32,
+                    sc_p as *mut u32,
+                    stream,
+                )
+            };
+            check_status(status, "kvq_dense_scales")?;
+        }
+        head_scales = Some(hs);
+    }
+    let alloc_meta = |what| {
+        // SAFETY: written by the quantize launch (one value per group).
+        unsafe { s.alloc::<u16>((g.rows * groups).max(1)) }.map_err(driver_err(what))
+    };
+    let mut group_scales = (groups > 0)
+        .then(|| alloc_meta("allocating scales"))
+        .transpose()?;
+    let mut group_zeros = (format == DenseFormat::Int4V64)
+        .then(|| alloc_meta("allocating zeros"))
+        .transpose()?;
+    {
+        let (x_p, _g1) = data.device_ptr(s);
+        let hs = head_scales.as_ref().map(|h| h.device_ptr(s));
+        let (c_p, _g2) = codes.device_ptr_mut(s);
+        let gs = group_scales.as_mut().map(|h| h.device_ptr_mut(s));
+        let gz = group_zeros.as_mut().map(|h| h.device_ptr_mut(s));
+        let (n_p, _g3) = counters.device_ptr_mut(s);
+        // SAFETY: every buffer was sized from the validated geometry above.
+        let status = unsafe {
+            sys::kvq_quantize_dense(
+                fmt,
+                x_p as *const c_void,
+                T::DTYPE.raw(),
+                to_i64(g.rows),
+                g.heads as i32,
+                g.head_dim as i32,
+                hs.as_ref().map_or(0, |p| p.0) as *const f32,
+                n_scales as i32,
+                c_p as *mut u8,
+                gs.as_ref().map_or(0, |p| p.0) as *mut u16,
+                gz.as_ref().map_or(0, |p| p.0) as *mut u16,
+                n_p as *mut u64,
+                stream,
+            )
+        };
+        check_status(status, "kvq_quantize_dense")?;
+    }
+    Ok(DeviceQuantized {
+        format,
+        shape: shape.to_vec(),
+        codes,
+        head_scales,
+        group_scales,
+        group_zeros,
+        counters: Some(counters),
+    })
+}
+
+/// Dequantize to a dense device tensor of `T` with [`DeviceQuantized::shape`]: the f32 values of
+/// [`crate::dense::dequantize`], rounded to `T`.
+pub fn dequantize_dense<T: DeviceElement>(gpu: &Gpu, q: &DeviceQuantized) -> Result<CudaSlice<T>> {
+    let g = DenseGeometry::of(q.format, &q.shape)?;
+    gpu.bind()?;
+    let s = gpu.stream();
+    if g.elements() == 0 {
+        return s
+            .null::<T>()
+            .map_err(driver_err("allocating an empty output"));
+    }
+    // SAFETY: every element is written by the launch below.
+    let mut out = unsafe { s.alloc::<T>(g.elements()) }.map_err(driver_err("allocating output"))?;
+    {
+        let (c_p, _g1) = q.codes.device_ptr(s);
+        let hs = q.head_scales.as_ref().map(|h| h.device_ptr(s));
+        let gs = q.group_scales.as_ref().map(|h| h.device_ptr(s));
+        let gz = q.group_zeros.as_ref().map(|h| h.device_ptr(s));
+        let (o_p, _g2) = out.device_ptr_mut(s);
+        // SAFETY: a DeviceQuantized's parts always match its format and shape.
+        let status = unsafe {
+            sys::kvq_dequantize_dense(
+                format_id(q.format),
+                c_p as *const u8,
+                hs.as_ref().map_or(0, |p| p.0) as *const f32,
+                q.head_scales.as_ref().map_or(0, |h| h.len()) as i32,
+                gs.as_ref().map_or(0, |p| p.0) as *const u16,
+                gz.as_ref().map_or(0, |p| p.0) as *const u16,
+                to_i64(g.rows),
+                g.heads as i32,
+                g.head_dim as i32,
+                T::DTYPE.raw(),
+                o_p as *mut c_void,
+                gpu.raw_stream(),
+            )
+        };
+        check_status(status, "kvq_dequantize_dense")?;
+    }
+    Ok(out)
+}
+
+impl DeviceQuantized {
+    /// Upload a host [`QuantizedTensor`] (for dequantizing it on the device).
+    pub fn from_host(gpu: &Gpu, q: &QuantizedTensor) -> Result<Self> {
+        let s = gpu.stream();
+        gpu.bind()?;
+        let up_u8 = |d: &[u8]| s.clone_htod(d).map_err(driver_err("uploading codes"));
+        let halves = |t: &StoredTensor| -> Vec<u16> {
+            t.data()
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect()
+        };
+        let floats = |t: &StoredTensor| -> Vec<f32> {
+            t.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect()
+        };
+        let (head_scales, group_scales) = match q.scales().dtype() {
+            StoredDtype::F32 => (
+                Some(
+                    s.clone_htod(&floats(q.scales()))
+                        .map_err(driver_err("uploading scales"))?,
+                ),
+                None,
+            ),
+            _ => (
+                None,
+                Some(
+                    s.clone_htod(&halves(q.scales()))
+                        .map_err(driver_err("uploading scales"))?,
+                ),
+            ),
+        };
+        let group_zeros = q
+            .zeros()
+            .map(|z| {
+                s.clone_htod(&halves(z))
+                    .map_err(driver_err("uploading zeros"))
+            })
+            .transpose()?;
+        let codes = if q.codes().data().is_empty() {
+            up_u8(&[0])?
+        } else {
+            up_u8(q.codes().data())?
+        };
+        Ok(DeviceQuantized {
+            format: q.format(),
+            shape: q.shape().to_vec(),
+            codes,
+            head_scales,
+            group_scales,
+            group_zeros,
+            counters: None,
+        })
+    }
+
+    /// The format.
+    pub fn format(&self) -> DenseFormat {
+        self.format
+    }
+
+    /// Shape of the original tensor.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Non-finite inputs met while quantizing (waits for the launch); 0 for an upload.
+    pub fn non_finite(&self) -> Result<u64> {
+        match &self.counters {
+            None => Ok(0),
+            Some(c) => {
+                let v = c
+                    .stream()
+                    .clone_dtoh(c)
+                    .map_err(driver_err("reading counters"))?;
+                Ok(v[sys::KVQ_COUNTER_NON_FINITE])
+            }
+        }
+    }
+
+    /// Copy back as a host [`QuantizedTensor`] (waits for the launch). Its `non_finite()` is 0
+    /// (the type keeps that count private); read [`non_finite`](Self::non_finite) instead.
+    pub fn to_host(&self) -> Result<QuantizedTensor> {
+        let s = self.codes.stream();
+        let g = DenseGeometry::of(self.format, &self.shape)?;
+        let prefix = &self.shape[..self.shape.len() - 1];
+        let with_last = |last: usize| prefix.iter().copied().chain([last]).collect::<Vec<_>>();
+        let code_bytes = self.format.code_bytes(g.head_dim);
+        let mut codes = s
+            .clone_dtoh(&self.codes)
+            .map_err(driver_err("reading codes"))?;
+        codes.truncate(g.rows * code_bytes);
+        let codes = StoredTensor::new(StoredDtype::U8, with_last(code_bytes), codes)?;
+        let groups = g.groups(self.format);
+        let read_halves = |h: &CudaSlice<u16>| -> Result<Vec<u8>> {
+            let mut v = s.clone_dtoh(h).map_err(driver_err("reading scales"))?;
+            v.truncate(g.rows * groups);
+            Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        };
+        let scales = match (&self.head_scales, &self.group_scales) {
+            (Some(h), _) => {
+                let v = s.clone_dtoh(h).map_err(driver_err("reading scales"))?;
+                let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                StoredTensor::new(StoredDtype::F32, vec![v.len()], bytes)?
+            }
+            (None, Some(h)) => {
+                StoredTensor::new(StoredDtype::F16, with_last(groups), read_halves(h)?)?
+            }
+            (None, None) => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} tensor without scales",
+                    self.format
+                )));
+            }
+        };
+        let zeros = self
+            .group_zeros
+            .as_ref()
+            .map(|z| StoredTensor::new(StoredDtype::F16, with_last(groups), read_halves(z)?))
+            .transpose()?;
+        QuantizedTensor::from_parts(self.format, codes, scales, zeros)
+    }
+}
