@@ -21,6 +21,7 @@ pub mod layout;
 #[cfg(feature = "plot")]
 pub mod plot;
 pub mod report;
+pub mod synth;
 
 pub use error::{Error, Result};
 pub use format::{KvFormat, ScaleGranularity};
