@@ -209,15 +209,15 @@ impl HostCache {
     /// Quantize `[tokens, num_kv_heads, head_dim]` keys and values into `slots` (one per
     /// token), row by row with [`KvFormat::encode_row`]. Returns the number of non-finite
     /// inputs met (they are sanitized, FORMATS.md). Everything is validated before any byte is
-    /// written; a slot outside the pool is [`Error::BlockIndex`].
+    /// written; a slot outside the pool is [`Error::BlockIndex`]. If a slot repeats, the last
+    /// token written to it wins.
     pub fn write<T: Element>(&mut self, slots: &[usize], k: &[T], v: &[T]) -> Result<u64> {
         self.check_write(slots, k, v)?;
+        let (heads, d) = (self.layout.config.num_kv_heads, self.layout.config.head_dim);
         let mut non_finite = 0;
         for (t, &slot) in slots.iter().enumerate() {
             let (block, off) = self.layout.split_slot(slot);
             for (side, x) in [(Side::K, k), (Side::V, v)] {
-                let d = self.layout.config.head_dim;
-                let heads = self.layout.config.num_kv_heads;
                 for h in 0..heads {
                     let row = &x[(t * heads + h) * d..][..d];
                     non_finite += self.encode_row(side, block, off, h, row);
