@@ -321,6 +321,24 @@ fn attention_dense_equals_paged_on_dequantized_values() {
     }
 }
 
+/// Large batches run on several threads; the result is bit-identical to one call per sequence
+/// (small enough to stay on one thread).
+#[test]
+fn threaded_batch_equals_one_sequence_at_a_time() {
+    let cfg = CacheConfig::new(2, 64, 16, KvFormat::Fp8E4m3, KvFormat::Int4Affine64).unwrap();
+    let lens = [20_000, 17, 15_001];
+    let s = setup(cfg, 3, 2, &lens, 77);
+    let batched = s.run(Accum::F64);
+    let per_out = 6 * 2 * 64;
+    for (b, &len) in lens.iter().enumerate() {
+        let table = s.alloc.block_table(s.seqs[b]).unwrap();
+        let one = BlockTables::from_rows(&[table], &[len]).unwrap();
+        let r = decode_attention(&s.cache, &one, s.q_of(b), &s.shape, Accum::F64).unwrap();
+        assert_eq!(r.out, batched.out[b * per_out..][..per_out], "seq {b}");
+        assert_eq!(r.lse, batched.lse[b * 12..][..12], "seq {b}");
+    }
+}
+
 /// A forked sequence reads shared blocks; a table may list the same block for two sequences.
 #[test]
 fn shared_blocks_are_read_by_both_sequences() {

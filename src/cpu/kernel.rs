@@ -82,6 +82,7 @@ impl<A: Acc> Scratch<A> {
 
 /// One call's geometry: `rows = group * q_len` query rows of `head_dim`, attending to a
 /// context of `context_len` positions of which the last `q_len` are the queries' own tokens.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct GroupShape {
     pub(crate) q_len: usize,
     pub(crate) head_dim: usize,

@@ -17,6 +17,9 @@
 //! - Everything after dequantization (products, sums, `exp`, `ln`) is done in the [`Accum`]
 //!   type; results are rounded to f32 once.
 //!
+//! Work is split over (sequence, KV head) pairs, on several threads for large problems; each
+//! pair is computed the same way on any thread, so results are bit-for-bit reproducible.
+//!
 //! Inputs are validated (shapes, lengths, block ids, `1 <= q_len <= context_len`, finite `q` and
 //! `softmax_scale`); a non-finite result (e.g. from an absurd FP8 scale) is an
 //! [`Error::NonFinite`] rather than a silently wrong answer.
@@ -25,8 +28,13 @@ mod kernel;
 
 use kernel::{Acc, GroupShape, KvRows, Scratch, attend_group};
 
+use std::sync::Mutex;
+
 use crate::cache::{BlockTables, HostCache};
 use crate::error::{Error, Result};
+
+/// Below this many (sequence, KV head, position) triples the reference runs on one thread.
+const PARALLEL_MIN_POSITIONS: usize = 1 << 16;
 
 /// Query geometry of one decode step.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -254,7 +262,7 @@ fn check_query(
 }
 
 /// Run the inner loop for every (sequence, KV head) in the chosen accumulator type.
-fn run<R: KvRows>(
+fn run<R: KvRows + Sync>(
     sources: impl Iterator<Item = R>,
     context_lens: &[usize],
     num_kv_heads: usize,
@@ -269,7 +277,7 @@ fn run<R: KvRows>(
     }
 }
 
-fn run_in<A: Acc, R: KvRows>(
+fn run_in<A: Acc, R: KvRows + Sync>(
     sources: impl Iterator<Item = R>,
     context_lens: &[usize],
     num_kv_heads: usize,
@@ -283,12 +291,15 @@ fn run_in<A: Acc, R: KvRows>(
     let group_lse = group * shape.q_len;
     let mut out = vec![0f32; q.len()];
     let mut lse = vec![0f32; q.len() / head_dim];
-    let mut scratch = Scratch::<A>::new();
+    let sources: Vec<R> = sources.collect();
     let mut chunks = q
         .chunks_exact(group_q)
         .zip(out.chunks_exact_mut(group_q))
         .zip(lse.chunks_exact_mut(group_lse));
-    for (rows, &context_len) in sources.zip(context_lens) {
+    // One work item per (sequence, KV head); each writes its own disjoint output chunks.
+    let mut work = Vec::with_capacity(sources.len() * num_kv_heads);
+    let mut total_positions = 0usize;
+    for (rows, &context_len) in sources.iter().zip(context_lens) {
         let g = GroupShape {
             q_len: shape.q_len,
             head_dim,
@@ -297,8 +308,38 @@ fn run_in<A: Acc, R: KvRows>(
         };
         for kv_head in 0..num_kv_heads {
             let ((q, out), lse) = chunks.next().expect("q length checked");
-            attend_group(&rows, kv_head, &g, q, out, lse, &mut scratch);
+            work.push((rows, kv_head, g, q, out, lse));
+            total_positions += context_len;
         }
+    }
+    // Items are independent and each is computed the same way on any thread, so the result
+    // does not depend on the thread count. Small problems stay on the calling thread.
+    let threads = if total_positions < PARALLEL_MIN_POSITIONS {
+        1
+    } else {
+        std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(work.len())
+    };
+    let queue = Mutex::new(work.into_iter());
+    let worker = || {
+        let mut scratch = Scratch::<A>::new();
+        loop {
+            let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+            let Some((rows, kv_head, g, q, out, lse)) = next else {
+                break;
+            };
+            attend_group(rows, kv_head, &g, q, out, lse, &mut scratch);
+        }
+    };
+    if threads <= 1 {
+        worker();
+    } else {
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(worker);
+            }
+        });
     }
     let bad = out.iter().chain(&lse).filter(|x| !x.is_finite()).count() as u64;
     if bad > 0 {
