@@ -1,0 +1,181 @@
+//! Quantize-on-append throughput on the GPU, timed with CUDA events (not host clocks).
+//!
+//! Input: K and V `[tokens, 8 kv heads, 128]` f16, 1 GiB together (well past L2), appended into
+//! pages in shuffled order as an engine would. Throughput counts every byte the kernel must move:
+//! K/V read + slot mapping read + codes and metadata written. The same run measures a 2 GiB
+//! device-to-device copy (read + write bytes) and prints each append as a fraction of it.
+//!
+//! Run: `cargo bench --features cuda --bench gpu_append` (prints `SKIPPED: no GPU` without one).
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::f16;
+use kvq::cuda::ops;
+use kvq::cuda::{DeviceCache, Gpu};
+use kvq::{CacheConfig, KvFormat};
+use std::sync::Arc;
+use std::time::Duration;
+
+const HEADS: usize = 8;
+const HEAD_DIM: usize = 128;
+const BLOCK_SIZE: usize = 16;
+/// 1 GiB of f16 K and V together.
+const TOKENS: usize = (1 << 30) / (2 * HEADS * HEAD_DIM * 2);
+const COPY_BYTES: usize = 2 << 30;
+
+const PAIRS: [(KvFormat, KvFormat); 4] = [
+    (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+    (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+    (KvFormat::Fp8E5m2, KvFormat::Fp8E5m2),
+    (KvFormat::F16, KvFormat::F16),
+];
+
+/// Inputs shared by every measurement.
+struct Inputs {
+    gpu: Gpu,
+    k: CudaSlice<f16>,
+    v: CudaSlice<f16>,
+    slots: CudaSlice<i64>,
+}
+
+impl Inputs {
+    fn new(gpu: Gpu) -> Inputs {
+        let n = TOKENS * HEADS * HEAD_DIM;
+        let host: Vec<f16> = (0..n)
+            .map(|i| f16::from_f32(((i * 2_654_435_761) % 2001) as f32 / 100.0 - 10.0))
+            .collect();
+        // Pages in a scrambled order, slots contiguous within a page (as paged engines do).
+        let pages = TOKENS / BLOCK_SIZE;
+        let slots: Vec<i64> = (0..TOKENS)
+            .map(|t| {
+                let page = (t / BLOCK_SIZE * 7919) % pages;
+                (page * BLOCK_SIZE + t % BLOCK_SIZE) as i64
+            })
+            .collect();
+        let s = gpu.stream();
+        Inputs {
+            k: s.clone_htod(&host).expect("upload k"),
+            v: s.clone_htod(&host).expect("upload v"),
+            slots: s.clone_htod(&slots).expect("upload slots"),
+            gpu,
+        }
+    }
+
+    /// A fresh cache for a format pair, FP8 scales set so the data uses the range.
+    fn cache(&self, k: KvFormat, v: KvFormat) -> DeviceCache {
+        let c = CacheConfig::new(HEADS, HEAD_DIM, BLOCK_SIZE, k, v).expect("config");
+        let mut d = DeviceCache::new(&self.gpu, c, TOKENS / BLOCK_SIZE).expect("device cache");
+        let s = vec![10.0 / 448.0; HEADS];
+        d.set_scales(&s, &s).expect("scales");
+        d
+    }
+
+    /// Bytes one append moves: inputs and slot mapping read, codes and metadata written.
+    fn append_bytes(&self, cache: &DeviceCache) -> u64 {
+        let l = cache.layout();
+        let written = TOKENS
+            * HEADS
+            * (l.k_codes.row_bytes + l.k_meta.row_bytes + l.v_codes.row_bytes + l.v_meta.row_bytes);
+        let read = 2 * TOKENS * HEADS * HEAD_DIM * 2 + TOKENS * 8;
+        (read + written) as u64
+    }
+}
+
+/// Time `iters` runs of `f` on `stream` with CUDA events.
+fn time_with_events(stream: &Arc<CudaStream>, iters: u64, mut f: impl FnMut()) -> Duration {
+    let ctx = stream.context();
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let start = ctx.new_event(flags).expect("event");
+    let end = ctx.new_event(flags).expect("event");
+    start.record(stream).expect("record");
+    for _ in 0..iters {
+        f();
+    }
+    end.record(stream).expect("record");
+    let ms = start.elapsed_ms(&end).expect("elapsed");
+    Duration::from_secs_f64(ms as f64 / 1e3)
+}
+
+/// Median GB/s of `reps` timed runs of `f` moving `bytes` each.
+fn gbps(stream: &Arc<CudaStream>, bytes: u64, reps: usize, mut f: impl FnMut()) -> f64 {
+    f(); // warm up
+    let mut v: Vec<f64> = (0..reps)
+        .map(|_| bytes as f64 / time_with_events(stream, 1, &mut f).as_secs_f64() / 1e9)
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[reps / 2]
+}
+
+fn bench(c: &mut Criterion) {
+    let gpu = match Gpu::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED: no GPU ({e})");
+            return;
+        }
+    };
+    eprintln!("{}", gpu.summary());
+    let inputs = Inputs::new(gpu.clone());
+    let s = gpu.stream().clone();
+
+    // Reference: device-to-device copy of 2 GiB (read + write bytes).
+    let src = s.alloc_zeros::<u8>(COPY_BYTES).expect("alloc");
+    let mut dst = s.alloc_zeros::<u8>(COPY_BYTES).expect("alloc");
+    let copy_bytes = 2 * COPY_BYTES as u64;
+    let copy_gbps = gbps(&s, copy_bytes, 9, || {
+        s.memcpy_dtod(&src, &mut dst).expect("copy")
+    });
+
+    let mut summary = vec![format!(
+        "dtod copy ({} GiB, read+write): {copy_gbps:.0} GB/s",
+        COPY_BYTES >> 30
+    )];
+    let mut group = c.benchmark_group("gpu_append");
+    group
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    group.throughput(Throughput::Bytes(copy_bytes));
+    group.bench_function("dtod_copy_2GiB", |b| {
+        b.iter_custom(|iters| {
+            time_with_events(&s, iters, || s.memcpy_dtod(&src, &mut dst).expect("copy"))
+        })
+    });
+    drop((src, dst));
+
+    for (kf, vf) in PAIRS {
+        let mut cache = inputs.cache(kf, vf);
+        let bytes = inputs.append_bytes(&cache);
+        let mut run = || {
+            ops::append(
+                &gpu,
+                &mut cache,
+                &inputs.slots,
+                &inputs.k,
+                &inputs.v,
+                TOKENS,
+            )
+            .expect("append")
+        };
+        let g = gbps(&s, bytes, 9, &mut run);
+        summary.push(format!(
+            "append K {kf} / V {vf}, f16 in, {TOKENS} tokens: {:.0} MB moved, {g:.0} GB/s = {:.0}% of dtod copy",
+            bytes as f64 / 1e6,
+            100.0 * g / copy_gbps
+        ));
+        group.throughput(Throughput::Bytes(bytes));
+        group.bench_function(format!("append_{kf}_{vf}_f16"), |b| {
+            b.iter_custom(|iters| time_with_events(&s, iters, &mut run))
+        });
+        assert_eq!(cache.check_appends().expect("counters"), 0);
+    }
+    group.finish();
+    eprintln!("\n== gpu_append summary ==");
+    for line in summary {
+        eprintln!("{line}");
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,654 @@
+//! GPU append, gather-dequantize and dense quantize / dequantize against the CPU reference, bit
+//! for bit: every format pair, head_dim 64/128/256, block_size 16/32/64, f32/f16/bf16 inputs,
+//! random and edge values. Without a GPU each test prints `SKIPPED: no GPU` and passes, unless
+//! `KVQ_REQUIRE_GPU=1` (then it fails).
+#![cfg(feature = "cuda")]
+
+use half::{bf16, f16};
+use kvq::cache::{BlockAllocator, HostCache, POISON};
+use kvq::cuda::ops::{self, DeviceElement, DeviceQuantized};
+use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
+use kvq::dense::{self, DenseFormat, Fp8ScaleChoice};
+use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
+
+// ---- inputs ------------------------------------------------------------------------------
+
+/// SplitMix64: a small deterministic generator (tests must be reproducible).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    /// Roughly normal, with a random magnitude per call site decided by the caller.
+    fn normal(&mut self) -> f32 {
+        (0..4).map(|_| self.uniform()).sum::<f32>() - 2.0
+    }
+    fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            v.swap(i, self.below(i + 1));
+        }
+    }
+}
+
+/// Input element types, built from f32 with round-to-nearest-even.
+trait Input: DeviceElement + Copy + std::fmt::Debug {
+    fn from_f32(x: f32) -> Self;
+}
+impl Input for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+impl Input for f16 {
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+impl Input for bf16 {
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+/// Random rows of `head_dim` values, each row with its own magnitude (1e-6 .. 1e4) so small,
+/// subnormal-scale and large groups all occur.
+fn random_rows(rng: &mut Rng, rows: usize, head_dim: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows * head_dim);
+    for _ in 0..rows {
+        let mag = 10f32.powf(rng.uniform() * 10.0 - 6.0);
+        let offset = if rng.below(4) == 0 { mag * 3.0 } else { 0.0 };
+        out.extend((0..head_dim).map(|_| rng.normal() * mag + offset));
+    }
+    out
+}
+
+/// Rows that probe every rounding edge of FORMATS.md, for FP8 head scale `s` (the same for
+/// every head in the edge tests). Each row is `head_dim` long; rows cycle through the cases.
+fn edge_rows(rows: usize, head_dim: usize, s: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows * head_dim);
+    for r in 0..rows {
+        let row: Vec<f32> = (0..head_dim)
+            .map(|i| {
+                let j = i as f32;
+                match r % 14 {
+                    0 => 0.0,
+                    // Signed zeros in both orders: the sign of an affine zero / scale depends on
+                    // which comes first.
+                    1 => {
+                        if i % 3 == 0 {
+                            -0.0
+                        } else {
+                            0.0
+                        }
+                    }
+                    2 => {
+                        if i % 2 == 0 {
+                            0.0
+                        } else {
+                            -0.0
+                        }
+                    }
+                    3 => [1.0, -0.0, 0.0, 2.0][i % 4],
+                    4 => [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1.5][i % 4],
+                    5 => [65504.0, -65504.0, 1e6, -1e30, 3.0][i % 5],
+                    // Subnormal f16 scales: amax / 7 below 6.1e-5.
+                    6 => (j - 20.0) * 1e-6,
+                    7 => (j - 30.0) * 3e-8,
+                    // FP8 saturation and rounding boundaries after scaling.
+                    8 => {
+                        [
+                            448.0,
+                            464.0,
+                            480.0,
+                            -449.0,
+                            57344.0,
+                            61440.0,
+                            -1e9,
+                            0.001953125,
+                        ][i % 8]
+                            * s
+                    }
+                    9 => [0.5, 1.5, 2.5, -0.5, -1.5, 3.5, -6.5, 7.0][i % 8],
+                    // Affine ties: min 0, max 15 → scale 1, zero 0.
+                    10 => [0.0, 15.0, 0.5, 1.5, 2.5, 14.5, 7.5, 8.5][i % 8],
+                    11 => (j * 0.37).sin() * 1000.0,
+                    12 => 2f32.powi(-10) * s * [1.0, 3.0, 5.0, -1.0][i % 4],
+                    _ => -(j + 1.0) * 0.01,
+                }
+            })
+            .collect();
+        out.extend(row);
+    }
+    out
+}
+
+fn to_input<T: Input>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f32(v)).collect()
+}
+
+// ---- comparison helpers -------------------------------------------------------------------
+
+/// First differing pool byte, described by block / head / region / row, or None when equal.
+fn pool_mismatch(host: &HostCache, dev: &HostCache) -> Option<String> {
+    let (a, b) = (host.pool(), dev.pool());
+    let at = a.iter().zip(b).position(|(x, y)| x != y)?;
+    let l = host.layout();
+    let block = at / l.block_stride;
+    let head = at % l.block_stride / l.head_stride;
+    let off = at % l.head_stride;
+    let region = [
+        ("K codes", l.k_codes),
+        ("K meta", l.k_meta),
+        ("V codes", l.v_codes),
+        ("V meta", l.v_meta),
+    ]
+    .into_iter()
+    .rfind(|(_, r)| r.offset <= off)
+    .map(|(n, r)| {
+        let row = (off - r.offset).checked_div(r.row_bytes).unwrap_or(0);
+        format!(
+            "{n} row {row} byte {}",
+            (off - r.offset) - row * r.row_bytes
+        )
+    })
+    .unwrap_or_default();
+    let diffs = a.iter().zip(b).filter(|(x, y)| x != y).count();
+    Some(format!(
+        "{:?}: {diffs} byte(s) differ; first at {at} (block {block}, head {head}, {region}): cpu {:#04x} gpu {:#04x}",
+        host.config(),
+        a[at],
+        b[at]
+    ))
+}
+
+fn assert_bits_eq(what: &str, cpu: &[f32], gpu: &[f32]) {
+    assert_eq!(cpu.len(), gpu.len(), "{what}: lengths");
+    if let Some(i) = cpu
+        .iter()
+        .zip(gpu)
+        .position(|(a, b)| a.to_bits() != b.to_bits())
+    {
+        panic!(
+            "{what}: element {i} cpu {} ({:#010x}) gpu {} ({:#010x})",
+            cpu[i],
+            cpu[i].to_bits(),
+            gpu[i],
+            gpu[i].to_bits()
+        );
+    }
+}
+
+fn download<T: DeviceElement>(gpu: &Gpu, x: &cudarc::driver::CudaSlice<T>) -> Vec<T> {
+    gpu.stream().clone_dtoh(x).expect("download")
+}
+
+// ---- append ------------------------------------------------------------------------------
+
+/// One append round-trip: random (or edge) K/V for `tokens` tokens, some of them padding (slot
+/// -1), into shuffled slots; GPU pool bytes and non-finite count must equal the CPU's, and the
+/// whole pool gathered as one sequence must dequantize to the CPU's values bit for bit.
+fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u64, edge: bool) {
+    let num_blocks = 3 + tokens / config.block_size;
+    let mut rng = Rng(seed);
+    let row = config.num_kv_heads * config.head_dim;
+    let s_edge = 0.25;
+    let (k32, v32) = if edge {
+        (
+            edge_rows(tokens * config.num_kv_heads, config.head_dim, s_edge),
+            edge_rows(tokens * config.num_kv_heads, config.head_dim, s_edge)
+                .into_iter()
+                .rev()
+                .collect(),
+        )
+    } else {
+        (
+            random_rows(&mut rng, tokens * config.num_kv_heads, config.head_dim),
+            random_rows(&mut rng, tokens * config.num_kv_heads, config.head_dim),
+        )
+    };
+    let (k, v) = (to_input::<T>(&k32), to_input::<T>(&v32));
+
+    let mut host = HostCache::new(config, num_blocks).unwrap();
+    if edge {
+        let s = vec![s_edge; config.num_kv_heads];
+        host.set_scales(&s, &s).unwrap();
+    } else {
+        host.calibrate_fp8_scales(&k, &v, ScaleGranularity::PerHead)
+            .unwrap();
+    }
+    let mut dev = DeviceCache::new(gpu, config, num_blocks).unwrap();
+    dev.set_scales(host.k_scales(), host.v_scales()).unwrap();
+
+    // Slot mapping: shuffled pool slots, every 7th token padding.
+    let mut pool_slots: Vec<usize> = (0..host.num_slots()).collect();
+    rng.shuffle(&mut pool_slots);
+    let mapping: Vec<i64> = (0..tokens)
+        .map(|t| if t % 7 == 3 { -1 } else { pool_slots[t] as i64 })
+        .collect();
+    let kept: Vec<usize> = (0..tokens).filter(|&t| mapping[t] >= 0).collect();
+    let pick = |x: &[T]| -> Vec<T> {
+        kept.iter()
+            .flat_map(|&t| x[t * row..(t + 1) * row].iter().copied())
+            .collect()
+    };
+    let host_slots: Vec<usize> = kept.iter().map(|&t| mapping[t] as usize).collect();
+    let non_finite = host.write(&host_slots, &pick(&k), &pick(&v)).unwrap();
+
+    let s = gpu.stream();
+    let slots_d = s.clone_htod(&mapping).unwrap();
+    let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
+    ops::append(gpu, &mut dev, &slots_d, &k_d, &v_d, tokens).unwrap();
+    let gpu_non_finite = dev.check_appends().unwrap();
+    let back = dev.to_host().unwrap();
+    if let Some(m) = pool_mismatch(&host, &back) {
+        panic!(
+            "append ({} input, edge {edge}): {m}",
+            std::any::type_name::<T>()
+        );
+    }
+    // Padding tokens' non-finite inputs are not counted (they are not quantized).
+    assert_eq!(gpu_non_finite, non_finite, "{config:?}: non-finite count");
+
+    // Dequantize everything (written rows and poison alike) as one long sequence.
+    let table: Vec<i32> = (0..num_blocks as i32).collect();
+    let len = host.num_slots();
+    let mut hk = vec![0f32; len * row];
+    let mut hv = vec![0f32; len * row];
+    host.gather(&table, len, &mut hk, &mut hv).unwrap();
+    let (gk, gv) = ops::gather_dequantize::<f32>(gpu, &dev, &table, len).unwrap();
+    assert_bits_eq("gather k f32", &hk, &download(gpu, &gk));
+    assert_bits_eq("gather v f32", &hv, &download(gpu, &gv));
+    let (gk16, _) = ops::gather_dequantize::<f16>(gpu, &dev, &table, len).unwrap();
+    let want: Vec<u16> = hk.iter().map(|&x| f16::from_f32(x).to_bits()).collect();
+    let got: Vec<u16> = download(gpu, &gk16).iter().map(|x| x.to_bits()).collect();
+    assert!(want == got, "{config:?}: gather k as f16 differs");
+    let (_, gvb) = ops::gather_dequantize::<bf16>(gpu, &dev, &table, len).unwrap();
+    let want: Vec<u16> = hv.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+    let got: Vec<u16> = download(gpu, &gvb).iter().map(|x| x.to_bits()).collect();
+    assert!(want == got, "{config:?}: gather v as bf16 differs");
+}
+
+#[test]
+fn append_matches_cpu_every_format_pair_and_shape() {
+    let Some(gpu) = require_gpu_or_skip("append_matches_cpu_every_format_pair_and_shape") else {
+        return;
+    };
+    let mut seed = 1;
+    let mut configs = 0;
+    for head_dim in [64, 128, 256] {
+        for block_size in [16, 32, 64] {
+            for kf in KvFormat::ALL {
+                for vf in KvFormat::ALL {
+                    let c = CacheConfig::new(2, head_dim, block_size, kf, vf).unwrap();
+                    let tokens = block_size + 19;
+                    seed += 1;
+                    match seed % 3 {
+                        0 => check_append::<f32>(&gpu, c, tokens, seed, false),
+                        1 => check_append::<f16>(&gpu, c, tokens, seed, false),
+                        _ => check_append::<bf16>(&gpu, c, tokens, seed, false),
+                    }
+                    configs += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(configs, 3 * 3 * 36);
+}
+
+#[test]
+fn append_edge_values_match_cpu() {
+    let Some(gpu) = require_gpu_or_skip("append_edge_values_match_cpu") else {
+        return;
+    };
+    for head_dim in [64, 128, 256] {
+        for kf in KvFormat::ALL {
+            for vf in [KvFormat::Int4Affine64, kf] {
+                let c = CacheConfig::new(3, head_dim, 16, kf, vf).unwrap();
+                check_append::<f32>(&gpu, c, 40, 7, true);
+                check_append::<f16>(&gpu, c, 40, 8, true);
+                check_append::<bf16>(&gpu, c, 40, 9, true);
+            }
+        }
+    }
+}
+
+#[test]
+fn i32_and_i64_slot_mappings_agree() {
+    let Some(gpu) = require_gpu_or_skip("i32_and_i64_slot_mappings_agree") else {
+        return;
+    };
+    let c = CacheConfig::new(4, 128, 16, KvFormat::Int4Sym32, KvFormat::Int4Affine64).unwrap();
+    let mut rng = Rng(11);
+    let k: Vec<f16> = to_input(&random_rows(&mut rng, 20 * 4, 128));
+    let v: Vec<f16> = to_input(&random_rows(&mut rng, 20 * 4, 128));
+    let slots: Vec<i64> = (0..20).map(|t| (t * 3 % 64) as i64).collect();
+    let s = gpu.stream();
+    let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
+    let mut a = DeviceCache::new(&gpu, c, 4).unwrap();
+    let mut b = DeviceCache::new(&gpu, c, 4).unwrap();
+    ops::append(&gpu, &mut a, &s.clone_htod(&slots).unwrap(), &k_d, &v_d, 20).unwrap();
+    let slots32: Vec<i32> = slots.iter().map(|&x| x as i32).collect();
+    ops::append(
+        &gpu,
+        &mut b,
+        &s.clone_htod(&slots32).unwrap(),
+        &k_d,
+        &v_d,
+        20,
+    )
+    .unwrap();
+    assert!(a.to_host().unwrap().pool() == b.to_host().unwrap().pool());
+}
+
+/// Several sequences grow in interleaved rounds through one allocator; after the appends the
+/// pool equals the CPU's and every slot never written still holds POISON in every region.
+#[test]
+fn shared_pool_keeps_poison_outside_written_slots() {
+    let Some(gpu) = require_gpu_or_skip("shared_pool_keeps_poison_outside_written_slots") else {
+        return;
+    };
+    for (kf, vf) in [
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E5m2),
+        (KvFormat::F16, KvFormat::Bf16),
+    ] {
+        let c = CacheConfig::new(2, 128, 16, kf, vf).unwrap();
+        let num_blocks = 40;
+        let mut alloc = BlockAllocator::new(num_blocks, 16).unwrap();
+        let mut host = HostCache::new(c, num_blocks).unwrap();
+        let mut dev = DeviceCache::new(&gpu, c, num_blocks).unwrap();
+        let seqs: Vec<_> = (0..5).map(|_| alloc.create_sequence()).collect();
+        let mut rng = Rng(99);
+        let row = c.num_kv_heads * c.head_dim;
+        let mut written = vec![false; num_blocks * 16];
+        let s = gpu.stream();
+        for round in 0..6 {
+            // Each round: a batch with one entry per sequence (1..20 tokens) plus padding.
+            let mut mapping: Vec<i64> = Vec::new();
+            for (i, &seq) in seqs.iter().enumerate() {
+                let n = if round == 0 {
+                    1 + rng.below(20)
+                } else {
+                    1 + (i + round) % 3
+                };
+                let r = alloc.reserve(seq, n).unwrap();
+                assert!(r.copies.is_empty());
+                mapping.extend(r.slots.iter().map(|&x| x as i64));
+                mapping.push(-1); // padding between requests
+            }
+            let tokens = mapping.len();
+            let k: Vec<bf16> = to_input(&random_rows(&mut rng, tokens * 2, 128));
+            let v: Vec<bf16> = to_input(&random_rows(&mut rng, tokens * 2, 128));
+            let kept: Vec<usize> = (0..tokens).filter(|&t| mapping[t] >= 0).collect();
+            let pick = |x: &[bf16]| -> Vec<bf16> {
+                kept.iter()
+                    .flat_map(|&t| x[t * row..(t + 1) * row].iter().copied())
+                    .collect()
+            };
+            let slots: Vec<usize> = kept.iter().map(|&t| mapping[t] as usize).collect();
+            for &sl in &slots {
+                written[sl] = true;
+            }
+            host.write(&slots, &pick(&k), &pick(&v)).unwrap();
+            let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
+            let m_d = s.clone_htod(&mapping).unwrap();
+            ops::append(&gpu, &mut dev, &m_d, &k_d, &v_d, tokens).unwrap();
+        }
+        assert_eq!(dev.check_appends().unwrap(), 0);
+        let back = dev.to_host().unwrap();
+        if let Some(m) = pool_mismatch(&host, &back) {
+            panic!("shared pool: {m}");
+        }
+        let l = *back.layout();
+        let mut unwritten = 0;
+        for (slot, _) in written.iter().enumerate().filter(|(_, w)| !**w) {
+            let (block, off) = l.split_slot(slot);
+            for h in 0..c.num_kv_heads {
+                let sec = l.head_section(block, h);
+                for r in [l.k_codes, l.k_meta, l.v_codes, l.v_meta] {
+                    let bytes = &back.pool()[sec + r.row(off)..][..r.row_bytes];
+                    assert!(
+                        bytes.iter().all(|&b| b == POISON),
+                        "slot {slot} head {h}: an unwritten row lost its poison"
+                    );
+                }
+            }
+            unwritten += 1;
+        }
+        assert!(
+            unwritten > num_blocks * 16 / 2,
+            "test should leave most slots unwritten"
+        );
+    }
+}
+
+/// Engines pass views into a fused QKV buffer: tokens `3 * row` elements apart.
+#[test]
+fn raw_append_with_token_stride_matches_cpu() {
+    let Some(gpu) = require_gpu_or_skip("raw_append_with_token_stride_matches_cpu") else {
+        return;
+    };
+    use cudarc::driver::DevicePtr;
+    let c = CacheConfig::new(2, 64, 32, KvFormat::Fp8E4m3, KvFormat::Int4Affine64).unwrap();
+    let (tokens, row) = (50, 2 * 64);
+    let mut rng = Rng(5);
+    let qkv: Vec<f16> = to_input(&random_rows(&mut rng, tokens * 3 * 2, 64));
+    let k: Vec<f16> = (0..tokens)
+        .flat_map(|t| {
+            qkv[t * 3 * row + row..t * 3 * row + 2 * row]
+                .iter()
+                .copied()
+        })
+        .collect();
+    let v: Vec<f16> = (0..tokens)
+        .flat_map(|t| {
+            qkv[t * 3 * row + 2 * row..t * 3 * row + 3 * row]
+                .iter()
+                .copied()
+        })
+        .collect();
+    let slots: Vec<usize> = (0..tokens).map(|t| (t * 5) % 128).collect();
+    let mut host = HostCache::new(c, 4).unwrap();
+    host.set_scales(&[0.01, 0.02], &[1.0, 1.0]).unwrap();
+    host.write(&slots, &k, &v).unwrap();
+
+    let mut dev = DeviceCache::new(&gpu, c, 4).unwrap();
+    dev.set_scales(host.k_scales(), host.v_scales()).unwrap();
+    let s = gpu.stream();
+    let qkv_d = s.clone_htod(&qkv).unwrap();
+    let slots_d = s
+        .clone_htod(&slots.iter().map(|&x| x as i32).collect::<Vec<_>>())
+        .unwrap();
+    let raw = dev.as_raw();
+    {
+        let (base, _g1) = qkv_d.device_ptr(s);
+        let (sl, _g2) = slots_d.device_ptr(s);
+        let elem = std::mem::size_of::<f16>() as u64;
+        // SAFETY: the cache view is live, the buffers hold `tokens` rows at stride 3 * row, and
+        // the launch is on the cache's stream.
+        unsafe {
+            ops::append_raw(
+                &raw,
+                4,
+                sl,
+                false,
+                tokens,
+                base + row as u64 * elem,
+                base + 2 * row as u64 * elem,
+                ops::Dtype::F16,
+                3 * row,
+                3 * row,
+                0,
+                s.cu_stream(),
+            )
+            .unwrap();
+        }
+    }
+    let back = dev.to_host().unwrap();
+    if let Some(m) = pool_mismatch(&host, &back) {
+        panic!("strided append: {m}");
+    }
+}
+
+#[test]
+fn out_of_range_slot_is_reported_and_skipped() {
+    let Some(gpu) = require_gpu_or_skip("out_of_range_slot_is_reported_and_skipped") else {
+        return;
+    };
+    let c = CacheConfig::new(1, 64, 16, KvFormat::Int4Sym32, KvFormat::Int4Affine64).unwrap();
+    let mut dev = DeviceCache::new(&gpu, c, 2).unwrap();
+    let s = gpu.stream();
+    let x = s.clone_htod(&vec![f16::ONE; 3 * 64]).unwrap();
+    let slots = s.clone_htod(&[0i64, 32, 1]).unwrap(); // 32 == num_slots
+    ops::append(&gpu, &mut dev, &slots, &x, &x, 3).unwrap();
+    let err = dev.check_appends().unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    // The valid tokens were written, and the counters were reset by the check.
+    let mut host = HostCache::new(c, 2).unwrap();
+    let one = vec![f16::ONE; 2 * 64];
+    host.write(&[0, 1], &one, &one).unwrap();
+    assert!(pool_mismatch(&host, &dev.to_host().unwrap()).is_none());
+    assert_eq!(dev.check_appends().unwrap(), 0);
+}
+
+#[test]
+fn bad_arguments_are_typed_errors() {
+    let Some(gpu) = require_gpu_or_skip("bad_arguments_are_typed_errors") else {
+        return;
+    };
+    let c = CacheConfig::new(2, 64, 16, KvFormat::F16, KvFormat::F16).unwrap();
+    let mut dev = DeviceCache::new(&gpu, c, 2).unwrap();
+    let s = gpu.stream();
+    let x = s.clone_htod(&vec![0f32; 2 * 128]).unwrap();
+    let slots = s.clone_htod(&[0i32, 1, 2]).unwrap();
+    let r = ops::append(&gpu, &mut dev, &slots, &x, &x, 3);
+    assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    let r = ops::append(&gpu, &mut dev, &slots, &x, &x, 4);
+    assert!(
+        matches!(r, Err(Error::Length { what: "slots", .. })),
+        "{r:?}"
+    );
+    let r = ops::gather_dequantize::<f32>(&gpu, &dev, &[0, 2], 20);
+    assert!(
+        matches!(r, Err(Error::BlockIndex { block: 2, .. })),
+        "{r:?}"
+    );
+    let r = ops::gather_dequantize::<f32>(&gpu, &dev, &[0], 20);
+    assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    let big = CacheConfig::new(1, 4096, 16, KvFormat::F16, KvFormat::F16).unwrap();
+    assert!(matches!(
+        DeviceCache::new(&gpu, big, 1),
+        Err(Error::Unsupported(_))
+    ));
+    assert!(matches!(
+        dev.set_scales(&[1.0], &[1.0, 1.0]),
+        Err(Error::Length { .. })
+    ));
+    assert!(matches!(
+        dev.set_scales(&[1.0, f32::NAN], &[1.0, 1.0]),
+        Err(Error::Scale { .. })
+    ));
+    let d = s.clone_htod(&vec![0f32; 100]).unwrap();
+    let r = ops::quantize_dense(
+        &gpu,
+        DenseFormat::Int4K32,
+        &d,
+        &[2, 64],
+        Fp8ScaleChoice::default(),
+    );
+    assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+}
+
+// ---- dense --------------------------------------------------------------------------------
+
+fn check_dense<T: Input>(gpu: &Gpu, format: DenseFormat, shape: &[usize], choice: Fp8ScaleChoice) {
+    let n: usize = shape.iter().product();
+    let d = *shape.last().unwrap();
+    let mut rng = Rng(n as u64 + d as u64);
+    let mut x32 = random_rows(&mut rng, n / d, d);
+    // Edge rows in the middle of the tensor.
+    let edges = edge_rows(n / d, d, 0.5);
+    for (i, e) in edges.iter().enumerate().filter(|(i, _)| i % 5 == 0) {
+        x32[i] = *e;
+    }
+    let x = to_input::<T>(&x32);
+    let want = dense::quantize(format, &x, shape, choice).unwrap();
+    let x_d = gpu.stream().clone_htod(&x).unwrap();
+    let got = ops::quantize_dense(gpu, format, &x_d, shape, choice).unwrap();
+    let what = format!(
+        "{format} {shape:?} {choice:?} {}",
+        std::any::type_name::<T>()
+    );
+    assert_eq!(
+        got.non_finite().unwrap(),
+        want.non_finite(),
+        "{what}: non-finite"
+    );
+    let got_host = got.to_host().unwrap();
+    assert!(want.codes() == got_host.codes(), "{what}: codes differ");
+    assert!(want.scales() == got_host.scales(), "{what}: scales differ");
+    assert!(want.zeros() == got_host.zeros(), "{what}: zeros differ");
+
+    let deq = dense::dequantize(&want);
+    let up = DeviceQuantized::from_host(gpu, &want).unwrap();
+    let back = ops::dequantize_dense::<f32>(gpu, &up).unwrap();
+    assert_bits_eq(&format!("{what}: dequantize"), &deq, &download(gpu, &back));
+    let back16 = ops::dequantize_dense::<f16>(gpu, &got).unwrap();
+    let want16: Vec<u16> = deq.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    let got16: Vec<u16> = download(gpu, &back16).iter().map(|v| v.to_bits()).collect();
+    assert!(want16 == got16, "{what}: dequantize to f16 differs");
+}
+
+#[test]
+fn dense_quantize_and_dequantize_match_cpu() {
+    let Some(gpu) = require_gpu_or_skip("dense_quantize_and_dequantize_match_cpu") else {
+        return;
+    };
+    for format in DenseFormat::ALL {
+        let choices: &[Fp8ScaleChoice] = if format.fp8_kind().is_some() {
+            &[
+                Fp8ScaleChoice::Fixed(0.37),
+                Fp8ScaleChoice::PerTensorAmax,
+                Fp8ScaleChoice::PerHeadAmax,
+            ]
+        } else {
+            &[Fp8ScaleChoice::PerTensorAmax]
+        };
+        let mut shapes = vec![vec![5, 3, 128], vec![7, 64], vec![2, 2, 256]];
+        if format == DenseFormat::Int4Uniform {
+            shapes.push(vec![3, 6]); // head_dim not a multiple of 8: the tail path
+            shapes.push(vec![1, 2]);
+        }
+        for shape in &shapes {
+            for &choice in choices {
+                check_dense::<f32>(&gpu, format, shape, choice);
+                check_dense::<f16>(&gpu, format, shape, choice);
+                check_dense::<bf16>(&gpu, format, shape, choice);
+            }
+        }
+    }
+}
+
+// ---- no-GPU behaviour (runs everywhere) -----------------------------------------------------
+
+#[test]
+fn probing_never_panics() {
+    let available = kvq::cuda::is_available();
+    let lines = kvq::cuda::device_summary();
+    assert!(lines[0].starts_with("kernels built for: "), "{lines:?}");
+    if !available {
+        assert!(matches!(Gpu::new(0), Err(Error::NoDevice(_))));
+        assert!(lines.iter().any(|l| l.starts_with("no CUDA device")));
+    }
+}
