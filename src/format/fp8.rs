@@ -1,13 +1,16 @@
 //! FP8 E4M3 (OCP E4M3FN) and E5M2 element math, bit-exact with CUDA's `__nv_cvt_float_to_fp8`
 //! under `__NV_SATFINITE` (FORMATS.md, "FP8 E4M3").
 
+use std::sync::LazyLock;
+
 /// Which FP8 encoding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum Fp8Kind {
     /// 4 exponent bits (bias 7), 3 mantissa bits, max 448, no infinity.
-    E4M3,
+    E4M3 = 0,
     /// 5 exponent bits (bias 15), 2 mantissa bits, max 57344.
-    E5M2,
+    E5M2 = 1,
 }
 
 impl Fp8Kind {
@@ -75,7 +78,17 @@ impl Fp8Kind {
     }
 
     /// Decode a code to f32 (exact). NaN codes decode to NaN; E5M2 infinities to ±Inf.
+    #[inline]
     pub fn decode(self, code: u8) -> f32 {
+        static TABLES: LazyLock<[[f32; 256]; 2]> = LazyLock::new(|| {
+            let table = |kind: Fp8Kind| std::array::from_fn(|c| kind.decode_slow(c as u8));
+            [table(Fp8Kind::E4M3), table(Fp8Kind::E5M2)]
+        });
+        TABLES[self as usize][code as usize]
+    }
+
+    /// [`decode`](Self::decode) computed from the bit fields; builds the lookup table.
+    fn decode_slow(self, code: u8) -> f32 {
         let sign = if code & 0x80 != 0 { -1.0f32 } else { 1.0 };
         let mbits = self.mantissa_bits();
         let mag = (code & 0x7F) as u32;
