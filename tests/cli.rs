@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::fs;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -453,7 +454,12 @@ fn attn_error(table: &str, label: &str) -> f64 {
 #[test]
 fn eval_on_real_minilm_kv() {
     let Some(file) = real_data() else {
-        eprintln!("note: minilm_kv.safetensors not found (set KVQ_DATA_DIR); skipping");
+        // Straight to stderr, past the harness's capture of eprintln!, so the skip is seen.
+        let _ = writeln!(
+            std::io::stderr(),
+            "note: eval_on_real_minilm_kv skipped: minilm_kv.safetensors not in KVQ_DATA_DIR \
+             or ../shared/data"
+        );
         return;
     };
     let out = kvq(&["eval", arg(&file), "--pair-heads", "2", "--layers", "0,5"]);

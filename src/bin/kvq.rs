@@ -253,12 +253,14 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
     ))
 }
 
-/// Visible GPUs, as the CUDA layer describes them.
-///
-/// HOOK(cuda): once `kvq::cuda::device_summary()` exists, call it here.
+/// Visible GPUs, as the CUDA layer describes them: its lines (build targets, then one per device
+/// or why there is none), each on its own indented line.
 #[cfg(feature = "cuda")]
 fn visible_gpus() -> String {
-    "n/a (kvq::cuda::device_summary() is not available in this build)".into()
+    kvq::cuda::device_summary()
+        .iter()
+        .map(|line| format!("\n  {line}"))
+        .collect()
 }
 
 /// Visible GPUs: none can be used without the `cuda` feature.
