@@ -547,8 +547,8 @@ fn quantize_rows<T: Element>(
         KvFormat::Int4Affine64 => {
             // The row metadata interleaves (scale, zero) per group; files keep them apart.
             let (dtype, shape) = geometry.group_scale_shape(format);
-            let (mut s, mut z) = (Vec::with_capacity(meta.len() / 2), Vec::new());
-            z.reserve(meta.len() / 2);
+            let half = meta.len() / 2;
+            let (mut s, mut z) = (Vec::with_capacity(half), Vec::with_capacity(half));
             for pair in meta.chunks_exact(4) {
                 s.extend_from_slice(&pair[..2]);
                 z.extend_from_slice(&pair[2..]);
