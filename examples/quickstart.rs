@@ -11,6 +11,7 @@
 
 use kvq::cache::PagedKvCache;
 use kvq::cpu::{self, Accum, DecodeShape, DenseKv};
+use kvq::synth::Synth;
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
 
 const KV_HEADS: usize = 8;
@@ -19,27 +20,9 @@ const HEAD_DIM: usize = 128;
 const BLOCK_SIZE: usize = 16;
 /// Tokens per sequence: a batch of uneven lengths, as a server would have.
 const SEQ_LENS: [usize; 4] = [509, 1024, 1537, 2000];
-/// Key channels (per head) that carry large values.
-const OUTLIER_CHANNELS: [usize; 2] = [17, 21];
-
-/// Deterministic pseudo-random numbers (splitmix64).
-struct Rng(u64);
-
-impl Rng {
-    fn uniform(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    /// Roughly standard normal (sum of four uniforms, rescaled).
-    fn normal(&mut self) -> f32 {
-        let s: f32 = (0..4).map(|_| self.uniform()).sum();
-        (s - 2.0) * 3f32.sqrt()
-    }
-}
+/// Key channels per head that carry large values, and how much larger they are.
+const OUTLIER_CHANNELS: usize = 2;
+const OUTLIER_SCALE: f32 = 8.0;
 
 /// One sequence's keys and values, `[len, KV_HEADS, HEAD_DIM]` each.
 struct Sequence {
@@ -47,21 +30,16 @@ struct Sequence {
     v: Vec<f32>,
 }
 
-fn synthetic_sequence(rng: &mut Rng, len: usize) -> Sequence {
-    let n = len * KV_HEADS * HEAD_DIM;
-    let k = (0..n)
-        .map(|i| {
-            let channel = i % HEAD_DIM;
-            let x = rng.normal();
-            if OUTLIER_CHANNELS.contains(&channel) {
-                // Large and biased, like the massive key channels of real LLMs.
-                8.0 + 2.0 * x
-            } else {
-                x
-            }
-        })
-        .collect();
-    let v = (0..n).map(|_| 0.5 * rng.normal()).collect();
+/// Keys with outlier channels; values with a per-channel offset (what affine INT4's zero point
+/// absorbs) plus noise.
+fn synthetic_sequence(synth: &mut Synth, len: usize, v_offsets: &[f32]) -> Sequence {
+    let k = synth.with_outlier_channels(len, KV_HEADS, HEAD_DIM, OUTLIER_CHANNELS, OUTLIER_SCALE);
+    let mut v = synth.normal(len * KV_HEADS * HEAD_DIM, 0.5);
+    for row in v.chunks_exact_mut(KV_HEADS * HEAD_DIM) {
+        for (x, offset) in row.iter_mut().zip(v_offsets) {
+            *x += offset;
+        }
+    }
     Sequence { k, v }
 }
 
@@ -76,15 +54,14 @@ fn rel_l2(reference: &[f32], approx: &[f32]) -> f64 {
 }
 
 fn main() -> kvq::Result<()> {
-    let mut rng = Rng(2024);
+    let mut synth = Synth::new(2024);
+    let v_offsets = synth.uniform(KV_HEADS * HEAD_DIM, -1.0, 1.0);
     let seqs: Vec<Sequence> = SEQ_LENS
         .iter()
-        .map(|&len| synthetic_sequence(&mut rng, len))
+        .map(|&len| synthetic_sequence(&mut synth, len, &v_offsets))
         .collect();
     // The new token's query of every sequence: [batch, Q_HEADS, q_len = 1, HEAD_DIM].
-    let q: Vec<f32> = (0..SEQ_LENS.len() * Q_HEADS * HEAD_DIM)
-        .map(|_| rng.normal())
-        .collect();
+    let q = synth.normal(SEQ_LENS.len() * Q_HEADS * HEAD_DIM, 1.0);
     let shape = DecodeShape::new(Q_HEADS, 1, HEAD_DIM);
 
     // The yardstick: f32 attention over the unquantized keys and values.
