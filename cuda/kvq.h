@@ -126,6 +126,66 @@ const char *kvq_last_error(void);
 
 /* ---- fused paged decode attention (cuda/decode.cu) ---- */
 
+/* Longest split-KV fan-out one launch may use (the merge pass keeps one weight per split). */
+#define KVQ_DECODE_MAX_SPLITS 1024
+
+/* One decode step of attention over a paged cache, with the semantics of
+ * kvq::cpu::decode_attention: context_lens[b] counts every token of sequence b including its
+ * q_len new ones; query token i sits at position context_lens[b] - q_len + i and sees positions
+ * 0..=that (causal); query head h reads KV head h / (num_q_heads / num_kv_heads).
+ *   q, out        [batch, num_q_heads, q_len, head_dim], q_dtype (KVQ_DTYPE_F16 or _BF16)
+ *   lse           [batch, num_q_heads, q_len] f32, natural log of the softmax denominator
+ *                 (logits include softmax_scale); may be null
+ *   block_tables  [batch, max_blocks] int32, context_lens [batch] int32
+ *   ws_o, ws_lse  split-KV workspace, used when num_splits > 1:
+ *                 ws_o [batch, num_splits, num_q_heads * q_len, head_dim] f32,
+ *                 ws_lse [batch, num_splits, num_q_heads * q_len] f32
+ * Sequence b is cut into ceil(len / split_tokens) splits (split_tokens a positive multiple of
+ * 16; at most num_splits of them, 1 <= num_splits <= KVQ_DECODE_MAX_SPLITS), each served by its
+ * own thread blocks and merged by a second kernel. Caller guarantees (the safe Rust API checks
+ * them): buffers of these sizes; context_lens[b] in [q_len, max_blocks * block_size] and
+ * ceil(context_lens[b] / split_tokens) <= num_splits; the first ceil(len / block_size) entries
+ * of each table row valid block ids. Outside that the kernel stays in bounds (lengths are
+ * clamped, block ids outside [0, num_blocks) are read as absent tokens) but the output is
+ * unspecified. A row that sees no token gets out = 0 and lse = -inf.
+ * Supported: head_dim 64, 128, 256; block_size a multiple of 16; K and V formats each one of
+ * f16, bf16, fp8-e4m3, int4 (K: KVQ_INT4_SYM32, V: KVQ_INT4_AFFINE64), mixed freely, or both
+ * fp8-e5m2; a bf16 K cache needs bf16 queries. Else KVQ_ERR_UNSUPPORTED. */
+typedef struct kvq_decode_args {
+  kvq_cache cache;
+  int64_t num_blocks;
+  const void *q;
+  void *out;
+  float *lse;
+  const int32_t *block_tables;
+  const int32_t *context_lens;
+  float *ws_o;
+  float *ws_lse;
+  int32_t q_dtype;
+  int32_t batch;
+  int32_t num_q_heads;
+  int32_t q_len;
+  int32_t max_blocks;
+  int32_t num_splits;
+  int32_t split_tokens;
+  float softmax_scale;
+} kvq_decode_args;
+
+/* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. */
+int kvq_decode_attention(const kvq_decode_args *args, void *stream);
+
+/* Thread blocks of the decode kernel for (k_format, v_format, head_dim) that fit on one SM of
+ * the current device, written to *ctas_per_sm; also raises the kernel's shared-memory limit, so
+ * call it once (outside graph capture) before the first launch of that combination. */
+int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim,
+                         int32_t *ctas_per_sm);
+
+/* Streaming-read probe for bandwidth ceilings (cuda/bandwidth.cu): read `bytes` (a multiple of
+ * 16, `src` 16-byte aligned) once with 16-byte loads and write one checksum per thread block to
+ * `sink` (at least 4096 floats), so nothing is optimised away. */
+int kvq_stream_read(const void *src, int64_t bytes, float *sink, void *stream);
+
+
 #ifdef __cplusplus
 }
 #endif

@@ -64,6 +64,32 @@ pub struct kvq_cache {
     pub layout: kvq_layout,
 }
 
+/// Most split-KV splits one decode launch may use.
+pub const KVQ_DECODE_MAX_SPLITS: i32 = 1024;
+
+/// `kvq_decode_args`: one fused decode launch (kvq.h documents every field).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvq_decode_args {
+    pub cache: kvq_cache,
+    pub num_blocks: i64,
+    pub q: *const c_void,
+    pub out: *mut c_void,
+    pub lse: *mut f32,
+    pub block_tables: *const i32,
+    pub context_lens: *const i32,
+    pub ws_o: *mut f32,
+    pub ws_lse: *mut f32,
+    pub q_dtype: i32,
+    pub batch: i32,
+    pub num_q_heads: i32,
+    pub q_len: i32,
+    pub max_blocks: i32,
+    pub num_splits: i32,
+    pub split_tokens: i32,
+    pub softmax_scale: f32,
+}
+
 unsafe extern "C" {
     // ---- append / quantize / dequantize (cuda/append.cu) ----
 
@@ -147,6 +173,25 @@ unsafe extern "C" {
     pub fn kvq_last_error() -> *const c_char;
 
     // ---- fused paged decode attention (cuda/decode.cu) ----
+
+    /// Enqueue the fused decode kernel and, with several splits, their merge (kvq.h).
+    pub fn kvq_decode_attention(args: *const kvq_decode_args, stream: *mut c_void) -> c_int;
+
+    /// Decode thread blocks per SM for a format pair and head_dim; raises the smem limit (kvq.h).
+    pub fn kvq_decode_occupancy(
+        k_format: i32,
+        v_format: i32,
+        head_dim: i32,
+        ctas_per_sm: *mut i32,
+    ) -> c_int;
+
+    /// Streaming-read bandwidth probe (kvq.h, cuda/bandwidth.cu).
+    pub fn kvq_stream_read(
+        src: *const c_void,
+        bytes: i64,
+        sink: *mut f32,
+        stream: *mut c_void,
+    ) -> c_int;
 }
 
 #[cfg(test)]
@@ -266,7 +311,7 @@ mod tests {
     #[test]
     fn structs_match_the_header() {
         let header = strip_c(HEADER);
-        for name in ["kvq_layout", "kvq_cache"] {
+        for name in ["kvq_layout", "kvq_cache", "kvq_decode_args"] {
             let c = c_struct_fields(&header, name);
             let r = rust_struct_fields(THIS, name);
             assert_eq!(c, r, "fields of {name}");

@@ -1,0 +1,206 @@
+// decode.cu: the C launchers of the fused paged decode attention (kvq.h) and the one place
+// that maps runtime (k_format, v_format, head_dim) to a template instance of decode_kernel.cuh.
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "common.cuh"
+#include "decode_kernel.cuh"
+#include "kvq.h"
+
+namespace kvq_decode {
+namespace {
+
+/// kvq_format → kernel format; INT4 is only accepted in its K (sym32) or V (affine64) role.
+bool to_fmt(int32_t f, bool is_v, Fmt &out) {
+  switch (f) {
+    case KVQ_F16: out = Fmt::F16; return true;
+    case KVQ_BF16: out = Fmt::BF16; return true;
+    case KVQ_FP8_E4M3: out = Fmt::E4M3; return true;
+    case KVQ_FP8_E5M2: out = Fmt::E5M2; return true;
+    case KVQ_INT4_SYM32: out = Fmt::I4; return !is_v;
+    case KVQ_INT4_AFFINE64: out = Fmt::I4; return is_v;
+    default: return false;
+  }
+}
+
+/// The instantiated pairs: f16, bf16, fp8-e4m3 and int4 mixed freely (K x V), and e5m2 with
+/// itself. Each pair is built for head_dim 64, 128 and 256.
+template <Fmt K, Fmt V>
+constexpr bool has_kernel() {
+  return (K == Fmt::E5M2) == (V == Fmt::E5M2);
+}
+
+template <Fmt K, Fmt V, class Fn>
+int with_dim(int d, Fn &fn) {
+  if constexpr (!has_kernel<K, V>()) {
+    return KVQ_ERR_UNSUPPORTED;
+  } else {
+    switch (d) {
+      case 64: return fn.template run<K, V, 64>();
+      case 128: return fn.template run<K, V, 128>();
+      case 256: return fn.template run<K, V, 256>();
+      default: return KVQ_ERR_UNSUPPORTED;
+    }
+  }
+}
+
+template <Fmt K, class Fn>
+int with_v(Fmt v, int d, Fn &fn) {
+  switch (v) {
+    case Fmt::F16: return with_dim<K, Fmt::F16>(d, fn);
+    case Fmt::BF16: return with_dim<K, Fmt::BF16>(d, fn);
+    case Fmt::E4M3: return with_dim<K, Fmt::E4M3>(d, fn);
+    case Fmt::E5M2: return with_dim<K, Fmt::E5M2>(d, fn);
+    case Fmt::I4: return with_dim<K, Fmt::I4>(d, fn);
+  }
+  return KVQ_ERR_UNSUPPORTED;
+}
+
+/// Call fn.run<K, V, D>() for the instance serving (k, v, d), or return KVQ_ERR_UNSUPPORTED.
+template <class Fn>
+int dispatch(Fmt k, Fmt v, int d, Fn &fn) {
+  switch (k) {
+    case Fmt::F16: return with_v<Fmt::F16>(v, d, fn);
+    case Fmt::BF16: return with_v<Fmt::BF16>(v, d, fn);
+    case Fmt::E4M3: return with_v<Fmt::E4M3>(v, d, fn);
+    case Fmt::E5M2: return with_v<Fmt::E5M2>(v, d, fn);
+    case Fmt::I4: return with_v<Fmt::I4>(v, d, fn);
+  }
+  return KVQ_ERR_UNSUPPORTED;
+}
+
+/// Raise the instance's dynamic shared-memory limit on the current device, once per device
+/// (so launches after the first, e.g. inside a graph capture, make no attribute calls).
+template <Fmt K, Fmt V, int D>
+cudaError_t prepare() {
+  static std::atomic<uint64_t> done{0};  // bit d: done on device d (< 64)
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  e = cudaFuncSetAttribute(decode_kernel<K, V, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Smem<K, V, D>::BYTES);
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+  return e;
+}
+
+struct Occupancy {
+  int32_t *ctas;
+  template <Fmt K, Fmt V, int D>
+  int run() {
+    cudaError_t e = prepare<K, V, D>();
+    int n = 0;
+    if (e == cudaSuccess)
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<K, V, D>, kThreads,
+                                                        Smem<K, V, D>::BYTES);
+    if (e != cudaSuccess) {
+      kvq::set_last_error(e);
+      return KVQ_ERR_LAUNCH;
+    }
+    *ctas = n;
+    return KVQ_OK;
+  }
+};
+
+struct Launch {
+  const Params &p;
+  const kvq_layout &l;
+  dim3 grid;
+  int64_t merge_blocks;
+  cudaStream_t stream;
+  template <Fmt K, Fmt V, int D>
+  int run() {
+    // The kernel's row sizes are compile-time; the layout must agree (it does when it comes
+    // from kvq::layout).
+    using F = Frag<K, V, D>;
+    if (l.k_codes_row != F::KC_ROW || l.k_meta_row != F::KM_ROW || l.v_codes_row != F::VC_ROW ||
+        l.v_meta_row != F::VM_ROW)
+      return KVQ_ERR_INVALID;
+    const cudaError_t e = prepare<K, V, D>();
+    if (e != cudaSuccess) {
+      kvq::set_last_error(e);
+      return KVQ_ERR_LAUNCH;
+    }
+    decode_kernel<K, V, D><<<grid, kThreads, Smem<K, V, D>::BYTES, stream>>>(p);
+    if (p.num_splits > 1) merge_splits<D><<<(unsigned)merge_blocks, D, 0, stream>>>(p);
+    return kvq::launch_status();
+  }
+};
+
+/// The arithmetic kernel format of (k, v) or false; a bf16 K cache needs bf16 queries (the
+/// scores are computed with bf16 operands, and f16 queries would lose bits).
+bool formats(const kvq_layout &l, int32_t q_dtype, Fmt &k, Fmt &v) {
+  if (!to_fmt(l.k_format, false, k) || !to_fmt(l.v_format, true, v)) return false;
+  return !(k == Fmt::BF16 && q_dtype != KVQ_DTYPE_BF16);
+}
+
+}  // namespace
+}  // namespace kvq_decode
+
+using namespace kvq_decode;
+
+extern "C" int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim,
+                                    int32_t *ctas_per_sm) {
+  if (ctas_per_sm == nullptr) return KVQ_ERR_INVALID;
+  Fmt k, v;
+  if (!to_fmt(k_format, false, k) || !to_fmt(v_format, true, v)) return KVQ_ERR_UNSUPPORTED;
+  Occupancy fn{ctas_per_sm};
+  return dispatch(k, v, head_dim, fn);
+}
+
+extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
+  if (a == nullptr) return KVQ_ERR_INVALID;
+  const kvq_layout &l = a->cache.layout;
+  if (a->q_dtype != KVQ_DTYPE_F16 && a->q_dtype != KVQ_DTYPE_BF16) return KVQ_ERR_UNSUPPORTED;
+  Fmt k, v;
+  if (!formats(l, a->q_dtype, k, v)) return KVQ_ERR_UNSUPPORTED;
+  if (l.block_size <= 0 || l.block_size % kStep != 0) return KVQ_ERR_UNSUPPORTED;
+  if (a->batch <= 0 || a->num_q_heads <= 0 || l.num_kv_heads <= 0 ||
+      a->num_q_heads % l.num_kv_heads != 0 || a->q_len <= 0 || a->max_blocks <= 0 ||
+      a->num_splits <= 0 || a->num_splits > KVQ_DECODE_MAX_SPLITS || a->split_tokens <= 0 ||
+      a->split_tokens % kStep != 0 || a->num_blocks <= 0)
+    return KVQ_ERR_INVALID;
+  if (a->cache.pool == nullptr || a->q == nullptr || a->out == nullptr ||
+      a->block_tables == nullptr || a->context_lens == nullptr)
+    return KVQ_ERR_INVALID;
+  if ((k == Fmt::E4M3 || k == Fmt::E5M2) && a->cache.k_scales == nullptr) return KVQ_ERR_INVALID;
+  if ((v == Fmt::E4M3 || v == Fmt::E5M2) && a->cache.v_scales == nullptr) return KVQ_ERR_INVALID;
+  if (a->num_splits > 1 && (a->ws_o == nullptr || a->ws_lse == nullptr)) return KVQ_ERR_INVALID;
+
+  Params p{};
+  p.pool = a->cache.pool;
+  p.k_scales = a->cache.k_scales;
+  p.v_scales = a->cache.v_scales;
+  p.head_stride = l.head_stride;
+  p.block_stride = l.block_stride;
+  p.num_blocks = a->num_blocks;
+  p.k_codes_off = l.k_codes_offset;
+  p.k_meta_off = l.k_meta_offset;
+  p.v_codes_off = l.v_codes_offset;
+  p.v_meta_off = l.v_meta_offset;
+  p.block_size = l.block_size;
+  p.q = a->q;
+  p.out = a->out;
+  p.lse = a->lse;
+  p.block_tables = a->block_tables;
+  p.context_lens = a->context_lens;
+  p.ws_o = a->ws_o;
+  p.ws_lse = a->ws_lse;
+  p.q_bf16 = a->q_dtype == KVQ_DTYPE_BF16;
+  p.num_q_heads = a->num_q_heads;
+  p.group = a->num_q_heads / l.num_kv_heads;
+  p.q_len = a->q_len;
+  p.m_tiles = (p.group * a->q_len + 15) / 16;
+  p.max_blocks = a->max_blocks;
+  p.num_splits = a->num_splits;
+  p.split_tokens = a->split_tokens;
+  p.sm_scale_log2 = a->softmax_scale * kLog2e;
+
+  const int64_t y = (int64_t)l.num_kv_heads * p.m_tiles;
+  if (y > 65535 || a->batch > 65535) return KVQ_ERR_UNSUPPORTED;
+  Launch fn{p, l, dim3(a->num_splits, (unsigned)y, a->batch),
+            (int64_t)a->batch * a->num_q_heads * a->q_len, (cudaStream_t)stream};
+  return dispatch(k, v, l.head_dim, fn);
+}

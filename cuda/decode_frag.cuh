@@ -1,0 +1,274 @@
+// decode_frag.cuh: how each cache format turns stored codes into tensor-core fragments for the
+// fused decode kernel (decode_kernel.cuh). Nothing here knows about pages or softmax.
+//
+// The kernel uses mma.sync.m16n8k16 (f32 accumulate) twice per 16-token step:
+//   S = Q * K^T : M = 16 query rows, N = 8 tokens per n-tile (two n-tiles), K = head_dim.
+//   O += P * V  : M = 16 query rows, N = 8 head-dim columns per n-tile, K = 16 tokens.
+// Lane (g = lane / 4, t = lane % 4) of a warp holds B-fragment column n = g and k indices
+// {2t, 2t+1} (register b0) and {2t+8, 2t+9} (register b1).
+//
+// Because Q*K^T sums over head_dim, any permutation of head_dim applied to both Q and K is free.
+// We choose it so that lane t's K elements of one token are one contiguous chunk of the row
+// (bytes [t*R/4, (t+1)*R/4) of an R-byte row): for INT4 at head_dim 128 that is exactly one
+// 32-element group and one scale. The pairing of elements inside a 32-bit fragment register is
+// whatever the format's cheapest unpacking produces; `k_pair_elem` says which elements those
+// are, and the Q fragments are built with the same function.
+//
+// For P*V the kernel picks lane g's output columns as the contiguous chunk
+// [g*D/8, (g+1)*D/8) of the row, n-tile j being column g*D/8 + j; k index (token) kk of the
+// 16-token step is simply token kk, so lane t reads tokens {2t, 2t+1, 2t+8, 2t+9}. A V register
+// pairs two tokens at one column, so the unpacking interleaves two rows with byte permutes.
+//
+// Arithmetic types: K and V codes of FP8 / INT4 caches become f16 (exact for FP8, one f16
+// rounding for INT4, which FORMATS.md allows); f16 / bf16 caches are used as stored. FP8's
+// per-head scale is uniform over a head, so it is applied to S and to O in f32 instead of to
+// every element.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace kvq_decode {
+
+/// Cache element formats the decode kernel is instantiated for (K INT4 means groups of 32,
+/// symmetric; V INT4 means groups of 64, affine).
+enum class Fmt : int { F16, BF16, E4M3, E5M2, I4 };
+
+template <Fmt F>
+constexpr int fmt_bits() {
+  return (F == Fmt::F16 || F == Fmt::BF16) ? 16 : (F == Fmt::I4 ? 4 : 8);
+}
+
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+// FP8 E4M3 unpacking: sm_89+ has a conversion instruction; sm_80 moves the bits into an f16
+// whose value is the code's value * 2^-8 (exact, subnormals included), and the 2^8 is folded
+// into the per-head scale.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define KVQ_E4M3_CVT 1
+constexpr float kE4m3Unit = 1.0f;
+#else
+#define KVQ_E4M3_CVT 0
+constexpr float kE4m3Unit = 256.0f;
+#endif
+
+/// Factor between an unpacked FP8 code and its value (before the per-head scale).
+template <Fmt F>
+__device__ __forceinline__ float fp8_unit() {
+  return F == Fmt::E4M3 ? kE4m3Unit : 1.0f;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  return __byte_perm(a, b, sel);
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) {
+  return *reinterpret_cast<uint32_t *>(&h);
+}
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) {
+  return *reinterpret_cast<__half2 *>(&u);
+}
+
+/// Two f32 → one packed register of the mma operand type (low half = `lo`).
+template <bool BF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+  } else {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return h2_bits(v);
+  }
+}
+
+/// d += a * b, m16n8k16, f32 accumulate; `a` holds the four A registers.
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint4 &a, uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+  }
+}
+
+/// Two E4M3 codes (bytes 0 and 1 of `w`) and (bytes 2 and 3) → two f16x2.
+__device__ __forceinline__ void e4m3x4_cvt(uint32_t w, uint32_t &lo, uint32_t &hi) {
+#if KVQ_E4M3_CVT
+  asm("{ .reg .b16 l, h;\n\t mov.b32 {l, h}, %2;\n\t cvt.rn.f16x2.e4m3x2 %0, l;\n\t"
+      " cvt.rn.f16x2.e4m3x2 %1, h; }"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+#else
+  (void)w;
+  lo = hi = 0;  // not used on this architecture
+#endif
+}
+
+/// Bit-move E4M3 → f16 * 2^-8: bytes (0, 2) → `a`, bytes (1, 3) → `b`.
+__device__ __forceinline__ void e4m3x4_bits(uint32_t w, uint32_t &a, uint32_t &b) {
+  a = ((w << 8) & 0x80008000u) | ((w << 7) & 0x3F803F80u);
+  b = (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
+}
+
+/// INT4 nibble → f16 `1024 + n` for the nibbles at bit `shift` and `shift + 16` of `w`.
+__device__ __forceinline__ uint32_t nib_1024(uint32_t w, int shift) {
+  return ((w >> shift) & 0x000F000Fu) | 0x64006400u;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Geometry of one format at one head_dim, and the K / V fragment builders.
+
+template <Fmt KF, Fmt VF, int D>
+struct Frag {
+  static constexpr bool K_BF16 = KF == Fmt::BF16;  // S = Q K^T operand type
+  static constexpr bool V_BF16 = VF == Fmt::BF16;  // O = P V operand type
+
+  // ---- K: lane t owns bytes [t*KCH, (t+1)*KCH) of a token's code row.
+  static constexpr int KBITS = fmt_bits<KF>();
+  static constexpr int KC_ROW = D * KBITS / 8;
+  static constexpr int KM_ROW = KF == Fmt::I4 ? D / 32 * 2 : 0;
+  static constexpr int KCH = KC_ROW / 4;
+  static constexpr int KVEC = cmin(16, KCH);     // bytes per shared-memory load
+  static constexpr int KNV = KCH / KVEC;         // loads per token
+  static constexpr int KEV = KVEC * 8 / KBITS;   // elements per load
+  static constexpr int KPAIRS = KEV / 2;         // fragment registers per load
+  static constexpr int KWORDS = KVEC / 4;
+
+  /// Element (0..KEV) of a load that half `e` of fragment register `p` holds.
+  static __device__ __forceinline__ int k_pair_elem(int p, int e) {
+    if constexpr (KF == Fmt::I4) {
+      return 8 * (p / 4) + (p % 4) + 4 * e;
+    } else if constexpr (KF == Fmt::E4M3 && !KVQ_E4M3_CVT) {
+      return 4 * (p / 2) + (p % 2) + 2 * e;
+    } else {
+      return 2 * p + e;
+    }
+  }
+
+  /// Head-dim index of half `e` of lane t's fragment register `p` (0..D/8) of a token.
+  static __device__ __forceinline__ int k_dim(int t, int p, int e) {
+    return t * (D / 4) + (p / KPAIRS) * KEV + k_pair_elem(p % KPAIRS, e);
+  }
+
+  /// INT4 K: group of lane t's load v.
+  static __device__ __forceinline__ int k_group(int t, int v) {
+    return (t * (D / 4) + v * KEV) / 32;
+  }
+
+  /// Unpack one load of K codes (`w`, KWORDS words) into KPAIRS fragment registers.
+  /// `scale` is the INT4 group scale (f16 bits), unused otherwise.
+  static __device__ __forceinline__ void k_unpack(const uint32_t (&w)[KWORDS], uint16_t scale,
+                                                  uint32_t (&out)[KPAIRS]) {
+    if constexpr (KF == Fmt::F16 || KF == Fmt::BF16) {
+#pragma unroll
+      for (int i = 0; i < KWORDS; ++i) out[i] = w[i];
+    } else if constexpr (KF == Fmt::E5M2) {
+#pragma unroll
+      for (int i = 0; i < KWORDS; ++i) {
+        out[2 * i] = prmt(w[i], 0u, 0x1404);
+        out[2 * i + 1] = prmt(w[i], 0u, 0x3424);
+      }
+    } else if constexpr (KF == Fmt::E4M3) {
+#pragma unroll
+      for (int i = 0; i < KWORDS; ++i) {
+#if KVQ_E4M3_CVT
+        e4m3x4_cvt(w[i], out[2 * i], out[2 * i + 1]);
+#else
+        e4m3x4_bits(w[i], out[2 * i], out[2 * i + 1]);
+#endif
+      }
+    } else {
+      // Symmetric INT4: nibble n ^ 8 = q + 8, so f16(1024 + (n ^ 8)) - 1032 = q exactly; then
+      // one rounding for q * s. The scale is capped so that 7 * s stays finite in f16 (only
+      // groups with |x| near 65504 are affected, by < 1e-3 relative).
+      const __half s = __hmin(__ushort_as_half(scale), __ushort_as_half(0x7091));  // 9352
+      const __half2 s2 = __half2half2(s);
+      const __half2 off = __half2half2(__ushort_as_half(0x6408));                  // 1032
+#pragma unroll
+      for (int i = 0; i < KWORDS; ++i) {
+        const uint32_t x = w[i] ^ 0x88888888u;
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const __half2 q = __hsub2(bits_h2(nib_1024(x, 4 * n)), off);
+          out[4 * i + n] = h2_bits(__hmul2(q, s2));
+        }
+      }
+    }
+  }
+
+  // ---- V: lane g owns bytes [g*VCH, (g+1)*VCH) of each of its four tokens' rows.
+  static constexpr int VBITS = fmt_bits<VF>();
+  static constexpr int VC_ROW = D * VBITS / 8;
+  static constexpr int VM_ROW = VF == Fmt::I4 ? D / 64 * 4 : 0;
+  static constexpr int VCH = VC_ROW / 8;
+  static constexpr int VVEC = cmin(VCH, VF == Fmt::I4 ? 8 : 16);
+  static constexpr int VNV = VCH / VVEC;
+  static constexpr int VEV = VVEC * 8 / VBITS;   // elements (= n-tiles) per load
+  static constexpr int VWORDS = VVEC / 4;
+
+  /// INT4 V: group of lane g's chunk.
+  static __device__ __forceinline__ int v_group(int g) { return g * (D / 8) / 64; }
+
+  /// Interleave two tokens' loads (`a`: token of the lower k index, `b`: the next) into VEV
+  /// B-fragment registers, register c holding column c of both. `ma` / `mb` are the INT4
+  /// (scale | zero << 16) words of the two tokens, unused otherwise.
+  static __device__ __forceinline__ void v_unpack(const uint32_t (&a)[VWORDS],
+                                                  const uint32_t (&b)[VWORDS], uint32_t ma,
+                                                  uint32_t mb, uint32_t (&out)[VEV]) {
+    if constexpr (VF == Fmt::F16 || VF == Fmt::BF16) {
+#pragma unroll
+      for (int i = 0; i < VWORDS; ++i) {
+        out[2 * i] = prmt(a[i], b[i], 0x5410);
+        out[2 * i + 1] = prmt(a[i], b[i], 0x7632);
+      }
+    } else if constexpr (VF == Fmt::E5M2) {
+#pragma unroll
+      for (int i = 0; i < VWORDS; ++i) {
+        const uint32_t lo = prmt(a[i], b[i], 0x5140), hi = prmt(a[i], b[i], 0x7362);
+        out[4 * i] = prmt(lo, 0u, 0x1404);
+        out[4 * i + 1] = prmt(lo, 0u, 0x3424);
+        out[4 * i + 2] = prmt(hi, 0u, 0x1404);
+        out[4 * i + 3] = prmt(hi, 0u, 0x3424);
+      }
+    } else if constexpr (VF == Fmt::E4M3) {
+#pragma unroll
+      for (int i = 0; i < VWORDS; ++i) {
+#if KVQ_E4M3_CVT
+        e4m3x4_cvt(prmt(a[i], b[i], 0x5140), out[4 * i], out[4 * i + 1]);
+        e4m3x4_cvt(prmt(a[i], b[i], 0x7362), out[4 * i + 2], out[4 * i + 3]);
+#else
+        e4m3x4_bits(prmt(a[i], b[i], 0x5410), out[4 * i], out[4 * i + 1]);
+        e4m3x4_bits(prmt(a[i], b[i], 0x7632), out[4 * i + 2], out[4 * i + 3]);
+#endif
+      }
+    } else {
+      // Affine INT4: q = f16(1024 + n) - 1024 exactly, then fma(q, s, z) with one rounding.
+      // Only q * s + z > 65504 can overflow (s >= 0, q >= 0, z >= -65504): clamp it.
+      const __half2 s2 = bits_h2(prmt(ma, mb, 0x5410));
+      const __half2 z2 = bits_h2(prmt(ma, mb, 0x7632));
+      const __half2 k1024 = __half2half2(__ushort_as_half(0x6400));
+      const __half2 hmax = __half2half2(__ushort_as_half(0x7BFF));
+#pragma unroll
+      for (int i = 0; i < VWORDS; ++i) {
+        const uint32_t lo = prmt(a[i], b[i], 0x5410), hi = prmt(a[i], b[i], 0x7632);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const __half2 ql = __hsub2(bits_h2(nib_1024(lo, 4 * n)), k1024);
+          const __half2 qh = __hsub2(bits_h2(nib_1024(hi, 4 * n)), k1024);
+          out[8 * i + n] = h2_bits(__hmin2(__hfma2(ql, s2, z2), hmax));
+          out[8 * i + 4 + n] = h2_bits(__hmin2(__hfma2(qh, s2, z2), hmax));
+        }
+      }
+    }
+  }
+};
+
+}  // namespace kvq_decode

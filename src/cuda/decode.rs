@@ -1,0 +1,758 @@
+//! Fused paged decode attention on the GPU (`cuda/decode.cu`): one kernel reads each KV byte of a
+//! sequence once per KV-head group, dequantizes FP8 / INT4 codes straight into tensor-core
+//! fragments (no dequantized copy of the cache ever reaches global memory) and runs an online
+//! softmax; long contexts are cut into splits that run side by side and are merged by a second
+//! small kernel (flash-decoding).
+//!
+//! Semantics are those of [`cpu::decode_attention`](crate::cpu::decode_attention): `q`, `out`
+//! are `[batch, num_q_heads, q_len, head_dim]`, `lse` is `[batch, num_q_heads, q_len]` (natural
+//! log), context lengths include the `q_len` new tokens, queries are causal among themselves.
+//!
+//! Use:
+//! 1. [`DecodePlan::new`] once per (cache layout, batch shape, longest context): it picks the
+//!    split count from the batch shape and the GPU's SM count.
+//! 2. [`DecodeWorkspace::new`] once per plan (split partials live there).
+//! 3. [`DeviceBlockTables::new`] / [`update`](DeviceBlockTables::update) whenever the tables
+//!    change (validated on the host, then copied).
+//! 4. [`DecodePlan::decode`] every step: checks shapes, then enqueues; no allocation and no host
+//!    synchronization, so it can be captured in a CUDA graph.
+//!
+//! Engines that own their device memory use [`DecodePlan::decode_raw`] instead.
+
+use super::device::DeviceCache;
+use super::ops::{DeviceElement, Dtype};
+use super::{Gpu, check_status, driver_err, sys};
+use crate::cache::BlockTables;
+use crate::error::{Error, Result};
+use crate::format::KvFormat;
+use crate::layout::BlockLayout;
+use cudarc::driver::sys::{CUdeviceptr, CUstream};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use std::ffi::c_void;
+
+/// Tokens per pipeline step of the kernel: `block_size` must be a multiple of it.
+pub const STEP_TOKENS: usize = 16;
+
+/// Head dimensions the kernels are built for.
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Most splits one launch may use (`KVQ_DECODE_MAX_SPLITS`).
+pub const MAX_SPLITS: usize = sys::KVQ_DECODE_MAX_SPLITS as usize;
+
+/// A split shorter than this costs more in launch and merge than it gains in parallelism.
+const MIN_SPLIT_TOKENS: usize = 256;
+
+/// The plan splits further while the last wave of thread blocks would be less full than this.
+const MIN_WAVE_FILL: f64 = 0.85;
+
+/// Query / output element types of the decode kernels: f16 and bf16.
+pub trait DecodeElement: DeviceElement {}
+impl DecodeElement for half::f16 {}
+impl DecodeElement for half::bf16 {}
+
+/// Whether this build has a decode kernel for keys in `k` and values in `v`: f16, bf16,
+/// fp8-e4m3 and int4 (keys `int4-k32`, values `int4-v64`) mixed freely, or fp8-e5m2 for both.
+pub fn kernel_available(k: KvFormat, v: KvFormat) -> bool {
+    use KvFormat::*;
+    matches!(
+        (k, v),
+        (Fp8E5m2, Fp8E5m2)
+            | (
+                F16 | Bf16 | Fp8E4m3 | Int4Sym32,
+                F16 | Bf16 | Fp8E4m3 | Int4Affine64
+            )
+    )
+}
+
+fn dtype_code(d: Dtype) -> i32 {
+    match d {
+        Dtype::F32 => sys::KVQ_DTYPE_F32,
+        Dtype::F16 => sys::KVQ_DTYPE_F16,
+        Dtype::Bf16 => sys::KVQ_DTYPE_BF16,
+    }
+}
+
+fn to_i32(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Unsupported(format!("{what} = {v} exceeds int32")))
+}
+
+fn need_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if actual < expected {
+        return Err(Error::Length {
+            what,
+            expected,
+            actual,
+        });
+    }
+    Ok(())
+}
+
+/// Split count and split length for `base_ctas` thread blocks per split on a GPU that holds
+/// `slots` of them at once, for contexts up to `max_len` tokens: the fewest splits whose last
+/// wave is at least [`MIN_WAVE_FILL`] full (or the best fill reachable), splits no shorter than
+/// [`MIN_SPLIT_TOKENS`], lengths a multiple of [`STEP_TOKENS`].
+fn choose_splits(base_ctas: usize, slots: usize, max_len: usize) -> (usize, usize) {
+    let max_len = max_len.max(1);
+    let most = max_len.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
+    let fill = |s: usize| {
+        let ctas = base_ctas * s;
+        ctas as f64 / (ctas.div_ceil(slots) * slots) as f64
+    };
+    let mut best = 1;
+    for s in 1..=most {
+        if fill(s) >= MIN_WAVE_FILL {
+            best = s;
+            break;
+        }
+        if fill(s) > fill(best) + 1e-9 {
+            best = s;
+        }
+    }
+    let split_tokens = max_len.div_ceil(best).next_multiple_of(STEP_TOKENS);
+    (max_len.div_ceil(split_tokens), split_tokens)
+}
+
+/// How decode launches for one cache layout and batch shape are cut; computed once, reused for
+/// every step whose sequences are at most [`max_context_len`](Self::max_context_len) long.
+#[derive(Debug, Clone)]
+pub struct DecodePlan {
+    gpu: Gpu,
+    layout: BlockLayout,
+    batch: usize,
+    num_q_heads: usize,
+    q_len: usize,
+    max_context_len: usize,
+    softmax_scale: f32,
+    num_splits: usize,
+    split_tokens: usize,
+}
+
+impl DecodePlan {
+    /// A plan for `batch` sequences of `num_q_heads` query heads and `q_len` new tokens each,
+    /// no longer than `max_context_len` tokens (new tokens included), over caches of `layout`,
+    /// with `softmax_scale = 1 / sqrt(head_dim)` (see [`with_softmax_scale`](Self::with_softmax_scale)).
+    ///
+    /// Errors: [`Error::Unsupported`] for a format pair without a kernel
+    /// ([`kernel_available`]), a head_dim outside [`HEAD_DIMS`] or a block size that is not a
+    /// multiple of [`STEP_TOKENS`]; [`Error::InvalidArgument`] / [`Error::Config`] for shapes
+    /// that make no sense (zero sizes, heads not a multiple of the KV heads,
+    /// `max_context_len < q_len`).
+    pub fn new(
+        gpu: &Gpu,
+        layout: &BlockLayout,
+        batch: usize,
+        num_q_heads: usize,
+        q_len: usize,
+        max_context_len: usize,
+    ) -> Result<Self> {
+        let c = &layout.config;
+        c.validate()?;
+        if !kernel_available(c.k_format, c.v_format) {
+            return Err(Error::Unsupported(format!(
+                "GPU decode of {} keys with {} values",
+                c.k_format, c.v_format
+            )));
+        }
+        if !HEAD_DIMS.contains(&c.head_dim) {
+            return Err(Error::Unsupported(format!(
+                "GPU decode with head_dim {} (kernels exist for {HEAD_DIMS:?})",
+                c.head_dim
+            )));
+        }
+        if c.block_size % STEP_TOKENS != 0 {
+            return Err(Error::Unsupported(format!(
+                "GPU decode with block_size {} (a multiple of {STEP_TOKENS} is needed)",
+                c.block_size
+            )));
+        }
+        for (what, value) in [
+            ("batch", batch),
+            ("num_q_heads", num_q_heads),
+            ("q_len", q_len),
+        ] {
+            if value == 0 {
+                return Err(Error::Config {
+                    what,
+                    value,
+                    expected: "at least 1",
+                });
+            }
+        }
+        if num_q_heads % c.num_kv_heads != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "num_q_heads {num_q_heads} must be a multiple of num_kv_heads {}",
+                c.num_kv_heads
+            )));
+        }
+        if max_context_len < q_len {
+            return Err(Error::InvalidArgument(format!(
+                "max_context_len {max_context_len} is shorter than q_len {q_len} \
+                 (context lengths include the new tokens)"
+            )));
+        }
+        let m_tiles = (num_q_heads / c.num_kv_heads * q_len).div_ceil(16);
+        if c.num_kv_heads * m_tiles > 65535 || batch > 65535 {
+            return Err(Error::Unsupported(format!(
+                "GPU decode grid: batch {batch} and num_kv_heads x query tiles {} must each be \
+                 at most 65535",
+                c.num_kv_heads * m_tiles
+            )));
+        }
+        // Sizes that reach the kernels as int32.
+        to_i32("max_context_len", max_context_len)?;
+        to_i32("batch * num_q_heads * q_len", batch * num_q_heads * q_len)?;
+
+        gpu.bind()?;
+        let mut ctas_per_sm = 0i32;
+        // SAFETY: plain host call; writes one int.
+        let status = unsafe {
+            sys::kvq_decode_occupancy(
+                c.k_format as i32,
+                c.v_format as i32,
+                c.head_dim as i32,
+                &mut ctas_per_sm,
+            )
+        };
+        check_status(status, "kvq_decode_occupancy")?;
+        let slots = gpu.props().sm_count as usize * ctas_per_sm.max(1) as usize;
+        let base = batch * c.num_kv_heads * m_tiles;
+        let (num_splits, split_tokens) = choose_splits(base, slots, max_context_len);
+        Ok(DecodePlan {
+            gpu: gpu.clone(),
+            layout: *layout,
+            batch,
+            num_q_heads,
+            q_len,
+            max_context_len,
+            softmax_scale: 1.0 / (c.head_dim as f32).sqrt(),
+            num_splits,
+            split_tokens,
+        })
+    }
+
+    /// The same plan with another multiplier of `q · k` (finite).
+    pub fn with_softmax_scale(mut self, softmax_scale: f32) -> Result<Self> {
+        if !softmax_scale.is_finite() {
+            return Err(Error::InvalidArgument(format!(
+                "softmax_scale {softmax_scale} must be finite"
+            )));
+        }
+        self.softmax_scale = softmax_scale;
+        Ok(self)
+    }
+
+    /// The same plan with a split count of your choice (clamped to what `max_context_len`
+    /// allows: at least one split per step of 16 tokens, at most [`MAX_SPLITS`]), for tests and
+    /// tuning.
+    pub fn with_num_splits(mut self, num_splits: usize) -> Self {
+        let most = self
+            .max_context_len
+            .div_ceil(STEP_TOKENS)
+            .clamp(1, MAX_SPLITS);
+        let s = num_splits.clamp(1, most);
+        self.split_tokens = self
+            .max_context_len
+            .div_ceil(s)
+            .next_multiple_of(STEP_TOKENS);
+        self.num_splits = self.max_context_len.div_ceil(self.split_tokens);
+        self
+    }
+
+    /// Layout of the caches this plan serves.
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+    /// Sequences per launch.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+    /// Query heads.
+    pub fn num_q_heads(&self) -> usize {
+        self.num_q_heads
+    }
+    /// New tokens per sequence.
+    pub fn q_len(&self) -> usize {
+        self.q_len
+    }
+    /// Longest context (tokens, new ones included) a launch may see.
+    pub fn max_context_len(&self) -> usize {
+        self.max_context_len
+    }
+    /// Multiplier of `q · k`.
+    pub fn softmax_scale(&self) -> f32 {
+        self.softmax_scale
+    }
+    /// Splits the longest context is cut into (1: no merge pass).
+    pub fn num_splits(&self) -> usize {
+        self.num_splits
+    }
+    /// Tokens per split (a multiple of [`STEP_TOKENS`]).
+    pub fn split_tokens(&self) -> usize {
+        self.split_tokens
+    }
+
+    /// Elements of `q` and `out`: `batch * num_q_heads * q_len * head_dim`.
+    pub fn q_elems(&self) -> usize {
+        self.lse_elems() * self.layout.config.head_dim
+    }
+    /// Entries of `lse`: `batch * num_q_heads * q_len`.
+    pub fn lse_elems(&self) -> usize {
+        self.batch * self.num_q_heads * self.q_len
+    }
+    /// f32 elements of the workspace's partial outputs and partial log-sum-exps (both 0 when
+    /// the plan has one split).
+    pub fn workspace_elems(&self) -> (usize, usize) {
+        if self.num_splits <= 1 {
+            return (0, 0);
+        }
+        let lse = self.lse_elems() * self.num_splits;
+        (lse * self.layout.config.head_dim, lse)
+    }
+
+    fn check_tables(&self, t: &DeviceBlockTables) -> Result<()> {
+        if t.batch != self.batch {
+            return Err(Error::Length {
+                what: "block tables (one row per sequence of the plan's batch)",
+                expected: self.batch,
+                actual: t.batch,
+            });
+        }
+        if t.max_len > self.max_context_len {
+            return Err(Error::InvalidArgument(format!(
+                "a context of {} tokens exceeds the plan's max_context_len {}",
+                t.max_len, self.max_context_len
+            )));
+        }
+        if t.min_len < self.q_len {
+            return Err(Error::InvalidArgument(format!(
+                "a context of {} tokens is shorter than q_len {} (the new tokens must already \
+                 be in the cache)",
+                t.min_len, self.q_len
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_q_dtype(&self, q: Dtype) -> Result<()> {
+        if self.layout.config.k_format == KvFormat::Bf16 && q != Dtype::Bf16 {
+            return Err(Error::Unsupported(format!(
+                "GPU decode of a bf16 key cache with {q:?} queries (use bf16 queries)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn raw_args(&self) -> sys::kvq_decode_args {
+        sys::kvq_decode_args {
+            cache: sys::kvq_cache {
+                pool: std::ptr::null_mut(),
+                k_scales: std::ptr::null(),
+                v_scales: std::ptr::null(),
+                layout: sys::kvq_layout::default(),
+            },
+            num_blocks: 0,
+            q: std::ptr::null(),
+            out: std::ptr::null_mut(),
+            lse: std::ptr::null_mut(),
+            block_tables: std::ptr::null(),
+            context_lens: std::ptr::null(),
+            ws_o: std::ptr::null_mut(),
+            ws_lse: std::ptr::null_mut(),
+            q_dtype: 0,
+            batch: self.batch as i32,
+            num_q_heads: self.num_q_heads as i32,
+            q_len: self.q_len as i32,
+            max_blocks: 0,
+            num_splits: self.num_splits as i32,
+            split_tokens: self.split_tokens as i32,
+            softmax_scale: self.softmax_scale,
+        }
+    }
+
+    /// One decode step: attention of `q` over `cache` for the sequences of `tables`, written to
+    /// `out` and, if given, the natural-log softmax denominators to `lse`. Enqueued on the
+    /// cache's stream; returns at once. Every argument is checked against the plan first:
+    /// same GPU and layout, `q` / `out` of at least [`q_elems`](Self::q_elems) elements, `lse`
+    /// of [`lse_elems`](Self::lse_elems), tables of the plan's batch with contexts in
+    /// `q_len..=max_context_len`, a workspace made for this plan.
+    pub fn decode<T: DecodeElement>(
+        &self,
+        ws: &mut DecodeWorkspace,
+        cache: &DeviceCache,
+        tables: &DeviceBlockTables,
+        q: &CudaSlice<T>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        if self.gpu.context() != cache.gpu().context() {
+            return Err(Error::InvalidArgument(format!(
+                "the cache lives on GPU {}, the plan was made for GPU {}",
+                cache.gpu().props().ordinal,
+                self.gpu.props().ordinal
+            )));
+        }
+        if cache.layout() != &self.layout {
+            return Err(Error::InvalidArgument(
+                "the cache's layout differs from the one the plan was made for".into(),
+            ));
+        }
+        self.check_q_dtype(T::DTYPE)?;
+        self.check_tables(tables)?;
+        if tables.num_blocks != cache.num_blocks() {
+            return Err(Error::InvalidArgument(format!(
+                "the block tables were checked against a pool of {} blocks, the cache has {}",
+                tables.num_blocks,
+                cache.num_blocks()
+            )));
+        }
+        ws.check(self)?;
+        need_len(
+            "q ([batch, num_q_heads, q_len, head_dim])",
+            self.q_elems(),
+            q.len(),
+        )?;
+        need_len(
+            "out ([batch, num_q_heads, q_len, head_dim])",
+            self.q_elems(),
+            out.len(),
+        )?;
+        if let Some(l) = &lse {
+            need_len(
+                "lse ([batch, num_q_heads, q_len])",
+                self.lse_elems(),
+                l.len(),
+            )?;
+        }
+        self.gpu.bind()?;
+        let s = cache.gpu().stream();
+        let mut a = self.raw_args();
+        a.cache = cache.as_raw();
+        a.num_blocks = cache.num_blocks() as i64;
+        a.q_dtype = dtype_code(T::DTYPE);
+        a.max_blocks = tables.max_blocks as i32;
+        let (q_p, _g1) = q.device_ptr(s);
+        let (o_p, _g2) = out.device_ptr_mut(s);
+        let (t_p, _g3) = tables.data.device_ptr(s);
+        let (c_p, _g4) = tables.context_lens.device_ptr(s);
+        let (wo_p, _g5) = ws.o.device_ptr_mut(s);
+        let (wl_p, _g6) = ws.lse.device_ptr_mut(s);
+        let mut lse_guard = lse.map(|l| l.device_ptr_mut(s));
+        a.q = q_p as *const c_void;
+        a.out = o_p as *mut c_void;
+        a.block_tables = t_p as *const i32;
+        a.context_lens = c_p as *const i32;
+        a.ws_o = wo_p as *mut f32;
+        a.ws_lse = wl_p as *mut f32;
+        a.lse = lse_guard
+            .as_mut()
+            .map_or(std::ptr::null_mut(), |(p, _)| *p as *mut f32);
+        // SAFETY: every buffer was checked above to hold what the plan's shape needs; the tables
+        // were validated against this cache on upload (DeviceBlockTables) and their lengths
+        // against the plan; all memory lives on this stream's device.
+        let status = unsafe { sys::kvq_decode_attention(&a, s.cu_stream().cast()) };
+        check_status(status, "kvq_decode_attention")
+    }
+
+    /// [`decode`](Self::decode) for memory the caller owns. Host-checkable arguments are
+    /// checked (layout against the plan, q dtype, non-null pointers, 16-byte alignment of
+    /// `q` / `out`); the rest is the caller's promise.
+    ///
+    /// # Safety
+    /// - `args.cache` describes a live device pool of `args.num_blocks` blocks with this plan's
+    ///   layout (e.g. [`DeviceCache::as_raw`]);
+    /// - `q` and `out` hold [`q_elems`](Self::q_elems) elements of `q_dtype`, `lse` (if not 0)
+    ///   [`lse_elems`](Self::lse_elems) f32; `workspace_o` / `workspace_lse` hold
+    ///   [`workspace_elems`](Self::workspace_elems) f32 (unused when the plan has one split);
+    /// - `block_tables` holds `batch * max_blocks` i32 and `context_lens` `batch` i32, with
+    ///   every `context_lens[b]` in `q_len..=min(max_context_len, max_blocks * block_size)` and
+    ///   the first `ceil(context_lens[b] / block_size)` entries of row `b` block ids below
+    ///   `num_blocks` (breaking this cannot make the kernel read or write out of bounds, but
+    ///   the output is then unspecified);
+    /// - nothing else writes `out`, `lse` or the workspace until the launch on `stream` ends.
+    pub unsafe fn decode_raw(&self, args: &RawDecodeArgs, stream: CUstream) -> Result<()> {
+        let l = &args.cache.layout;
+        let c = &self.layout.config;
+        let same = l.num_kv_heads as usize == c.num_kv_heads
+            && l.head_dim as usize == c.head_dim
+            && l.block_size as usize == c.block_size
+            && l.k_format == c.k_format as i32
+            && l.v_format == c.v_format as i32
+            && l.head_stride as usize == self.layout.head_stride
+            && l.block_stride as usize == self.layout.block_stride
+            && l.k_codes_offset as usize == self.layout.k_codes.offset
+            && l.k_meta_offset as usize == self.layout.k_meta.offset
+            && l.v_codes_offset as usize == self.layout.v_codes.offset
+            && l.v_meta_offset as usize == self.layout.v_meta.offset;
+        if !same {
+            return Err(Error::InvalidArgument(
+                "the cache's layout differs from the one the plan was made for".into(),
+            ));
+        }
+        self.check_q_dtype(args.q_dtype)?;
+        if args.q_dtype == Dtype::F32 {
+            return Err(Error::Unsupported("GPU decode with f32 queries".into()));
+        }
+        if args.cache.pool.is_null()
+            || args.q == 0
+            || args.out == 0
+            || args.block_tables == 0
+            || args.context_lens == 0
+            || (self.num_splits > 1 && (args.workspace_o == 0 || args.workspace_lse == 0))
+        {
+            return Err(Error::InvalidArgument(
+                "decode_raw: a required device pointer is null".into(),
+            ));
+        }
+        if args.q % 16 != 0 || args.out % 16 != 0 {
+            return Err(Error::InvalidArgument(
+                "decode_raw: q and out must be 16-byte aligned".into(),
+            ));
+        }
+        if args.max_blocks == 0 || args.num_blocks == 0 {
+            return Err(Error::InvalidArgument(
+                "decode_raw: max_blocks and num_blocks must be at least 1".into(),
+            ));
+        }
+        let mut a = self.raw_args();
+        a.cache = args.cache;
+        a.num_blocks = i64::try_from(args.num_blocks)
+            .map_err(|_| Error::InvalidArgument("num_blocks exceeds int64".into()))?;
+        a.q = args.q as *const c_void;
+        a.out = args.out as *mut c_void;
+        a.lse = args.lse as *mut f32;
+        a.block_tables = args.block_tables as *const i32;
+        a.context_lens = args.context_lens as *const i32;
+        a.ws_o = args.workspace_o as *mut f32;
+        a.ws_lse = args.workspace_lse as *mut f32;
+        a.q_dtype = dtype_code(args.q_dtype);
+        a.max_blocks = to_i32("max_blocks", args.max_blocks)?;
+        // SAFETY: forwarded from the caller's contract; shapes come from the plan.
+        let status = unsafe { sys::kvq_decode_attention(&a, stream.cast()) };
+        check_status(status, "kvq_decode_attention")
+    }
+}
+
+/// Device pointers of one [`DecodePlan::decode_raw`] call (0 for an absent optional one).
+#[derive(Debug, Clone, Copy)]
+pub struct RawDecodeArgs {
+    /// The cache (pool, FP8 scales, layout).
+    pub cache: sys::kvq_cache,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// `[batch, num_q_heads, q_len, head_dim]` queries of `q_dtype`.
+    pub q: CUdeviceptr,
+    /// Element type of `q` and `out` (f16 or bf16).
+    pub q_dtype: Dtype,
+    /// Output, same shape and type as `q`.
+    pub out: CUdeviceptr,
+    /// Optional `[batch, num_q_heads, q_len]` f32 log-sum-exp output (0: none).
+    pub lse: CUdeviceptr,
+    /// `[batch, max_blocks]` i32 block tables.
+    pub block_tables: CUdeviceptr,
+    /// Row stride of `block_tables`.
+    pub max_blocks: usize,
+    /// `[batch]` i32 context lengths (new tokens included).
+    pub context_lens: CUdeviceptr,
+    /// Split partial outputs, [`DecodePlan::workspace_elems`]`.0` f32 (0 with one split).
+    pub workspace_o: CUdeviceptr,
+    /// Split partial log-sum-exps, [`DecodePlan::workspace_elems`]`.1` f32 (0 with one split).
+    pub workspace_lse: CUdeviceptr,
+}
+
+/// Device memory for the partial results of a split plan, sized by [`DecodePlan`]; reusable for
+/// every launch of that plan (one launch at a time).
+#[derive(Debug)]
+pub struct DecodeWorkspace {
+    o: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    elems: (usize, usize),
+}
+
+impl DecodeWorkspace {
+    /// Allocate the workspace of `plan` on its GPU (one element when the plan needs none).
+    pub fn new(plan: &DecodePlan) -> Result<Self> {
+        let elems = plan.workspace_elems();
+        plan.gpu.bind()?;
+        let s = plan.gpu.stream();
+        // SAFETY: the kernels write every element they later read (merge reads only splits the
+        // decode kernel of the same launch wrote).
+        let o = unsafe { s.alloc::<f32>(elems.0.max(1)) }
+            .map_err(driver_err("allocating the decode workspace"))?;
+        let lse = unsafe { s.alloc::<f32>(elems.1.max(1)) }
+            .map_err(driver_err("allocating the decode workspace"))?;
+        Ok(DecodeWorkspace { o, lse, elems })
+    }
+
+    fn check(&self, plan: &DecodePlan) -> Result<()> {
+        let need = plan.workspace_elems();
+        if self.elems.0 < need.0 || self.elems.1 < need.1 {
+            return Err(Error::Length {
+                what: "decode workspace (f32 partial outputs; make it from this plan)",
+                expected: need.0,
+                actual: self.elems.0,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Block tables and context lengths in device memory, validated on the host against a cache
+/// before each upload: what [`DecodePlan::decode`] reads.
+#[derive(Debug)]
+pub struct DeviceBlockTables {
+    data: CudaSlice<i32>,
+    context_lens: CudaSlice<i32>,
+    batch: usize,
+    max_blocks: usize,
+    num_blocks: usize,
+    min_len: usize,
+    max_len: usize,
+}
+
+impl DeviceBlockTables {
+    /// Validate `tables` against `cache` ([`BlockTables::validate`]) and copy them to its GPU.
+    pub fn new(cache: &DeviceCache, tables: &BlockTables) -> Result<Self> {
+        Self::check(cache, tables)?;
+        let gpu = cache.gpu();
+        gpu.bind()?;
+        let s = gpu.stream();
+        let data = s
+            .clone_htod(&tables.data)
+            .map_err(driver_err("uploading block tables"))?;
+        let context_lens = s
+            .clone_htod(&tables.context_lens)
+            .map_err(driver_err("uploading context lengths"))?;
+        Ok(DeviceBlockTables {
+            data,
+            context_lens,
+            batch: tables.batch(),
+            max_blocks: tables.max_blocks,
+            num_blocks: cache.num_blocks(),
+            min_len: min_len(tables),
+            max_len: tables.max_context_len(),
+        })
+    }
+
+    /// Replace the contents with `tables` of the same batch and `max_blocks` (validated against
+    /// `cache` first), without allocating.
+    pub fn update(&mut self, cache: &DeviceCache, tables: &BlockTables) -> Result<()> {
+        if tables.batch() != self.batch || tables.max_blocks != self.max_blocks {
+            return Err(Error::InvalidArgument(format!(
+                "update needs tables of batch {} and max_blocks {}, got {} and {}",
+                self.batch,
+                self.max_blocks,
+                tables.batch(),
+                tables.max_blocks
+            )));
+        }
+        Self::check(cache, tables)?;
+        let s = cache.gpu().stream();
+        s.memcpy_htod(&tables.data, &mut self.data)
+            .map_err(driver_err("uploading block tables"))?;
+        s.memcpy_htod(&tables.context_lens, &mut self.context_lens)
+            .map_err(driver_err("uploading context lengths"))?;
+        self.num_blocks = cache.num_blocks();
+        self.min_len = min_len(tables);
+        self.max_len = tables.max_context_len();
+        Ok(())
+    }
+
+    fn check(cache: &DeviceCache, tables: &BlockTables) -> Result<()> {
+        if tables.batch() == 0 {
+            return Err(Error::Config {
+                what: "batch",
+                value: 0,
+                expected: "at least 1",
+            });
+        }
+        tables.validate(cache.num_blocks(), cache.config().block_size)?;
+        to_i32("max_blocks", tables.max_blocks)?;
+        Ok(())
+    }
+
+    /// Sequences.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+    /// Row stride of the table.
+    pub fn max_blocks(&self) -> usize {
+        self.max_blocks
+    }
+    /// Longest context in tokens.
+    pub fn max_context_len(&self) -> usize {
+        self.max_len
+    }
+}
+
+fn min_len(tables: &BlockTables) -> usize {
+    tables
+        .context_lens
+        .iter()
+        .map(|&l| l.max(0) as usize)
+        .min()
+        .unwrap_or(0)
+}
+
+/// Stream-read `bytes` of `src` once (the bandwidth probe of `cuda/bandwidth.cu`), for benches
+/// that need the device's streaming-read ceiling measured in the same run. `sink` must hold at
+/// least 4096 f32. Enqueued on `gpu`'s stream.
+pub fn stream_read(
+    gpu: &Gpu,
+    src: &CudaSlice<u8>,
+    bytes: usize,
+    sink: &mut CudaSlice<f32>,
+) -> Result<()> {
+    need_len("stream_read source", bytes, src.len())?;
+    need_len("stream_read sink", 4096, sink.len())?;
+    if bytes == 0 || bytes % 16 != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "stream_read: {bytes} bytes is not a positive multiple of 16"
+        )));
+    }
+    gpu.bind()?;
+    let s = gpu.stream();
+    let (src_p, _g1) = src.device_ptr(s);
+    let (sink_p, _g2) = sink.device_ptr_mut(s);
+    // SAFETY: src holds `bytes` bytes (checked), sink 4096 floats; cudaMalloc'd memory is
+    // 256-byte aligned.
+    let status = unsafe {
+        sys::kvq_stream_read(
+            src_p as *const c_void,
+            bytes as i64,
+            sink_p as *mut f32,
+            gpu.raw_stream(),
+        )
+    };
+    check_status(status, "kvq_stream_read")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_choice_fills_the_gpu() {
+        // Llama-3-8B decode, one sequence of 32k on 132 SMs x 3 CTAs: 8 CTAs per split.
+        let (n, len) = choose_splits(8, 396, 32768);
+        let fill = (n * 8) as f64 / ((n * 8).div_ceil(396) * 396) as f64;
+        assert!(fill >= MIN_WAVE_FILL && n * len >= 32768, "{n} x {len}");
+        assert_eq!(len % STEP_TOKENS, 0);
+        // A batch that already fills the GPU is not split.
+        assert_eq!(choose_splits(792, 396, 16384).0, 1);
+        // Short contexts are never cut below MIN_SPLIT_TOKENS.
+        let (n, len) = choose_splits(1, 396, 300);
+        assert!(n <= 2 && n * len >= 300);
+        // One wave and a sliver: split until the last wave is full enough.
+        let (n, _) = choose_splits(512, 396, 16384);
+        assert!(n > 1);
+    }
+
+    #[test]
+    fn formats_with_kernels() {
+        assert!(kernel_available(KvFormat::Int4Sym32, KvFormat::Fp8E4m3));
+        assert!(kernel_available(KvFormat::Bf16, KvFormat::Int4Affine64));
+        assert!(kernel_available(KvFormat::Fp8E5m2, KvFormat::Fp8E5m2));
+        assert!(!kernel_available(KvFormat::Int4Affine64, KvFormat::F16));
+        assert!(!kernel_available(KvFormat::Fp8E5m2, KvFormat::F16));
+    }
+}

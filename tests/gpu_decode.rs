@@ -1,0 +1,693 @@
+//! The fused paged decode kernels against the CPU reference (`kvq::cpu::decode_attention`, f64)
+//! on the same quantized cache: every supported K x V format pair, head_dim 64/128/256, block
+//! sizes 16/32/64, GQA groups 1..16 (6 included), q_len 1..8 (causal), mixed lengths in a batch,
+//! block- and split-boundary lengths, a 128k context, forced split counts, and real MiniLM K/V.
+//!
+//! Each case: relative error ‖out − ref‖ / ‖ref‖ ≤ 2e-3 over the whole output, with `ref`
+//! rounded to the output type first (f16 / bf16 rounding of the result is not kernel error), no
+//! row worse than 1e-2, `lse` within 1e-3 (+1e-4 relative) of the CPU's, and every output
+//! element written (outputs are poisoned with NaN first). Inputs are fresh random draws each
+//! run; the seed is printed and `KVQ_SEED=<n>` replays it.
+//!
+//! `KVQ_DECODE_QUICK=1` shrinks the suite (for compute-sanitizer runs). Without a GPU the tests
+//! print `SKIPPED`; with `KVQ_REQUIRE_GPU=1` they fail instead.
+#![cfg(feature = "cuda")]
+
+use half::{bf16, f16};
+use kvq::cache::{BlockTables, HostCache};
+use kvq::cpu::{Accum, DecodeShape, decode_attention};
+use kvq::cuda::decode::{
+    DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables, kernel_available,
+};
+use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
+use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+const REL_TOL: f64 = 2e-3;
+const ROW_TOL: f64 = 1e-2;
+
+// ---- small utilities ------------------------------------------------------------------------
+
+/// splitmix64: small, deterministic per seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Roughly standard normal.
+    fn normal(&mut self) -> f32 {
+        let s: f64 = (0..4).map(|_| self.uniform()).sum();
+        ((s - 2.0) * 3f64.sqrt()) as f32
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len())]
+    }
+}
+
+/// A fresh seed per test (time-based unless `KVQ_SEED` is set), printed for replay.
+fn rng(test: &str) -> Rng {
+    static SALT: AtomicU64 = AtomicU64::new(0);
+    let seed = std::env::var("KVQ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            t ^ SALT.fetch_add(0x1234_5678_9ABC, Ordering::Relaxed)
+        });
+    eprintln!("{test}: seed {seed}");
+    Rng(seed)
+}
+
+fn quick() -> bool {
+    std::env::var("KVQ_DECODE_QUICK").is_ok_and(|v| v == "1")
+}
+
+/// Query / output element types, with the conversions the tests need.
+trait QElem: DecodeElement {
+    fn from_f32(x: f32) -> Self;
+    fn nan() -> Self;
+    fn round(x: f32) -> f32 {
+        Self::from_f32(x).to_f32()
+    }
+}
+impl QElem for f16 {
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn nan() -> Self {
+        f16::NAN
+    }
+}
+impl QElem for bf16 {
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn nan() -> Self {
+        bf16::NAN
+    }
+}
+
+// ---- one decode case --------------------------------------------------------------------------
+
+/// K and V of one sequence, `[len, num_kv_heads, head_dim]` f32.
+struct SeqKv {
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    k: KvFormat,
+    v: KvFormat,
+    head_dim: usize,
+    block_size: usize,
+    num_kv_heads: usize,
+    group: usize,
+    q_len: usize,
+    lens: Vec<usize>,
+    q_bf16: bool,
+    /// FP8 scales per KV head (else one per tensor).
+    per_head: bool,
+    /// Forced split count (else the plan's choice).
+    splits: Option<usize>,
+}
+
+impl Case {
+    fn new(k: KvFormat, v: KvFormat, head_dim: usize, lens: Vec<usize>) -> Case {
+        Case {
+            k,
+            v,
+            head_dim,
+            block_size: 16,
+            num_kv_heads: 2,
+            group: 4,
+            q_len: 1,
+            lens,
+            q_bf16: k == KvFormat::Bf16,
+            per_head: true,
+            splits: None,
+        }
+    }
+    fn name(&self) -> String {
+        format!(
+            "{}/{} d{} bs{} kv{} G{} q_len{} {} lens{:?} splits{:?}",
+            self.k,
+            self.v,
+            self.head_dim,
+            self.block_size,
+            self.num_kv_heads,
+            self.group,
+            self.q_len,
+            if self.q_bf16 { "bf16" } else { "f16" },
+            if self.lens.len() > 6 {
+                self.lens[..6].to_vec()
+            } else {
+                self.lens.clone()
+            },
+            self.splits
+        )
+    }
+}
+
+/// Random K/V for a sequence: normal values, keys with a few strong outlier channels (as real
+/// keys have), values with a per-channel offset (so affine INT4 zeros matter).
+fn random_kv(rng: &mut Rng, len: usize, heads: usize, d: usize) -> SeqKv {
+    let outlier: Vec<f32> = (0..d)
+        .map(|_| if rng.below(16) == 0 { 8.0 } else { 1.0 })
+        .collect();
+    let offset: Vec<f32> = (0..d).map(|_| rng.normal() * 0.5).collect();
+    let n = len * heads * d;
+    let k = (0..n).map(|i| rng.normal() * outlier[i % d]).collect();
+    let v = (0..n).map(|i| rng.normal() + offset[i % d]).collect();
+    SeqKv { k, v }
+}
+
+/// What a case measured.
+#[derive(Debug)]
+struct Outcome {
+    rel: f64,
+    worst_row: f64,
+    worst_lse: f64,
+    splits: usize,
+}
+
+/// Build the cache for `seqs`, run GPU and CPU, compare. `q` is `[batch, heads, q_len, d]`.
+fn run_case(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Outcome {
+    if case.q_bf16 {
+        run_typed::<bf16>(gpu, case, seqs, q)
+    } else {
+        run_typed::<f16>(gpu, case, seqs, q)
+    }
+}
+
+fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Outcome {
+    let name = case.name();
+    let (d, bs, nkv) = (case.head_dim, case.block_size, case.num_kv_heads);
+    let config = CacheConfig::new(nkv, d, bs, case.k, case.v).expect("config");
+    // Blocks of all sequences, shuffled over a pool with spare blocks, so pages are scattered.
+    let used: Vec<usize> = case.lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let num_blocks = used.iter().sum::<usize>() + 3;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    let mut shuffle = Rng(num_blocks as u64 * 7919 + case.lens[0] as u64);
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, shuffle.below(i + 1));
+    }
+    let mut rows: Vec<Vec<i32>> = Vec::new();
+    let mut next = 0;
+    for &u in &used {
+        rows.push(ids[next..next + u].to_vec());
+        next += u;
+    }
+    let mut host = HostCache::new(config, num_blocks).expect("host cache");
+    if case.k.has_head_scale() || case.v.has_head_scale() {
+        let all_k: Vec<f32> = seqs.iter().flat_map(|s| s.k.iter().copied()).collect();
+        let all_v: Vec<f32> = seqs.iter().flat_map(|s| s.v.iter().copied()).collect();
+        let g = if case.per_head {
+            ScaleGranularity::PerHead
+        } else {
+            ScaleGranularity::PerTensor
+        };
+        host.calibrate_fp8_scales(&all_k, &all_v, g)
+            .expect("calibrate");
+    }
+    for ((s, row), &len) in seqs.iter().zip(&rows).zip(&case.lens) {
+        let slots: Vec<usize> = (0..len)
+            .map(|t| row[t / bs] as usize * bs + t % bs)
+            .collect();
+        host.write(&slots, &s.k, &s.v).expect("write");
+    }
+    let row_refs: Vec<&[i32]> = rows.iter().map(|r| r.as_slice()).collect();
+    let tables = BlockTables::from_rows(&row_refs, &case.lens).expect("tables");
+    let heads = nkv * case.group;
+    let shape = DecodeShape::new(heads, case.q_len, d);
+    // The reference sees exactly the queries the GPU sees (rounded to T).
+    let q_t: Vec<T> = q.iter().map(|&x| T::from_f32(x)).collect();
+    let q_ref: Vec<f32> = q_t.iter().map(|x| x.to_f32()).collect();
+    let want = decode_attention(&host, &tables, &q_ref, &shape, Accum::F64).expect("cpu");
+
+    let dcache = DeviceCache::from_host(gpu, &host).expect("device cache");
+    let dtables = DeviceBlockTables::new(&dcache, &tables).expect("device tables");
+    let max_len = *case.lens.iter().max().unwrap();
+    let mut plan = DecodePlan::new(
+        gpu,
+        dcache.layout(),
+        case.lens.len(),
+        heads,
+        case.q_len,
+        max_len,
+    )
+    .expect("plan");
+    if let Some(s) = case.splits {
+        plan = plan.with_num_splits(s);
+    }
+    let mut ws = DecodeWorkspace::new(&plan).expect("workspace");
+    let s = gpu.stream();
+    let q_dev = s.clone_htod(&q_t).expect("upload q");
+    let mut out_dev = s.clone_htod(&vec![T::nan(); q.len()]).expect("out");
+    let mut lse_dev = s.clone_htod(&vec![f32::NAN; want.lse.len()]).expect("lse");
+    plan.decode(
+        &mut ws,
+        &dcache,
+        &dtables,
+        &q_dev,
+        &mut out_dev,
+        Some(&mut lse_dev),
+    )
+    .unwrap_or_else(|e| panic!("{name}: decode failed: {e}"));
+    let out: Vec<f32> = s
+        .clone_dtoh(&out_dev)
+        .expect("download")
+        .iter()
+        .map(|x| x.to_f32())
+        .collect();
+    let lse = s.clone_dtoh(&lse_dev).expect("download lse");
+    gpu.synchronize().expect("sync");
+
+    let unwritten = out.iter().filter(|x| !x.is_finite()).count();
+    assert_eq!(
+        unwritten, 0,
+        "{name}: {unwritten} output elements not written (or NaN)"
+    );
+    let (mut num, mut den, mut worst_row) = (0f64, 0f64, 0f64);
+    for (o_row, w_row) in out.chunks(d).zip(want.out.chunks(d)) {
+        let (mut rn, mut rd) = (0f64, 0f64);
+        for (&o, &w) in o_row.iter().zip(w_row) {
+            let e = o as f64 - T::round(w) as f64;
+            rn += e * e;
+            rd += (w as f64) * (w as f64);
+        }
+        num += rn;
+        den += rd;
+        if rd > 0.0 {
+            worst_row = worst_row.max((rn / rd).sqrt());
+        }
+    }
+    let rel = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+    let mut worst_lse = 0f64;
+    for (i, (&g, &w)) in lse.iter().zip(&want.lse).enumerate() {
+        assert!(g.is_finite(), "{name}: lse[{i}] = {g} (want {w})");
+        let err = (g as f64 - w as f64).abs();
+        assert!(
+            err <= 1e-3 + 1e-4 * (w as f64).abs(),
+            "{name}: lse[{i}] = {g}, want {w}"
+        );
+        worst_lse = worst_lse.max(err);
+    }
+    assert!(
+        rel <= REL_TOL,
+        "{name}: relative error {rel:.3e} > {REL_TOL:e}"
+    );
+    assert!(
+        worst_row <= ROW_TOL,
+        "{name}: worst row error {worst_row:.3e}"
+    );
+    Outcome {
+        rel,
+        worst_row,
+        worst_lse,
+        splits: plan.num_splits(),
+    }
+}
+
+/// Draw the data of `case` and run it.
+fn check(gpu: &Gpu, rng: &mut Rng, case: &Case) -> Outcome {
+    let seqs: Vec<SeqKv> = case
+        .lens
+        .iter()
+        .map(|&l| random_kv(rng, l, case.num_kv_heads, case.head_dim))
+        .collect();
+    let heads = case.num_kv_heads * case.group;
+    let n = case.lens.len() * heads * case.q_len * case.head_dim;
+    let q: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+    let o = run_case(gpu, case, &seqs, &q);
+    eprintln!(
+        "  {:<70} rel {:.2e} row {:.2e} lse {:.1e} splits {}",
+        case.name(),
+        o.rel,
+        o.worst_row,
+        o.worst_lse,
+        o.splits
+    );
+    o
+}
+
+/// Every (K, V) pair with a kernel.
+fn pairs() -> Vec<(KvFormat, KvFormat)> {
+    let mut v = Vec::new();
+    for k in KvFormat::ALL {
+        for vv in KvFormat::ALL {
+            if kernel_available(k, vv) {
+                v.push((k, vv));
+            }
+        }
+    }
+    v
+}
+
+// ---- tests ------------------------------------------------------------------------------------
+
+#[test]
+fn every_format_pair() {
+    let Some(gpu) = require_gpu_or_skip("every_format_pair") else {
+        return;
+    };
+    let mut rng = rng("every_format_pair");
+    let all = pairs();
+    assert_eq!(all.len(), 17, "4 x 4 freely mixed formats + e5m2");
+    for (k, v) in all {
+        let lens = vec![1 + rng.below(40), 16 + rng.below(3), 200 + rng.below(600)];
+        let mut c = Case::new(k, v, 128, lens);
+        c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
+        c.per_head = rng.below(2) == 0;
+        check(&gpu, &mut rng, &c);
+    }
+}
+
+#[test]
+fn random_shapes_from_the_grid() {
+    let Some(gpu) = require_gpu_or_skip("random_shapes_from_the_grid") else {
+        return;
+    };
+    let mut rng = rng("random_shapes_from_the_grid");
+    let all = pairs();
+    let n = if quick() { 4 } else { 48 };
+    for _ in 0..n {
+        let (k, v) = rng.pick(&all);
+        let d = rng.pick(&[64, 128, 256]);
+        let bs = rng.pick(&[16, 32, 64]);
+        let batch = 1 + rng.below(4);
+        let lens: Vec<usize> = (0..batch)
+            .map(|_| match rng.below(4) {
+                0 => 1 + rng.below(8),
+                1 => bs * (1 + rng.below(4)) + rng.below(3) - 1,
+                _ => 8 + rng.below(if quick() { 300 } else { 1500 }),
+            })
+            .collect();
+        let mut c = Case::new(k, v, d, lens);
+        c.block_size = bs;
+        c.num_kv_heads = 1 + rng.below(3);
+        c.group = rng.pick(&[1, 2, 3, 4, 6, 8, 16]);
+        c.q_len = if rng.below(3) == 0 {
+            1 + rng.below(8)
+        } else {
+            1
+        };
+        let min_len = *c.lens.iter().min().unwrap();
+        c.q_len = c.q_len.min(min_len);
+        c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
+        c.per_head = rng.below(2) == 0;
+        c.splits = if rng.below(2) == 0 {
+            Some(1 + rng.below(9))
+        } else {
+            None
+        };
+        check(&gpu, &mut rng, &c);
+    }
+}
+
+#[test]
+fn block_and_split_boundary_lengths() {
+    let Some(gpu) = require_gpu_or_skip("block_and_split_boundary_lengths") else {
+        return;
+    };
+    let mut rng = rng("block_and_split_boundary_lengths");
+    for bs in [16, 32, 64] {
+        let lens = vec![
+            1,
+            bs - 1,
+            bs,
+            bs + 1,
+            2 * bs - 1,
+            2 * bs,
+            2 * bs + 1,
+            255,
+            256,
+            257,
+        ];
+        for (k, v) in [
+            (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+            (KvFormat::F16, KvFormat::F16),
+        ] {
+            for splits in [None, Some(2), Some(7)] {
+                let mut c = Case::new(k, v, 128, lens.clone());
+                c.block_size = bs;
+                c.splits = splits;
+                check(&gpu, &mut rng, &c);
+            }
+        }
+    }
+}
+
+#[test]
+fn speculative_q_len_is_causal() {
+    let Some(gpu) = require_gpu_or_skip("speculative_q_len_is_causal") else {
+        return;
+    };
+    let mut rng = rng("speculative_q_len_is_causal");
+    // G * q_len from 2 to 128 rows: one to eight 16-row query tiles per KV head.
+    for (group, q_len) in [(1, 2), (4, 3), (6, 4), (8, 8), (16, 8), (3, 7)] {
+        for (k, v) in [
+            (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
+            (KvFormat::Bf16, KvFormat::Bf16),
+        ] {
+            let mut c = Case::new(k, v, 64, vec![q_len, 40 + rng.below(100), 600]);
+            c.group = group;
+            c.q_len = q_len;
+            c.splits = Some(1 + rng.below(3));
+            check(&gpu, &mut rng, &c);
+        }
+    }
+}
+
+#[test]
+fn long_context_with_split_kv() {
+    let Some(gpu) = require_gpu_or_skip("long_context_with_split_kv") else {
+        return;
+    };
+    let mut rng = rng("long_context_with_split_kv");
+    let long = if quick() { 4096 + 7 } else { 131_072 + 7 };
+    for (k, v) in [
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Bf16, KvFormat::Bf16),
+    ] {
+        let mut c = Case::new(k, v, 128, vec![long, 1000 + rng.below(1000)]);
+        c.num_kv_heads = 1;
+        let o = check(&gpu, &mut rng, &c);
+        assert!(
+            o.splits > 1,
+            "a 2-sequence batch of {long} tokens should be split"
+        );
+    }
+}
+
+#[test]
+fn split_count_does_not_change_the_result() {
+    let Some(gpu) = require_gpu_or_skip("split_count_does_not_change_the_result") else {
+        return;
+    };
+    let mut rng = rng("split_count_does_not_change_the_result");
+    let c = Case::new(
+        KvFormat::Fp8E4m3,
+        KvFormat::Int4Affine64,
+        128,
+        vec![3000, 1777],
+    );
+    let seqs: Vec<SeqKv> = c
+        .lens
+        .iter()
+        .map(|&l| random_kv(&mut rng, l, 2, 128))
+        .collect();
+    let q: Vec<f32> = (0..2 * 8 * 128).map(|_| rng.normal()).collect();
+    let mut errs = Vec::new();
+    for splits in [1, 2, 5, 40, 187] {
+        let mut c = c.clone();
+        c.splits = Some(splits);
+        errs.push(run_case(&gpu, &c, &seqs, &q).rel);
+    }
+    let errs: Vec<String> = errs.iter().map(|e| format!("{e:.2e}")).collect();
+    eprintln!(
+        "  errors by split count 1, 2, 5, 40, 187: {}",
+        errs.join(" ")
+    );
+}
+
+/// Real attention data: MiniLM's K/V/Q (12 heads of 32 → 6 heads of 64 by pairing adjacent
+/// heads), two layers as two sequences, the last q_len tokens' queries.
+#[test]
+fn real_minilm_data() {
+    let Some(gpu) = require_gpu_or_skip("real_minilm_data") else {
+        return;
+    };
+    let Some(path) = minilm_path() else {
+        assert!(
+            !require_data(),
+            "real_minilm_data: KVQ_REQUIRE_DATA=1 but the data file was not found (KVQ_DATA_DIR)"
+        );
+        eprintln!("SKIPPED real_minilm_data: minilm_kv.safetensors not found (KVQ_DATA_DIR)");
+        return;
+    };
+    let bytes = std::fs::read(&path).expect("read minilm");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse minilm");
+    let tensor = |name: &str| -> Vec<f32> {
+        let t = st.tensor(name).expect("tensor");
+        assert_eq!(t.shape(), &[512, 12, 32], "{name}");
+        t.data()
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect()
+    };
+    let mut rng = rng("real_minilm_data");
+    let (la, lb) = (rng.below(6), rng.below(6));
+    let lens = vec![512, 257 + rng.below(255)];
+    // [512, 12, 32] is [512, 6, 64] with adjacent heads paired.
+    let seqs: Vec<SeqKv> = [(la, lens[0]), (lb, lens[1])]
+        .iter()
+        .map(|&(l, len)| SeqKv {
+            k: tensor(&format!("k.{l}"))[..len * 384].to_vec(),
+            v: tensor(&format!("v.{l}"))[..len * 384].to_vec(),
+        })
+        .collect();
+    for (k, v) in [
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::Bf16, KvFormat::Bf16),
+    ] {
+        for q_len in [1, 3] {
+            let mut c = Case::new(k, v, 64, lens.clone());
+            c.num_kv_heads = 6;
+            c.group = 1;
+            c.q_len = q_len;
+            // q [batch, 6 heads, q_len, 64] from the last q_len positions of each sequence.
+            let mut q = Vec::new();
+            for (&l, &len) in [la, lb].iter().zip(&lens) {
+                let qs = tensor(&format!("q.{l}"));
+                for h in 0..6 {
+                    for i in 0..q_len {
+                        let p = len - q_len + i;
+                        q.extend_from_slice(&qs[(p * 6 + h) * 64..][..64]);
+                    }
+                }
+            }
+            let o = run_case(&gpu, &c, &seqs, &q);
+            eprintln!(
+                "  minilm {:<60} rel {:.2e} lse {:.1e}",
+                c.name(),
+                o.rel,
+                o.worst_lse
+            );
+        }
+    }
+}
+
+fn require_data() -> bool {
+    std::env::var("KVQ_REQUIRE_DATA").is_ok_and(|v| v == "1")
+}
+
+fn minilm_path() -> Option<std::path::PathBuf> {
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    [
+        std::env::var_os("KVQ_DATA_DIR").map(std::path::PathBuf::from),
+        Some(manifest.join("../shared/data")),
+        Some(manifest.join(".device/data")),
+        Some(std::path::PathBuf::from(".device/data")),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|d| d.join("minilm_kv.safetensors"))
+    .find(|p| p.exists())
+}
+
+#[test]
+fn unsupported_and_bad_arguments_are_errors() {
+    let Some(gpu) = require_gpu_or_skip("unsupported_and_bad_arguments_are_errors") else {
+        return;
+    };
+    let layout = |k, v, d, bs| CacheConfig::new(2, d, bs, k, v).unwrap().layout();
+    let (i4k, i4v) = (KvFormat::Int4Sym32, KvFormat::Int4Affine64);
+    let unsupported = |r: Result<DecodePlan, Error>| matches!(r, Err(Error::Unsupported(_)));
+    let f16l = layout(KvFormat::F16, KvFormat::F16, 96, 16);
+    assert!(unsupported(DecodePlan::new(&gpu, &f16l, 1, 2, 1, 10)));
+    assert!(unsupported(DecodePlan::new(
+        &gpu,
+        &layout(i4k, i4v, 128, 8),
+        1,
+        2,
+        1,
+        10
+    )));
+    assert!(unsupported(DecodePlan::new(
+        &gpu,
+        &layout(KvFormat::Fp8E5m2, KvFormat::F16, 128, 16),
+        1,
+        2,
+        1,
+        10
+    )));
+    assert!(DecodePlan::new(&gpu, &layout(i4k, i4v, 128, 16), 1, 3, 1, 10).is_err());
+    assert!(DecodePlan::new(&gpu, &layout(i4k, i4v, 128, 16), 1, 2, 4, 3).is_err());
+    assert!(DecodePlan::new(&gpu, &layout(i4k, i4v, 128, 16), 0, 2, 1, 10).is_err());
+
+    // A valid plan, then buffers and tables that do not fit it.
+    let config = CacheConfig::new(2, 64, 16, KvFormat::Bf16, KvFormat::Bf16).unwrap();
+    let mut host = HostCache::new(config, 4).unwrap();
+    let kv = vec![0.5f32; 20 * 2 * 64];
+    host.write(&(0..20).collect::<Vec<_>>(), &kv, &kv).unwrap();
+    let dcache = DeviceCache::from_host(&gpu, &host).unwrap();
+    let plan = DecodePlan::new(&gpu, dcache.layout(), 1, 4, 1, 64).unwrap();
+    let mut ws = DecodeWorkspace::new(&plan).unwrap();
+    let tables = BlockTables::from_rows(&[&[0, 1]], &[20]).unwrap();
+    let dt = DeviceBlockTables::new(&dcache, &tables).unwrap();
+    let s = gpu.stream();
+    let q16 = s.clone_htod(&vec![f16::ONE; 4 * 64]).unwrap();
+    let mut o16 = s.clone_htod(&vec![f16::ZERO; 4 * 64]).unwrap();
+    assert!(matches!(
+        plan.decode(&mut ws, &dcache, &dt, &q16, &mut o16, None),
+        Err(Error::Unsupported(_))
+    ));
+    let q = s.clone_htod(&vec![bf16::ONE; 4 * 64]).unwrap();
+    let mut short = s.clone_htod(&vec![bf16::ZERO; 4 * 64 - 1]).unwrap();
+    assert!(matches!(
+        plan.decode(&mut ws, &dcache, &dt, &q, &mut short, None),
+        Err(Error::Length { .. })
+    ));
+    let mut out = s.clone_htod(&vec![bf16::ZERO; 4 * 64]).unwrap();
+    let mut lse = s.clone_htod(&vec![0f32; 3]).unwrap();
+    assert!(matches!(
+        plan.decode(&mut ws, &dcache, &dt, &q, &mut out, Some(&mut lse)),
+        Err(Error::Length { .. })
+    ));
+    // Tables outside the pool are refused on upload; longer than the plan, on decode.
+    let bad = BlockTables::from_rows(&[&[0, 9]], &[20]).unwrap();
+    assert!(matches!(
+        DeviceBlockTables::new(&dcache, &bad),
+        Err(Error::BlockIndex { .. })
+    ));
+    let long = BlockTables::from_rows(&[&[0, 1, 2, 3]], &[64]).unwrap();
+    let dt_long = DeviceBlockTables::new(&dcache, &long).unwrap();
+    let small = DecodePlan::new(&gpu, dcache.layout(), 1, 4, 1, 32).unwrap();
+    assert!(
+        small
+            .decode(&mut ws, &dcache, &dt_long, &q, &mut out, None)
+            .is_err()
+    );
+    // And the valid call works: constant V of 0.5 gives 0.5 everywhere, lse = ln(20) + logit.
+    plan.decode(&mut ws, &dcache, &dt, &q, &mut out, None)
+        .unwrap();
+    let got = s.clone_dtoh(&out).unwrap();
+    assert!(got.iter().all(|x| x.to_f32() == 0.5), "{got:?}");
+}
