@@ -183,6 +183,26 @@ impl DecodeBenchReport {
         serde_json::to_string_pretty(self).expect("report serializes")
     }
 
+    /// Write `decode_bench.md`, `.csv` and `.json` into `dir` (created if missing); returns
+    /// the paths written.
+    pub fn write_files(&self, dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
+        let io = |p: &std::path::Path, e: std::io::Error| {
+            Error::InvalidArgument(format!("{}: {e}", p.display()))
+        };
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        let mut written = Vec::new();
+        for (name, text) in [
+            ("decode_bench.md", self.markdown()),
+            ("decode_bench.csv", self.csv()),
+            ("decode_bench.json", self.to_json()),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, text).map_err(|e| io(&path, e))?;
+            written.push(path);
+        }
+        Ok(written)
+    }
+
     /// Parse a report written by [`to_json`](Self::to_json).
     pub fn from_json(text: &str) -> Result<Self> {
         serde_json::from_str(text).map_err(|e| Error::InvalidArgument(format!("bench JSON: {e}")))
