@@ -6,11 +6,14 @@
 //! - `kvq eval IN`: reconstruction and decode-attention error of each K/V format pair on real
 //!   `q.L`, `k.L`, `v.L` tensors.
 //! - `kvq info`: version and what this build can run on.
+//! - `kvq bench`: decode bandwidth per cache format against the measured read ceiling (CUDA).
 //!
 //! Bad input is one `kvq: error: ...` line on stderr and exit code 1 (usage errors: clap's 2);
 //! outputs are written to `OUT.tmp` and renamed, so a failed run leaves no partial file.
 
 // The binary's root is src/bin/kvq.rs (Cargo.toml), so its modules are named by path.
+#[path = "kvq/bench.rs"]
+mod bench;
 #[path = "kvq/eval.rs"]
 mod eval;
 #[path = "kvq/files.rs"]
@@ -75,6 +78,8 @@ enum Command {
     Eval(eval::EvalArgs),
     /// Version, CUDA support compiled in, GPU architectures built, visible GPUs.
     Info,
+    /// Decode bandwidth of every cache format over the standard shapes (needs CUDA and a GPU).
+    Bench(bench::BenchArgs),
 }
 
 /// A failure to report: one line, exit code 1.
@@ -295,6 +300,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         Command::Dequantize { input, output } => dequantize_file(&input, &output),
         Command::Eval(args) => eval::run(&args),
         Command::Info => info(),
+        Command::Bench(args) => bench::run(&args),
     }
 }
 

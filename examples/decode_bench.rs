@@ -1,0 +1,122 @@
+//! Decode bandwidth over the standard grid, against a read ceiling measured in the same run.
+//!
+//! ```sh
+//! cargo run --release --features cuda,plot --example decode_bench -- [--out DIR] [--iters N]
+//!     [--case NAME]... [--quick]
+//! cargo run --release --features plot --example decode_bench -- --plot DIR/decode_bench.json
+//! ```
+//! Prints a markdown table (µs median, bytes, GB/s, % of ceiling, speedup vs bf16) and writes
+//! `decode_bench.{md,csv,json}` plus, with feature `plot`, `decode_bench.png` (% of ceiling vs
+//! B·L per format) into DIR (default `bench-out`). `--plot` redraws the PNG from a JSON report
+//! on any machine (no GPU needed). Method: `kvq::cuda::bench`.
+
+use std::path::{Path, PathBuf};
+
+struct Args {
+    out: PathBuf,
+    iters: usize,
+    cases: Vec<String>,
+    quick: bool,
+    plot_only: Option<PathBuf>,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        out: PathBuf::from("bench-out"),
+        iters: 30,
+        cases: Vec::new(),
+        quick: false,
+        plot_only: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match arg.as_str() {
+            "--out" => a.out = value("--out")?.into(),
+            "--iters" => {
+                a.iters = value("--iters")?
+                    .parse()
+                    .map_err(|e| format!("--iters: {e}"))?
+            }
+            "--case" => a.cases.push(value("--case")?),
+            "--quick" => a.quick = true,
+            "--plot" => a.plot_only = Some(value("--plot")?.into()),
+            // Cargo's bench harness flag, when run through `cargo bench`.
+            "--bench" => {}
+            other => return Err(format!("unknown argument '{other}'")),
+        }
+    }
+    Ok(a)
+}
+
+fn write_outputs(report: &kvq::report::DecodeBenchReport, dir: &Path) -> Result<(), String> {
+    report.write_files(dir).map_err(|e| e.to_string())?;
+    plot(report, dir)
+}
+
+#[cfg(feature = "plot")]
+fn plot(report: &kvq::report::DecodeBenchReport, dir: &Path) -> Result<(), String> {
+    let png = dir.join("decode_bench.png");
+    kvq::plot::percent_of_ceiling_png(report, "llama3-8b", &png).map_err(|e| e.to_string())?;
+    eprintln!("wrote {}", png.display());
+    Ok(())
+}
+
+#[cfg(not(feature = "plot"))]
+fn plot(_: &kvq::report::DecodeBenchReport, _: &Path) -> Result<(), String> {
+    eprintln!("(built without feature `plot`: no PNG)");
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn measure(args: &Args) -> Result<kvq::report::DecodeBenchReport, String> {
+    use kvq::cuda::{Gpu, bench};
+    let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
+    eprintln!("{}", gpu.summary());
+    let cases = bench::select(bench::standard_grid(), &args.cases, args.quick);
+    let pairs = bench::standard_pairs();
+    let bar = indicatif::ProgressBar::new((cases.len() * pairs.len()) as u64 + 1);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}")
+            .expect("static template"),
+    );
+    let report = bench::run_grid(&gpu, &cases, &pairs, args.iters, |msg| {
+        if msg.starts_with("skipped") {
+            bar.println(msg);
+        } else {
+            bar.inc(1);
+            bar.set_message(msg.to_string());
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    bar.finish_and_clear();
+    Ok(report)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn measure(_: &Args) -> Result<kvq::report::DecodeBenchReport, String> {
+    Err("built without feature `cuda`: only --plot REPORT.json is available".into())
+}
+
+fn main() {
+    let result = parse_args().and_then(|args| {
+        let report = match &args.plot_only {
+            Some(json) => {
+                let text = std::fs::read_to_string(json)
+                    .map_err(|e| format!("{}: {e}", json.display()))?;
+                let report =
+                    kvq::report::DecodeBenchReport::from_json(&text).map_err(|e| e.to_string())?;
+                let dir = json.parent().unwrap_or(Path::new("."));
+                return plot(&report, dir);
+            }
+            None => measure(&args)?,
+        };
+        write_outputs(&report, &args.out)?;
+        println!("{}", report.markdown());
+        Ok(())
+    });
+    if let Err(e) = result {
+        eprintln!("decode_bench: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,418 @@
+//! Decode benchmarking on the GPU: the shapes the crate is judged on, a CUDA-event timer that
+//! flushes L2 between runs, the streaming-read ceiling, and a driver that turns them into a
+//! [`DecodeBenchReport`]. Shared by `examples/decode_bench.rs`, `examples/moe_decode_budget.rs`
+//! and `kvq bench`, so every figure the crate publishes is measured the same way.
+//!
+//! Method: each timed run is preceded by a write of a buffer of at least twice the L2 size, so
+//! the decode reads its cache from HBM (as it does in a real step, where every layer reads
+//! different memory) and the host has queued the launch before the start event fires. Time is
+//! the median over runs of the CUDA-event interval around the decode (main and merge kernels).
+//! Bandwidth counts [`decode_bytes_to_read`] over that time; the ceiling is the median of a
+//! streaming read of a 4 GiB buffer by `cuda/bandwidth.cu`, in the same process.
+
+use super::decode::{DecodePlan, DecodeWorkspace, DeviceBlockTables, stream_read};
+use super::ops::append;
+use super::{DeviceCache, Gpu, driver_err};
+use crate::cache::BlockTables;
+use crate::error::{Error, Result};
+use crate::format::KvFormat;
+use crate::layout::CacheConfig;
+use crate::report::{DecodeBenchReport, DecodeBenchRow, decode_bytes_to_read};
+use crate::synth::Synth;
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice};
+use half::{bf16, f16};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+
+/// One decode shape: a model's attention geometry at a batch size and context length.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DecodeCase {
+    /// Name of the shape family (a column of the report).
+    pub case: &'static str,
+    pub batch: usize,
+    pub context_len: usize,
+    pub num_q_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub q_len: usize,
+}
+
+impl DecodeCase {
+    /// Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, blocks of 16.
+    pub const fn llama3_8b(batch: usize, context_len: usize) -> Self {
+        DecodeCase {
+            case: "llama3-8b",
+            batch,
+            context_len,
+            num_q_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+            q_len: 1,
+        }
+    }
+
+    /// One GPU's share of Mixtral-8x22B attention under 8-way tensor parallelism: 6 query
+    /// heads over 1 KV head, head_dim 128.
+    pub const fn moe_8x22b_tp8(batch: usize, context_len: usize) -> Self {
+        DecodeCase {
+            case: "8x22b-tp8",
+            batch,
+            context_len,
+            num_q_heads: 6,
+            num_kv_heads: 1,
+            head_dim: 128,
+            block_size: 16,
+            q_len: 1,
+        }
+    }
+}
+
+/// The grid of issue 5: Llama-3-8B over (B, L), the 8x22B per-GPU shape, MHA, and head_dim
+/// 64 / 256.
+pub fn standard_grid() -> Vec<DecodeCase> {
+    let mut grid: Vec<DecodeCase> = [
+        (1, 4096),
+        (16, 4096),
+        (64, 4096),
+        (64, 16384),
+        (128, 8192),
+        (8, 65536),
+        (1, 32768),
+        (1, 131072),
+    ]
+    .into_iter()
+    .map(|(b, l)| DecodeCase::llama3_8b(b, l))
+    .collect();
+    grid.push(DecodeCase::moe_8x22b_tp8(64, 16384));
+    let base = DecodeCase::llama3_8b(32, 8192);
+    grid.push(DecodeCase {
+        case: "mha-32",
+        num_kv_heads: 32,
+        ..base.clone()
+    });
+    grid.push(DecodeCase {
+        case: "gqa-d64",
+        head_dim: 64,
+        batch: 64,
+        context_len: 16384,
+        ..base.clone()
+    });
+    grid.push(DecodeCase {
+        case: "gqa-d256",
+        head_dim: 256,
+        num_q_heads: 16,
+        num_kv_heads: 4,
+        ..base
+    });
+    grid
+}
+
+/// The cases of `grid` named in `names` (all when empty); with `quick`, only those with at
+/// least 256k tokens in the batch (where the bandwidth targets apply).
+pub fn select(grid: Vec<DecodeCase>, names: &[String], quick: bool) -> Vec<DecodeCase> {
+    grid.into_iter()
+        .filter(|c| names.is_empty() || names.iter().any(|n| n == c.case))
+        .filter(|c| !quick || c.batch * c.context_len >= 64 * 4096)
+        .collect()
+}
+
+/// The cache format pairs the benches compare: bf16 and f16 baselines, FP8, grouped INT4, and
+/// INT4 keys with FP8 values.
+pub fn standard_pairs() -> Vec<(KvFormat, KvFormat)> {
+    vec![
+        (KvFormat::Bf16, KvFormat::Bf16),
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
+    ]
+}
+
+/// Times GPU work with CUDA events, writing an L2-sized buffer before every run.
+pub struct EventTimer {
+    gpu: Gpu,
+    flush: CudaSlice<u8>,
+    start: Vec<CudaEvent>,
+    end: Vec<CudaEvent>,
+}
+
+impl EventTimer {
+    /// A timer whose flush buffer is twice the device's L2 (at least 128 MiB).
+    pub fn new(gpu: &Gpu) -> Result<Self> {
+        gpu.bind()?;
+        let bytes = (2 * gpu.props().l2_bytes).max(128 << 20);
+        let flush = gpu
+            .stream()
+            .alloc_zeros::<u8>(bytes)
+            .map_err(driver_err("allocating the L2 flush buffer"))?;
+        Ok(EventTimer {
+            gpu: gpu.clone(),
+            flush,
+            start: Vec::new(),
+            end: Vec::new(),
+        })
+    }
+
+    fn events(&mut self, n: usize) -> Result<()> {
+        let ctx = self.gpu.context().clone();
+        while self.start.len() < n {
+            let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+            self.start.push(
+                ctx.new_event(flags)
+                    .map_err(driver_err("creating an event"))?,
+            );
+            self.end.push(
+                ctx.new_event(flags)
+                    .map_err(driver_err("creating an event"))?,
+            );
+        }
+        Ok(())
+    }
+
+    /// Median GPU time in µs of `run` over `iters` runs after `warmup` untimed ones; with
+    /// `flush_l2` the flush buffer is written before each run.
+    pub fn median_us(
+        &mut self,
+        warmup: usize,
+        iters: usize,
+        flush_l2: bool,
+        mut run: impl FnMut() -> Result<()>,
+    ) -> Result<f64> {
+        let iters = iters.max(1);
+        self.events(iters)?;
+        let s = self.gpu.stream().clone();
+        for _ in 0..warmup {
+            run()?;
+        }
+        for i in 0..iters {
+            if flush_l2 {
+                s.memset_zeros(&mut self.flush)
+                    .map_err(driver_err("flushing L2"))?;
+            }
+            self.start[i]
+                .record(&s)
+                .map_err(driver_err("recording an event"))?;
+            run()?;
+            self.end[i]
+                .record(&s)
+                .map_err(driver_err("recording an event"))?;
+        }
+        self.gpu.synchronize()?;
+        let mut times = (0..iters)
+            .map(|i| {
+                self.start[i]
+                    .elapsed_ms(&self.end[i])
+                    .map(|ms| ms as f64 * 1e3)
+                    .map_err(driver_err("reading an event"))
+            })
+            .collect::<Result<Vec<f64>>>()?;
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+}
+
+/// The streaming-read ceiling in GB/s: median time of reading a 4 GiB buffer once.
+pub fn read_ceiling_gbps(gpu: &Gpu, timer: &mut EventTimer) -> Result<f64> {
+    let bytes = 4usize << 30;
+    gpu.bind()?;
+    let s = gpu.stream();
+    let src = s
+        .alloc_zeros::<u8>(bytes)
+        .map_err(driver_err("allocating the read-ceiling buffer"))?;
+    let mut sink = s
+        .alloc_zeros::<f32>(4096)
+        .map_err(driver_err("allocating the read-ceiling sink"))?;
+    let us = timer.median_us(3, 15, false, || stream_read(gpu, &src, bytes, &mut sink))?;
+    Ok(bytes as f64 / us / 1e3)
+}
+
+/// A cache filled with synthetic data and everything one decode call of a case needs.
+pub struct PreparedDecode {
+    pub case: DecodeCase,
+    pub cache: DeviceCache,
+    pub tables: DeviceBlockTables,
+    pub plan: DecodePlan,
+    pub workspace: DecodeWorkspace,
+    q: Query,
+}
+
+enum Query {
+    F16(CudaSlice<f16>, CudaSlice<f16>),
+    Bf16(CudaSlice<bf16>, CudaSlice<bf16>),
+}
+
+/// Tokens appended per launch while filling a bench cache.
+const FILL_CHUNK: usize = 4096;
+
+impl PreparedDecode {
+    /// Build a pool of exactly the blocks the batch needs, fill every slot with synthetic K/V
+    /// (normal, with outlier key channels; FP8 scales calibrated from it) through the GPU
+    /// append kernel, and give each sequence a random permutation of blocks, as a long-running
+    /// server's allocator would.
+    pub fn new(gpu: &Gpu, case: &DecodeCase, k: KvFormat, v: KvFormat, seed: u64) -> Result<Self> {
+        let config = CacheConfig::new(case.num_kv_heads, case.head_dim, case.block_size, k, v)?;
+        let blocks_per_seq = case.context_len.div_ceil(case.block_size);
+        let num_blocks = case.batch * blocks_per_seq;
+        let mut cache = DeviceCache::new(gpu, config, num_blocks)?;
+
+        let mut synth = Synth::new(seed);
+        let row = case.num_kv_heads * case.head_dim;
+        let kh = synth.with_outlier_channels(FILL_CHUNK, case.num_kv_heads, case.head_dim, 4, 8.0);
+        let vh = synth.normal(FILL_CHUNK * row, 1.0);
+        let amax = |x: &[f32]| x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = |f: KvFormat, x: &[f32]| {
+            f.fp8_kind()
+                .map_or(1.0, |kind| kind.scale_from_amax(amax(x)))
+        };
+        cache.set_scales(
+            &vec![scale(k, &kh); case.num_kv_heads],
+            &vec![scale(v, &vh); case.num_kv_heads],
+        )?;
+        let s = gpu.stream();
+        let to_f16 = |x: &[f32]| x.iter().map(|&v| f16::from_f32(v)).collect::<Vec<_>>();
+        let kd = s
+            .clone_htod(&to_f16(&kh))
+            .map_err(driver_err("uploading bench keys"))?;
+        let vd = s
+            .clone_htod(&to_f16(&vh))
+            .map_err(driver_err("uploading bench values"))?;
+        let num_slots = num_blocks * case.block_size;
+        let mut slots_d = s
+            .alloc_zeros::<i32>(FILL_CHUNK)
+            .map_err(driver_err("allocating bench slots"))?;
+        for first in (0..num_slots).step_by(FILL_CHUNK) {
+            let n = FILL_CHUNK.min(num_slots - first);
+            let slots: Vec<i32> = (first..first + n).map(|x| x as i32).collect();
+            s.memcpy_htod(&slots, &mut slots_d)
+                .map_err(driver_err("uploading bench slots"))?;
+            append(gpu, &mut cache, &slots_d, &kd, &vd, n)?;
+        }
+        gpu.synchronize()?;
+
+        let mut blocks: Vec<i32> = (0..num_blocks as i32).collect();
+        blocks.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed ^ 0x9E37));
+        let rows: Vec<&[i32]> = blocks.chunks(blocks_per_seq).collect();
+        let host_tables = BlockTables::from_rows(&rows, &vec![case.context_len; case.batch])?;
+        let tables = DeviceBlockTables::new(&cache, &host_tables)?;
+        let plan = DecodePlan::new(
+            gpu,
+            cache.layout(),
+            case.batch,
+            case.num_q_heads,
+            case.q_len,
+            case.context_len,
+        )?;
+        let workspace = DecodeWorkspace::new(&plan)?;
+        let qh = synth.normal(plan.q_elems(), 1.0);
+        let q = if k == KvFormat::F16 {
+            let q = s
+                .clone_htod(&to_f16(&qh))
+                .map_err(driver_err("uploading q"))?;
+            let out = s
+                .alloc_zeros(plan.q_elems())
+                .map_err(driver_err("allocating out"))?;
+            Query::F16(q, out)
+        } else {
+            let qb: Vec<bf16> = qh.iter().map(|&v| bf16::from_f32(v)).collect();
+            let q = s.clone_htod(&qb).map_err(driver_err("uploading q"))?;
+            let out = s
+                .alloc_zeros(plan.q_elems())
+                .map_err(driver_err("allocating out"))?;
+            Query::Bf16(q, out)
+        };
+        Ok(PreparedDecode {
+            case: case.clone(),
+            cache,
+            tables,
+            plan,
+            workspace,
+            q,
+        })
+    }
+
+    /// Enqueue one decode step.
+    pub fn run(&mut self) -> Result<()> {
+        let (p, ws, c, t) = (&self.plan, &mut self.workspace, &self.cache, &self.tables);
+        match &mut self.q {
+            Query::F16(q, out) => p.decode(ws, c, t, q, out, None),
+            Query::Bf16(q, out) => p.decode(ws, c, t, q, out, None),
+        }
+    }
+
+    /// Bytes the step must read ([`decode_bytes_to_read`]).
+    pub fn bytes_to_read(&self) -> u64 {
+        let q_bytes = 2;
+        decode_bytes_to_read(
+            self.cache.layout(),
+            &vec![self.case.context_len; self.case.batch],
+            self.case.num_q_heads,
+            self.case.q_len,
+            q_bytes,
+        )
+    }
+}
+
+/// Measure one case and format pair into a report row.
+pub fn measure(
+    gpu: &Gpu,
+    timer: &mut EventTimer,
+    case: &DecodeCase,
+    (k, v): (KvFormat, KvFormat),
+    ceiling_gbps: f64,
+    iters: usize,
+) -> Result<DecodeBenchRow> {
+    let mut prepared = PreparedDecode::new(gpu, case, k, v, 0x5EED ^ case.context_len as u64)?;
+    let us = timer.median_us(3, iters, true, || prepared.run())?;
+    let bytes = prepared.bytes_to_read();
+    let gbps = bytes as f64 / us / 1e3;
+    Ok(DecodeBenchRow {
+        case: case.case.to_string(),
+        batch: case.batch,
+        context_len: case.context_len,
+        num_q_heads: case.num_q_heads,
+        num_kv_heads: case.num_kv_heads,
+        head_dim: case.head_dim,
+        block_size: case.block_size,
+        q_len: case.q_len,
+        k_format: k.name().to_string(),
+        v_format: v.name().to_string(),
+        splits: prepared.plan.num_splits(),
+        median_us: us,
+        bytes,
+        gbps,
+        pct_of_ceiling: 100.0 * gbps / ceiling_gbps,
+        speedup_vs_bf16: None,
+    })
+}
+
+/// Measure the read ceiling, then every case × pair; `progress` hears about each step.
+pub fn run_grid(
+    gpu: &Gpu,
+    cases: &[DecodeCase],
+    pairs: &[(KvFormat, KvFormat)],
+    iters: usize,
+    mut progress: impl FnMut(&str),
+) -> Result<DecodeBenchReport> {
+    let mut timer = EventTimer::new(gpu)?;
+    progress("measuring the streaming-read ceiling");
+    let ceiling = read_ceiling_gbps(gpu, &mut timer)?;
+    let mut report = DecodeBenchReport::new(gpu.props().name.clone(), ceiling);
+    for case in cases {
+        for &pair in pairs {
+            progress(&format!(
+                "{} B={} L={} K={} V={}",
+                case.case, case.batch, case.context_len, pair.0, pair.1
+            ));
+            match measure(gpu, &mut timer, case, pair, ceiling, iters) {
+                Ok(row) => report.rows.push(row),
+                Err(Error::Unsupported(why)) => progress(&format!("skipped: {why}")),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    report.fill_speedups();
+    Ok(report)
+}
