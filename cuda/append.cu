@@ -1,10 +1,12 @@
 // append.cu: quantize-on-append into the paged pool, gather-dequantize of a sequence's pages,
 // and dense quantize / dequantize (the layout of src/dense.rs). Bit-exact with the CPU path.
 //
-// Work split, every kernel: one thread per 8 consecutive elements of a row (one 16-byte load of
-// f16 input), so a row of head_dim elements takes head_dim / 8 consecutive lanes and an INT4
-// group takes 4 (K, 32 elements) or 8 (V, 64 elements) lanes, reduced with warp shuffles. A thread
-// block holds whole rows; the launch geometry is the same for every kernel (RowGrid).
+// Work split of the row kernels: one thread per E consecutive elements of a row, E depending on
+// the format (kEpt: 32 for INT4 — one thread writes one 16-byte vector of codes and owns a whole
+// K group, 8 for f16 / bf16, 16 for FP8), so a row takes head_dim / E consecutive lanes and an
+// INT4 V group 2 lanes, reduced with warp shuffles. A thread block holds whole rows (RowShape).
+// Per-thread work is sized so that quantizing stays under the memory time (the fast exact paths
+// of format.cuh avoid per-element division).
 #include <type_traits>
 
 #include "common.cuh"
@@ -17,6 +19,11 @@ thread_local cudaError_t g_last_error = cudaSuccess;
 void set_last_error(cudaError_t e) { g_last_error = e; }
 
 namespace {
+
+// Elements per thread of the row kernels, per format.
+template <int F> constexpr int kEpt = (F == kInt4Sym32 || F == kInt4Affine64) ? 32
+                                      : (F == kFp8E4m3 || F == kFp8E5m2)   ? 16
+                                                                           : 8;
 
 // Largest head_dim the row kernels serve: a row's lanes must fit in one thread block.
 constexpr int kMaxHeadDim = kThreadsPerBlock * kChunk;
@@ -34,11 +41,68 @@ struct RowRef {
   float head_scale;  // FP8
 };
 
-// Quantize this thread's 8 sanitized values, chunk `chunk` of the row, into `r`. Every lane of the
-// warp must call it (group reductions shuffle); only `active` lanes store.
-template <int F>
-__device__ __forceinline__ void encode_chunk(const float (&v)[8], int chunk, const RowRef &r,
+// Load E input elements and sanitize them (FORMATS.md): returns how many were non-finite. The
+// common case (all finite) costs one compare per element, plus a clamp for types whose finite
+// range exceeds f16's; the rare chunk with a non-finite value takes the careful path.
+template <typename In, int E>
+__device__ __forceinline__ uint32_t load_sanitized(const In *p, float (&v)[E]) {
+  constexpr bool kMayExceedF16 = !std::is_same<In, __half>::value;
+  float raw[E];
+#pragma unroll
+  for (int j = 0; j < E / kChunk; ++j) load8(p + j * kChunk, *reinterpret_cast<float(*)[8]>(raw + j * kChunk));
+  bool non_finite = false;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    non_finite |= !(fabsf(raw[i]) <= 0x1.fffffep127f);  // NaN or ±Inf
+    v[i] = kMayExceedF16 ? fminf(fmaxf(raw[i], -kF16Max), kF16Max) : raw[i];
+  }
+  uint32_t count = 0;
+  if (non_finite) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) v[i] = sanitize(raw[i], count);
+  }
+  return count;
+}
+
+// Pack E INT4 nibbles (element 2i low) into E / 8 words via the fast exact path; returns false
+// (and leaves garbage) when some element must be recomputed exactly. `num(i)` is element i's
+// numerator, [num_min, num_max] bounds them all (it lets typical groups skip the clamp).
+template <int E, typename Num>
+__device__ __forceinline__ bool int4_pack_fast(uint32_t (&w)[E / 8], float rc, float lo, float hi,
+                                               float num_min, float num_max, Num num) {
+  bool ambiguous = false;
+  if (int4_fits_unclamped(num_min, num_max, rc, lo, hi)) {
+#pragma unroll
+    for (int j = 0; j < E / 8; ++j) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        word |= int4_nibble_fast<false>(num(8 * j + i), rc, lo, hi, ambiguous) << (4 * i);
+      w[j] = word;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < E / 8; ++j) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        word |= int4_nibble_fast<true>(num(8 * j + i), rc, lo, hi, ambiguous) << (4 * i);
+      w[j] = word;
+    }
+  }
+  return !ambiguous;
+}
+
+// Quantize this thread's E sanitized values, chunk `chunk` (elements chunk*E ..) of the row, into
+// `r`. Every lane of the warp must call it (group reductions shuffle); only `active` lanes store.
+// The fast paths are exact (format.cuh, "fast exact quantization"); anything they cannot decide
+// is recomputed with the reference formulas.
+template <int F, int E>
+__device__ __forceinline__ void encode_chunk(const float (&v)[E], int chunk, const RowRef &r,
                                              bool active) {
+  static_assert(E * (F == kF16 || F == kBf16 ? 2 : F == kFp8E4m3 || F == kFp8E5m2 ? 1 : 0) == 16 ||
+                    E == 32,
+                "each thread stores one 16-byte vector of codes");
   if constexpr (F == kF16 || F == kBf16) {
     uint4 raw;
     uint32_t *w = reinterpret_cast<uint32_t *>(&raw);
@@ -50,46 +114,85 @@ __device__ __forceinline__ void encode_chunk(const float (&v)[8], int chunk, con
     }
     if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
   } else if constexpr (F == kFp8E4m3 || F == kFp8E5m2) {
-    uint2 raw;
+    const float s = active ? r.head_scale : 1.0f;  // idle lanes: any valid scale
+    const Fp8Bracket bracket(s);
+    uint32_t undecided = bracket.valid() ? 0u : 1u;
+    uint4 raw;
     uint16_t *h = reinterpret_cast<uint16_t *>(&raw);
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      h[i] = fp8x2_encode<F>(
-          make_float2(__fdiv_rn(v[2 * i], r.head_scale), __fdiv_rn(v[2 * i + 1], r.head_scale)));
-    if (active) reinterpret_cast<uint2 *>(r.codes)[chunk] = raw;
+    for (int i = 0; i < 8; ++i)
+      h[i] = fp8x2_quantize_fast<F>(v[2 * i], v[2 * i + 1], bracket, undecided);
+    if (undecided) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        h[i] = fp8x2_encode<F>(make_float2(__fdiv_rn(v[2 * i], s), __fdiv_rn(v[2 * i + 1], s)));
+    }
+    if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
   } else if constexpr (F == kInt4Sym32) {
+    static_assert(E == kSymGroup, "a thread owns one K group");
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-    amax = group_max<kSymGroup / kChunk>(amax);
+    for (int i = 0; i < E; ++i) amax = fmaxf(amax, fabsf(v[i]));
     const __half s = int4_sym_scale(amax);
     const float sf = __half2float(s);
-    int q[8];
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
+    if (sf != 0.0f && !int4_pack_fast<E>(w, __frcp_rn(sf), -7.0f, 7.0f, -amax, amax,
+                                         [&](int i) { return v[i]; })) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = int4_sym_code(v[i], sf);
+      for (int j = 0; j < 4; ++j) {
+        w[j] = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          w[j] |= (uint32_t)(int4_sym_code(v[8 * j + i], sf) & 0xF) << (4 * i);
+      }
+    }
     if (active) {
-      reinterpret_cast<uint32_t *>(r.codes)[chunk] = pack8_nibbles(q);
-      constexpr int lanes = kSymGroup / kChunk;
-      if (chunk % lanes == 0) r.scales[(chunk / lanes) * r.meta_step] = __half_as_ushort(s);
+      reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
+      r.scales[chunk * r.meta_step] = __half_as_ushort(s);
     }
   } else {
     static_assert(F == kInt4Affine64, "unknown format");
+    constexpr int lanes = kAffineGroup / E;
     float mn = v[0], mx = v[0];
 #pragma unroll
-    for (int i = 1; i < 8; ++i) {
-      mn = min_first(mn, v[i]);
-      mx = max_first(mx, v[i]);
+    for (int i = 1; i < E; ++i) {
+      mn = fminf(mn, v[i]);
+      mx = fmaxf(mx, v[i]);
     }
-    group_min_max_ordered<kAffineGroup / kChunk>(mn, mx);
+    const float own_mn = mn, own_mx = mx;  // this thread's extremes bound its numerators
+    mn = group_min<lanes>(mn);
+    mx = group_max<lanes>(mx);
+    // Only a zero extreme can depend on the order of -0.0 and +0.0 (min_first): redo those
+    // groups with the order-exact fold. Warp-uniform, as the reductions shuffle.
+    if (__any_sync(kFullMask, active && (mn == 0.0f || mx == 0.0f))) {
+      mn = v[0];
+      mx = v[0];
+#pragma unroll
+      for (int i = 1; i < E; ++i) {
+        mn = min_first(mn, v[i]);
+        mx = max_first(mx, v[i]);
+      }
+      group_min_max_ordered<lanes>(mn, mx);
+    }
     const __half s = int4_affine_scale(mn, mx);
     const __half z = int4_affine_zero(mn);
     const float sf = __half2float(s), zf = __half2float(z);
-    int q[8];
+    uint4 raw = make_uint4(0, 0, 0, 0);
+    uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
+    if (sf != 0.0f &&
+        !int4_pack_fast<E>(w, __frcp_rn(sf), 0.0f, 15.0f, __fsub_rn(own_mn, zf),
+                           __fsub_rn(own_mx, zf), [&](int i) { return __fsub_rn(v[i], zf); })) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = int4_affine_code(v[i], sf, zf);
+      for (int j = 0; j < 4; ++j) {
+        w[j] = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          w[j] |= (uint32_t)int4_affine_code(v[8 * j + i], sf, zf) << (4 * i);
+      }
+    }
     if (active) {
-      reinterpret_cast<uint32_t *>(r.codes)[chunk] = pack8_nibbles(q);
-      constexpr int lanes = kAffineGroup / kChunk;
+      reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
       if (chunk % lanes == 0) {
         const int g = (chunk / lanes) * r.meta_step;
         r.scales[g] = __half_as_ushort(s);
@@ -99,11 +202,12 @@ __device__ __forceinline__ void encode_chunk(const float (&v)[8], int chunk, con
   }
 }
 
-// Dequantize chunk `chunk` of the row at `r` into 8 f32 values, exactly as FORMATS.md decodes.
-template <int F>
-__device__ __forceinline__ void decode_chunk(const RowRef &r, int chunk, float (&v)[8]) {
+// Dequantize chunk `chunk` (E elements) of the row at `r` into f32 values, exactly as
+// FORMATS.md decodes.
+template <int F, int E>
+__device__ __forceinline__ void decode_chunk(const RowRef &r, int chunk, float (&v)[E]) {
+  const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
   if constexpr (F == kF16 || F == kBf16) {
-    const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
     const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -112,50 +216,65 @@ __device__ __forceinline__ void decode_chunk(const RowRef &r, int chunk, float (
       v[2 * i + 1] = F == kF16 ? half_from_bits(hi) : bf16_from_bits(hi);
     }
   } else if constexpr (F == kFp8E4m3 || F == kFp8E5m2) {
-    const uint2 raw = reinterpret_cast<const uint2 *>(r.codes)[chunk];
-    const uint8_t *c = reinterpret_cast<const uint8_t *>(&raw);
+    const uint16_t *c = reinterpret_cast<const uint16_t *>(&raw);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = fp8_dequantize<F>(c[i], r.head_scale);
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = __half22float2(fp8x2_to_half2<F>(c[i]));
+      v[2 * i] = __fmul_rn(f.x, r.head_scale);
+      v[2 * i + 1] = __fmul_rn(f.y, r.head_scale);
+    }
   } else if constexpr (F == kInt4Sym32) {
-    const uint32_t w = reinterpret_cast<const uint32_t *>(r.codes)[chunk];
-    const float sf = half_from_bits(r.scales[(chunk * kChunk / kSymGroup) * r.meta_step]);
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
+    const float sf = half_from_bits(r.scales[chunk * r.meta_step]);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = int4_sym_dequantize(nibble_s(w, i), sf);
+    for (int i = 0; i < E; ++i)
+      v[i] = __fmul_rn(nibble_s_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf);
   } else {
     static_assert(F == kInt4Affine64, "unknown format");
-    const uint32_t w = reinterpret_cast<const uint32_t *>(r.codes)[chunk];
-    const int g = (chunk * kChunk / kAffineGroup) * r.meta_step;
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
+    const int g = (chunk * E / kAffineGroup) * r.meta_step;
     const float sf = half_from_bits(r.scales[g]), zf = half_from_bits(r.zeros[g]);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = int4_affine_dequantize(nibble_u(w, i), sf, zf);
+    for (int i = 0; i < E; ++i)
+      v[i] = __fmaf_rn(small_uint_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf, zf);
   }
 }
 
 // ---- geometry ---------------------------------------------------------------------------
 
-// Which row and which 8-element chunk of it this thread serves. A block of kThreadsPerBlock
-// threads holds rows_per_block whole rows; threads past them (when head_dim / 8 does not divide
-// kThreadsPerBlock) have no row but still take part in shuffles.
+// How rows map onto threads, the same for every row kernel: head_dim / E consecutive threads per
+// row, rows_per_block whole rows per block of kThreadsPerBlock (threads past them, when the
+// threads per row do not divide the block, have no row but still take part in shuffles). Rows
+// are counted in 32 bits: launchers reject more than kMaxRows.
+struct RowShape {
+  int head_dim;
+  int tpr;  // threads per row
+  int rows_per_block;
+  FastDiv by_tpr;
+
+  __host__ RowShape(int d, int ept)
+      : head_dim(d), tpr(d / ept), rows_per_block(kThreadsPerBlock / (d / ept)),
+        by_tpr((uint32_t)(d / ept)) {}
+  __host__ unsigned blocks(int64_t rows) const {
+    return (unsigned)((rows + rows_per_block - 1) / rows_per_block);
+  }
+};
+
+constexpr int64_t kMaxRows = (1ll << 31) - kThreadsPerBlock;
+
 struct RowGrid {
-  int64_t row;
+  uint32_t row;
   int chunk;
   bool in_block;
 };
 
-__device__ __forceinline__ RowGrid row_grid(int head_dim) {
-  const int tpr = head_dim / kChunk;
-  const int rows_per_block = kThreadsPerBlock / tpr;
-  const int local = threadIdx.x / tpr;
+__device__ __forceinline__ RowGrid row_grid(const RowShape &s) {
+  const uint32_t local = s.by_tpr.div(threadIdx.x);
   RowGrid g;
-  g.chunk = threadIdx.x - local * tpr;
-  g.row = (int64_t)blockIdx.x * rows_per_block + local;
-  g.in_block = local < rows_per_block;
+  g.chunk = (int)(threadIdx.x - local * s.tpr);
+  g.row = blockIdx.x * (uint32_t)s.rows_per_block + local;
+  g.in_block = local < (uint32_t)s.rows_per_block;
   return g;
-}
-
-inline int64_t row_blocks(int64_t rows, int head_dim) {
-  const int rows_per_block = kThreadsPerBlock / (head_dim / kChunk);
-  return (rows + rows_per_block - 1) / rows_per_block;
 }
 
 // One side (K or V) of the paged layout.
@@ -165,12 +284,13 @@ struct PagedSide {
   int block_size, num_heads, head_dim;
   int codes_offset, codes_row, meta_offset, meta_row, meta_step;
   const float *head_scales;  // FP8 only
+  FastDiv by_heads, by_block_size;
 
-  __device__ __forceinline__ RowRef row(int64_t block, int offset, int head) const {
+  __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head) const {
     uint8_t *section = pool + block * block_stride + head * head_stride;
-    uint8_t *meta = section + meta_offset + (int64_t)offset * meta_row;
+    uint8_t *meta = section + meta_offset + offset * meta_row;
     RowRef r;
-    r.codes = section + codes_offset + (int64_t)offset * codes_row;
+    r.codes = section + codes_offset + offset * codes_row;
     r.scales = reinterpret_cast<uint16_t *>(meta);
     r.zeros = reinterpret_cast<uint16_t *>(meta) + 1;
     r.meta_step = meta_step;
@@ -186,16 +306,17 @@ struct DenseRows {
   uint16_t *zeros;
   int code_bytes, groups, heads, num_head_scales;
   const float *head_scales;
+  FastDiv by_heads;
 
-  __device__ __forceinline__ RowRef row(int64_t r) const {
+  __device__ __forceinline__ RowRef row(uint32_t r) const {
     RowRef ref;
-    ref.codes = codes + r * code_bytes;
-    ref.scales = scales != nullptr ? scales + r * groups : nullptr;
-    ref.zeros = zeros != nullptr ? zeros + r * groups : nullptr;
+    ref.codes = codes + (int64_t)r * code_bytes;
+    ref.scales = scales != nullptr ? scales + (int64_t)r * groups : nullptr;
+    ref.zeros = zeros != nullptr ? zeros + (int64_t)r * groups : nullptr;
     ref.meta_step = 1;
-    ref.head_scale = head_scales == nullptr      ? 1.0f
-                     : num_head_scales == 1      ? head_scales[0]
-                                                 : head_scales[r % heads];
+    ref.head_scale = head_scales == nullptr ? 1.0f
+                     : num_head_scales == 1 ? head_scales[0]
+                                            : head_scales[r - by_heads.div(r) * heads];
     return ref;
   }
 };
@@ -204,12 +325,14 @@ struct DenseRows {
 
 template <typename In, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    append_kernel(const In *__restrict__ x, int64_t token_stride, int64_t num_tokens,
-                  const void *__restrict__ slots, int slots_i64, int64_t num_slots, PagedSide side,
-                  int count_out_of_range, unsigned long long *counters) {
-  const RowGrid g = row_grid(side.head_dim);
-  const int64_t token = g.row / side.num_heads;
-  const int head = (int)(g.row - token * side.num_heads);
+    append_kernel(RowShape shape, const In *__restrict__ x, int64_t token_stride,
+                  uint32_t num_tokens, const void *__restrict__ slots, int slots_i64,
+                  int64_t num_slots, PagedSide side, int count_out_of_range,
+                  unsigned long long *counters) {
+  constexpr int E = kEpt<F>;
+  const RowGrid g = row_grid(shape);
+  const uint32_t token = side.by_heads.div(g.row);
+  const uint32_t head = g.row - token * side.num_heads;
   bool active = g.in_block && token < num_tokens;
   int64_t slot = -1;
   if (active)
@@ -220,67 +343,76 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
       count_out_of_range && active && slot >= num_slots && head == 0 && g.chunk == 0;
   active = active && slot >= 0 && slot < num_slots;
 
-  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float v[E] = {};
   uint32_t non_finite = 0;
   RowRef r = {};
   if (active) {
-    load8(x + token * token_stride + (int64_t)head * side.head_dim + g.chunk * kChunk, v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = sanitize(v[i], non_finite);
-    const int64_t block = slot / side.block_size;
-    r = side.row(block, (int)(slot - block * side.block_size), head);
+    non_finite = load_sanitized<In, E>(
+        x + token * token_stride + head * shape.head_dim + g.chunk * E, v);
+    const uint32_t block = side.by_block_size.div((uint32_t)slot);
+    r = side.row(block, (uint32_t)slot - block * side.block_size, head);
   }
-  encode_chunk<F>(v, g.chunk, r, active);
+  encode_chunk<F, E>(v, g.chunk, r, active);
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
-  warp_count(counters ? counters + KVQ_COUNTER_OUT_OF_RANGE : nullptr, out_of_range);
+  if (count_out_of_range)
+    warp_count(counters ? counters + KVQ_COUNTER_OUT_OF_RANGE : nullptr, out_of_range);
 }
 
 template <typename Out, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    gather_kernel(PagedSide side, const int32_t *__restrict__ block_table, int64_t num_tokens,
-                  int64_t num_blocks, Out *__restrict__ out, unsigned long long *counters) {
-  const RowGrid g = row_grid(side.head_dim);
-  const int64_t token = g.row / side.num_heads;
-  const int head = (int)(g.row - token * side.num_heads);
+    gather_kernel(RowShape shape, PagedSide side, const int32_t *__restrict__ block_table,
+                  uint32_t num_tokens, int64_t num_blocks, Out *__restrict__ out,
+                  unsigned long long *counters) {
+  constexpr int E = kEpt<F>;
+  const RowGrid g = row_grid(shape);
+  const uint32_t token = side.by_heads.div(g.row);
+  const uint32_t head = g.row - token * side.num_heads;
   if (!g.in_block || token >= num_tokens) return;  // no shuffles below
-  const int64_t page = token / side.block_size;
+  const uint32_t page = side.by_block_size.div(token);
   const int64_t block = block_table[page];
-  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float v[E] = {};
   if (block >= 0 && block < num_blocks) {
-    decode_chunk<F>(side.row(block, (int)(token - page * side.block_size), head), g.chunk, v);
+    decode_chunk<F, E>(side.row((uint32_t)block, token - page * side.block_size, head), g.chunk,
+                       v);
   } else if (counters != nullptr && head == 0 && g.chunk == 0) {
     atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
   }
-  store8(out + g.row * side.head_dim + g.chunk * kChunk, v);
+  Out *o = out + (int64_t)g.row * shape.head_dim + g.chunk * E;
+#pragma unroll
+  for (int j = 0; j < E / kChunk; ++j)
+    store8(o + j * kChunk, *reinterpret_cast<const float(*)[8]>(v + j * kChunk));
 }
 
 template <typename In, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    quantize_dense_kernel(const In *__restrict__ x, int64_t rows, int head_dim, DenseRows dst,
+    quantize_dense_kernel(RowShape shape, const In *__restrict__ x, uint32_t rows, DenseRows dst,
                           unsigned long long *counters) {
-  const RowGrid g = row_grid(head_dim);
+  constexpr int E = kEpt<F>;
+  const RowGrid g = row_grid(shape);
   const bool active = g.in_block && g.row < rows;
-  float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float v[E] = {};
   uint32_t non_finite = 0;
   RowRef r = {};
   if (active) {
-    load8(x + g.row * head_dim + g.chunk * kChunk, v);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = sanitize(v[i], non_finite);
+    non_finite = load_sanitized<In, E>(x + (int64_t)g.row * shape.head_dim + g.chunk * E, v);
     r = dst.row(g.row);
   }
-  encode_chunk<F>(v, g.chunk, r, active);
+  encode_chunk<F, E>(v, g.chunk, r, active);
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
 }
 
 template <typename Out, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
-    dequantize_dense_kernel(DenseRows src, int64_t rows, int head_dim, Out *__restrict__ out) {
-  const RowGrid g = row_grid(head_dim);
+    dequantize_dense_kernel(RowShape shape, DenseRows src, uint32_t rows, Out *__restrict__ out) {
+  constexpr int E = kEpt<F>;
+  const RowGrid g = row_grid(shape);
   if (!g.in_block || g.row >= rows) return;
-  float v[8];
-  decode_chunk<F>(src.row(g.row), g.chunk, v);
-  store8(out + g.row * head_dim + g.chunk * kChunk, v);
+  float v[E];
+  decode_chunk<F, E>(src.row(g.row), g.chunk, v);
+  Out *o = out + (int64_t)g.row * shape.head_dim + g.chunk * E;
+#pragma unroll
+  for (int j = 0; j < E / kChunk; ++j)
+    store8(o + j * kChunk, *reinterpret_cast<const float(*)[8]>(v + j * kChunk));
 }
 
 // Sanitized values of elements [8c, min(8c + 8, n)) of a flat tensor; missing ones are 0.
@@ -445,6 +577,9 @@ bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
   s.meta_row = k ? l.k_meta_row : l.v_meta_row;
   s.meta_step = f == kInt4Affine64 ? 2 : 1;
   s.head_scales = is_fp8(f) ? (k ? c.k_scales : c.v_scales) : nullptr;
+  if (l.num_kv_heads <= 0 || l.block_size <= 0) return false;
+  s.by_heads = FastDiv((uint32_t)l.num_kv_heads);
+  s.by_block_size = FastDiv((uint32_t)l.block_size);
   return c.pool != nullptr && aligned16(c.pool) && l.num_kv_heads > 0 && l.block_size > 0 &&
          head_dim_ok(f, l.head_dim) && s.codes_row == code_bytes(f, l.head_dim) &&
          s.codes_offset % 16 == 0 && s.meta_offset % 16 == 0 &&
@@ -469,17 +604,20 @@ extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void
       k_token_stride < row_elems || v_token_stride < row_elems || k_token_stride % kChunk != 0 ||
       v_token_stride % kChunk != 0)
     return KVQ_ERR_INVALID;
+  // Rows and slots are counted in 32 bits on the device.
   const int64_t num_slots = num_blocks * ks.block_size;
-  const int64_t grid = row_blocks(num_tokens * ks.num_heads, ks.head_dim);
+  if (num_tokens * ks.num_heads > kMaxRows || num_slots > kMaxRows) return KVQ_ERR_UNSUPPORTED;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   auto launch_side = [&](const void *x, int64_t stride, const PagedSide &side, int32_t format,
                          bool count_out_of_range) {
     return with_dtype(dtype, [&](auto in) {
       using In = typename decltype(in)::type;
       return with_format<false>(format, [&](auto f) {
-        append_kernel<In, decltype(f)::value><<<(unsigned)grid, kThreadsPerBlock, 0, s>>>(
-            static_cast<const In *>(x), stride, num_tokens, slots, slots_i64 != 0, num_slots,
-            side, count_out_of_range, counters);
+        const RowShape shape(side.head_dim, kEpt<decltype(f)::value>);
+        const unsigned grid = shape.blocks(num_tokens * side.num_heads);
+        append_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
+            shape, static_cast<const In *>(x), stride, (uint32_t)num_tokens, slots,
+            slots_i64 != 0, num_slots, side, count_out_of_range, counters);
         return launch_status();
       });
     });
@@ -501,7 +639,7 @@ extern "C" int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks,
   if (!paged_side(*cache, true, ks) || !paged_side(*cache, false, vs)) return KVQ_ERR_INVALID;
   if ((k_out != nullptr && !aligned16(k_out)) || (v_out != nullptr && !aligned16(v_out)))
     return KVQ_ERR_INVALID;
-  const int64_t grid = row_blocks(num_tokens * ks.num_heads, ks.head_dim);
+  if (num_tokens * ks.num_heads > kMaxRows) return KVQ_ERR_UNSUPPORTED;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   bool counted = false;
   auto launch_side = [&](void *out, const PagedSide &side, int32_t format) {
@@ -512,8 +650,11 @@ extern "C" int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks,
     return with_dtype(out_dtype, [&](auto o) {
       using Out = typename decltype(o)::type;
       return with_format<false>(format, [&](auto f) {
-        gather_kernel<Out, decltype(f)::value><<<(unsigned)grid, kThreadsPerBlock, 0, s>>>(
-            side, block_table, num_tokens, num_blocks, static_cast<Out *>(out), c);
+        const RowShape shape(side.head_dim, kEpt<decltype(f)::value>);
+        const unsigned grid = shape.blocks(num_tokens * side.num_heads);
+        gather_kernel<Out, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
+            shape, side, block_table, (uint32_t)num_tokens, num_blocks, static_cast<Out *>(out),
+            c);
         return launch_status();
       });
     });
@@ -589,20 +730,23 @@ extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, 
   if (g != 0 && (group_scales == nullptr || (format == kInt4Affine64 && group_zeros == nullptr)))
     return KVQ_ERR_INVALID;
   if (rows == 0) return KVQ_OK;
-  DenseRows dst = {codes,
-                   group_scales,
-                   group_zeros,
-                   code_bytes(format, head_dim),
-                   g != 0 ? head_dim / g : 0,
-                   heads,
-                   num_head_scales,
-                   is_fp8(format) ? head_scales : nullptr};
-  const int64_t grid = row_blocks(rows, head_dim);
+  if (rows > kMaxRows) return KVQ_ERR_UNSUPPORTED;
+  const DenseRows dst = {codes,
+                         group_scales,
+                         group_zeros,
+                         code_bytes(format, head_dim),
+                         g != 0 ? head_dim / g : 0,
+                         heads,
+                         num_head_scales,
+                         is_fp8(format) ? head_scales : nullptr,
+                         FastDiv((uint32_t)heads)};
   return with_dtype(dtype, [&](auto in) {
     using In = typename decltype(in)::type;
     return with_format<true>(format, [&](auto f) {
-      quantize_dense_kernel<In, decltype(f)::value><<<(unsigned)grid, kThreadsPerBlock, 0, s>>>(
-          static_cast<const In *>(x), rows, head_dim, dst, counters);
+      const RowShape shape(head_dim, kEpt<decltype(f)::value>);
+      const unsigned grid = shape.blocks(rows);
+      quantize_dense_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
+          shape, static_cast<const In *>(x), (uint32_t)rows, dst, counters);
       return launch_status();
     });
   });
@@ -636,21 +780,23 @@ extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
   if (g != 0 && (group_scales == nullptr || (format == kInt4Affine64 && group_zeros == nullptr)))
     return KVQ_ERR_INVALID;
   if (rows == 0) return KVQ_OK;
-  DenseRows src = {const_cast<uint8_t *>(codes),
-                   const_cast<uint16_t *>(group_scales),
-                   const_cast<uint16_t *>(group_zeros),
-                   code_bytes(format, head_dim),
-                   g != 0 ? head_dim / g : 0,
-                   heads,
-                   num_head_scales,
-                   is_fp8(format) ? head_scales : nullptr};
-  const int64_t grid = row_blocks(rows, head_dim);
+  if (rows > kMaxRows) return KVQ_ERR_UNSUPPORTED;
+  const DenseRows src = {const_cast<uint8_t *>(codes),
+                         const_cast<uint16_t *>(group_scales),
+                         const_cast<uint16_t *>(group_zeros),
+                         code_bytes(format, head_dim),
+                         g != 0 ? head_dim / g : 0,
+                         heads,
+                         num_head_scales,
+                         is_fp8(format) ? head_scales : nullptr,
+                         FastDiv((uint32_t)heads)};
   return with_dtype(out_dtype, [&](auto o) {
     using Out = typename decltype(o)::type;
     return with_format<true>(format, [&](auto f) {
-      dequantize_dense_kernel<Out, decltype(f)::value>
-          <<<(unsigned)grid, kThreadsPerBlock, 0, s>>>(src, rows, head_dim,
-                                                       static_cast<Out *>(out));
+      const RowShape shape(head_dim, kEpt<decltype(f)::value>);
+      const unsigned grid = shape.blocks(rows);
+      dequantize_dense_kernel<Out, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
+          shape, src, (uint32_t)rows, static_cast<Out *>(out));
       return launch_status();
     });
   });

@@ -79,6 +79,12 @@ template <int LANES> __device__ __forceinline__ float group_max(float v) {
   return v;
 }
 
+template <int LANES> __device__ __forceinline__ float group_min(float v) {
+#pragma unroll
+  for (int k = 1; k < LANES; k <<= 1) v = fminf(v, __shfl_xor_sync(kFullMask, v, k));
+  return v;
+}
+
 // Order-exact min and max (see min_first in format.cuh): the lower lane's partial result is
 // always the "first" operand, so the result equals the sequential left-to-right fold.
 template <int LANES> __device__ __forceinline__ void group_min_max_ordered(float &mn, float &mx) {
@@ -98,6 +104,26 @@ __device__ __forceinline__ void warp_count(unsigned long long *counter, uint32_t
   const uint32_t total = __reduce_add_sync(kFullMask, n);
   if (counter != nullptr && total != 0 && (threadIdx.x & 31) == 0) atomicAdd(counter, total);
 }
+
+// ---- division by a launch-invariant divisor ---------------------------------------------------
+
+// n / d for n < 2^31 and 1 <= d < 2^31 with one wide multiply instead of a division subroutine:
+// m = ceil(2^(31 + l) / d) with l = ceil(log2 d) satisfies m * d - 2^(31 + l) < 2^l, which makes
+// floor(n * m / 2^(31 + l)) == floor(n / d) for every 31-bit n (Granlund & Montgomery 1994).
+struct FastDiv {
+  uint32_t d, m, shift;
+
+  FastDiv() = default;
+  __host__ explicit FastDiv(uint32_t divisor) : d(divisor) {
+    uint32_t l = 0;
+    while ((1ull << l) < divisor) ++l;
+    m = (uint32_t)(((1ull << (31 + l)) + divisor - 1) / divisor);
+    shift = 31 + l;
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const {
+    return (uint32_t)(((uint64_t)n * m) >> shift);
+  }
+};
 
 // ---- launch helpers --------------------------------------------------------------------------
 

@@ -172,6 +172,81 @@ __device__ __forceinline__ uint32_t pack8_nibbles(const int (&q)[8]) {
   return w;
 }
 
+// ---- fast exact quantization (no division per element) -------------------------------------
+//
+// The kernels must produce rne(fl(x / s)) exactly, but a correctly rounded division per element
+// (and the conversion-unit instructions rintf / float→int use) would make quantization compute
+// bound. Instead: y = x * r with r = fl(1 / s) is within |q| * 2^-22.9 of q = x / s, and fl(q)
+// within |q| * 2^-24 of q, so unless y lies within kTieWindow of a rounding boundary, rounding y
+// gives the same result as rounding fl(q). The rare cases near a boundary are flagged and the
+// caller recomputes them with the exact formula above.
+
+// Adding 1.5 * 2^23 to |y| < 2^22 rounds y to an integer (ties to even) held in the low bits.
+constexpr float kRoundMagic = 12582912.0f;
+// Half-width of the band around a half-integer in which y cannot decide the rounding of fl(q):
+// 2^-17 is twice the error bound for |q| <= 16, the range where INT4 rounding decisions happen.
+constexpr float kTieWindow = 0x1p-17f;
+
+// INT4 code for num / s as a 4-bit two's-complement nibble: rne(fl(num / s)) clamped to
+// [lo, hi] (lo, hi integers in [-8, 15]), given r = __frcp_rn(s) for an f16-valued s > 0.
+// Sets `ambiguous` when the result must be recomputed exactly (int4_sym_code / _affine_code).
+// Clamp = false is for callers that know num * r lies in (lo - 0.5 + kTieWindow,
+// hi + 0.5 - kTieWindow) (see int4_fits_unclamped), where rounding cannot leave [lo, hi].
+template <bool Clamp>
+__device__ __forceinline__ uint32_t int4_nibble_fast(float num, float r, float lo, float hi,
+                                                     bool &ambiguous) {
+  // Clamping before rounding equals clamping after, for integer bounds; it also keeps |y| small
+  // enough for the magic-number rounding.
+  float y = __fmul_rn(num, r);
+  if (Clamp) y = fminf(fmaxf(y, lo), hi);
+  const float t = __fadd_rn(y, kRoundMagic);
+  const float n = __fsub_rn(t, kRoundMagic);
+  ambiguous |= fabsf(__fsub_rn(y, n)) >= 0.5f - kTieWindow;
+  return __float_as_uint(t) & 0xF;
+}
+
+// Whether every num in [num_min, num_max] rounds into [lo, hi] without clamping: num ↦ num * r is
+// monotonic, so the ends decide.
+__device__ __forceinline__ bool int4_fits_unclamped(float num_min, float num_max, float r, float lo,
+                                                    float hi) {
+  return __fmul_rn(num_min, r) > lo - 0.5f + kTieWindow &&
+         __fmul_rn(num_max, r) < hi + 0.5f - kTieWindow;
+}
+
+// The exact f32 value of a small integer held in the low bits of a word (no conversion unit):
+// unsigned 0..15, and signed via the nibble's two's complement.
+__device__ __forceinline__ float small_uint_to_f32(uint32_t n) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | n), 8388608.0f);
+}
+__device__ __forceinline__ float nibble_s_to_f32(uint32_t nibble) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | (nibble ^ 8u)), 8388616.0f);
+}
+
+// FP8 bracket: the reciprocal scale nudged down and up by 2^-20, so that for every x,
+// x * r_lo and x * r_hi enclose fl(x / s) (see Fp8Bracket::valid). When both ends encode to
+// the same code, that is the code of fl(x / s): the encoding is monotonic.
+struct Fp8Bracket {
+  float lo, hi;
+  __device__ __forceinline__ explicit Fp8Bracket(float s) {
+    const float r = __frcp_rn(s);
+    lo = __fmul_rn(r, 1.0f - 0x1p-20f);
+    hi = __fmul_rn(r, 1.0f + 0x1p-20f);
+  }
+  // The error analysis needs normal, finite reciprocals (not true for extreme scales).
+  __device__ __forceinline__ bool valid() const { return lo >= 0x1p-126f && hi <= 0x1.fffffep127f; }
+};
+
+// Encode the pair (x0, x1) / s into two FP8 codes (x0 in the low byte); sets `mismatch` bits when
+// the bracket does not decide and fp8x2_encode(__fdiv_rn(x, s)) must be used instead.
+template <int F>
+__device__ __forceinline__ uint16_t fp8x2_quantize_fast(float x0, float x1, const Fp8Bracket &b,
+                                                        uint32_t &mismatch) {
+  const uint16_t lo = fp8x2_encode<F>(make_float2(__fmul_rn(x0, b.lo), __fmul_rn(x1, b.lo)));
+  const uint16_t hi = fp8x2_encode<F>(make_float2(__fmul_rn(x0, b.hi), __fmul_rn(x1, b.hi)));
+  mismatch |= (uint32_t)(lo ^ hi);
+  return lo;
+}
+
 // ---- order-exact min / max --------------------------------------------------------------
 
 // The CPU reference folds min / max left to right with f32::min / f32::max, which keep the

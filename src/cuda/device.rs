@@ -11,6 +11,9 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 /// Largest `head_dim` the CUDA kernels serve (a row's lanes fit in one thread block).
 pub const MAX_GPU_HEAD_DIM: usize = 2048;
 
+/// Most token slots one GPU pool may have (the kernels index slots with 31-bit integers).
+pub const MAX_GPU_SLOTS: usize = (1 << 31) - 256;
+
 /// What the append kernels counted since the last [`DeviceCache::take_counters`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct AppendCounters {
@@ -101,6 +104,13 @@ impl DeviceCache {
                 value: num_blocks,
                 expected: "1..=i32::MAX",
             });
+        }
+        // The kernels count slots (and rows) in 31 bits.
+        let slots = num_blocks.saturating_mul(config.block_size);
+        if slots > MAX_GPU_SLOTS {
+            return Err(Error::Unsupported(format!(
+                "{slots} slots in one GPU pool (at most {MAX_GPU_SLOTS})"
+            )));
         }
         let layout = config.layout();
         let raw_layout = raw_layout(&layout)?;
