@@ -84,7 +84,11 @@ pub fn percent_of_ceiling_png(report: &DecodeBenchReport, case: &str, path: &Pat
         .configure_mesh()
         .x_desc("tokens in the batch (B · L), log scale")
         .y_desc("% of read ceiling")
-        .x_label_formatter(&|x| format!("{:.0}k", x / 1024.0))
+        .x_label_formatter(&|x| match *x {
+            x if x >= 1e6 => format!("{:.0}M", x / 1e6),
+            x if x >= 1e3 => format!("{:.0}k", x / 1e3),
+            x => format!("{x:.0}"),
+        })
         .draw()
         .map_err(|e| draw(&e))?;
     for (i, (name, mut pts)) in series.into_iter().enumerate() {
