@@ -42,6 +42,9 @@ pub fn quantize_affine_group(x: &[f32], codes: &mut [u8]) -> (f16, f16) {
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
             (a.min(v), b.max(v))
         });
+    // f32::min / max leave the sign of a zero result unspecified (it changes with how the fold
+    // is compiled); FORMATS.md fixes a zero extreme to +0.0 (`-0.0 + 0.0 == +0.0`).
+    let (mn, mx) = (mn + 0.0, mx + 0.0);
     let s = f16::from_f32((mx - mn) / 15.0);
     let z = f16::from_f32(mn);
     let (sf, zf) = (s.to_f32(), z.to_f32());
