@@ -41,27 +41,53 @@ struct RowRef {
   float head_scale;  // FP8
 };
 
-// Load E input elements and sanitize them (FORMATS.md): returns how many were non-finite. The
-// common case (all finite) costs one compare per element, plus a clamp for types whose finite
-// range exceeds f16's; the rare chunk with a non-finite value takes the careful path.
+// E input elements as loaded: raw 16-byte vectors, converted later, so that several rows'
+// loads can be in flight before any of them is needed.
+template <typename In, int E> struct RawChunk {
+  static constexpr int kVectors = E * (int)sizeof(In) / 16;
+  uint4 q[kVectors];
+};
+
+// Issue the loads of E consecutive elements at `p` (16-byte aligned). The input is read once, so
+// the loads are streaming (evict-first) to spare L2 for the cache pool.
 template <typename In, int E>
-__device__ __forceinline__ uint32_t load_sanitized(const In *p, float (&v)[E]) {
-  constexpr bool kMayExceedF16 = !std::is_same<In, __half>::value;
-  float raw[E];
+__device__ __forceinline__ void load_raw(const In *p, RawChunk<In, E> &raw) {
 #pragma unroll
-  for (int j = 0; j < E / kChunk; ++j) load8(p + j * kChunk, *reinterpret_cast<float(*)[8]>(raw + j * kChunk));
+  for (int j = 0; j < RawChunk<In, E>::kVectors; ++j)
+    raw.q[j] = __ldcs(reinterpret_cast<const uint4 *>(p) + j);
+}
+
+// Widen to f32 and sanitize (FORMATS.md): returns how many inputs were non-finite. The common
+// case (all finite) costs one compare per element, plus a clamp for types whose finite range
+// exceeds f16's; a chunk with a non-finite value takes the careful path.
+template <typename In, int E>
+__device__ __forceinline__ uint32_t sanitize_raw(const RawChunk<In, E> &raw, float (&v)[E]) {
+  constexpr bool kMayExceedF16 = !std::is_same<In, __half>::value;
+  float x[E];
+#pragma unroll
+  for (int j = 0; j < E / kChunk; ++j)
+    unpack8(reinterpret_cast<const In *>(raw.q) + j * kChunk,
+            *reinterpret_cast<float(*)[8]>(x + j * kChunk));
   bool non_finite = false;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
-    non_finite |= !(fabsf(raw[i]) <= 0x1.fffffep127f);  // NaN or ±Inf
-    v[i] = kMayExceedF16 ? fminf(fmaxf(raw[i], -kF16Max), kF16Max) : raw[i];
+    non_finite |= !(fabsf(x[i]) <= 0x1.fffffep127f);  // NaN or ±Inf
+    v[i] = kMayExceedF16 ? fminf(fmaxf(x[i], -kF16Max), kF16Max) : x[i];
   }
   uint32_t count = 0;
   if (non_finite) {
 #pragma unroll
-    for (int i = 0; i < E; ++i) v[i] = sanitize(raw[i], count);
+    for (int i = 0; i < E; ++i) v[i] = sanitize(x[i], count);
   }
   return count;
+}
+
+// load_raw + sanitize_raw, for kernels that need the values at once.
+template <typename In, int E>
+__device__ __forceinline__ uint32_t load_sanitized(const In *p, float (&v)[E]) {
+  RawChunk<In, E> raw;
+  load_raw<In, E>(p, raw);
+  return sanitize_raw<In, E>(raw, v);
 }
 
 // Pack E INT4 nibbles (element 2i low) into E / 8 words via the fast exact path; returns false
@@ -161,20 +187,9 @@ __device__ __forceinline__ void encode_chunk(const float (&v)[E], int chunk, con
       mx = fmaxf(mx, v[i]);
     }
     const float own_mn = mn, own_mx = mx;  // this thread's extremes bound its numerators
-    mn = group_min<lanes>(mn);
-    mx = group_max<lanes>(mx);
-    // Only a zero extreme can depend on the order of -0.0 and +0.0 (min_first): redo those
-    // groups with the order-exact fold. Warp-uniform, as the reductions shuffle.
-    if (__any_sync(kFullMask, active && (mn == 0.0f || mx == 0.0f))) {
-      mn = v[0];
-      mx = v[0];
-#pragma unroll
-      for (int i = 1; i < E; ++i) {
-        mn = min_first(mn, v[i]);
-        mx = max_first(mx, v[i]);
-      }
-      group_min_max_ordered<lanes>(mn, mx);
-    }
+    // A zero extreme is +0.0 (FORMATS.md), whichever zero the reductions kept.
+    mn = __fadd_rn(group_min<lanes>(mn), 0.0f);
+    mx = __fadd_rn(group_max<lanes>(mx), 0.0f);
     const __half s = int4_affine_scale(mn, mx);
     const __half z = int4_affine_zero(mn);
     const float sf = __half2float(s), zf = __half2float(z);
@@ -255,12 +270,15 @@ struct RowShape {
   __host__ RowShape(int d, int ept)
       : head_dim(d), tpr(d / ept), rows_per_block(kThreadsPerBlock / (d / ept)),
         by_tpr((uint32_t)(d / ept)) {}
-  __host__ unsigned blocks(int64_t rows) const {
-    return (unsigned)((rows + rows_per_block - 1) / rows_per_block);
+  // Blocks covering `rows` rows when each thread serves `rows_per_thread` of them.
+  __host__ unsigned blocks(int64_t rows, int rows_per_thread = 1) const {
+    const int64_t per_block = (int64_t)rows_per_block * rows_per_thread;
+    return (unsigned)((rows + per_block - 1) / per_block);
   }
 };
 
-constexpr int64_t kMaxRows = (1ll << 31) - kThreadsPerBlock;
+// Rows are counted in 32 bits, including the padding of the last block.
+constexpr int64_t kMaxRows = (1ll << 31) - 2 * kThreadsPerBlock;
 
 struct RowGrid {
   uint32_t row;
@@ -323,36 +341,57 @@ struct DenseRows {
 
 // ---- kernels --------------------------------------------------------------------------
 
+// Rows each append thread handles: their loads are issued together, so more bytes are in flight
+// per thread (latency hiding at the occupancy the quantizers' registers allow), and the
+// per-thread setup is shared. f32 input already loads twice the bytes per row.
+template <typename In> constexpr int kAppendRows = sizeof(In) == 4 ? 1 : 2;
+
+// Three blocks per SM: the INT4 quantizers then get about 80 registers, and with two rows per
+// thread that keeps enough loads in flight to cover memory latency.
 template <typename In, int F>
-__global__ void __launch_bounds__(kThreadsPerBlock)
+__global__ void __launch_bounds__(kThreadsPerBlock, 3)
     append_kernel(RowShape shape, const In *__restrict__ x, int64_t token_stride,
                   uint32_t num_tokens, const void *__restrict__ slots, int slots_i64,
                   int64_t num_slots, PagedSide side, int count_out_of_range,
                   unsigned long long *counters) {
   constexpr int E = kEpt<F>;
-  const RowGrid g = row_grid(shape);
-  const uint32_t token = side.by_heads.div(g.row);
-  const uint32_t head = g.row - token * side.num_heads;
-  bool active = g.in_block && token < num_tokens;
-  int64_t slot = -1;
-  if (active)
-    slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
-                     : (int64_t) static_cast<const int32_t *>(slots)[token];
-  // A slot past the pool is an error the host learns about through the counter.
-  const uint32_t out_of_range =
-      count_out_of_range && active && slot >= num_slots && head == 0 && g.chunk == 0;
-  active = active && slot >= 0 && slot < num_slots;
+  constexpr int R = kAppendRows<In>;
+  const uint32_t local = shape.by_tpr.div(threadIdx.x);
+  const int chunk = (int)(threadIdx.x - local * shape.tpr);
+  const bool in_block = local < (uint32_t)shape.rows_per_block;
 
-  float v[E] = {};
-  uint32_t non_finite = 0;
-  RowRef r = {};
-  if (active) {
-    non_finite = load_sanitized<In, E>(
-        x + token * token_stride + head * shape.head_dim + g.chunk * E, v);
-    const uint32_t block = side.by_block_size.div((uint32_t)slot);
-    r = side.row(block, (uint32_t)slot - block * side.block_size, head);
+  // Block b serves rows [b * R * rows_per_block, (b + 1) * R * rows_per_block): row k of this
+  // thread is `local` in the k-th slab. First issue every row's input and slot loads.
+  RawChunk<In, E> raw[R];
+  uint32_t token[R], head[R];
+  int64_t slot[R];
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    const uint32_t row = (blockIdx.x * R + k) * (uint32_t)shape.rows_per_block + local;
+    token[k] = side.by_heads.div(row);
+    head[k] = row - token[k] * side.num_heads;
+    slot[k] = -1;
+    if (in_block && token[k] < num_tokens) {
+      load_raw<In, E>(x + token[k] * token_stride + head[k] * shape.head_dim + chunk * E, raw[k]);
+      slot[k] = slots_i64 ? static_cast<const int64_t *>(slots)[token[k]]
+                          : (int64_t) static_cast<const int32_t *>(slots)[token[k]];
+    }
   }
-  encode_chunk<F, E>(v, g.chunk, r, active);
+  uint32_t non_finite = 0, out_of_range = 0;
+#pragma unroll
+  for (int k = 0; k < R; ++k) {
+    // A slot past the pool is an error the host learns about through the counter.
+    out_of_range += count_out_of_range && slot[k] >= num_slots && head[k] == 0 && chunk == 0;
+    const bool active = slot[k] >= 0 && slot[k] < num_slots;  // -1 also for rows past the end
+    float v[E] = {};
+    RowRef r = {};
+    if (active) {
+      non_finite += sanitize_raw<In, E>(raw[k], v);
+      const uint32_t block = side.by_block_size.div((uint32_t)slot[k]);
+      r = side.row(block, (uint32_t)slot[k] - block * side.block_size, head[k]);
+    }
+    encode_chunk<F, E>(v, chunk, r, active);
+  }
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
   if (count_out_of_range)
     warp_count(counters ? counters + KVQ_COUNTER_OUT_OF_RANGE : nullptr, out_of_range);
@@ -614,7 +653,7 @@ extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void
       using In = typename decltype(in)::type;
       return with_format<false>(format, [&](auto f) {
         const RowShape shape(side.head_dim, kEpt<decltype(f)::value>);
-        const unsigned grid = shape.blocks(num_tokens * side.num_heads);
+        const unsigned grid = shape.blocks(num_tokens * side.num_heads, kAppendRows<In>);
         append_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
             shape, static_cast<const In *>(x), stride, (uint32_t)num_tokens, slots,
             slots_i64 != 0, num_slots, side, count_out_of_range, counters);

@@ -47,6 +47,30 @@ __device__ __forceinline__ void load8(const float *p, float (&v)[8]) {
   v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
+// Widen 8 consecutive elements already in registers (16-byte aligned storage) to f32, exactly.
+__device__ __forceinline__ void unpack8(const __half *p, float (&v)[8]) {
+  const __half2 *h = reinterpret_cast<const __half2 *>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void unpack8(const __nv_bfloat16 *p, float (&v)[8]) {
+  const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void unpack8(const float *p, float (&v)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = p[i];
+}
+
 // Store 8 f32 values rounded (RNE) to the output type. `p` is 16-byte aligned.
 __device__ __forceinline__ void store8(__half *p, const float (&v)[8]) {
   uint4 raw;
@@ -85,24 +109,13 @@ template <int LANES> __device__ __forceinline__ float group_min(float v) {
   return v;
 }
 
-// Order-exact min and max (see min_first in format.cuh): the lower lane's partial result is
-// always the "first" operand, so the result equals the sequential left-to-right fold.
-template <int LANES> __device__ __forceinline__ void group_min_max_ordered(float &mn, float &mx) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 1; k < LANES; k <<= 1) {
-    const float omn = __shfl_xor_sync(kFullMask, mn, k);
-    const float omx = __shfl_xor_sync(kFullMask, mx, k);
-    const bool upper = lane & k;  // partner holds earlier elements
-    mn = upper ? min_first(omn, mn) : min_first(mn, omn);
-    mx = upper ? max_first(omx, mx) : max_first(mx, omx);
-  }
-}
-
-// Add a per-thread count to a device counter with one atomic per warp (none when all zero).
+// Add a per-thread count to a device counter with one atomic per warp. Counts are almost always
+// zero, so a vote skips the reduction then.
 __device__ __forceinline__ void warp_count(unsigned long long *counter, uint32_t n) {
-  const uint32_t total = __reduce_add_sync(kFullMask, n);
-  if (counter != nullptr && total != 0 && (threadIdx.x & 31) == 0) atomicAdd(counter, total);
+  if (__any_sync(kFullMask, n != 0)) {
+    const uint32_t total = __reduce_add_sync(kFullMask, n);
+    if (counter != nullptr && (threadIdx.x & 31) == 0) atomicAdd(counter, total);
+  }
 }
 
 // ---- division by a launch-invariant divisor ---------------------------------------------------

@@ -247,17 +247,4 @@ __device__ __forceinline__ uint16_t fp8x2_quantize_fast(float x0, float x1, cons
   return lo;
 }
 
-// ---- order-exact min / max --------------------------------------------------------------
-
-// The CPU reference folds min / max left to right with f32::min / f32::max, which keep the
-// accumulator when the two compare equal (so of -0.0 and +0.0 the one met first wins; the sign
-// reaches the stored f16 zero and scale). These keep `first` on ties, which makes them
-// associative; combining partial results in index order reproduces the sequential fold exactly.
-__device__ __forceinline__ float min_first(float first, float later) {
-  return later < first ? later : first;
-}
-__device__ __forceinline__ float max_first(float first, float later) {
-  return later > first ? later : first;
-}
-
 }  // namespace kvq
