@@ -37,20 +37,35 @@ pub const KVQ_NUM_COUNTERS: usize = 2;
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct kvq_layout {
+    /// KV heads per layer.
     pub num_kv_heads: i32,
+    /// Elements per head.
     pub head_dim: i32,
+    /// Token slots per block.
     pub block_size: i32,
+    /// Key format (`kvq_format`, the discriminant of `KvFormat`).
     pub k_format: i32,
+    /// Value format.
     pub v_format: i32,
+    /// Key codes: region offset in a head section.
     pub k_codes_offset: i32,
+    /// Bytes per key code row.
     pub k_codes_row: i32,
+    /// Key metadata (INT4 scales): region offset.
     pub k_meta_offset: i32,
+    /// Bytes per key metadata row.
     pub k_meta_row: i32,
+    /// Value codes: region offset.
     pub v_codes_offset: i32,
+    /// Bytes per value code row.
     pub v_codes_row: i32,
+    /// Value metadata (INT4 scale/zero pairs): region offset.
     pub v_meta_offset: i32,
+    /// Bytes per value metadata row.
     pub v_meta_row: i32,
+    /// Bytes of one head section.
     pub head_stride: i64,
+    /// Bytes of one block (all heads).
     pub block_stride: i64,
 }
 
@@ -58,14 +73,18 @@ pub struct kvq_layout {
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct kvq_cache {
+    /// Device pointer to the block pool.
     pub pool: *mut u8,
+    /// Device pointer to `num_kv_heads` FP8 key scales (may be null for non-FP8 keys).
     pub k_scales: *const f32,
+    /// Device pointer to `num_kv_heads` FP8 value scales (may be null for non-FP8 values).
     pub v_scales: *const f32,
+    /// The block layout.
     pub layout: kvq_layout,
 }
 
 /// Most split-KV splits one decode launch may use.
-pub const KVQ_DECODE_MAX_SPLITS: i32 = 1024;
+pub const KVQ_DECODE_MAX_SPLITS: i32 = 256;
 
 /// `kvq_decode_args`: one fused decode launch (kvq.h documents every field).
 #[repr(C)]
@@ -80,6 +99,7 @@ pub struct kvq_decode_args {
     pub context_lens: *const i32,
     pub ws_o: *mut f32,
     pub ws_lse: *mut f32,
+    pub ws_counters: *mut u32,
     pub q_dtype: i32,
     pub batch: i32,
     pub num_q_heads: i32,
@@ -87,6 +107,7 @@ pub struct kvq_decode_args {
     pub max_blocks: i32,
     pub num_splits: i32,
     pub split_tokens: i32,
+    pub stages: i32,
     pub softmax_scale: f32,
 }
 
@@ -174,15 +195,18 @@ unsafe extern "C" {
 
     // ---- fused paged decode attention (cuda/decode.cu) ----
 
-    /// Enqueue the fused decode kernel and, with several splits, their merge (kvq.h).
+    /// Enqueue the fused decode kernel (splits merged in the same launch) (kvq.h).
     pub fn kvq_decode_attention(args: *const kvq_decode_args, stream: *mut c_void) -> c_int;
 
-    /// Decode thread blocks per SM for a format pair and head_dim; raises the smem limit (kvq.h).
+    /// Decode thread blocks per SM and stage bytes for a format pair, head_dim and stage count;
+    /// raises the smem limit (kvq.h).
     pub fn kvq_decode_occupancy(
         k_format: i32,
         v_format: i32,
         head_dim: i32,
+        stages: i32,
         ctas_per_sm: *mut i32,
+        stage_bytes: *mut i32,
     ) -> c_int;
 
     /// Streaming-read bandwidth probe (kvq.h, cuda/bandwidth.cu).
