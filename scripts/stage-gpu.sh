@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Build the GPU test, bench and example binaries HERE (no GPU needed; nvcc 13 from
+# ../shared/device/cuda-toolkit.sh or scripts/install-cuda-toolkit.sh) and lay them out in
+# .gpu-stage/ beside scripts/gpu-check.sh and the MiniLM data, small enough to carry to the GPU
+# machine (its transfer limit is 64 MiB: sm_90a only, stripped). There, from the repo root:
+#   bash .gpu-stage/gpu-check.sh [quick]     tests, sanitizers, benches; logs under $OUT
+# Usage here: scripts/stage-gpu.sh   (KVQ_CUDA_ARCHS overrides the sm_90a default)
+set -euo pipefail
+root=$(git rev-parse --show-toplevel); cd "$root"
+if ! command -v nvcc >/dev/null 2>&1 && [ -z "${NVCC:-}" ]; then
+  if [ -f ../shared/device/cuda-toolkit.sh ]; then source ../shared/device/cuda-toolkit.sh
+  else eval "$(scripts/install-cuda-toolkit.sh)"; fi
+fi
+export KVQ_CUDA_ARCHS=${KVQ_CUDA_ARCHS:-90a} CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/gpu-stage}
+grep -qxF '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >> .git/info/exclude
+rm -rf .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/data
+cargo build --release --features cuda,cli --bin kvq \
+  --test gpu_append --test gpu_decode --bench gpu_append --bench gpu_decode \
+  --example decode_bench --example moe_decode_budget \
+  --message-format=json-render-diagnostics > .gpu-stage/build.json
+python3 - <<'PY'
+import json, shutil
+for line in open(".gpu-stage/build.json"):
+    try: m = json.loads(line)
+    except ValueError: continue
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"): continue
+    t = m["target"]; kind = "test" if m["profile"].get("test") else t["kind"][0]
+    shutil.copy2(m["executable"], f".gpu-stage/bin/{kind}-{t['name']}")
+PY
+rm .gpu-stage/build.json
+strip .gpu-stage/bin/*
+cp scripts/gpu-check.sh .gpu-stage/
+data=../shared/data/minilm_kv.safetensors
+[ -f "$data" ] && cp "$data" .gpu-stage/data/
+ls .gpu-stage/bin; du -sh .gpu-stage
