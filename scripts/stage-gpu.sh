@@ -24,7 +24,7 @@ for line in open(".gpu-stage/build.json"):
     try: m = json.loads(line)
     except ValueError: continue
     if m.get("reason") != "compiler-artifact" or not m.get("executable"): continue
-    t = m["target"]; kind = "test" if m["profile"].get("test") else t["kind"][0]
+    t = m["target"]; kind = t["kind"][0]  # bin, example, test, bench
     shutil.copy2(m["executable"], f".gpu-stage/bin/{kind}-{t['name']}")
 PY
 rm .gpu-stage/build.json
