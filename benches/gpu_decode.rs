@@ -15,7 +15,7 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtrMut};
 use half::{bf16, f16};
 use kvq::cache::BlockTables;
 use kvq::cuda::decode::{
@@ -87,12 +87,19 @@ fn median(stream: &Arc<CudaStream>, reps: usize, mut f: impl FnMut()) -> Duratio
     v[reps / 2]
 }
 
+/// (warps per block, stages per warp) swept (besides the plan's own) at these (batch, len).
+const SWEEP_LAUNCH: [(usize, usize); 6] = [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)];
+const SWEEP_SHAPES: [(usize, usize); 2] = [(1, 32768), (64, 16384)];
+
 /// One measured configuration.
 struct Row {
     format: &'static str,
     batch: usize,
     len: usize,
     splits: usize,
+    warps: usize,
+    stages: usize,
+    ctas_per_sm: usize,
     bytes: u64,
     time: Duration,
 }
@@ -165,7 +172,9 @@ fn setup(gpu: &Gpu, k: KvFormat, v: KvFormat, batch: usize, len: usize) -> Setup
 }
 
 /// Capture one decode per table copy in a CUDA graph (this also proves the call captures:
-/// no allocation, no synchronization), and return it with the plan's split count.
+/// no allocation, no synchronization), and return it with its plan; `launch` overrides the
+/// plan's (warps, stages) (None if they do not fit).
+#[allow(clippy::too_many_arguments)]
 fn capture<T: BenchElem>(
     gpu: &Gpu,
     su: &Setup,
@@ -174,8 +183,12 @@ fn capture<T: BenchElem>(
     out: &mut CudaSlice<T>,
     q: &CudaSlice<T>,
     keep: &mut Vec<DecodeWorkspace>,
-) -> (CudaGraph, usize) {
-    let plan = DecodePlan::new(gpu, su.cache.layout(), batch, Q_HEADS, 1, len).expect("plan");
+    launch: Option<(usize, usize)>,
+) -> Option<(CudaGraph, DecodePlan)> {
+    let mut plan = DecodePlan::new(gpu, su.cache.layout(), batch, Q_HEADS, 1, len).expect("plan");
+    if let Some((w, n)) = launch {
+        plan = plan.with_launch(w, n).ok()?;
+    }
     let mut ws = DecodeWorkspace::new(&plan).expect("workspace");
     // One eager call first (module load, attribute setup), then the capture.
     plan.decode(&mut ws, &su.cache, &su.tables[0], q, out, None)
@@ -194,7 +207,7 @@ fn capture<T: BenchElem>(
         .expect("graph");
     graph.upload().expect("upload graph");
     keep.push(ws);
-    (graph, plan.num_splits())
+    Some((graph, plan))
 }
 
 /// Query element types of the bench: f16 and bf16.
@@ -217,6 +230,7 @@ fn run_format<T: BenchElem>(
     c: &mut Criterion,
     (name, kf, vf): (&'static str, KvFormat, KvFormat),
     rows: &mut Vec<Row>,
+    sweep: &mut Vec<Row>,
 ) {
     let s = gpu.stream().clone();
     let mut group = c.benchmark_group(format!("gpu_decode_{name}"));
@@ -231,17 +245,30 @@ fn run_format<T: BenchElem>(
         let q = s.clone_htod(&qh).expect("q");
         let mut out = s.clone_htod(&vec![T::from_f32(0.0); n]).expect("out");
         let mut keep = Vec::new();
-        let (graph, splits) = capture(gpu, &su, batch, len, &mut out, &q, &mut keep);
         let copies = su.tables.len() as u32;
-        let t = median(&s, 15, || graph.launch().expect("launch")) / copies;
-        rows.push(Row {
+        let row = |graph: &CudaGraph, plan: &DecodePlan| Row {
             format: name,
             batch,
             len,
-            splits,
+            splits: plan.num_splits(),
+            warps: plan.warps(),
+            stages: plan.stages(),
+            ctas_per_sm: plan.ctas_per_sm(),
             bytes: su.bytes,
-            time: t,
-        });
+            time: median(&s, 15, || graph.launch().expect("launch")) / copies,
+        };
+        if SWEEP_SHAPES.contains(&(batch, len)) {
+            for launch in SWEEP_LAUNCH {
+                if let Some((g, p)) =
+                    capture(gpu, &su, batch, len, &mut out, &q, &mut keep, Some(launch))
+                {
+                    sweep.push(row(&g, &p));
+                }
+            }
+        }
+        let (graph, plan) =
+            capture(gpu, &su, batch, len, &mut out, &q, &mut keep, None).expect("default plan");
+        rows.push(row(&graph, &plan));
         group.throughput(Throughput::Bytes(su.bytes * copies as u64));
         group.bench_function(format!("B{batch}_L{len}"), |b| {
             b.iter_custom(|iters| {
@@ -273,7 +300,14 @@ fn bench(c: &mut Criterion) {
     let s = gpu.stream().clone();
 
     // Streaming-read ceiling of this device, this run.
-    let src = s.alloc_zeros::<u8>(CEILING_BYTES).expect("alloc");
+    let mut src = s.alloc_zeros::<u8>(CEILING_BYTES).expect("alloc");
+    {
+        // Not zeros: time reads of ordinary data.
+        let (p, _g) = src.device_ptr_mut(&s);
+        // SAFETY: `p` is a live allocation of CEILING_BYTES bytes on this stream.
+        unsafe { cudarc::driver::result::memset_d8_async(p, 0xA5, CEILING_BYTES, s.cu_stream()) }
+            .expect("fill");
+    }
     let mut sink = s.alloc_zeros::<f32>(4096).expect("sink");
     let t = median(&s, 15, || {
         stream_read(&gpu, &src, CEILING_BYTES, &mut sink).expect("stream read")
@@ -281,12 +315,12 @@ fn bench(c: &mut Criterion) {
     let ceiling = CEILING_BYTES as f64 / t.as_secs_f64() / 1e9;
     drop(src);
 
-    let mut rows = Vec::new();
+    let (mut rows, mut sweep) = (Vec::new(), Vec::new());
     for (name, kf, vf, q_bf16) in FORMATS {
         if q_bf16 {
-            run_format::<bf16>(&gpu, c, (name, kf, vf), &mut rows);
+            run_format::<bf16>(&gpu, c, (name, kf, vf), &mut rows, &mut sweep);
         } else {
-            run_format::<f16>(&gpu, c, (name, kf, vf), &mut rows);
+            run_format::<f16>(&gpu, c, (name, kf, vf), &mut rows, &mut sweep);
         }
     }
 
@@ -295,24 +329,45 @@ fn bench(c: &mut Criterion) {
         "streaming-read ceiling ({} GiB): {ceiling:.0} GB/s",
         CEILING_BYTES >> 30
     );
-    eprintln!(
-        "{:<9} {:>4} {:>7} {:>6} {:>10} {:>10} {:>8} {:>8}",
-        "format", "B", "L", "splits", "MB read", "time us", "GB/s", "% ceil"
-    );
-    for r in &rows {
-        let gbs = r.bytes as f64 / r.time.as_secs_f64() / 1e9;
+    let print = |title: &str, rows: &[Row]| {
+        eprintln!("{title}");
         eprintln!(
-            "{:<9} {:>4} {:>7} {:>6} {:>10.1} {:>10.1} {:>8.0} {:>7.1}%",
-            r.format,
-            r.batch,
-            r.len,
-            r.splits,
-            r.bytes as f64 / 1e6,
-            r.time.as_secs_f64() * 1e6,
-            gbs,
-            100.0 * gbs / ceiling
+            "{:<9} {:>4} {:>7} {:>6} {:>3} {:>3} {:>3} {:>8} {:>8} {:>6} {:>6}",
+            "format",
+            "B",
+            "L",
+            "splits",
+            "wrp",
+            "stg",
+            "cta",
+            "MB read",
+            "time us",
+            "GB/s",
+            "%ceil"
         );
-    }
+        for r in rows {
+            let gbs = r.bytes as f64 / r.time.as_secs_f64() / 1e9;
+            eprintln!(
+                "{:<9} {:>4} {:>7} {:>6} {:>3} {:>3} {:>3} {:>8.1} {:>8.1} {:>6.0} {:>5.1}%",
+                r.format,
+                r.batch,
+                r.len,
+                r.splits,
+                r.warps,
+                r.stages,
+                r.ctas_per_sm,
+                r.bytes as f64 / 1e6,
+                r.time.as_secs_f64() * 1e6,
+                gbs,
+                100.0 * gbs / ceiling
+            );
+        }
+    };
+    print(
+        "launch sweep (plan's splits, other warps x stages):",
+        &sweep,
+    );
+    print("plan defaults:", &rows);
     let at = |f: &str| {
         rows.iter()
             .find(|r| r.format == f && r.batch == 64 && r.len == 16384)

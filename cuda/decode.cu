@@ -70,36 +70,48 @@ int dispatch(Fmt k, Fmt v, int d, Fn &fn) {
   return KVQ_ERR_UNSUPPORTED;
 }
 
-/// Raise the instance's dynamic shared-memory limit on the current device, once per device
-/// (so launches after the first, e.g. inside a graph capture, make no attribute calls).
+/// Raise the instance's dynamic shared-memory limit on the current device to what its largest
+/// stage count that fits needs, once per device (so launches after the first, e.g. inside a
+/// graph capture, make no attribute calls). `*limit` gets the device's per-block limit.
 template <Fmt K, Fmt V, int D>
-cudaError_t prepare() {
+cudaError_t prepare(int *limit) {
   static std::atomic<uint64_t> done{0};  // bit d: done on device d (< 64)
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  int want = Cfg<K, V, D>::bytes(4, kMinStages);
+  for (int w = 4; w <= kMaxWarps; w += 4)
+    for (int n = kMinStages; n <= kMaxStages; ++n)
+      if (Cfg<K, V, D>::bytes(w, n) <= *limit && Cfg<K, V, D>::bytes(w, n) > want)
+        want = Cfg<K, V, D>::bytes(w, n);
   e = cudaFuncSetAttribute(decode_kernel<K, V, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           Smem<K, V, D>::BYTES);
+                           want);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   return e;
 }
 
 struct Occupancy {
-  int32_t *ctas;
+  int32_t warps, stages;
+  int32_t *ctas, *stage_bytes;
   template <Fmt K, Fmt V, int D>
   int run() {
-    cudaError_t e = prepare<K, V, D>();
+    int limit = 0;
+    cudaError_t e = prepare<K, V, D>(&limit);
     int n = 0;
-    if (e == cudaSuccess)
-      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<K, V, D>, kThreads,
-                                                        Smem<K, V, D>::BYTES);
+    const int smem = Cfg<K, V, D>::bytes(warps, stages);
+    if (e == cudaSuccess && smem <= limit)
+      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_kernel<K, V, D>, warps * 32,
+                                                        smem);
     if (e != cudaSuccess) {
       kvq::set_last_error(e);
       return KVQ_ERR_LAUNCH;
     }
     *ctas = n;
+    *stage_bytes = Cfg<K, V, D>::STAGE;
     return KVQ_OK;
   }
 };
@@ -107,8 +119,8 @@ struct Occupancy {
 struct Launch {
   const Params &p;
   const kvq_layout &l;
+  int warps;
   dim3 grid;
-  int64_t merge_blocks;
   cudaStream_t stream;
   template <Fmt K, Fmt V, int D>
   int run() {
@@ -118,13 +130,15 @@ struct Launch {
     if (l.k_codes_row != F::KC_ROW || l.k_meta_row != F::KM_ROW || l.v_codes_row != F::VC_ROW ||
         l.v_meta_row != F::VM_ROW)
       return KVQ_ERR_INVALID;
-    const cudaError_t e = prepare<K, V, D>();
+    int limit = 0;
+    const cudaError_t e = prepare<K, V, D>(&limit);
     if (e != cudaSuccess) {
       kvq::set_last_error(e);
       return KVQ_ERR_LAUNCH;
     }
-    decode_kernel<K, V, D><<<grid, kThreads, Smem<K, V, D>::BYTES, stream>>>(p);
-    if (p.num_splits > 1) merge_splits<D><<<(unsigned)merge_blocks, D, 0, stream>>>(p);
+    const int smem = Cfg<K, V, D>::bytes(warps, p.stages);
+    if (smem > limit) return KVQ_ERR_UNSUPPORTED;
+    decode_kernel<K, V, D><<<grid, warps * 32, smem, stream>>>(p);
     return kvq::launch_status();
   }
 };
@@ -141,12 +155,18 @@ bool formats(const kvq_layout &l, int32_t q_dtype, Fmt &k, Fmt &v) {
 
 using namespace kvq_decode;
 
+/// Warp counts per CTA the kernel is launched with.
+static bool valid_warps(int32_t w) { return w == 4 || w == kMaxWarps; }
+
 extern "C" int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim,
-                                    int32_t *ctas_per_sm) {
-  if (ctas_per_sm == nullptr) return KVQ_ERR_INVALID;
+                                    int32_t warps, int32_t stages, int32_t *ctas_per_sm,
+                                    int32_t *stage_bytes) {
+  if (ctas_per_sm == nullptr || stage_bytes == nullptr || stages < kMinStages ||
+      stages > kMaxStages || !valid_warps(warps))
+    return KVQ_ERR_INVALID;
   Fmt k, v;
   if (!to_fmt(k_format, false, k) || !to_fmt(v_format, true, v)) return KVQ_ERR_UNSUPPORTED;
-  Occupancy fn{ctas_per_sm};
+  Occupancy fn{warps, stages, ctas_per_sm, stage_bytes};
   return dispatch(k, v, head_dim, fn);
 }
 
@@ -156,18 +176,21 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   if (a->q_dtype != KVQ_DTYPE_F16 && a->q_dtype != KVQ_DTYPE_BF16) return KVQ_ERR_UNSUPPORTED;
   Fmt k, v;
   if (!formats(l, a->q_dtype, k, v)) return KVQ_ERR_UNSUPPORTED;
-  if (l.block_size <= 0 || l.block_size % kStep != 0) return KVQ_ERR_UNSUPPORTED;
+  if (l.block_size <= 0 || l.block_size % kChunk != 0) return KVQ_ERR_UNSUPPORTED;
   if (a->batch <= 0 || a->num_q_heads <= 0 || l.num_kv_heads <= 0 ||
       a->num_q_heads % l.num_kv_heads != 0 || a->q_len <= 0 || a->max_blocks <= 0 ||
       a->num_splits <= 0 || a->num_splits > KVQ_DECODE_MAX_SPLITS || a->split_tokens <= 0 ||
-      a->split_tokens % kStep != 0 || a->num_blocks <= 0)
+      a->split_tokens % 32 != 0 || a->num_blocks <= 0 || a->stages < kMinStages ||
+      a->stages > kMaxStages || !valid_warps(a->warps))
     return KVQ_ERR_INVALID;
   if (a->cache.pool == nullptr || a->q == nullptr || a->out == nullptr ||
       a->block_tables == nullptr || a->context_lens == nullptr)
     return KVQ_ERR_INVALID;
   if ((k == Fmt::E4M3 || k == Fmt::E5M2) && a->cache.k_scales == nullptr) return KVQ_ERR_INVALID;
   if ((v == Fmt::E4M3 || v == Fmt::E5M2) && a->cache.v_scales == nullptr) return KVQ_ERR_INVALID;
-  if (a->num_splits > 1 && (a->ws_o == nullptr || a->ws_lse == nullptr)) return KVQ_ERR_INVALID;
+  if (a->num_splits > 1 &&
+      (a->ws_o == nullptr || a->ws_lse == nullptr || a->ws_counters == nullptr))
+    return KVQ_ERR_INVALID;
 
   Params p{};
   p.pool = a->cache.pool;
@@ -181,6 +204,8 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   p.v_codes_off = l.v_codes_offset;
   p.v_meta_off = l.v_meta_offset;
   p.block_size = l.block_size;
+  const int bs16 = l.block_size / kChunk;
+  p.chunks_per_block_shift = (bs16 & (bs16 - 1)) == 0 ? __builtin_ctz(bs16) : -1;
   p.q = a->q;
   p.out = a->out;
   p.lse = a->lse;
@@ -188,19 +213,21 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   p.context_lens = a->context_lens;
   p.ws_o = a->ws_o;
   p.ws_lse = a->ws_lse;
+  p.ws_counters = a->ws_counters;
   p.q_bf16 = a->q_dtype == KVQ_DTYPE_BF16;
   p.num_q_heads = a->num_q_heads;
+  p.num_kv_heads = l.num_kv_heads;
   p.group = a->num_q_heads / l.num_kv_heads;
   p.q_len = a->q_len;
   p.m_tiles = (p.group * a->q_len + 15) / 16;
   p.max_blocks = a->max_blocks;
   p.num_splits = a->num_splits;
   p.split_tokens = a->split_tokens;
+  p.stages = a->stages;
   p.sm_scale_log2 = a->softmax_scale * kLog2e;
 
   const int64_t y = (int64_t)l.num_kv_heads * p.m_tiles;
   if (y > 65535 || a->batch > 65535) return KVQ_ERR_UNSUPPORTED;
-  Launch fn{p, l, dim3(a->num_splits, (unsigned)y, a->batch),
-            (int64_t)a->batch * a->num_q_heads * a->q_len, (cudaStream_t)stream};
+  Launch fn{p, l, a->warps, dim3(a->num_splits, (unsigned)y, a->batch), (cudaStream_t)stream};
   return dispatch(k, v, l.head_dim, fn);
 }

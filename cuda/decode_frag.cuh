@@ -118,10 +118,26 @@ __device__ __forceinline__ void e4m3x4_bits(uint32_t w, uint32_t &a, uint32_t &b
   b = (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
 }
 
-/// INT4 nibble → f16 `1024 + n` for the nibbles at bit `shift` and `shift + 16` of `w`.
-__device__ __forceinline__ uint32_t nib_1024(uint32_t w, int shift) {
-  return ((w >> shift) & 0x000F000Fu) | 0x64006400u;
+/// (x & M) | C in one LOP3 (the compiler would otherwise emit two: one immediate per LOP3).
+template <uint32_t M>
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "n"(M), "r"(c));
+  return d;
 }
+/// (x & M) ^ C in one LOP3.
+template <uint32_t M>
+__device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(x), "n"(M), "r"(c));
+  return d;
+}
+
+// INT4 nibbles → f16 integers without conversions. In each 16-bit half, the nibble at bits 0-3
+// OR'd into 0x6400 is the f16 1024 + n; the nibble at bits 4-7 OR'd into 0x5400 is 64 + n (an
+// f16 of exponent 6 whose mantissa bit 4 weighs 1). Nibbles at bits 8-15 take the same path
+// after one shift by 8. So a word of 8 nibbles costs 1 shift + 4 LOP3.
+constexpr uint32_t kF16_1024 = 0x64006400u, kF16_64 = 0x54005400u;
 
 // ---------------------------------------------------------------------------------------------
 // Geometry of one format at one head_dim, and the K / V fragment builders.
@@ -153,54 +169,67 @@ struct Frag {
     }
   }
 
+  // Shared memory holds K code rows at a pitch of KPITCH bytes, padded so that the 8 lanes of a
+  // quarter-warp (rows g, g+1; t = 0..3) hit distinct 16-byte bank groups. With 4 or 8 loads
+  // per lane, lanes t of one row would still collide: lane t then reads its loads in an order
+  // rotated by k_rot(t). Any such order is free, since Q fragments follow the same mapping.
+  static constexpr int KPITCH = KC_ROW + (KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
+  static __host__ __device__ constexpr int k_rot(int t) {
+    return KNV == 4 ? (t >> 1) : KNV == 8 ? 2 * t : 0;
+  }
+  /// Which load of its chunk lane t issues as its v-th.
+  static __host__ __device__ constexpr int k_vec(int t, int v) { return (v + k_rot(t)) % KNV; }
+
   /// Head-dim index of half `e` of lane t's fragment register `p` (0..D/8) of a token.
   static __device__ __forceinline__ int k_dim(int t, int p, int e) {
-    return t * (D / 4) + (p / KPAIRS) * KEV + k_pair_elem(p % KPAIRS, e);
+    return t * (D / 4) + k_vec(t, p / KPAIRS) * KEV + k_pair_elem(p % KPAIRS, e);
   }
 
-  /// INT4 K: group of lane t's load v.
+  /// INT4 K: group of lane t's v-th load.
   static __device__ __forceinline__ int k_group(int t, int v) {
-    return (t * (D / 4) + v * KEV) / 32;
+    return (t * (D / 4) + k_vec(t, v) * KEV) / 32;
   }
 
-  /// Unpack one load of K codes (`w`, KWORDS words) into KPAIRS fragment registers.
-  /// `scale` is the INT4 group scale (f16 bits), unused otherwise.
-  static __device__ __forceinline__ void k_unpack(const uint32_t (&w)[KWORDS], uint16_t scale,
-                                                  uint32_t (&out)[KPAIRS]) {
+  /// Fragment registers one 32-bit word of K codes unpacks into.
+  static constexpr int KPPW = 32 / KBITS / 2;
+  /// Words unpacked together: enough for at least one k-step (two registers).
+  static constexpr int KWU = KPPW >= 2 ? 1 : 2;
+
+  /// The INT4 group scale as used by k_unpack: capped so that 7 * s stays finite in f16 (only
+  /// groups with |x| near 65504 are affected, by < 1e-3 relative), in both halves.
+  static __device__ __forceinline__ __half2 k_scale2(uint16_t scale) {
+    return __half2half2(__hmin(__ushort_as_half(scale), __ushort_as_half(0x7091)));  // 9352
+  }
+
+  /// Unpack K code word `w` into KPPW fragment registers (pairs as k_pair_elem says).
+  /// `s2` is the INT4 group scale (k_scale2), unused otherwise.
+  static __device__ __forceinline__ void k_unpack(uint32_t w, __half2 s2,
+                                                  uint32_t (&out)[KPPW]) {
     if constexpr (KF == Fmt::F16 || KF == Fmt::BF16) {
-#pragma unroll
-      for (int i = 0; i < KWORDS; ++i) out[i] = w[i];
+      out[0] = w;
     } else if constexpr (KF == Fmt::E5M2) {
-#pragma unroll
-      for (int i = 0; i < KWORDS; ++i) {
-        out[2 * i] = prmt(w[i], 0u, 0x1404);
-        out[2 * i + 1] = prmt(w[i], 0u, 0x3424);
-      }
+      out[0] = prmt(w, 0u, 0x1404);
+      out[1] = prmt(w, 0u, 0x3424);
     } else if constexpr (KF == Fmt::E4M3) {
-#pragma unroll
-      for (int i = 0; i < KWORDS; ++i) {
 #if KVQ_E4M3_CVT
-        e4m3x4_cvt(w[i], out[2 * i], out[2 * i + 1]);
+      e4m3x4_cvt(w, out[0], out[1]);
 #else
-        e4m3x4_bits(w[i], out[2 * i], out[2 * i + 1]);
+      e4m3x4_bits(w, out[0], out[1]);
 #endif
-      }
     } else {
-      // Symmetric INT4: nibble n ^ 8 = q + 8, so f16(1024 + (n ^ 8)) - 1032 = q exactly; then
-      // one rounding for q * s. The scale is capped so that 7 * s stays finite in f16 (only
-      // groups with |x| near 65504 are affected, by < 1e-3 relative).
-      const __half s = __hmin(__ushort_as_half(scale), __ushort_as_half(0x7091));  // 9352
-      const __half2 s2 = __half2half2(s);
-      const __half2 off = __half2half2(__ushort_as_half(0x6408));                  // 1032
+      // Symmetric INT4: nibble n ^ 8 = q + 8 (the XOR rides in the LOP3), so
+      // f16(1024 + (n ^ 8)) - 1032 = q exactly (64-based: - 72); then one rounding for q * s.
+      // Register n holds elements (n, n + 4) of the word.
+      const __half2 off_lo = __half2half2(__ushort_as_half(0x6408));  // 1032
+      const __half2 off_hi = __half2half2(__ushort_as_half(0x5480));  // 72
+      const uint32_t w8 = w >> 8;
+      const uint32_t h[4] = {and_xor<0x000F000Fu>(w, kF16_1024 | 0x00080008u),
+                             and_xor<0x00F000F0u>(w, kF16_64 | 0x00800080u),
+                             and_xor<0x000F000Fu>(w8, kF16_1024 | 0x00080008u),
+                             and_xor<0x00F000F0u>(w8, kF16_64 | 0x00800080u)};
 #pragma unroll
-      for (int i = 0; i < KWORDS; ++i) {
-        const uint32_t x = w[i] ^ 0x88888888u;
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const __half2 q = __hsub2(bits_h2(nib_1024(x, 4 * n)), off);
-          out[4 * i + n] = h2_bits(__hmul2(q, s2));
-        }
-      }
+      for (int n = 0; n < 4; ++n)
+        out[n] = h2_bits(__hmul2(__hsub2(bits_h2(h[n]), (n & 1) ? off_hi : off_lo), s2));
     }
   }
 
@@ -214,57 +243,70 @@ struct Frag {
   static constexpr int VEV = VVEC * 8 / VBITS;   // elements (= n-tiles) per load
   static constexpr int VWORDS = VVEC / 4;
 
+  // V code rows at a pitch of VPITCH bytes: one 16-byte pad separates the rows 2t of lanes t;
+  // with several 16-byte loads per lane, odd lanes g read theirs in the other order.
+  static constexpr int VPITCH = VC_ROW + 16;
+  static __host__ __device__ constexpr int v_rot(int g) {
+    return (VVEC == 16 && VNV >= 2) ? (g & 1) : 0;
+  }
+  /// Which load of its chunk lane g issues as its v-th.
+  static __host__ __device__ constexpr int v_vec(int g, int v) { return (v + v_rot(g)) % VNV; }
+  /// Head-dim index of the column that lane g supplies to n-tile j (= v * VEV + c).
+  static __device__ __forceinline__ int v_dim(int g, int j) {
+    return g * (D / 8) + v_vec(g, j / VEV) * VEV + j % VEV;
+  }
+
   /// INT4 V: group of lane g's chunk.
   static __device__ __forceinline__ int v_group(int g) { return g * (D / 8) / 64; }
 
-  /// Interleave two tokens' loads (`a`: token of the lower k index, `b`: the next) into VEV
-  /// B-fragment registers, register c holding column c of both. `ma` / `mb` are the INT4
-  /// (scale | zero << 16) words of the two tokens, unused otherwise.
-  static __device__ __forceinline__ void v_unpack(const uint32_t (&a)[VWORDS],
-                                                  const uint32_t (&b)[VWORDS], uint32_t ma,
-                                                  uint32_t mb, uint32_t (&out)[VEV]) {
+  /// B-fragment registers (columns) one 32-bit word of each of two V rows unpacks into.
+  static constexpr int VCPW = 32 / VBITS;
+
+  /// Interleave word `a` of one token's codes (the lower k index) and word `b` of the next
+  /// token's into VCPW B-fragment registers, register c holding column c of both. `s2` / `z2`
+  /// are the INT4 (scale, zero) of the two tokens as half2 pairs, unused otherwise. CLAMP (INT4
+  /// only) caps values at 65504, for groups whose q * s + z can overflow f16.
+  template <bool CLAMP>
+  static __device__ __forceinline__ void v_unpack(uint32_t a, uint32_t b, __half2 s2, __half2 z2,
+                                                  uint32_t (&out)[VCPW]) {
     if constexpr (VF == Fmt::F16 || VF == Fmt::BF16) {
-#pragma unroll
-      for (int i = 0; i < VWORDS; ++i) {
-        out[2 * i] = prmt(a[i], b[i], 0x5410);
-        out[2 * i + 1] = prmt(a[i], b[i], 0x7632);
-      }
+      out[0] = prmt(a, b, 0x5410);
+      out[1] = prmt(a, b, 0x7632);
     } else if constexpr (VF == Fmt::E5M2) {
-#pragma unroll
-      for (int i = 0; i < VWORDS; ++i) {
-        const uint32_t lo = prmt(a[i], b[i], 0x5140), hi = prmt(a[i], b[i], 0x7362);
-        out[4 * i] = prmt(lo, 0u, 0x1404);
-        out[4 * i + 1] = prmt(lo, 0u, 0x3424);
-        out[4 * i + 2] = prmt(hi, 0u, 0x1404);
-        out[4 * i + 3] = prmt(hi, 0u, 0x3424);
-      }
+      const uint32_t lo = prmt(a, b, 0x5140), hi = prmt(a, b, 0x7362);
+      out[0] = prmt(lo, 0u, 0x1404);
+      out[1] = prmt(lo, 0u, 0x3424);
+      out[2] = prmt(hi, 0u, 0x1404);
+      out[3] = prmt(hi, 0u, 0x3424);
     } else if constexpr (VF == Fmt::E4M3) {
-#pragma unroll
-      for (int i = 0; i < VWORDS; ++i) {
 #if KVQ_E4M3_CVT
-        e4m3x4_cvt(prmt(a[i], b[i], 0x5140), out[4 * i], out[4 * i + 1]);
-        e4m3x4_cvt(prmt(a[i], b[i], 0x7362), out[4 * i + 2], out[4 * i + 3]);
+      e4m3x4_cvt(prmt(a, b, 0x5140), out[0], out[1]);
+      e4m3x4_cvt(prmt(a, b, 0x7362), out[2], out[3]);
 #else
-        e4m3x4_bits(prmt(a[i], b[i], 0x5410), out[4 * i], out[4 * i + 1]);
-        e4m3x4_bits(prmt(a[i], b[i], 0x7632), out[4 * i + 2], out[4 * i + 3]);
+      e4m3x4_bits(prmt(a, b, 0x5410), out[0], out[1]);
+      e4m3x4_bits(prmt(a, b, 0x7632), out[2], out[3]);
 #endif
-      }
     } else {
       // Affine INT4: q = f16(1024 + n) - 1024 exactly, then fma(q, s, z) with one rounding.
-      // Only q * s + z > 65504 can overflow (s >= 0, q >= 0, z >= -65504): clamp it.
-      const __half2 s2 = bits_h2(prmt(ma, mb, 0x5410));
-      const __half2 z2 = bits_h2(prmt(ma, mb, 0x7632));
+      // Only q * s + z > 65504 can overflow (s >= 0, q >= 0, z >= -65504).
+      // Word x holds elements 0-3 of token a (low half) and of token b (high half).
       const __half2 k1024 = __half2half2(__ushort_as_half(0x6400));
+      const __half2 k64 = __half2half2(__ushort_as_half(0x5400));
       const __half2 hmax = __half2half2(__ushort_as_half(0x7BFF));
+      const uint32_t x[2] = {prmt(a, b, 0x5410), prmt(a, b, 0x7632)};
 #pragma unroll
-      for (int i = 0; i < VWORDS; ++i) {
-        const uint32_t lo = prmt(a[i], b[i], 0x5410), hi = prmt(a[i], b[i], 0x7632);
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t x8 = x[i] >> 8;
+        const uint32_t h[4] = {and_or<0x000F000Fu>(x[i], kF16_1024),
+                               and_or<0x00F000F0u>(x[i], kF16_64),
+                               and_or<0x000F000Fu>(x8, kF16_1024),
+                               and_or<0x00F000F0u>(x8, kF16_64)};
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
-          const __half2 ql = __hsub2(bits_h2(nib_1024(lo, 4 * n)), k1024);
-          const __half2 qh = __hsub2(bits_h2(nib_1024(hi, 4 * n)), k1024);
-          out[8 * i + n] = h2_bits(__hmin2(__hfma2(ql, s2, z2), hmax));
-          out[8 * i + 4 + n] = h2_bits(__hmin2(__hfma2(qh, s2, z2), hmax));
+          const __half2 q = __hsub2(bits_h2(h[n]), (n & 1) ? k64 : k1024);
+          __half2 v = __hfma2(q, s2, z2);
+          if constexpr (CLAMP) v = __hmin2(v, hmax);
+          out[4 * i + n] = h2_bits(v);
         }
       }
     }

@@ -1,15 +1,16 @@
-// decode_kernel.cuh: the fused paged decode-attention kernel family and its split-KV reduce.
+// decode_kernel.cuh: the fused paged decode-attention kernel family.
 //
-// Grid (splits, num_kv_heads * m_tiles, batch); 4 warps per CTA. A CTA serves one KV head's
+// Grid (splits, num_kv_heads * m_tiles, batch); 4 or 8 warps per CTA (a launch parameter). A CTA serves one KV head's
 // 16-row tile of query rows (G query heads x q_len tokens, rows g*q_len + i, padded to 16) over
 // one split (a run of `split_tokens` tokens) of one sequence, so each KV byte of the split is
-// read once per tile. Inside the CTA each warp takes every 4th 16-token step of the split and
-// runs its own pipeline: cp.async copies of the step's K codes / K meta / V codes / V meta rows
-// (each a contiguous run of the page's head section, see src/layout.rs) into a ring of NS
+// read once per tile. Inside the CTA each of W warps takes every W-th step (16 or 32 tokens) of the
+// split and runs its own pipeline: cp.async copies of the step's K codes / K meta / V codes /
+// V meta rows (contiguous runs of the page's head section, see src/layout.rs) into a ring of NS
 // shared-memory stages, then S = Q K^T and O += P V on tensor cores with an online softmax in
-// f32 (log2 domain). The warps' partial results are merged through shared memory at the end;
-// a sequence that needs several splits writes normalized partials + log2-sum-exp to the
-// workspace and `merge_splits` combines them.
+// f32 (log2 domain). The warps' partial results are merged through shared memory at the end. A
+// sequence cut into several splits writes normalized partials + log2-sum-exp to the workspace;
+// the CTA that finishes a (sequence, KV head, tile) last (an atomic counter, reset by it) merges
+// them, so one launch does everything.
 #pragma once
 
 #include "decode_frag.cuh"
@@ -17,11 +18,11 @@
 
 namespace kvq_decode {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kStep = 16;                   // tokens per pipeline step (one P*V k-step)
+constexpr int kMaxWarps = 8;  // warps per CTA: 4 or 8 (blockDim.x / 32)
+constexpr int kChunk = 16;  // tokens per copy chunk: one page segment, one P*V k-step
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr unsigned kFull = 0xffffffffu;
 
 /// Everything a decode launch needs; built by the launcher from kvq_decode_args.
 struct Params {
@@ -30,24 +31,26 @@ struct Params {
   int64_t head_stride, block_stride, num_blocks;
   int32_t k_codes_off, k_meta_off, v_codes_off, v_meta_off;
   int32_t block_size;
+  int32_t chunks_per_block_shift;  // log2(block_size / 16), or -1 if not a power of two
   const void *q;
   void *out;
   float *lse;
   const int32_t *block_tables, *context_lens;
   float *ws_o, *ws_lse;
-  int32_t q_bf16;         // q / out element type: 1 = bf16, 0 = f16
-  int32_t num_q_heads, group, q_len, m_tiles;
+  uint32_t *ws_counters;
+  int32_t q_bf16;  // q / out element type: 1 = bf16, 0 = f16
+  int32_t num_q_heads, num_kv_heads, group, q_len, m_tiles;
   int32_t max_blocks, num_splits, split_tokens;
-  float sm_scale_log2;    // softmax_scale * log2(e)
+  int32_t stages;       // copy stages per warp, 2..8
+  float sm_scale_log2;  // softmax_scale * log2(e)
 };
+
+/// Shared-memory stages per warp a launch may use.
+constexpr int kMinStages = 2, kMaxStages = 8;
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
-
-// Shared-memory XOR swizzle of 16-byte units inside each 128-byte line (applied to the offset
-// within a region when copying in and when reading out), against bank conflicts between rows.
-__device__ __forceinline__ uint32_t swz(uint32_t off) { return off ^ (((off >> 7) & 7u) << 4); }
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, uint32_t src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
@@ -60,6 +63,18 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/// Wait until at most `n` (0..6) of this thread's copy groups are pending.
+__device__ __forceinline__ void cp_async_wait_at_most(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    default: cp_async_wait<6>(); break;
+  }
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -93,24 +108,29 @@ __device__ __forceinline__ void store_elem(void *p, int64_t i, float x, bool bf1
     reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
 }
 
-/// Queue the copy of 16 rows of ROW bytes (rows `off`.. of the region at `region_off` of the head
-/// section `base`) into shared memory at `dst`, swizzled; zero-fill when `ok` is false.
-template <int ROW>
-__device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *base, bool ok,
-                                          int region_off, int off, int lane) {
-  constexpr int CHUNKS = ROW;  // 16 rows * ROW bytes / 16 bytes
-  if constexpr (CHUNKS > 0) {
-    const uint8_t *src = ok ? base + region_off + (int64_t)off * ROW : base;
+/// Queue the copy of 16 rows of ROW bytes starting at `src` (global) into shared-memory rows of
+/// PITCH bytes starting at `dst` (rows shorter than 16 bytes are packed: PITCH == ROW).
+/// `src_bytes` is 16, or 0 to zero-fill without reading. Lane l copies 16-byte pieces l, l+32..
+template <int ROW, int PITCH>
+__device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint32_t src_bytes,
+                                          int lane) {
+  constexpr int PIECES = ROW;  // 16 rows * ROW bytes / 16 bytes
+  static_assert(PITCH == ROW || (ROW >= 16 && ROW % 16 == 0 && 32 % (ROW >= 16 ? ROW / 16 : 1) == 0),
+                "padded rows are whole 16-byte pieces, a divisor of 32 per row");
+  if constexpr (PIECES > 0) {
+    constexpr int PER_ROW = PITCH == ROW ? 1 : ROW / 16;  // pieces per row (divides 32)
+    const uint32_t d0 =
+        PITCH == ROW ? lane * 16 : (lane / PER_ROW) * PITCH + (lane % PER_ROW) * 16;
+    src += lane * 16;
 #pragma unroll
-    for (int i = 0; i < (CHUNKS + 31) / 32; ++i) {
-      const int c = lane + 32 * i;
-      if (CHUNKS % 32 == 0 || c < CHUNKS)
-        cp_async16(dst + swz(c * 16), ok ? src + c * 16 : src, ok ? 16u : 0u);
+    for (int i = 0; i < (PIECES + 31) / 32; ++i) {
+      const uint32_t d = d0 + (PITCH == ROW ? 512 * i : (32 / PER_ROW) * PITCH * i);
+      if (PIECES % 32 == 0 || lane + 32 * i < PIECES) cp_async16(dst + d, src + 512 * i, src_bytes);
     }
   }
 }
 
-/// Tokens of sequence b the kernels may touch: its length clamped to what its table row maps
+/// Tokens of sequence b the kernel may touch: its length clamped to what its table row maps
 /// and to what the launch's splits cover (both hold for valid input).
 __device__ __forceinline__ int seq_len(const Params &p, int b) {
   const long long cap = min((long long)p.max_blocks * p.block_size,
@@ -118,55 +138,67 @@ __device__ __forceinline__ int seq_len(const Params &p, int b) {
   const int len = p.context_lens[b];
   return len < 0 ? 0 : (len > cap ? (int)cap : len);
 }
-__device__ __forceinline__ int splits_of(const Params &p, int len) {
-  return len <= 0 ? 1 : (len + p.split_tokens - 1) / p.split_tokens;
-}
 
-/// Compile-time shared-memory plan of one instance.
+/// Compile-time plan of one instance: step size, stage layout, shared memory.
 template <Fmt KF, Fmt VF, int D>
-struct Smem {
+struct Cfg {
   using F = Frag<KF, VF, D>;
   static constexpr int r128(int n) { return (n + 127) / 128 * 128; }
-  // One stage: 16 rows of each region, regions 128-byte aligned.
-  static constexpr int KC = r128(kStep * F::KC_ROW);
-  static constexpr int KM = r128(kStep * F::KM_ROW);
-  static constexpr int VC = r128(kStep * F::VC_ROW);
-  static constexpr int VM = r128(kStep * F::VM_ROW);
+  // The most compact formats (issue-bound, small stages) take two 16-token chunks per step,
+  // halving per-step overheads.
+  static constexpr int CHUNK_RAW = kChunk * (F::KC_ROW + F::KM_ROW + F::VC_ROW + F::VM_ROW);
+  static constexpr int CH = CHUNK_RAW <= 2560 ? 2 : 1;
+  static constexpr int STEP = kChunk * CH;
+  // One stage: STEP rows of each region (code rows padded to their pitch), 128-byte aligned.
+  static constexpr int KC = r128(STEP * F::KPITCH);
+  static constexpr int KM = r128(STEP * F::KM_ROW);
+  static constexpr int VC = r128(STEP * F::VPITCH);
+  static constexpr int VM = r128(STEP * F::VM_ROW);
   static constexpr int KC_OFF = 0, KM_OFF = KC, VC_OFF = KM_OFF + KM, VM_OFF = VC_OFF + VC;
   static constexpr int STAGE = VM_OFF + VM;
-  // ~16 KB of copies in flight per warp, 2..8 stages.
-  static constexpr int NS_RAW = 16384 / STAGE;
-  static constexpr int NS = NS_RAW < 2 ? 2 : (NS_RAW > 8 ? 8 : NS_RAW);
-  static constexpr int RING = kWarps * NS * STAGE;
-  // After the main loop the ring holds each warp's O tile and (m, l) per row.
-  static constexpr int COMBINE = kWarps * 16 * D * 4 + 2 * kWarps * 16 * 4;
-  static constexpr int QSTAGE = 16 * D * 4;
-  static constexpr int BIG0 = RING > COMBINE ? RING : COMBINE;
-  static constexpr int BIG = BIG0 > QSTAGE ? BIG0 : QSTAGE;
+  // Shared memory: Q fragments and per-row values first, then the warps' rings of `stages`
+  // stages each. After the main loop the ring area holds each warp's O tile and (m, l) per
+  // row, then the split merge's weights and partial sums.
   static constexpr int QFRAG = (D / 16) * 32 * 16;
-  static constexpr int SMALL = 16 * 4 * 4;  // row factor, row limit, merged L, merged M
-  static constexpr int BYTES = BIG + QFRAG + SMALL;
+  static constexpr int SMALL = 16 * 4 * 5 + 16;  // row factor, q scale, limit, L, M; flag
+  static constexpr int PRE = r128(QFRAG + SMALL);
+  static constexpr int combine(int warps) { return warps * 16 * D * 4 + 2 * warps * 16 * 4; }
+  static constexpr int merge(int warps) {
+    return KVQ_DECODE_MAX_SPLITS * 16 * 4 + warps * 32 * 16;
+  }
+  static constexpr int cmax(int a, int b) { return a > b ? a : b; }
+  /// Dynamic shared memory of a launch with `warps` warps of `stages` stages each.
+  static constexpr int bytes(int warps, int stages) {
+    return PRE + cmax(warps * stages * STAGE, cmax(combine(warps), merge(warps)));
+  }
+  // Register budget: 3 CTAs of 4 warps (or one of 8 and one of 4) per SM at head_dim 128, 4
+  // at 64; no spills at these bounds.
+  static constexpr int MAX_REGS = D <= 64 ? 128 : (D <= 128 ? 168 : 255);
 };
 
 template <Fmt KF, Fmt VF, int D>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
+__global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Params p) {
   using F = Frag<KF, VF, D>;
-  using S = Smem<KF, VF, D>;
-  constexpr int NS = S::NS;
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint4 *qfrag = reinterpret_cast<uint4 *>(smem + S::BIG);
-  float *row_c = reinterpret_cast<float *>(smem + S::BIG + S::QFRAG);
-  int *row_lim = reinterpret_cast<int *>(row_c + 16);
+  using C = Cfg<KF, VF, D>;
+  constexpr int CH = C::CH, STEP = C::STEP;
+  const int NS = p.stages;
+  extern __shared__ __align__(128) uint8_t smem_all[];
+  uint4 *qfrag = reinterpret_cast<uint4 *>(smem_all);
+  float *row_c = reinterpret_cast<float *>(smem_all + C::QFRAG);
+  float *row_qs = row_c + 16;
+  int *row_lim = reinterpret_cast<int *>(row_qs + 16);
   float *row_L = reinterpret_cast<float *>(row_lim + 16);
   float *row_M = row_L + 16;
+  int *flag = reinterpret_cast<int *>(row_M + 16);
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.m_tiles, mt = blockIdx.y % p.m_tiles;
   const int b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int nthreads = blockDim.x, nw = nthreads / 32;
 
   const int len = seq_len(p, b);
-  const int nsplit = splits_of(p, len);
+  const int nsplit = len <= 0 ? 1 : (len + p.split_tokens - 1) / p.split_tokens;
   if (split >= nsplit) return;
   const int t0 = split * p.split_tokens;
   const int t1 = min(len, t0 + p.split_tokens);
@@ -175,110 +207,176 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
   // Rows of this tile are contiguous in q / out: [b][kvh*G .. ][q_len] flattened.
   const int64_t row_base = ((int64_t)b * p.num_q_heads + (int64_t)kvh * p.group) * p.q_len + row0;
 
-  // ---- 1. Query tile → f32 in shared memory, each row scaled by a power of two so that the
-  // f16 operand neither overflows nor loses precision (exact for bf16 inputs), then packed into
-  // A fragments in the K-side head_dim order.
-  float *qs = reinterpret_cast<float *>(smem);
-  for (int i = tid; i < 16 * D; i += kThreads) {
-    const int r = i / D;
-    qs[i] = row0 + r < rows ? load_elem(p.q, (row_base + r) * D + i % D, p.q_bf16) : 0.f;
+  // ---- 1. Start this warp's copies, so they fly while the query tile is prepared.
+  const int nsteps = t1 > t0 ? (t1 - t0 + STEP - 1) / STEP : 0;
+  const int my_steps = nsteps > warp ? (nsteps - warp + nw - 1) / nw : 0;
+  uint8_t *const smem = smem_all + C::PRE;  // rings, later the merge areas
+  uint8_t *ring = smem + warp * NS * C::STAGE;
+  const uint32_t ring_u32 = smem_u32(ring);
+  const uint8_t *head = p.pool + (int64_t)kvh * p.head_stride;
+  const int32_t *table = p.block_tables + (int64_t)b * p.max_blocks;
+  const int bs16 = p.block_size / kChunk;
+  // Table index of the block holding 16-token chunk u of the sequence.
+  auto block_of = [&](int u) {
+    return p.chunks_per_block_shift >= 0 ? (u >> p.chunks_per_block_shift) : u / bs16;
+  };
+  // Table entry (or -1) of chunk c of this warp's step k; chunks past the split read nothing.
+  auto page_of = [&](int k, int c) -> int {
+    const int tok = t0 + (warp + k * nw) * STEP + c * kChunk;
+    if (k >= my_steps || tok >= t1) return -1;
+    return table[block_of(tok / kChunk)];
+  };
+  uint32_t page_ok = 0;  // bit (slot * CH + c): chunk c of the step in `slot` has a valid page
+  auto issue = [&](int k, int slot, const int (&page)[CH]) {
+    if (k < my_steps) {
+      const uint32_t dst = ring_u32 + slot * C::STAGE;
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const int u = (t0 + (warp + k * nw) * STEP) / kChunk + c;  // chunk of the sequence
+        const bool ok = page[c] >= 0 && page[c] < p.num_blocks;
+        const uint32_t bit = 1u << (slot * CH + c);
+        page_ok = ok ? (page_ok | bit) : (page_ok & ~bit);
+        // Token offset in the block; a bad page id reads block 0's address range with a
+        // zero-fill copy (nothing is read, the address stays inside the pool).
+        const int off = (u - block_of(u) * bs16) * kChunk;
+        const uint8_t *base = head + (int64_t)(ok ? page[c] : 0) * p.block_stride;
+        const uint32_t bytes = ok ? 16u : 0u;
+        copy_rows<F::KC_ROW, F::KPITCH>(dst + C::KC_OFF + c * kChunk * F::KPITCH,
+                                        base + p.k_codes_off + off * F::KC_ROW, bytes, lane);
+        copy_rows<F::KM_ROW, F::KM_ROW>(dst + C::KM_OFF + c * kChunk * F::KM_ROW,
+                                        base + p.k_meta_off + off * F::KM_ROW, bytes, lane);
+        copy_rows<F::VC_ROW, F::VPITCH>(dst + C::VC_OFF + c * kChunk * F::VPITCH,
+                                        base + p.v_codes_off + off * F::VC_ROW, bytes, lane);
+        copy_rows<F::VM_ROW, F::VM_ROW>(dst + C::VM_OFF + c * kChunk * F::VM_ROW,
+                                        base + p.v_meta_off + off * F::VM_ROW, bytes, lane);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll 1
+  for (int k = 0; k < NS - 1; ++k) {
+    int pg[CH];
+#pragma unroll
+    for (int c = 0; c < CH; ++c) pg[c] = page_of(k, c);
+    issue(k, k, pg);
   }
-  __syncthreads();
+  int next_page[CH];
+#pragma unroll
+  for (int c = 0; c < CH; ++c) next_page[c] = page_of(NS - 1, c);
+
+  // ---- 2. Query tile: each row scaled by a power of two so that the f16 operand neither
+  // overflows nor loses precision (exact for bf16 inputs), then packed into A fragments in the
+  // K-side head_dim order (decode_frag.cuh).
   float k_factor = 1.f;
   if constexpr (KF == Fmt::E4M3 || KF == Fmt::E5M2) k_factor = p.k_scales[kvh] * fp8_unit<KF>();
-  for (int r = warp; r < 16; r += kWarps) {
+  for (int r = warp; r < 16; r += nw) {
+    const bool valid = row0 + r < rows;
     float mx = 0.f;
-    for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[r * D + d]));
+    if (valid)
+      for (int d = lane; d < D; d += 32)
+        mx = fmaxf(mx, fabsf(load_elem(p.q, (row_base + r) * D + d, p.q_bf16)));
 #pragma unroll
-    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
     const int e = (mx > 0.f && mx <= 3.0e38f) ? ilogbf(mx) : 0;
-    for (int d = lane; d < D; d += 32) qs[r * D + d] = ldexpf(qs[r * D + d], -e);
     if (lane == 0) {
       row_c[r] = p.sm_scale_log2 * ldexpf(1.f, e) * k_factor;
+      row_qs[r] = ldexpf(1.f, -e);
       // Query i (row % q_len) sits at position len - q_len + i and sees tokens [0, that].
       const int lim = len - p.q_len + (row0 + r) % p.q_len + 1;
-      row_lim[r] = row0 + r < rows ? max(0, min(lim, t1)) : 0;
+      row_lim[r] = valid ? max(0, min(lim, t1)) : 0;
     }
   }
   __syncthreads();
-  for (int i = tid; i < (D / 16) * 32; i += kThreads) {
+  for (int i = tid; i < (D / 16) * 32; i += nthreads) {
     const int j = i / 32, ln = i % 32, gg = ln / 4, tt = ln % 4;
-    const int d0 = F::k_dim(tt, 2 * j, 0), d1 = F::k_dim(tt, 2 * j, 1);
-    const int d2 = F::k_dim(tt, 2 * j + 1, 0), d3 = F::k_dim(tt, 2 * j + 1, 1);
-    const float *r0 = qs + gg * D, *r8 = qs + (gg + 8) * D;
-    qfrag[i] = make_uint4(pack2<F::K_BF16>(r0[d0], r0[d1]), pack2<F::K_BF16>(r8[d0], r8[d1]),
-                          pack2<F::K_BF16>(r0[d2], r0[d3]), pack2<F::K_BF16>(r8[d2], r8[d3]));
+    const int dd[4] = {F::k_dim(tt, 2 * j, 0), F::k_dim(tt, 2 * j, 1),
+                       F::k_dim(tt, 2 * j + 1, 0), F::k_dim(tt, 2 * j + 1, 1)};
+    float v[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = gg + 8 * h;
+      const bool valid = row0 + r < rows;
+      const float sc = row_qs[r];
+#pragma unroll
+      for (int x = 0; x < 4; ++x)
+        v[h][x] = valid ? load_elem(p.q, (row_base + r) * D + dd[x], p.q_bf16) * sc : 0.f;
+    }
+    qfrag[i] = make_uint4(pack2<F::K_BF16>(v[0][0], v[0][1]), pack2<F::K_BF16>(v[1][0], v[1][1]),
+                          pack2<F::K_BF16>(v[0][2], v[0][3]), pack2<F::K_BF16>(v[1][2], v[1][3]));
   }
   __syncthreads();
   const float c_lo = row_c[g], c_hi = row_c[g + 8];
   const int lim_lo = row_lim[g], lim_hi = row_lim[g + 8];
 
-  // ---- 2. Main loop: this warp's steps w, w+4, ... of [t0, t1).
-  const int nsteps = t1 > t0 ? (t1 - t0 + kStep - 1) / kStep : 0;
-  const int my_steps = nsteps > warp ? (nsteps - warp + kWarps - 1) / kWarps : 0;
-  uint8_t *ring = smem + warp * NS * S::STAGE;
-  const uint8_t *head = p.pool + (int64_t)kvh * p.head_stride;
-  const int32_t *table = p.block_tables + (int64_t)b * p.max_blocks;
-  auto step_token = [&](int k) { return t0 + (warp + k * kWarps) * kStep; };
-  // Block-table entry of this warp's step k, read one step before its copy is issued.
-  auto page_of = [&](int k) { return k < my_steps ? table[step_token(k) / p.block_size] : -1; };
-  uint32_t page_ok = 0;  // bit (k % NS): step k's page was a valid block id
+  // Lane offsets inside a stage (loop invariant): K row g, chunk t; V rows 2t.., chunk g.
+  // Other rows and loads are compile-time immediates, except rotated load orders.
+  const uint32_t k_lane = C::KC_OFF + g * F::KPITCH + t * F::KCH;
+  const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
+  const uint32_t v_lane = C::VC_OFF + 2 * t * F::VPITCH + g * F::VCH;
+  const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW + F::v_group(g) * 4;
+  // Row (within the step) of V register e of k-step ks: tokens 2t, 2t+1, 2t+8, 2t+9.
+  auto v_row = [](int ks, int e) { return ks * kChunk + (e & 1) + 8 * (e >> 1); };
 
-  auto issue = [&](int k, int page) {
-    if (k < my_steps) {
-      const bool ok = page >= 0 && page < p.num_blocks;
-      page_ok = ok ? (page_ok | (1u << (k % NS))) : (page_ok & ~(1u << (k % NS)));
-      const int off = step_token(k) % p.block_size;
-      const uint8_t *base = ok ? head + page * p.block_stride : p.pool;
-      const uint32_t dst = smem_u32(ring + (k % NS) * S::STAGE);
-      copy_rows<F::KC_ROW>(dst + S::KC_OFF, base, ok, p.k_codes_off, off, lane);
-      copy_rows<F::KM_ROW>(dst + S::KM_OFF, base, ok, p.k_meta_off, off, lane);
-      copy_rows<F::VC_ROW>(dst + S::VC_OFF, base, ok, p.v_codes_off, off, lane);
-      copy_rows<F::VM_ROW>(dst + S::VM_OFF, base, ok, p.v_meta_off, off, lane);
-    }
-    cp_async_commit();
-  };
-
+  // ---- 3. Main loop: this warp's steps w, w+4, ... of [t0, t1).
   float o[D / 8][4];
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
 
-#pragma unroll 1
-  for (int k = 0; k < NS - 1; ++k) issue(k, page_of(k));
-  int next_page = page_of(NS - 1);
-
+  int slot = 0, issue_slot = NS - 1;
 #pragma unroll 1
   for (int k = 0; k < my_steps; ++k) {
-    cp_async_wait<NS - 2>();
+    cp_async_wait_at_most(NS - 2);
     __syncwarp();
-    issue(k + NS - 1, next_page);  // into the slot step k-1 used
-    next_page = page_of(k + NS);
-    const uint8_t *st = ring + (k % NS) * S::STAGE;
-    const int tok0 = step_token(k);
-    const bool ok = (page_ok >> (k % NS)) & 1u;
+    issue(k + NS - 1, issue_slot, next_page);  // into the slot step k-1 used
+    issue_slot = slot;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) next_page[c] = page_of(k + NS, c);
+    const uint8_t *st = ring + slot * C::STAGE;
+    const int tok0 = t0 + (warp + k * nw) * STEP;
+    const uint32_t ok_bits = page_ok >> (slot * CH);
+    slot = slot + 1 == NS ? 0 : slot + 1;
 
-    // S = Q K^T for tokens tok0 + [0, 8) (n-tile 0) and tok0 + [8, 16) (n-tile 1).
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // S = Q K^T, n-tile nt = tokens tok0 + nt*8 + [0, 8).
+    float s[2 * CH][4];
 #pragma unroll
-    for (int v = 0; v < F::KNV; ++v) {
-      uint32_t kb[2][F::KPAIRS];
+    for (int nt = 0; nt < 2 * CH; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int row = nt * 8 + g;
-        uint32_t w[F::KWORDS];
-        lds<F::KVEC>(st + S::KC_OFF + swz(row * F::KC_ROW + t * F::KCH + v * F::KVEC), w);
-        uint16_t scale = 0;
-        if constexpr (KF == Fmt::I4)
-          scale = *reinterpret_cast<const uint16_t *>(
-              st + S::KM_OFF + swz(row * F::KM_ROW + F::k_group(t, v) * 2));
-        F::k_unpack(w, scale, kb[nt]);
-      }
+    for (int np = 0; np < CH; ++np) {  // n-tiles 2np, 2np+1
 #pragma unroll
-      for (int jj = 0; jj < F::KPAIRS / 2; ++jj) {
-        const uint4 a = qfrag[(v * F::KPAIRS / 2 + jj) * 32 + lane];
-        mma16816<F::K_BF16>(s[0], a, kb[0][2 * jj], kb[0][2 * jj + 1]);
-        mma16816<F::K_BF16>(s[1], a, kb[1][2 * jj], kb[1][2 * jj + 1]);
+      for (int v = 0; v < F::KNV; ++v) {
+        uint32_t w[2][F::KWORDS];
+        __half2 s2[2] = {__float2half2_rn(0.f), __float2half2_rn(0.f)};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int nt8 = (2 * np + h) * 8;  // first K row of the n-tile
+          lds<F::KVEC>(st + k_lane + nt8 * F::KPITCH + F::k_vec(t, v) * F::KVEC, w[h]);
+          if constexpr (KF == Fmt::I4)
+            s2[h] = F::k_scale2(*reinterpret_cast<const uint16_t *>(
+                st + km_lane + nt8 * F::KM_ROW + F::k_group(t, v) * 2));
+        }
+#pragma unroll
+        for (int u = 0; u < F::KWORDS; u += F::KWU) {
+          constexpr int R = F::KWU * F::KPPW;  // fragment registers of these words
+          uint32_t kb[2][R];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int x = 0; x < F::KWU; ++x) {
+              uint32_t r[F::KPPW];
+              F::k_unpack(w[h][u + x], s2[h], r);
+#pragma unroll
+              for (int y = 0; y < F::KPPW; ++y) kb[h][x * F::KPPW + y] = r[y];
+            }
+          }
+#pragma unroll
+          for (int jj = 0; jj < R / 2; ++jj) {
+            const int j = (v * F::KPAIRS + u * F::KPPW) / 2 + jj;  // k-step
+            const uint4 a = qfrag[j * 32 + lane];
+            mma16816<F::K_BF16>(s[2 * np], a, kb[0][2 * jj], kb[0][2 * jj + 1]);
+            mma16816<F::K_BF16>(s[2 * np + 1], a, kb[1][2 * jj], kb[1][2 * jj + 1]);
+          }
+        }
       }
     }
 
@@ -286,7 +384,8 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
     // tokens tok0 + nt*8 + 2t + {0,1}. Masked entries become -inf whatever the codes were.
     float mx_lo = -INFINITY, mx_hi = -INFINITY;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < 2 * CH; ++nt) {
+      const bool ok = (ok_bits >> (nt / 2)) & 1u;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int tok = tok0 + nt * 8 + 2 * t + e;
@@ -297,9 +396,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
       }
     }
 #pragma unroll
-    for (int o2 = 1; o2 <= 2; o2 <<= 1) {
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, o2));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, o2));
+    for (int x = 1; x <= 2; x <<= 1) {
+      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(kFull, mx_lo, x));
+      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(kFull, mx_hi, x));
     }
     const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
     // A row that has seen nothing yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
@@ -309,7 +408,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
     m_lo = mn_lo, m_hi = mn_hi;
     float ps_lo = 0.f, ps_hi = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
+    for (int nt = 0; nt < 2 * CH; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         s[nt][e] = fast_exp2(s[nt][e] - sub_lo);
@@ -320,74 +419,112 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
     }
     l_lo = l_lo * al_lo + ps_lo;
     l_hi = l_hi * al_hi + ps_hi;
-    if (__any_sync(0xffffffffu, al_lo != 1.f || al_hi != 1.f)) {
+    if (__any_sync(kFull, al_lo != 1.f || al_hi != 1.f)) {
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         o[j][0] *= al_lo, o[j][1] *= al_lo;
         o[j][2] *= al_hi, o[j][3] *= al_hi;
       }
     }
-    // The S accumulators of n-tiles 0 and 1 are exactly the A fragment of P (k = token).
-    const uint4 pa = make_uint4(pack2<F::V_BF16>(s[0][0], s[0][1]),
-                                pack2<F::V_BF16>(s[0][2], s[0][3]),
-                                pack2<F::V_BF16>(s[1][0], s[1][1]),
-                                pack2<F::V_BF16>(s[1][2], s[1][3]));
 
-    // O += P V. Lane t's tokens: 2t, 2t+1 (register b0) and 2t+8, 2t+9 (register b1). Rows past
-    // the split's end may hold stale or never-written codes: their values are zeroed.
-    uint32_t mask01 = 0xffffffffu, mask89 = 0xffffffffu;
-    if (tok0 + kStep > t1) {
-      const int n = t1 - tok0;
-      mask01 = (2 * t < n ? 0x0000ffffu : 0u) | (2 * t + 1 < n ? 0xffff0000u : 0u);
-      mask89 = (2 * t + 8 < n ? 0x0000ffffu : 0u) | (2 * t + 9 < n ? 0xffff0000u : 0u);
+    // O += P V, one k-step per 16-token chunk. The S accumulators of n-tiles 2ks and 2ks+1 are
+    // exactly the A fragment of P (k = token). Lane t's V tokens: 2t, 2t+1 (register b0) and
+    // 2t+8, 2t+9 (register b1). Rows past the split's end may hold stale or never-written
+    // codes: on a partial step their values are zeroed.
+    const int n_valid = t1 - tok0;  // tokens of this step inside the split (>= 1)
+    bool clamp = false;
+    if constexpr (VF == Fmt::I4) {
+      // f16 q*s+z overflows only for groups reaching ~65504: take the clamped path then.
+      const __half2 k15 = __half2half2(__ushort_as_half(0x4B80));     // 15
+      const __half2 thr = __half2half2(__ushort_as_half(0x7BEF));     // 65000
+      bool over = false;
+#pragma unroll
+      for (int ks = 0; ks < CH; ++ks) {
+#pragma unroll
+        for (int e = 0; e < 4; e += 2) {
+          const uint32_t ma =
+              *reinterpret_cast<const uint32_t *>(st + vm_lane + v_row(ks, e) * F::VM_ROW);
+          const uint32_t mb =
+              *reinterpret_cast<const uint32_t *>(st + vm_lane + v_row(ks, e + 1) * F::VM_ROW);
+          const __half2 top = __hfma2(bits_h2(prmt(ma, mb, 0x5410)), k15,
+                                      bits_h2(prmt(ma, mb, 0x7632)));
+          over |= h2_bits(__hgt2(top, thr)) != 0u;
+        }
+      }
+      clamp = __any_sync(kFull, over);
     }
 #pragma unroll
-    for (int v = 0; v < F::VNV; ++v) {
-      uint32_t w0[F::VWORDS], w1[F::VWORDS], w8[F::VWORDS], w9[F::VWORDS];
-      const int col = g * F::VCH + v * F::VVEC;
-      lds<F::VVEC>(st + S::VC_OFF + swz((2 * t) * F::VC_ROW + col), w0);
-      lds<F::VVEC>(st + S::VC_OFF + swz((2 * t + 1) * F::VC_ROW + col), w1);
-      lds<F::VVEC>(st + S::VC_OFF + swz((2 * t + 8) * F::VC_ROW + col), w8);
-      lds<F::VVEC>(st + S::VC_OFF + swz((2 * t + 9) * F::VC_ROW + col), w9);
-      uint32_t m0 = 0, m1 = 0, m8 = 0, m9 = 0;
-      if constexpr (VF == Fmt::I4) {
-        const int mo = F::v_group(g) * 4;
-        m0 = *reinterpret_cast<const uint32_t *>(st + S::VM_OFF + swz((2 * t) * F::VM_ROW + mo));
-        m1 = *reinterpret_cast<const uint32_t *>(st + S::VM_OFF +
-                                                 swz((2 * t + 1) * F::VM_ROW + mo));
-        m8 = *reinterpret_cast<const uint32_t *>(st + S::VM_OFF +
-                                                 swz((2 * t + 8) * F::VM_ROW + mo));
-        m9 = *reinterpret_cast<const uint32_t *>(st + S::VM_OFF +
-                                                 swz((2 * t + 9) * F::VM_ROW + mo));
+    for (int ks = 0; ks < CH; ++ks) {
+      const uint4 pa = make_uint4(pack2<F::V_BF16>(s[2 * ks][0], s[2 * ks][1]),
+                                  pack2<F::V_BF16>(s[2 * ks][2], s[2 * ks][3]),
+                                  pack2<F::V_BF16>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                                  pack2<F::V_BF16>(s[2 * ks + 1][2], s[2 * ks + 1][3]));
+      uint32_t mask01 = kFull, mask89 = kFull;
+      if (n_valid < STEP) {
+        const int n = n_valid - ks * kChunk;
+        mask01 = (2 * t < n ? 0x0000ffffu : 0u) | (2 * t + 1 < n ? 0xffff0000u : 0u);
+        mask89 = (2 * t + 8 < n ? 0x0000ffffu : 0u) | (2 * t + 9 < n ? 0xffff0000u : 0u);
       }
-      uint32_t b01[F::VEV], b89[F::VEV];
-      F::v_unpack(w0, w1, m0, m1, b01);
-      F::v_unpack(w8, w9, m8, m9, b89);
 #pragma unroll
-      for (int c = 0; c < F::VEV; ++c)
-        mma16816<F::V_BF16>(o[v * F::VEV + c], pa, b01[c] & mask01, b89[c] & mask89);
+      for (int v = 0; v < F::VNV; ++v) {
+        uint32_t w0[F::VWORDS], w1[F::VWORDS], w8[F::VWORDS], w9[F::VWORDS];
+        const uint8_t *vp = st + v_lane + F::v_vec(g, v) * F::VVEC;
+        lds<F::VVEC>(vp + v_row(ks, 0) * F::VPITCH, w0);
+        lds<F::VVEC>(vp + v_row(ks, 1) * F::VPITCH, w1);
+        lds<F::VVEC>(vp + v_row(ks, 2) * F::VPITCH, w8);
+        lds<F::VVEC>(vp + v_row(ks, 3) * F::VPITCH, w9);
+        __half2 s01 = __float2half2_rn(0.f), z01 = s01, s89 = s01, z89 = s01;
+        if constexpr (VF == Fmt::I4) {
+          const uint8_t *mp = st + vm_lane;
+          const uint32_t m0 = *reinterpret_cast<const uint32_t *>(mp + v_row(ks, 0) * F::VM_ROW);
+          const uint32_t m1 = *reinterpret_cast<const uint32_t *>(mp + v_row(ks, 1) * F::VM_ROW);
+          const uint32_t m8 = *reinterpret_cast<const uint32_t *>(mp + v_row(ks, 2) * F::VM_ROW);
+          const uint32_t m9 = *reinterpret_cast<const uint32_t *>(mp + v_row(ks, 3) * F::VM_ROW);
+          s01 = bits_h2(prmt(m0, m1, 0x5410)), z01 = bits_h2(prmt(m0, m1, 0x7632));
+          s89 = bits_h2(prmt(m8, m9, 0x5410)), z89 = bits_h2(prmt(m8, m9, 0x7632));
+        }
+#pragma unroll
+        for (int i = 0; i < F::VWORDS; ++i) {
+          uint32_t b01[F::VCPW], b89[F::VCPW];
+          if (clamp) {
+            F::template v_unpack<true>(w0[i], w1[i], s01, z01, b01);
+            F::template v_unpack<true>(w8[i], w9[i], s89, z89, b89);
+          } else {
+            F::template v_unpack<false>(w0[i], w1[i], s01, z01, b01);
+            F::template v_unpack<false>(w8[i], w9[i], s89, z89, b89);
+          }
+          if (n_valid < STEP) {
+#pragma unroll
+            for (int c = 0; c < F::VCPW; ++c) b01[c] &= mask01, b89[c] &= mask89;
+          }
+#pragma unroll
+          for (int c = 0; c < F::VCPW; ++c)
+            mma16816<F::V_BF16>(o[v * F::VEV + i * F::VCPW + c], pa, b01[c], b89[c]);
+        }
+      }
     }
   }
   cp_async_wait<0>();
 
-  // ---- 3. Merge the 4 warps' (m, l, O) per row through shared memory.
+  // ---- 4. Merge the warps' (m, l, O) per row through shared memory.
 #pragma unroll
-  for (int o2 = 1; o2 <= 2; o2 <<= 1) {
-    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o2);
-    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o2);
+  for (int x = 1; x <= 2; x <<= 1) {
+    l_lo += __shfl_xor_sync(kFull, l_lo, x);
+    l_hi += __shfl_xor_sync(kFull, l_hi, x);
   }
   __syncthreads();  // every warp is done with its ring
   float *osm = reinterpret_cast<float *>(smem);  // [warp][16][D], head_dim in natural order
-  float *msm = osm + kWarps * 16 * D;            // [warp][16]
-  float *lsm = msm + kWarps * 16;                // [warp][16]
+  float *msm = osm + nw * 16 * D;                // [warp][16]
+  float *lsm = msm + nw * 16;                    // [warp][16]
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
-    // n-tile j, column n is head_dim n * D/8 + j; lane holds columns 2t, 2t+1.
+    // Lane holds columns 2t, 2t+1 of n-tile j: the ones lanes g = 2t, 2t+1 supplied.
     float *r_lo = osm + (warp * 16 + g) * D, *r_hi = r_lo + 8 * D;
-    r_lo[(2 * t) * (D / 8) + j] = o[j][0];
-    r_lo[(2 * t + 1) * (D / 8) + j] = o[j][1];
-    r_hi[(2 * t) * (D / 8) + j] = o[j][2];
-    r_hi[(2 * t + 1) * (D / 8) + j] = o[j][3];
+    const int d0 = F::v_dim(2 * t, j), d1 = F::v_dim(2 * t + 1, j);
+    r_lo[d0] = o[j][0];
+    r_lo[d1] = o[j][1];
+    r_hi[d0] = o[j][2];
+    r_hi[d1] = o[j][3];
   }
   if (t == 0) {
     msm[warp * 16 + g] = m_lo, msm[warp * 16 + g + 8] = m_hi;
@@ -396,11 +533,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
   __syncthreads();
   if (tid < 16) {
     float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, msm[w * 16 + tid]);
+    for (int w = 0; w < nw; ++w) M = fmaxf(M, msm[w * 16 + tid]);
     float L = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
+    for (int w = 0; w < nw; ++w) {
       const float f = M == -INFINITY ? 0.f : fast_exp2(msm[w * 16 + tid] - M);
       msm[w * 16 + tid] = f;  // now the warp's weight
       L += f * lsm[w * 16 + tid];
@@ -411,77 +546,113 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
   __syncthreads();
   float v_factor = 1.f;
   if constexpr (VF == Fmt::E4M3 || VF == Fmt::E5M2) v_factor = p.v_scales[kvh] * fp8_unit<VF>();
-  const bool direct = nsplit == 1;
   const int nvalid = min(16, rows - row0);
-  for (int i = tid; i < nvalid * D; i += kThreads) {
+  const int64_t rq = (int64_t)p.num_q_heads * p.q_len;  // rows of one sequence
+  const int64_t seq_row = row_base - (int64_t)b * rq;   // this tile's first row in its sequence
+  float *ws_o = p.ws_o + ((int64_t)b * p.num_splits * rq + seq_row) * D;  // + split * rq * D
+  float *ws_lse = p.ws_lse + (int64_t)b * p.num_splits * rq + seq_row;   // + split * rq
+  for (int i = tid; i < nvalid * D; i += nthreads) {
     const int r = i / D, d = i % D;
     float acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) acc += msm[w * 16 + r] * osm[(w * 16 + r) * D + d];
+    for (int w = 0; w < nw; ++w) acc += msm[w * 16 + r] * osm[(w * 16 + r) * D + d];
     const float L = row_L[r];
     const float val = L > 0.f ? acc * (v_factor / L) : 0.f;
-    const int64_t row = row_base + r;
-    if (direct) {
-      store_elem(p.out, row * D + d, val, p.q_bf16);
-    } else {
-      const int64_t rq = (int64_t)p.num_q_heads * p.q_len;
-      const int64_t wrow = ((int64_t)b * p.num_splits + split) * rq + (row - (int64_t)b * rq);
-      p.ws_o[wrow * D + d] = val;
-    }
+    if (nsplit == 1)
+      store_elem(p.out, (row_base + r) * D + d, val, p.q_bf16);
+    else
+      ws_o[(split * rq + r) * D + d] = val;
   }
   if (tid < nvalid) {
     const float L = row_L[tid];
     const float lse2 = L > 0.f ? row_M[tid] + log2f(L) : -INFINITY;
-    const int64_t row = row_base + tid;
-    if (direct) {
-      if (p.lse) p.lse[row] = lse2 * kLn2;
+    if (nsplit == 1) {
+      if (p.lse) p.lse[row_base + tid] = lse2 * kLn2;
     } else {
-      const int64_t rq = (int64_t)p.num_q_heads * p.q_len;
-      p.ws_lse[((int64_t)b * p.num_splits + split) * rq + (row - (int64_t)b * rq)] = lse2;
+      ws_lse[split * rq + tid] = lse2;
     }
   }
-}
+  if (nsplit == 1) return;
 
-/// Merge the splits of every (sequence, query row) that needed more than one: one CTA per
-/// row, one thread per head_dim element.
-template <int D>
-__global__ void __launch_bounds__(D) merge_splits(const Params p) {
-  __shared__ float w[1024];  // per-split weight (launcher guarantees num_splits <= 1024)
-  __shared__ float red[32];
-  const int64_t rq = (int64_t)p.num_q_heads * p.q_len;
-  const int b = blockIdx.x / rq;
-  const int64_t r = blockIdx.x % rq;
-  const int len = seq_len(p, b);
-  const int n = splits_of(p, len);
-  if (n <= 1) return;  // written directly by decode_kernel
-  const float *lse = p.ws_lse + (int64_t)b * p.num_splits * rq + r;
-  float M = -INFINITY;
-  for (int s = threadIdx.x; s < n; s += D) M = fmaxf(M, lse[s * rq]);
-#pragma unroll
-  for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = M;
+  // ---- 5. Split-KV: the last CTA of this (sequence, KV head, tile) to finish merges.
   __syncthreads();
-  M = -INFINITY;
-  for (int i = 0; i < D / 32; ++i) M = fmaxf(M, red[i]);
-  __syncthreads();
-  float L = 0.f;
-  for (int s = threadIdx.x; s < n; s += D) {
-    const float f = M == -INFINITY ? 0.f : fast_exp2(lse[s * rq] - M);
-    w[s] = f;
-    L += f;
+  uint32_t *counter = p.ws_counters + ((int64_t)b * p.num_kv_heads + kvh) * p.m_tiles + mt;
+  if (tid == 0) {
+    __threadfence();  // publish this CTA's partials before counting it
+    *flag = atomicAdd(counter, 1u) == (uint32_t)(nsplit - 1);
   }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = L;
   __syncthreads();
-  L = 0.f;
-  for (int i = 0; i < D / 32; ++i) L += red[i];
-  const float *po = p.ws_o + ((int64_t)b * p.num_splits * rq + r) * D + threadIdx.x;
-  float acc = 0.f;
-  for (int s = 0; s < n; ++s) acc += w[s] * po[s * rq * D];
-  const int64_t row = (int64_t)b * rq + r;
-  store_elem(p.out, row * D + threadIdx.x, L > 0.f ? acc / L : 0.f, p.q_bf16);
-  if (threadIdx.x == 0 && p.lse) p.lse[row] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+  if (!*flag) return;
+  __threadfence();  // see the other CTAs' partials
+  float *wts = reinterpret_cast<float *>(smem);  // [split][16] weights (ring area is free)
+  float4 *part = reinterpret_cast<float4 *>(smem + KVQ_DECODE_MAX_SPLITS * 16 * 4);
+  for (int r = warp; r < nvalid; r += nw) {
+    float M = -INFINITY;
+    for (int s = lane; s < nsplit; s += 32) M = fmaxf(M, __ldcg(ws_lse + s * rq + r));
+#pragma unroll
+    for (int x = 16; x; x >>= 1) M = fmaxf(M, __shfl_xor_sync(kFull, M, x));
+    float L = 0.f;
+    for (int s = lane; s < nsplit; s += 32) {
+      const float f = M == -INFINITY ? 0.f : fast_exp2(__ldcg(ws_lse + s * rq + r) - M);
+      wts[s * 16 + r] = f;
+      L += f;
+    }
+#pragma unroll
+    for (int x = 16; x; x >>= 1) L += __shfl_xor_sync(kFull, L, x);
+    if (lane == 0) {
+      row_L[r] = L;
+      if (p.lse) p.lse[row_base + r] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    }
+  }
+  __syncthreads();
+  // Each of E float4 elements (row, 4 dims) is summed over the splits by `per` threads (more
+  // than one when there are few elements), each taking every per-th split with 8 loads in
+  // flight; then the slices are added up.
+  constexpr int D4 = D / 4;
+  const int E = nvalid * D4;
+  int per = 1;
+  while (per * 2 * E <= nthreads && per < 32) per *= 2;
+  const int64_t stride4 = rq * D4;  // float4s between splits
+  for (int base = 0; base < E * per; base += nthreads) {
+    const int idx = base + tid, e = idx / per, sl = idx % per;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (e < E) {
+      const int r = e / D4;
+      const float4 *src = reinterpret_cast<const float4 *>(ws_o + r * D) + e % D4;
+      for (int s0 = sl; s0 < nsplit; s0 += 8 * per) {
+        float4 x[8];
+        float w[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int s = s0 + u * per;
+          x[u] = s < nsplit ? __ldcg(src + s * stride4) : make_float4(0.f, 0.f, 0.f, 0.f);
+          w[u] = s < nsplit ? wts[s * 16 + r] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          acc.x += w[u] * x[u].x, acc.y += w[u] * x[u].y;
+          acc.z += w[u] * x[u].z, acc.w += w[u] * x[u].w;
+        }
+      }
+    }
+    part[tid] = acc;
+    __syncthreads();
+    if (e < E && sl == 0) {
+      for (int k = 1; k < per; ++k) {
+        const float4 q = part[tid + k];
+        acc.x += q.x, acc.y += q.y, acc.z += q.z, acc.w += q.w;
+      }
+      const int r = e / D4, d = (e % D4) * 4;
+      const float L = row_L[r];
+      const float inv = L > 0.f ? 1.f / L : 0.f;
+      const int64_t at = (row_base + r) * D + d;
+      store_elem(p.out, at, acc.x * inv, p.q_bf16);
+      store_elem(p.out, at + 1, acc.y * inv, p.q_bf16);
+      store_elem(p.out, at + 2, acc.z * inv, p.q_bf16);
+      store_elem(p.out, at + 3, acc.w * inv, p.q_bf16);
+    }
+    __syncthreads();
+  }
+  if (tid == 0) *counter = 0u;  // ready for the next launch
 }
 
 }  // namespace kvq_decode

@@ -126,8 +126,8 @@ const char *kvq_last_error(void);
 
 /* ---- fused paged decode attention (cuda/decode.cu) ---- */
 
-/* Longest split-KV fan-out one launch may use (the merge pass keeps one weight per split). */
-#define KVQ_DECODE_MAX_SPLITS 1024
+/* Longest split-KV fan-out one launch may use (the merge keeps one weight per split). */
+#define KVQ_DECODE_MAX_SPLITS 256
 
 /* One decode step of attention over a paged cache, with the semantics of
  * kvq::cpu::decode_attention: context_lens[b] counts every token of sequence b including its
@@ -137,12 +137,15 @@ const char *kvq_last_error(void);
  *   lse           [batch, num_q_heads, q_len] f32, natural log of the softmax denominator
  *                 (logits include softmax_scale); may be null
  *   block_tables  [batch, max_blocks] int32, context_lens [batch] int32
- *   ws_o, ws_lse  split-KV workspace, used when num_splits > 1:
+ *   ws_o, ws_lse, ws_counters  split-KV workspace, used when num_splits > 1:
  *                 ws_o [batch, num_splits, num_q_heads * q_len, head_dim] f32,
- *                 ws_lse [batch, num_splits, num_q_heads * q_len] f32
+ *                 ws_lse [batch, num_splits, num_q_heads * q_len] f32,
+ *                 ws_counters [batch, num_kv_heads, ceil(G * q_len / 16)] uint32, all zero
+ *                 before the first launch (each launch leaves them zero again)
  * Sequence b is cut into ceil(len / split_tokens) splits (split_tokens a positive multiple of
- * 16; at most num_splits of them, 1 <= num_splits <= KVQ_DECODE_MAX_SPLITS), each served by its
- * own thread blocks and merged by a second kernel. Caller guarantees (the safe Rust API checks
+ * 32; at most num_splits of them, 1 <= num_splits <= KVQ_DECODE_MAX_SPLITS), each served by its
+ * own thread blocks; the last block of a sequence to finish merges them (one launch, one
+ * kernel). One launch at a time per workspace. Caller guarantees (the safe Rust API checks
  * them): buffers of these sizes; context_lens[b] in [q_len, max_blocks * block_size] and
  * ceil(context_lens[b] / split_tokens) <= num_splits; the first ceil(len / block_size) entries
  * of each table row valid block ids. Outside that the kernel stays in bounds (lengths are
@@ -161,6 +164,7 @@ typedef struct kvq_decode_args {
   const int32_t *context_lens;
   float *ws_o;
   float *ws_lse;
+  uint32_t *ws_counters;
   int32_t q_dtype;
   int32_t batch;
   int32_t num_q_heads;
@@ -168,17 +172,21 @@ typedef struct kvq_decode_args {
   int32_t max_blocks;
   int32_t num_splits;
   int32_t split_tokens;
+  int32_t warps;  /* warps per thread block, 4 or 8 (the plan picks it, with stages) */
+  int32_t stages; /* copy stages per warp, 2..8 (the plan picks it from kvq_decode_occupancy) */
   float softmax_scale;
 } kvq_decode_args;
 
 /* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. */
 int kvq_decode_attention(const kvq_decode_args *args, void *stream);
 
-/* Thread blocks of the decode kernel for (k_format, v_format, head_dim) that fit on one SM of
- * the current device, written to *ctas_per_sm; also raises the kernel's shared-memory limit, so
- * call it once (outside graph capture) before the first launch of that combination. */
-int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim,
-                         int32_t *ctas_per_sm);
+/* Thread blocks of the decode kernel for (k_format, v_format, head_dim) with `warps` warps (4
+ * or 8) of `stages` copy stages each (2..8) that fit on one SM of the current device, written
+ * to *ctas_per_sm (0: they do not fit), and the bytes of one stage to *stage_bytes. Also raises
+ * the kernel's shared-memory limit, so call it once (outside graph capture) before the first
+ * launch of that combination. */
+int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim, int32_t warps,
+                         int32_t stages, int32_t *ctas_per_sm, int32_t *stage_bytes);
 
 /* Streaming-read probe for bandwidth ceilings (cuda/bandwidth.cu): read `bytes` (a multiple of
  * 16, `src` 16-byte aligned) once with 16-byte loads and write one checksum per thread block to

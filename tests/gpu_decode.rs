@@ -3,9 +3,10 @@
 //! sizes 16/32/64, GQA groups 1..16 (6 included), q_len 1..8 (causal), mixed lengths in a batch,
 //! block- and split-boundary lengths, a 128k context, forced split counts, and real MiniLM K/V.
 //!
-//! Each case: relative error ‖out − ref‖ / ‖ref‖ ≤ 2e-3 over the whole output, with `ref`
-//! rounded to the output type first (f16 / bf16 rounding of the result is not kernel error), no
-//! row worse than 1e-2, `lse` within 1e-3 (+1e-4 relative) of the CPU's, and every output
+//! Each case: relative error ‖e‖ / ‖ref‖ ≤ 2e-3 over the whole output, where e is |out − ref|
+//! beyond half an ulp of the output type (rounding the result to f16 / bf16 is not kernel
+//! error), no row worse than 1e-2, `lse` within 1e-3 (5e-3 for INT4 keys, which are
+//! dequantized to f16), plus 10 % of that per unit of |lse|, of the CPU's, and every output
 //! element written (outputs are poisoned with NaN first). Inputs are fresh random draws each
 //! run; the seed is printed and `KVQ_SEED=<n>` replays it.
 //!
@@ -79,8 +80,13 @@ fn quick() -> bool {
 trait QElem: DecodeElement {
     fn from_f32(x: f32) -> Self;
     fn nan() -> Self;
-    fn round(x: f32) -> f32 {
-        Self::from_f32(x).to_f32()
+    /// Mantissa bits (without the implicit one).
+    const MANTISSA: i32;
+    /// Half a unit in the last place of `x` in this type: the rounding of the result to the
+    /// output type, which is not kernel error.
+    fn half_ulp(x: f32) -> f64 {
+        let x = (x as f64).abs().max(f64::MIN_POSITIVE);
+        2f64.powi(x.log2().floor() as i32 - Self::MANTISSA - 1)
     }
 }
 impl QElem for f16 {
@@ -90,6 +96,7 @@ impl QElem for f16 {
     fn nan() -> Self {
         f16::NAN
     }
+    const MANTISSA: i32 = 10;
 }
 impl QElem for bf16 {
     fn from_f32(x: f32) -> Self {
@@ -98,6 +105,7 @@ impl QElem for bf16 {
     fn nan() -> Self {
         bf16::NAN
     }
+    const MANTISSA: i32 = 7;
 }
 
 // ---- one decode case --------------------------------------------------------------------------
@@ -123,6 +131,8 @@ struct Case {
     per_head: bool,
     /// Forced split count (else the plan's choice).
     splits: Option<usize>,
+    /// Forced (warps per block, copy stages per warp) (else the plan's choice).
+    launch: Option<(usize, usize)>,
 }
 
 impl Case {
@@ -139,11 +149,12 @@ impl Case {
             q_bf16: k == KvFormat::Bf16,
             per_head: true,
             splits: None,
+            launch: None,
         }
     }
     fn name(&self) -> String {
         format!(
-            "{}/{} d{} bs{} kv{} G{} q_len{} {} lens{:?} splits{:?}",
+            "{}/{} d{} bs{} kv{} G{} q_len{} {} lens{:?} splits{:?} launch{:?}",
             self.k,
             self.v,
             self.head_dim,
@@ -157,7 +168,8 @@ impl Case {
             } else {
                 self.lens.clone()
             },
-            self.splits
+            self.splits,
+            self.launch
         )
     }
 }
@@ -249,9 +261,17 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
         case.q_len,
         max_len,
     )
-    .expect("plan");
+    .unwrap_or_else(|e| panic!("{name}: plan: {e}"));
     if let Some(s) = case.splits {
         plan = plan.with_num_splits(s);
+    }
+    if let Some((w, n)) = case.launch {
+        // A launch shape that does not fit is an error, not a wrong answer: skip it then.
+        match plan.clone().with_launch(w, n) {
+            Ok(p) => plan = p,
+            Err(Error::Unsupported(_)) => {}
+            Err(e) => panic!("{name}: with_launch: {e}"),
+        }
     }
     let mut ws = DecodeWorkspace::new(&plan).expect("workspace");
     let s = gpu.stream();
@@ -285,7 +305,7 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
     for (o_row, w_row) in out.chunks(d).zip(want.out.chunks(d)) {
         let (mut rn, mut rd) = (0f64, 0f64);
         for (&o, &w) in o_row.iter().zip(w_row) {
-            let e = o as f64 - T::round(w) as f64;
+            let e = ((o as f64 - w as f64).abs() - T::half_ulp(w)).max(0.0);
             rn += e * e;
             rd += (w as f64) * (w as f64);
         }
@@ -296,12 +316,19 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
         }
     }
     let rel = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+    // INT4 keys are dequantized to f16 (FORMATS.md allows it): q * s rounds to 11 bits, which
+    // moves logits by ~1e-3 when keys carry outlier channels. Other key formats are exact.
+    let lse_tol = if case.k == KvFormat::Int4Sym32 {
+        5e-3
+    } else {
+        1e-3
+    };
     let mut worst_lse = 0f64;
     for (i, (&g, &w)) in lse.iter().zip(&want.lse).enumerate() {
         assert!(g.is_finite(), "{name}: lse[{i}] = {g} (want {w})");
         let err = (g as f64 - w as f64).abs();
         assert!(
-            err <= 1e-3 + 1e-4 * (w as f64).abs(),
+            err <= lse_tol * (1.0 + 0.1 * (w as f64).abs()),
             "{name}: lse[{i}] = {g}, want {w}"
         );
         worst_lse = worst_lse.max(err);
@@ -414,6 +441,11 @@ fn random_shapes_from_the_grid() {
         } else {
             None
         };
+        c.launch = if rng.below(2) == 0 {
+            Some((rng.pick(&[4, 8]), 2 + rng.below(7)))
+        } else {
+            None
+        };
         check(&gpu, &mut rng, &c);
     }
 }
@@ -512,7 +544,7 @@ fn split_count_does_not_change_the_result() {
         .collect();
     let q: Vec<f32> = (0..2 * 8 * 128).map(|_| rng.normal()).collect();
     let mut errs = Vec::new();
-    for splits in [1, 2, 5, 40, 187] {
+    for splits in [1, 2, 5, 40, 93] {
         let mut c = c.clone();
         c.splits = Some(splits);
         errs.push(run_case(&gpu, &c, &seqs, &q).rel);

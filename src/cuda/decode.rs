@@ -30,8 +30,11 @@ use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
 
-/// Tokens per pipeline step of the kernel: `block_size` must be a multiple of it.
+/// Tokens per copy chunk of the kernel (one page segment): `block_size` must be a multiple of it.
 pub const STEP_TOKENS: usize = 16;
+
+/// Split lengths are multiples of this (the kernel's longest step).
+const SPLIT_MULTIPLE: usize = 32;
 
 /// Head dimensions the kernels are built for.
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
@@ -39,11 +42,26 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// Most splits one launch may use (`KVQ_DECODE_MAX_SPLITS`).
 pub const MAX_SPLITS: usize = sys::KVQ_DECODE_MAX_SPLITS as usize;
 
-/// A split shorter than this costs more in launch and merge than it gains in parallelism.
+/// A split shorter than this costs more in setup and merge than it gains in parallelism.
 const MIN_SPLIT_TOKENS: usize = 256;
 
-/// The plan splits further while the last wave of thread blocks would be less full than this.
-const MIN_WAVE_FILL: f64 = 0.85;
+/// Fixed cost of one thread block in the split model, in tokens of streaming (query setup,
+/// pipeline fill, warp merge).
+const CTA_OVERHEAD_TOKENS: usize = 128;
+
+/// Cost of each split in the split model, in tokens of streaming: partial write and merge,
+/// measured on an H200 at ~0.44 us per split (docs/PERFORMANCE.md, v3).
+const SPLIT_COST_TOKENS: usize = 32;
+
+/// Bytes of copies in flight per SM the stage choice aims for: the v3 sweep on an H200 found
+/// 16-bit caches at 93 % of the read ceiling with 143 KB in flight and 90 % with 107 KB.
+const INFLIGHT_TARGET: usize = 128 << 10;
+
+/// Warps per thread block the kernel is launched with (`warps` of [`DecodePlan`]).
+pub const WARPS: [usize; 2] = [4, 8];
+
+/// Copy stages per warp a plan may use (`kMinStages..=kMaxStages` in the kernel).
+pub const STAGES: std::ops::RangeInclusive<usize> = 2..=8;
 
 /// Query / output element types of the decode kernels: f16 and bf16.
 pub trait DecodeElement: DeviceElement {}
@@ -87,29 +105,30 @@ fn need_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
     Ok(())
 }
 
-/// Split count and split length for `base_ctas` thread blocks per split on a GPU that holds
-/// `slots` of them at once, for contexts up to `max_len` tokens: the fewest splits whose last
-/// wave is at least [`MIN_WAVE_FILL`] full (or the best fill reachable), splits no shorter than
-/// [`MIN_SPLIT_TOKENS`], lengths a multiple of [`STEP_TOKENS`].
-fn choose_splits(base_ctas: usize, slots: usize, max_len: usize) -> (usize, usize) {
+/// Split length for `num_splits` splits of `max_len` tokens (a multiple of [`SPLIT_MULTIPLE`]),
+/// and the split count that length really gives.
+fn split_len(max_len: usize, num_splits: usize) -> (usize, usize) {
     let max_len = max_len.max(1);
-    let most = max_len.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
-    let fill = |s: usize| {
-        let ctas = base_ctas * s;
-        ctas as f64 / (ctas.div_ceil(slots) * slots) as f64
-    };
-    let mut best = 1;
-    for s in 1..=most {
-        if fill(s) >= MIN_WAVE_FILL {
-            best = s;
-            break;
-        }
-        if fill(s) > fill(best) + 1e-9 {
-            best = s;
-        }
-    }
-    let split_tokens = max_len.div_ceil(best).next_multiple_of(STEP_TOKENS);
+    let split_tokens = max_len
+        .div_ceil(num_splits.max(1))
+        .next_multiple_of(SPLIT_MULTIPLE);
     (max_len.div_ceil(split_tokens), split_tokens)
+}
+
+/// Split count and split length for `base_ctas` thread blocks per split on a GPU of `sms`
+/// SMs, for contexts up to `max_len` tokens. Model (memory-bound: an SM streams at its rate
+/// whatever number of blocks shares it): time ~ blocks per SM x (tokens per block + a fixed
+/// cost per block) + a cost per split; the fewest splits within 2 % of the best, splits no
+/// shorter than [`MIN_SPLIT_TOKENS`] (or one split), at most [`MAX_SPLITS`].
+fn choose_splits(base_ctas: usize, sms: usize, max_len: usize) -> (usize, usize) {
+    let most = max_len.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
+    let cost = |s: usize| {
+        let (n, len) = split_len(max_len, s);
+        ((base_ctas * n).div_ceil(sms) * (len + CTA_OVERHEAD_TOKENS) + n * SPLIT_COST_TOKENS) as f64
+    };
+    let best = (1..=most).map(cost).fold(f64::INFINITY, f64::min);
+    let s = (1..=most).find(|&s| cost(s) <= best * 1.02).unwrap_or(1);
+    split_len(max_len, s)
 }
 
 /// How decode launches for one cache layout and batch shape are cut; computed once, reused for
@@ -125,6 +144,99 @@ pub struct DecodePlan {
     softmax_scale: f32,
     num_splits: usize,
     split_tokens: usize,
+    warps: usize,
+    stages: usize,
+    ctas_per_sm: usize,
+}
+
+/// Thread blocks per SM and bytes per stage of the decode kernel for `layout` with `warps`
+/// warps per block of `stages` copy stages each (0 blocks: does not fit). The GPU's context
+/// must be current.
+fn occupancy(layout: &BlockLayout, warps: usize, stages: usize) -> Result<(usize, usize)> {
+    let c = &layout.config;
+    let (mut ctas, mut stage_bytes) = (0i32, 0i32);
+    // SAFETY: plain host call; writes two ints.
+    let status = unsafe {
+        sys::kvq_decode_occupancy(
+            c.k_format as i32,
+            c.v_format as i32,
+            c.head_dim as i32,
+            warps as i32,
+            stages as i32,
+            &mut ctas,
+            &mut stage_bytes,
+        )
+    };
+    check_status(status, "kvq_decode_occupancy")?;
+    Ok((ctas.max(0) as usize, stage_bytes.max(0) as usize))
+}
+
+/// A launch shape: warps per thread block, copy stages per warp, and the blocks per SM that
+/// fit with them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LaunchShape {
+    warps: usize,
+    stages: usize,
+    ctas: usize,
+}
+
+/// Stage count at `warps` warps per block, given `occ(warps, stages) -> (blocks per SM, bytes
+/// per stage)`: enough copies in flight per SM (at least 90 % of [`INFLIGHT_TARGET`]) first,
+/// then the most resident blocks, then more bytes in flight, then fewer stages. None if no
+/// stage count fits.
+fn stages_for(
+    warps: usize,
+    occ: &mut impl FnMut(usize, usize) -> Result<(usize, usize)>,
+) -> Result<Option<LaunchShape>> {
+    let mut fits = Vec::new();
+    for stages in STAGES {
+        let (ctas, stage_bytes) = occ(warps, stages)?;
+        if ctas > 0 {
+            let inflight = (ctas * warps * (stages - 1) * stage_bytes).min(INFLIGHT_TARGET);
+            fits.push((inflight, ctas, stages));
+        }
+    }
+    Ok(fits
+        .into_iter()
+        .max_by_key(|&(inflight, ctas, stages)| {
+            let enough = inflight * 10 >= INFLIGHT_TARGET * 9;
+            (enough, ctas, inflight, std::cmp::Reverse(stages))
+        })
+        .map(|(_, ctas, stages)| LaunchShape {
+            warps,
+            stages,
+            ctas,
+        }))
+}
+
+/// The launch shape of a plan whose grid has `blocks` thread blocks on `sms` SMs; `compact`:
+/// the cache is not 16-bit on both sides (dequantization makes a step's dependency chain
+/// long). What the H200 sweep (docs/PERFORMANCE.md, v4) found best:
+/// - more blocks than SMs: 4 warps per block and the stage rule of [`stages_for`];
+/// - at most one block per SM, compact cache: 8 warps of 2 stages (two warps per scheduler
+///   hide the dequantization chain better than deeper copies do);
+/// - at most one block per SM, 16-bit cache: as for many blocks (bytes in flight matter more).
+///
+/// Falls back to 4 warps when 8 do not fit; an error only if nothing fits.
+fn choose_launch(
+    blocks: usize,
+    sms: usize,
+    compact: bool,
+    mut occ: impl FnMut(usize, usize) -> Result<(usize, usize)>,
+) -> Result<LaunchShape> {
+    if blocks <= sms && compact {
+        let (ctas, _) = occ(8, 2)?;
+        if ctas > 0 {
+            return Ok(LaunchShape {
+                warps: 8,
+                stages: 2,
+                ctas,
+            });
+        }
+    }
+    stages_for(4, &mut occ)?.ok_or_else(|| {
+        Error::Unsupported("GPU decode: no stage count fits this device's shared memory".into())
+    })
 }
 
 impl DecodePlan {
@@ -203,20 +315,14 @@ impl DecodePlan {
         to_i32("batch * num_q_heads * q_len", batch * num_q_heads * q_len)?;
 
         gpu.bind()?;
-        let mut ctas_per_sm = 0i32;
-        // SAFETY: plain host call; writes one int.
-        let status = unsafe {
-            sys::kvq_decode_occupancy(
-                c.k_format as i32,
-                c.v_format as i32,
-                c.head_dim as i32,
-                &mut ctas_per_sm,
-            )
-        };
-        check_status(status, "kvq_decode_occupancy")?;
-        let slots = gpu.props().sm_count as usize * ctas_per_sm.max(1) as usize;
+        let sms = gpu.props().sm_count as usize;
         let base = batch * c.num_kv_heads * m_tiles;
-        let (num_splits, split_tokens) = choose_splits(base, slots, max_context_len);
+        let (num_splits, split_tokens) = choose_splits(base, sms, max_context_len);
+        let compact = c.k_format.bits() < 16 || c.v_format.bits() < 16;
+        let shape = choose_launch(base * num_splits, sms, compact, |w, n| {
+            occupancy(layout, w, n)
+        })?;
+        let (warps, stages, ctas_per_sm) = (shape.warps, shape.stages, shape.ctas);
         Ok(DecodePlan {
             gpu: gpu.clone(),
             layout: *layout,
@@ -227,6 +333,9 @@ impl DecodePlan {
             softmax_scale: 1.0 / (c.head_dim as f32).sqrt(),
             num_splits,
             split_tokens,
+            warps,
+            stages,
+            ctas_per_sm,
         })
     }
 
@@ -242,20 +351,59 @@ impl DecodePlan {
     }
 
     /// The same plan with a split count of your choice (clamped to what `max_context_len`
-    /// allows: at least one split per step of 16 tokens, at most [`MAX_SPLITS`]), for tests and
-    /// tuning.
+    /// allows: splits of at least 32 tokens, at most [`MAX_SPLITS`]), for tests and tuning.
     pub fn with_num_splits(mut self, num_splits: usize) -> Self {
         let most = self
             .max_context_len
-            .div_ceil(STEP_TOKENS)
+            .div_ceil(SPLIT_MULTIPLE)
             .clamp(1, MAX_SPLITS);
-        let s = num_splits.clamp(1, most);
-        self.split_tokens = self
-            .max_context_len
-            .div_ceil(s)
-            .next_multiple_of(STEP_TOKENS);
-        self.num_splits = self.max_context_len.div_ceil(self.split_tokens);
+        (self.num_splits, self.split_tokens) =
+            split_len(self.max_context_len, num_splits.clamp(1, most));
         self
+    }
+
+    /// The same plan with `warps` warps per thread block (in [`WARPS`]) and `stages` copy stages
+    /// per warp (in [`STAGES`]; more stages keep more bytes in flight but fit fewer blocks per
+    /// SM), for tuning; the split count is kept. [`Error::Unsupported`] if they do not fit.
+    pub fn with_launch(mut self, warps: usize, stages: usize) -> Result<Self> {
+        if !WARPS.contains(&warps) {
+            return Err(Error::Config {
+                what: "warps",
+                value: warps,
+                expected: "4 or 8 warps per thread block",
+            });
+        }
+        if !STAGES.contains(&stages) {
+            return Err(Error::Config {
+                what: "stages",
+                value: stages,
+                expected: "2..=8 copy stages per warp",
+            });
+        }
+        self.gpu.bind()?;
+        let (ctas, _) = occupancy(&self.layout, warps, stages)?;
+        if ctas == 0 {
+            return Err(Error::Unsupported(format!(
+                "GPU decode with {warps} warps of {stages} stages: does not fit in shared memory"
+            )));
+        }
+        self.warps = warps;
+        self.stages = stages;
+        self.ctas_per_sm = ctas;
+        Ok(self)
+    }
+
+    /// Warps per thread block.
+    pub fn warps(&self) -> usize {
+        self.warps
+    }
+    /// Copy stages per warp.
+    pub fn stages(&self) -> usize {
+        self.stages
+    }
+    /// Thread blocks of this plan's kernel that fit on one SM.
+    pub fn ctas_per_sm(&self) -> usize {
+        self.ctas_per_sm
     }
 
     /// Layout of the caches this plan serves.
@@ -286,7 +434,7 @@ impl DecodePlan {
     pub fn num_splits(&self) -> usize {
         self.num_splits
     }
-    /// Tokens per split (a multiple of [`STEP_TOKENS`]).
+    /// Tokens per split (a multiple of 32).
     pub fn split_tokens(&self) -> usize {
         self.split_tokens
     }
@@ -299,14 +447,16 @@ impl DecodePlan {
     pub fn lse_elems(&self) -> usize {
         self.batch * self.num_q_heads * self.q_len
     }
-    /// f32 elements of the workspace's partial outputs and partial log-sum-exps (both 0 when
-    /// the plan has one split).
-    pub fn workspace_elems(&self) -> (usize, usize) {
+    /// Workspace sizes: f32 partial outputs, f32 partial log-sum-exps, u32 counters (all 0
+    /// when the plan has one split). The counters must be zero before the first launch.
+    pub fn workspace_elems(&self) -> (usize, usize, usize) {
         if self.num_splits <= 1 {
-            return (0, 0);
+            return (0, 0, 0);
         }
         let lse = self.lse_elems() * self.num_splits;
-        (lse * self.layout.config.head_dim, lse)
+        let c = &self.layout.config;
+        let tiles = (self.num_q_heads / c.num_kv_heads * self.q_len).div_ceil(16);
+        (lse * c.head_dim, lse, self.batch * c.num_kv_heads * tiles)
     }
 
     fn check_tables(&self, t: &DeviceBlockTables) -> Result<()> {
@@ -358,6 +508,7 @@ impl DecodePlan {
             context_lens: std::ptr::null(),
             ws_o: std::ptr::null_mut(),
             ws_lse: std::ptr::null_mut(),
+            ws_counters: std::ptr::null_mut(),
             q_dtype: 0,
             batch: self.batch as i32,
             num_q_heads: self.num_q_heads as i32,
@@ -365,6 +516,8 @@ impl DecodePlan {
             max_blocks: 0,
             num_splits: self.num_splits as i32,
             split_tokens: self.split_tokens as i32,
+            warps: self.warps as i32,
+            stages: self.stages as i32,
             softmax_scale: self.softmax_scale,
         }
     }
@@ -436,6 +589,7 @@ impl DecodePlan {
         let (c_p, _g4) = tables.context_lens.device_ptr(s);
         let (wo_p, _g5) = ws.o.device_ptr_mut(s);
         let (wl_p, _g6) = ws.lse.device_ptr_mut(s);
+        let (wc_p, _g7) = ws.counters.device_ptr_mut(s);
         let mut lse_guard = lse.map(|l| l.device_ptr_mut(s));
         a.q = q_p as *const c_void;
         a.out = o_p as *mut c_void;
@@ -443,6 +597,7 @@ impl DecodePlan {
         a.context_lens = c_p as *const i32;
         a.ws_o = wo_p as *mut f32;
         a.ws_lse = wl_p as *mut f32;
+        a.ws_counters = wc_p as *mut u32;
         a.lse = lse_guard
             .as_mut()
             .map_or(std::ptr::null_mut(), |(p, _)| *p as *mut f32);
@@ -461,8 +616,9 @@ impl DecodePlan {
     /// - `args.cache` describes a live device pool of `args.num_blocks` blocks with this plan's
     ///   layout (e.g. [`DeviceCache::as_raw`]);
     /// - `q` and `out` hold [`q_elems`](Self::q_elems) elements of `q_dtype`, `lse` (if not 0)
-    ///   [`lse_elems`](Self::lse_elems) f32; `workspace_o` / `workspace_lse` hold
-    ///   [`workspace_elems`](Self::workspace_elems) f32 (unused when the plan has one split);
+    ///   [`lse_elems`](Self::lse_elems) f32; `workspace_o` / `workspace_lse` /
+    ///   `workspace_counters` hold [`workspace_elems`](Self::workspace_elems) elements (unused
+    ///   when the plan has one split), the counters zero before the first launch;
     /// - `block_tables` holds `batch * max_blocks` i32 and `context_lens` `batch` i32, with
     ///   every `context_lens[b]` in `q_len..=min(max_context_len, max_blocks * block_size)` and
     ///   the first `ceil(context_lens[b] / block_size)` entries of row `b` block ids below
@@ -497,7 +653,10 @@ impl DecodePlan {
             || args.out == 0
             || args.block_tables == 0
             || args.context_lens == 0
-            || (self.num_splits > 1 && (args.workspace_o == 0 || args.workspace_lse == 0))
+            || (self.num_splits > 1
+                && (args.workspace_o == 0
+                    || args.workspace_lse == 0
+                    || args.workspace_counters == 0))
         {
             return Err(Error::InvalidArgument(
                 "decode_raw: a required device pointer is null".into(),
@@ -524,6 +683,7 @@ impl DecodePlan {
         a.context_lens = args.context_lens as *const i32;
         a.ws_o = args.workspace_o as *mut f32;
         a.ws_lse = args.workspace_lse as *mut f32;
+        a.ws_counters = args.workspace_counters as *mut u32;
         a.q_dtype = dtype_code(args.q_dtype);
         a.max_blocks = to_i32("max_blocks", args.max_blocks)?;
         // SAFETY: forwarded from the caller's contract; shapes come from the plan.
@@ -557,6 +717,9 @@ pub struct RawDecodeArgs {
     pub workspace_o: CUdeviceptr,
     /// Split partial log-sum-exps, [`DecodePlan::workspace_elems`]`.1` f32 (0 with one split).
     pub workspace_lse: CUdeviceptr,
+    /// Split counters, [`DecodePlan::workspace_elems`]`.2` u32, zero before the first launch
+    /// (each launch leaves them zero; 0 with one split).
+    pub workspace_counters: CUdeviceptr,
 }
 
 /// Device memory for the partial results of a split plan, sized by [`DecodePlan`]; reusable for
@@ -565,7 +728,8 @@ pub struct RawDecodeArgs {
 pub struct DecodeWorkspace {
     o: CudaSlice<f32>,
     lse: CudaSlice<f32>,
-    elems: (usize, usize),
+    counters: CudaSlice<u32>,
+    elems: (usize, usize, usize),
 }
 
 impl DecodeWorkspace {
@@ -574,18 +738,26 @@ impl DecodeWorkspace {
         let elems = plan.workspace_elems();
         plan.gpu.bind()?;
         let s = plan.gpu.stream();
-        // SAFETY: the kernels write every element they later read (merge reads only splits the
-        // decode kernel of the same launch wrote).
+        // SAFETY: the kernel writes every partial it later reads (the merge reads only splits
+        // of the same launch); the counters start zeroed.
         let o = unsafe { s.alloc::<f32>(elems.0.max(1)) }
             .map_err(driver_err("allocating the decode workspace"))?;
         let lse = unsafe { s.alloc::<f32>(elems.1.max(1)) }
             .map_err(driver_err("allocating the decode workspace"))?;
-        Ok(DecodeWorkspace { o, lse, elems })
+        let counters = s
+            .alloc_zeros::<u32>(elems.2.max(1))
+            .map_err(driver_err("allocating the decode workspace"))?;
+        Ok(DecodeWorkspace {
+            o,
+            lse,
+            counters,
+            elems,
+        })
     }
 
     fn check(&self, plan: &DecodePlan) -> Result<()> {
         let need = plan.workspace_elems();
-        if self.elems.0 < need.0 || self.elems.1 < need.1 {
+        if self.elems.0 < need.0 || self.elems.1 < need.1 || self.elems.2 < need.2 {
             return Err(Error::Length {
                 what: "decode workspace (f32 partial outputs; make it from this plan)",
                 expected: need.0,
@@ -732,19 +904,60 @@ mod tests {
 
     #[test]
     fn split_choice_fills_the_gpu() {
-        // Llama-3-8B decode, one sequence of 32k on 132 SMs x 3 CTAs: 8 CTAs per split.
-        let (n, len) = choose_splits(8, 396, 32768);
-        let fill = (n * 8) as f64 / ((n * 8).div_ceil(396) * 396) as f64;
-        assert!(fill >= MIN_WAVE_FILL && n * len >= 32768, "{n} x {len}");
-        assert_eq!(len % STEP_TOKENS, 0);
-        // A batch that already fills the GPU is not split.
-        assert_eq!(choose_splits(792, 396, 16384).0, 1);
+        // Llama-3-8B decode, one sequence of 32k on 132 SMs: 8 CTAs per split, so 16 splits
+        // give every SM one block.
+        let (n, len) = choose_splits(8, 132, 32768);
+        assert!((14..=16).contains(&n) && n * len >= 32768, "{n} x {len}");
+        assert_eq!(len % SPLIT_MULTIPLE, 0);
+        // Two blocks per SM already: no split.
+        assert_eq!(choose_splits(264, 132, 16384).0, 1);
+        assert_eq!(choose_splits(512, 132, 16384).0, 1);
         // Short contexts are never cut below MIN_SPLIT_TOKENS.
-        let (n, len) = choose_splits(1, 396, 300);
+        let (n, len) = choose_splits(1, 132, 300);
         assert!(n <= 2 && n * len >= 300);
-        // One wave and a sliver: split until the last wave is full enough.
-        let (n, _) = choose_splits(512, 396, 16384);
-        assert!(n > 1);
+        // Slightly more blocks than SMs: split so the SMs share the work evenly.
+        let (n, len) = choose_splits(140, 132, 16384);
+        assert!(n > 1 && n * len >= 16384, "{n} x {len}");
+        // Every choice covers the context with at most MAX_SPLITS splits.
+        for (base, len) in [(1, 1), (1, 1 << 20), (3, 777), (4096, 5)] {
+            let (n, l) = choose_splits(base, 132, len);
+            assert!((1..=MAX_SPLITS).contains(&n) && n * l >= len && l % SPLIT_MULTIPLE == 0);
+        }
+    }
+
+    /// A shared-memory model shaped like the kernel's: `stage` bytes per stage and warp, 227 KB
+    /// per SM, at most `max_ctas` blocks per SM by registers.
+    fn occ_model(
+        stage: usize,
+        max_ctas: usize,
+    ) -> impl FnMut(usize, usize) -> Result<(usize, usize)> {
+        move |warps, stages| {
+            let bytes = warps * stages * stage + 8192;
+            Ok((((227 << 10) / bytes).min(max_ctas * 4 / warps), stage))
+        }
+    }
+
+    #[test]
+    fn launch_choice() {
+        let bf16 = 8960; // bytes per stage: head_dim 128, 16 tokens of K and V, padded rows
+        let int4 = 5120; // 32 tokens
+        // Many blocks: 4 warps; 3 stages of bf16 (2 blocks, 143 KB in flight).
+        let s = choose_launch(1024, 132, false, occ_model(bf16, 3)).unwrap();
+        assert_eq!((s.warps, s.stages, s.ctas), (4, 3, 2));
+        // int4: 3 stages keep 3 blocks per SM with 123 KB in flight.
+        let s = choose_launch(1024, 132, true, occ_model(int4, 3)).unwrap();
+        assert_eq!((s.warps, s.stages, s.ctas), (4, 3, 3));
+        // One block per SM: compact caches take 8 warps of 2 stages, 16-bit ones stay at 4.
+        let s = choose_launch(128, 132, true, occ_model(int4, 3)).unwrap();
+        assert_eq!((s.warps, s.stages), (8, 2));
+        let s = choose_launch(128, 132, false, occ_model(bf16, 3)).unwrap();
+        assert_eq!((s.warps, s.stages), (4, 3));
+        // 8 warps that do not fit (huge stages): back to 4 warps.
+        let s = choose_launch(128, 132, true, occ_model(17_000, 2)).unwrap();
+        assert_eq!(s.warps, 4);
+        assert!(s.ctas >= 1);
+        // Nothing fits: an error, not a panic.
+        assert!(choose_launch(128, 132, true, occ_model(200_000, 2)).is_err());
     }
 
     #[test]

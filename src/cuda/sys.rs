@@ -107,6 +107,7 @@ pub struct kvq_decode_args {
     pub max_blocks: i32,
     pub num_splits: i32,
     pub split_tokens: i32,
+    pub warps: i32,
     pub stages: i32,
     pub softmax_scale: f32,
 }
@@ -198,12 +199,13 @@ unsafe extern "C" {
     /// Enqueue the fused decode kernel (splits merged in the same launch) (kvq.h).
     pub fn kvq_decode_attention(args: *const kvq_decode_args, stream: *mut c_void) -> c_int;
 
-    /// Decode thread blocks per SM and stage bytes for a format pair, head_dim and stage count;
-    /// raises the smem limit (kvq.h).
+    /// Decode thread blocks per SM and stage bytes for a format pair, head_dim, warps per block
+    /// and stage count; raises the smem limit (kvq.h).
     pub fn kvq_decode_occupancy(
         k_format: i32,
         v_format: i32,
         head_dim: i32,
+        warps: i32,
         stages: i32,
         ctas_per_sm: *mut i32,
         stage_bytes: *mut i32,
