@@ -1,8 +1,8 @@
 //! Fused paged decode attention on the GPU (`cuda/decode.cu`): one kernel reads each KV byte of a
 //! sequence once per KV-head group, dequantizes FP8 / INT4 codes straight into tensor-core
 //! fragments (no dequantized copy of the cache ever reaches global memory) and runs an online
-//! softmax; long contexts are cut into splits that run side by side and are merged by a second
-//! small kernel (flash-decoding).
+//! softmax; long contexts are cut into splits that run side by side, and the last block of a
+//! sequence to finish merges them, in the same launch (flash-decoding).
 //!
 //! Semantics are those of [`cpu::decode_attention`](crate::cpu::decode_attention): `q`, `out`
 //! are `[batch, num_q_heads, q_len, head_dim]`, `lse` is `[batch, num_q_heads, q_len]` (natural
@@ -10,7 +10,8 @@
 //!
 //! Use:
 //! 1. [`DecodePlan::new`] once per (cache layout, batch shape, longest context): it picks the
-//!    split count from the batch shape and the GPU's SM count.
+//!    split count and the launch shape (warps per block, copy stages) from the batch shape, the
+//!    GPU's SM count and the kernel's occupancy.
 //! 2. [`DecodeWorkspace::new`] once per plan (split partials live there).
 //! 3. [`DeviceBlockTables::new`] / [`update`](DeviceBlockTables::update) whenever the tables
 //!    change (validated on the host, then copied).
