@@ -141,8 +141,16 @@ pub struct EventTimer {
 
 impl EventTimer {
     /// A timer whose flush buffer is twice the device's L2 (at least 128 MiB).
+    ///
+    /// It turns off cudarc's per-buffer event tracking for the context: that bookkeeping costs
+    /// host time on every launch, and if the host falls behind the GPU the gap would be timed
+    /// as kernel time. Benchmarks order all work on the one stream of their [`Gpu`], which is
+    /// what the tracking would otherwise guard.
     pub fn new(gpu: &Gpu) -> Result<Self> {
         gpu.bind()?;
+        // SAFETY: the bench process queues every launch and copy on `gpu`'s single stream, so
+        // stream order alone keeps buffer uses ordered.
+        unsafe { gpu.context().disable_event_tracking() };
         let bytes = (2 * gpu.props().l2_bytes).max(128 << 20);
         let flush = gpu
             .stream()
