@@ -15,8 +15,9 @@ use kvq::dense::DenseFormat;
 use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 
+mod common;
 mod quant_ref;
-use quant_ref::{Expected, Rng, decode, expected};
+use quant_ref::{Expected, Rng, Values, decode, expected};
 
 /// A fresh, empty scratch directory for one test under cargo's per-target temp dir.
 fn scratch(test: &str) -> PathBuf {

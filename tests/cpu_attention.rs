@@ -2,39 +2,14 @@
 //! its causal / GQA / paging semantics, its validation, and the accuracy of each cache format
 //! against unquantized f32 attention on real (MiniLM) and synthetic outlier data.
 
+mod common;
+
+use common::Rng;
 use half::f16;
 use kvq::cache::{BlockAllocator, BlockTables, HostCache, SeqId};
 use kvq::cpu::{Accum, AttentionOutput, DecodeShape, DenseKv, attention_dense, decode_attention};
 use kvq::format::int4;
 use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
-
-/// splitmix64: a small deterministic generator, enough for test data.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [0, 1).
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Roughly standard normal (sum of 4 uniforms, rescaled).
-    fn normal(&mut self) -> f32 {
-        let s: f64 = (0..4).map(|_| self.uniform()).sum();
-        ((s - 2.0) * 3f64.sqrt()) as f32
-    }
-    fn normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.normal() * scale).collect()
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
 
 /// Naive causal attention of one sequence in f64 over dense K/V `[len, kv_heads, d]`, q
 /// `[nq, q_len, d]`; returns out `[nq, q_len, d]` and lse `[nq, q_len]`.

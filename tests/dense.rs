@@ -8,8 +8,9 @@ use kvq::dense::{
 };
 use kvq::format::Fp8Kind;
 
+mod common;
 mod quant_ref;
-use quant_ref::{Expected, Rng, decode, expected};
+use quant_ref::{Expected, Rng, Values, decode, expected};
 
 fn check_bytes(q: &QuantizedTensor, e: &Expected, what: &str) {
     assert_eq!(q.codes().data(), &e.codes[..], "{what}: codes");

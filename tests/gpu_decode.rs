@@ -14,6 +14,9 @@
 //! print `SKIPPED`; with `KVQ_REQUIRE_GPU=1` they fail instead.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::Rng;
 use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{Accum, DecodeShape, decode_attention};
@@ -28,33 +31,6 @@ const REL_TOL: f64 = 2e-3;
 const ROW_TOL: f64 = 1e-2;
 
 // ---- small utilities ------------------------------------------------------------------------
-
-/// splitmix64: small, deterministic per seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn uniform(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-    /// Roughly standard normal.
-    fn normal(&mut self) -> f32 {
-        let s: f64 = (0..4).map(|_| self.uniform()).sum();
-        ((s - 2.0) * 3f64.sqrt()) as f32
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len())]
-    }
-}
 
 /// A fresh seed per test (time-based unless `KVQ_SEED` is set), printed for replay.
 fn rng(test: &str) -> Rng {

@@ -8,29 +8,26 @@ use half::f16;
 use kvq::dense::DenseFormat;
 use kvq::format::{Fp8Kind, int4, sanitize};
 
-/// Deterministic pseudo-random numbers (splitmix64), so failures reproduce.
-pub struct Rng(pub u64);
+pub use crate::common::Rng;
 
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
+/// Test values for quantizers.
+pub trait Values {
     /// Uniform in [-1, 1), scaled by a magnitude spread over five decades, with an occasional
     /// outlier, so groups see very different ranges.
-    pub fn value(&mut self) -> f32 {
+    fn value(&mut self) -> f32;
+    /// `n` values.
+    fn vec(&mut self, n: usize) -> Vec<f32>;
+}
+
+impl Values for Rng {
+    fn value(&mut self) -> f32 {
         let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
         let decade = 10f32.powi((self.next_u64() % 5) as i32 - 2);
         let outlier = if self.next_u64() % 97 == 0 { 40.0 } else { 1.0 };
         u * decade * outlier
     }
 
-    /// `n` values.
-    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+    fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.value()).collect()
     }
 }

@@ -1,0 +1,42 @@
+//! Helpers shared by the integration tests (each test binary includes this with `mod common;`).
+
+#![allow(dead_code)] // each test binary uses a different part
+
+/// splitmix64: a small deterministic generator, so every failure reproduces from its seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Roughly standard normal (sum of 4 uniforms, rescaled).
+    pub fn normal(&mut self) -> f32 {
+        let s: f64 = (0..4).map(|_| self.uniform()).sum();
+        ((s - 2.0) * 3f64.sqrt()) as f32
+    }
+
+    /// `n` roughly normal values times `scale`.
+    pub fn normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.normal() * scale).collect()
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// One element of `xs`, uniformly.
+    pub fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len())]
+    }
+}
