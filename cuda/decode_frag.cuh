@@ -18,11 +18,14 @@
 // [g*D/8, (g+1)*D/8) of the row, n-tile j being column g*D/8 + j; k index (token) kk of the
 // 16-token step is simply token kk, so lane t reads tokens {2t, 2t+1, 2t+8, 2t+9}. A V register
 // pairs two tokens at one column, so the unpacking interleaves two rows with byte permutes.
+// INT4 V differs (see v_dim / v_codes_i4): n-tile 8G + c is element c of word g of group G, so
+// that each n-tile lies in one group; V codes stay raw integers and the group's scale rides on
+// P (P' = P * s per token, f16), its zero on a separate accumulator sum_n P_n z_n.
 //
-// Arithmetic types: K and V codes of FP8 / INT4 caches become f16 (exact for FP8, one f16
-// rounding for INT4, which FORMATS.md allows); f16 / bf16 caches are used as stored. FP8's
-// per-head scale is uniform over a head, so it is applied to S and to O in f32 instead of to
-// every element.
+// Arithmetic types: K codes of FP8 / INT4 caches and FP8 V codes become f16 (exact for FP8, one
+// f16 rounding for INT4 K, which FORMATS.md allows); f16 / bf16 caches are used as stored.
+// FP8's per-head scale is uniform over a head, so it is applied to S and to O in f32 instead of
+// to every element.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -118,13 +121,6 @@ __device__ __forceinline__ void e4m3x4_bits(uint32_t w, uint32_t &a, uint32_t &b
   b = (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
 }
 
-/// (x & M) | C in one LOP3 (the compiler would otherwise emit two: one immediate per LOP3).
-template <uint32_t M>
-__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(x), "n"(M), "r"(c));
-  return d;
-}
 /// (x & M) ^ C in one LOP3.
 template <uint32_t M>
 __device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
@@ -133,7 +129,7 @@ __device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
   return d;
 }
 
-// INT4 nibbles → f16 integers without conversions. In each 16-bit half, the nibble at bits 0-3
+// INT4 K nibbles → f16 integers without conversions. In each 16-bit half, the nibble at bits 0-3
 // OR'd into 0x6400 is the f16 1024 + n; the nibble at bits 4-7 OR'd into 0x5400 is 64 + n (an
 // f16 of exponent 6 whose mantissa bit 4 weighs 1). Nibbles at bits 8-15 take the same path
 // after one shift by 8. So a word of 8 nibbles costs 1 shift + 4 LOP3.
@@ -252,23 +248,45 @@ struct Frag {
   /// Which load of its chunk lane g issues as its v-th.
   static __host__ __device__ constexpr int v_vec(int g, int v) { return (v + v_rot(g)) % VNV; }
   /// Head-dim index of the column that lane g supplies to n-tile j (= v * VEV + c).
+  /// INT4 V instead: n-tile j = 8 * G + c is column c of word g of group G (all 8 columns of
+  /// an n-tile in one group, so P can carry that group's scale).
   static __device__ __forceinline__ int v_dim(int g, int j) {
-    return g * (D / 8) + v_vec(g, j / VEV) * VEV + j % VEV;
+    if constexpr (VF == Fmt::I4) {
+      return 64 * (j / 8) + 8 * g + j % 8;
+    } else {
+      return g * (D / 8) + v_vec(g, j / VEV) * VEV + j % VEV;
+    }
   }
 
-  /// INT4 V: group of lane g's chunk.
-  static __device__ __forceinline__ int v_group(int g) { return g * (D / 8) / 64; }
+  /// INT4 V: groups per row.
+  static constexpr int VG = D / 64;
+  /// INT4 V: the value that B-fragment column c (0..8) of v_codes_i4 carries per unit of code:
+  /// nibbles at bits 0-3 of a half are f16 subnormals n * 2^-24, at bits 4-7 n * 2^-20.
+  static __host__ __device__ constexpr float v_col_unit_inv(int c) { return (c & 1) ? 1048576.f : 16777216.f; }
 
   /// B-fragment registers (columns) one 32-bit word of each of two V rows unpacks into.
   static constexpr int VCPW = 32 / VBITS;
 
+  /// INT4 V: interleave word `a` (lower k index) and `b` of two tokens' codes into 8 B-fragment
+  /// registers of the raw nibbles as exact f16 subnormals (one LOP3 each, no offset to remove):
+  /// register c holds element c of both words, worth n * 2^-24 (c even) or n * 2^-20 (c odd).
+  /// The kernel puts scale and zero on the P side (tensor cores take f16 subnormals as is).
+  static __device__ __forceinline__ void v_codes_i4(uint32_t a, uint32_t b, uint32_t (&out)[8]) {
+    const uint32_t x[2] = {prmt(a, b, 0x5410), prmt(a, b, 0x7632)};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t x8 = x[i] >> 8;
+      out[4 * i + 0] = x[i] & 0x000F000Fu;
+      out[4 * i + 1] = x[i] & 0x00F000F0u;
+      out[4 * i + 2] = x8 & 0x000F000Fu;
+      out[4 * i + 3] = x8 & 0x00F000F0u;
+    }
+  }
+
   /// Interleave word `a` of one token's codes (the lower k index) and word `b` of the next
-  /// token's into VCPW B-fragment registers, register c holding column c of both. `s2` / `z2`
-  /// are the INT4 (scale, zero) of the two tokens as half2 pairs, unused otherwise. CLAMP (INT4
-  /// only) caps values at 65504, for groups whose q * s + z can overflow f16.
-  template <bool CLAMP>
-  static __device__ __forceinline__ void v_unpack(uint32_t a, uint32_t b, __half2 s2, __half2 z2,
-                                                  uint32_t (&out)[VCPW]) {
+  /// token's into VCPW B-fragment registers, register c holding column c of both (16-bit and
+  /// FP8 formats; INT4 uses v_codes_i4).
+  static __device__ __forceinline__ void v_unpack(uint32_t a, uint32_t b, uint32_t (&out)[VCPW]) {
     if constexpr (VF == Fmt::F16 || VF == Fmt::BF16) {
       out[0] = prmt(a, b, 0x5410);
       out[1] = prmt(a, b, 0x7632);
@@ -287,28 +305,7 @@ struct Frag {
       e4m3x4_bits(prmt(a, b, 0x7632), out[2], out[3]);
 #endif
     } else {
-      // Affine INT4: q = f16(1024 + n) - 1024 exactly, then fma(q, s, z) with one rounding.
-      // Only q * s + z > 65504 can overflow (s >= 0, q >= 0, z >= -65504).
-      // Word x holds elements 0-3 of token a (low half) and of token b (high half).
-      const __half2 k1024 = __half2half2(__ushort_as_half(0x6400));
-      const __half2 k64 = __half2half2(__ushort_as_half(0x5400));
-      const __half2 hmax = __half2half2(__ushort_as_half(0x7BFF));
-      const uint32_t x[2] = {prmt(a, b, 0x5410), prmt(a, b, 0x7632)};
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t x8 = x[i] >> 8;
-        const uint32_t h[4] = {and_or<0x000F000Fu>(x[i], kF16_1024),
-                               and_or<0x00F000F0u>(x[i], kF16_64),
-                               and_or<0x000F000Fu>(x8, kF16_1024),
-                               and_or<0x00F000F0u>(x8, kF16_64)};
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const __half2 q = __hsub2(bits_h2(h[n]), (n & 1) ? k64 : k1024);
-          __half2 v = __hfma2(q, s2, z2);
-          if constexpr (CLAMP) v = __hmin2(v, hmax);
-          out[4 * i + n] = h2_bits(v);
-        }
-      }
+      static_assert(VF != Fmt::I4, "INT4 V codes go through v_codes_i4");
     }
   }
 };

@@ -312,8 +312,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // Other rows and loads are compile-time immediates, except rotated load orders.
   const uint32_t k_lane = C::KC_OFF + g * F::KPITCH + t * F::KCH;
   const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
-  const uint32_t v_lane = C::VC_OFF + 2 * t * F::VPITCH + g * F::VCH;
-  const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW + F::v_group(g) * 4;
+  // INT4 V: lane g reads word g of each 64-group (decode_frag.cuh), and whole meta rows.
+  const uint32_t v_lane = C::VC_OFF + 2 * t * F::VPITCH + g * (VF == Fmt::I4 ? 4 : F::VCH);
+  const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW;
   // Row (within the step) of V register e of k-step ks: tokens 2t, 2t+1, 2t+8, 2t+9.
   auto v_row = [](int ks, int e) { return ks * kChunk + (e & 1) + 8 * (e >> 1); };
 
@@ -322,6 +323,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
+  // INT4 V: sum_n P_n z_{n,G}, rows g / g+8, columns (groups) 2t, 2t+1; unused otherwise.
+  float zsum[4] = {0.f, 0.f, 0.f, 0.f};
 
   int slot = 0, issue_slot = NS - 1;
 #pragma unroll 1
@@ -425,6 +428,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         o[j][0] *= al_lo, o[j][1] *= al_lo;
         o[j][2] *= al_hi, o[j][3] *= al_hi;
       }
+      if constexpr (VF == Fmt::I4) {
+        zsum[0] *= al_lo, zsum[1] *= al_lo;
+        zsum[2] *= al_hi, zsum[3] *= al_hi;
+      }
     }
 
     // O += P V, one k-step per 16-token chunk. The S accumulators of n-tiles 2ks and 2ks+1 are
@@ -432,27 +439,6 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     // 2t+8, 2t+9 (register b1). Rows past the split's end may hold stale or never-written
     // codes: on a partial step their values are zeroed.
     const int n_valid = t1 - tok0;  // tokens of this step inside the split (>= 1)
-    bool clamp = false;
-    if constexpr (VF == Fmt::I4) {
-      // f16 q*s+z overflows only for groups reaching ~65504: take the clamped path then.
-      const __half2 k15 = __half2half2(__ushort_as_half(0x4B80));     // 15
-      const __half2 thr = __half2half2(__ushort_as_half(0x7BEF));     // 65000
-      bool over = false;
-#pragma unroll
-      for (int ks = 0; ks < CH; ++ks) {
-#pragma unroll
-        for (int e = 0; e < 4; e += 2) {
-          const uint32_t ma =
-              *reinterpret_cast<const uint32_t *>(st + vm_lane + v_row(ks, e) * F::VM_ROW);
-          const uint32_t mb =
-              *reinterpret_cast<const uint32_t *>(st + vm_lane + v_row(ks, e + 1) * F::VM_ROW);
-          const __half2 top = __hfma2(bits_h2(prmt(ma, mb, 0x5410)), k15,
-                                      bits_h2(prmt(ma, mb, 0x7632)));
-          over |= h2_bits(__hgt2(top, thr)) != 0u;
-        }
-      }
-      clamp = __any_sync(kFull, over);
-    }
 #pragma unroll
     for (int ks = 0; ks < CH; ++ks) {
       const uint4 pa = make_uint4(pack2<F::V_BF16>(s[2 * ks][0], s[2 * ks][1]),
@@ -465,41 +451,60 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         mask01 = (2 * t < n ? 0x0000ffffu : 0u) | (2 * t + 1 < n ? 0xffff0000u : 0u);
         mask89 = (2 * t + 8 < n ? 0x0000ffffu : 0u) | (2 * t + 9 < n ? 0xffff0000u : 0u);
       }
+      if constexpr (VF == Fmt::I4) {
+        // O_j += (P * 4s)_G * n (B: raw nibbles as subnormals, n-tile j in group G = j / 8);
+        // zsum += P * z (column G = group G). P is 0 at masked tokens, and the codes are finite,
+        // so only the metadata of rows past the split (maybe stale: NaN, inf) needs masking.
+        uint32_t m[4][F::VG];
 #pragma unroll
-      for (int v = 0; v < F::VNV; ++v) {
-        uint32_t w0[F::VWORDS], w1[F::VWORDS], w8[F::VWORDS], w9[F::VWORDS];
-        const uint8_t *vp = st + v_lane + F::v_vec(g, v) * F::VVEC;
-        lds<F::VVEC>(vp + v_row(ks, 0) * F::VPITCH, w0);
-        lds<F::VVEC>(vp + v_row(ks, 1) * F::VPITCH, w1);
-        lds<F::VVEC>(vp + v_row(ks, 2) * F::VPITCH, w8);
-        lds<F::VVEC>(vp + v_row(ks, 3) * F::VPITCH, w9);
-        __half2 s01 = __float2half2_rn(0.f), z01 = s01, s89 = s01, z89 = s01;
-        if constexpr (VF == Fmt::I4) {
-          const uint8_t *mp = st + vm_lane;
-          const uint32_t m0 = *reinterpret_cast<const uint32_t *>(mp + v_row(ks, 0) * F::VM_ROW);
-          const uint32_t m1 = *reinterpret_cast<const uint32_t *>(mp + v_row(ks, 1) * F::VM_ROW);
-          const uint32_t m8 = *reinterpret_cast<const uint32_t *>(mp + v_row(ks, 2) * F::VM_ROW);
-          const uint32_t m9 = *reinterpret_cast<const uint32_t *>(mp + v_row(ks, 3) * F::VM_ROW);
-          s01 = bits_h2(prmt(m0, m1, 0x5410)), z01 = bits_h2(prmt(m0, m1, 0x7632));
-          s89 = bits_h2(prmt(m8, m9, 0x5410)), z89 = bits_h2(prmt(m8, m9, 0x7632));
+        for (int e = 0; e < 4; ++e) lds<F::VM_ROW>(st + vm_lane + v_row(ks, e) * F::VM_ROW, m[e]);
+        const __half2 k4 = __half2half2(__ushort_as_half(0x4400));  // 4: keeps P * s normal
+        uint32_t zb01 = 0u, zb89 = 0u;
+#pragma unroll
+        for (int G = 0; G < F::VG; ++G) {
+          uint32_t s01 = prmt(m[0][G], m[1][G], 0x5410), s89 = prmt(m[2][G], m[3][G], 0x5410);
+          uint32_t z01 = prmt(m[0][G], m[1][G], 0x7632), z89 = prmt(m[2][G], m[3][G], 0x7632);
+          if (n_valid < STEP) s01 &= mask01, s89 &= mask89, z01 &= mask01, z89 &= mask89;
+          if (g == G) zb01 = z01, zb89 = z89;
+          const __half2 s4_01 = __hmul2(bits_h2(s01), k4), s4_89 = __hmul2(bits_h2(s89), k4);
+          const uint4 pg = make_uint4(h2_bits(__hmul2(bits_h2(pa.x), s4_01)),
+                                      h2_bits(__hmul2(bits_h2(pa.y), s4_01)),
+                                      h2_bits(__hmul2(bits_h2(pa.z), s4_89)),
+                                      h2_bits(__hmul2(bits_h2(pa.w), s4_89)));
+          const uint8_t *vp = st + v_lane + G * 32;  // word g of group G
+          const uint32_t w0 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 0) * F::VPITCH);
+          const uint32_t w1 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 1) * F::VPITCH);
+          const uint32_t w8 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 2) * F::VPITCH);
+          const uint32_t w9 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 3) * F::VPITCH);
+          uint32_t b01[8], b89[8];
+          F::v_codes_i4(w0, w1, b01);
+          F::v_codes_i4(w8, w9, b89);
+#pragma unroll
+          for (int c = 0; c < 8; ++c) mma16816<false>(o[8 * G + c], pg, b01[c], b89[c]);
         }
+        mma16816<false>(zsum, pa, zb01, zb89);
+      } else {
 #pragma unroll
-        for (int i = 0; i < F::VWORDS; ++i) {
-          uint32_t b01[F::VCPW], b89[F::VCPW];
-          if (clamp) {
-            F::template v_unpack<true>(w0[i], w1[i], s01, z01, b01);
-            F::template v_unpack<true>(w8[i], w9[i], s89, z89, b89);
-          } else {
-            F::template v_unpack<false>(w0[i], w1[i], s01, z01, b01);
-            F::template v_unpack<false>(w8[i], w9[i], s89, z89, b89);
+        for (int v = 0; v < F::VNV; ++v) {
+          uint32_t w0[F::VWORDS], w1[F::VWORDS], w8[F::VWORDS], w9[F::VWORDS];
+          const uint8_t *vp = st + v_lane + F::v_vec(g, v) * F::VVEC;
+          lds<F::VVEC>(vp + v_row(ks, 0) * F::VPITCH, w0);
+          lds<F::VVEC>(vp + v_row(ks, 1) * F::VPITCH, w1);
+          lds<F::VVEC>(vp + v_row(ks, 2) * F::VPITCH, w8);
+          lds<F::VVEC>(vp + v_row(ks, 3) * F::VPITCH, w9);
+#pragma unroll
+          for (int i = 0; i < F::VWORDS; ++i) {
+            uint32_t b01[F::VCPW], b89[F::VCPW];
+            F::v_unpack(w0[i], w1[i], b01);
+            F::v_unpack(w8[i], w9[i], b89);
+            if (n_valid < STEP) {
+#pragma unroll
+              for (int c = 0; c < F::VCPW; ++c) b01[c] &= mask01, b89[c] &= mask89;
+            }
+#pragma unroll
+            for (int c = 0; c < F::VCPW; ++c)
+              mma16816<F::V_BF16>(o[v * F::VEV + i * F::VCPW + c], pa, b01[c], b89[c]);
           }
-          if (n_valid < STEP) {
-#pragma unroll
-            for (int c = 0; c < F::VCPW; ++c) b01[c] &= mask01, b89[c] &= mask89;
-          }
-#pragma unroll
-          for (int c = 0; c < F::VCPW; ++c)
-            mma16816<F::V_BF16>(o[v * F::VEV + i * F::VCPW + c], pa, b01[c], b89[c]);
         }
       }
     }
@@ -521,10 +526,25 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     // Lane holds columns 2t, 2t+1 of n-tile j: the ones lanes g = 2t, 2t+1 supplied.
     float *r_lo = osm + (warp * 16 + g) * D, *r_hi = r_lo + 8 * D;
     const int d0 = F::v_dim(2 * t, j), d1 = F::v_dim(2 * t + 1, j);
-    r_lo[d0] = o[j][0];
-    r_lo[d1] = o[j][1];
-    r_hi[d0] = o[j][2];
-    r_hi[d1] = o[j][3];
+    if constexpr (VF == Fmt::I4) {
+      // O_j = unit * O_raw_j + sum_n P_n z_{n,G}: 1/4 because P carried 4s, the unit undoes
+      // the subnormal code weight (decode_frag.cuh). Group G of rows g, g+8 sits in lane
+      // g*4 + G/2 of zsum, elements G%2 and 2 + G%2.
+      const float u = F::v_col_unit_inv(j % 8) * 0.25f;
+      const int G = j / 8;
+      const int src = (lane & ~3) | (G >> 1);
+      const float z_lo = __shfl_sync(kFull, (G & 1) ? zsum[1] : zsum[0], src);
+      const float z_hi = __shfl_sync(kFull, (G & 1) ? zsum[3] : zsum[2], src);
+      r_lo[d0] = fmaf(o[j][0], u, z_lo);
+      r_lo[d1] = fmaf(o[j][1], u, z_lo);
+      r_hi[d0] = fmaf(o[j][2], u, z_hi);
+      r_hi[d1] = fmaf(o[j][3], u, z_hi);
+    } else {
+      r_lo[d0] = o[j][0];
+      r_lo[d1] = o[j][1];
+      r_hi[d0] = o[j][2];
+      r_hi[d1] = o[j][3];
+    }
   }
   if (t == 0) {
     msm[warp * 16 + g] = m_lo, msm[warp * 16 + g + 8] = m_hi;
