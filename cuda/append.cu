@@ -90,21 +90,148 @@ __device__ __forceinline__ uint32_t load_sanitized(const In *p, float (&v)[E]) {
   return sanitize_raw<In, E>(raw, v);
 }
 
+// The extremes of one thread's sanitized values that the INT4 quantizers need: the largest
+// magnitude in `hi` (K), or the smallest and largest value (V). Idle lanes hold zeros.
+struct Extremes {
+  float lo, hi;
+};
+
+template <int F, int E> __device__ __forceinline__ Extremes extremes_of(const float (&v)[E]) {
+  Extremes ex = {0.0f, 0.0f};
+  if constexpr (F == kInt4Sym32) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) ex.hi = fmaxf(ex.hi, fabsf(v[i]));
+  } else if constexpr (F == kInt4Affine64) {
+    ex.lo = ex.hi = v[0];
+#pragma unroll
+    for (int i = 1; i < E; ++i) {
+      ex.lo = fminf(ex.lo, v[i]);
+      ex.hi = fmaxf(ex.hi, v[i]);
+    }
+  }
+  return ex;
+}
+
+// The extremes of a whole quantization group from each lane's own. Every lane of the warp must
+// call it (the V group spans lanes: shuffles). A zero extreme of a V group is +0.0 (FORMATS.md),
+// whichever zero the reductions kept.
+template <int F, int E> __device__ __forceinline__ Extremes group_extremes(const Extremes &own) {
+  if constexpr (F == kInt4Affine64) {
+    constexpr int lanes = kAffineGroup / E;
+    return {__fadd_rn(group_min<lanes>(own.lo), 0.0f), __fadd_rn(group_max<lanes>(own.hi), 0.0f)};
+  } else {
+    return own;
+  }
+}
+
+template <typename In> struct PairOf;
+template <> struct PairOf<__half> {
+  using type = __half2;
+};
+template <> struct PairOf<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+
+// Reduce N packed pairs with `op`, as a tree (independent instructions), into p[0].
+template <typename P, int N, typename Op>
+__device__ __forceinline__ P tree_reduce(P (&p)[N], Op op) {
+#pragma unroll
+  for (int step = 1; step < N; step *= 2) {
+#pragma unroll
+    for (int i = 0; i + step < N; i += 2 * step) p[i] = op(p[i], p[i + step]);
+  }
+  return p[0];
+}
+
+// Extremes (as extremes_of) of a chunk of f16 / bf16 input, found on packed pairs (HMNMX2,
+// NaN-propagating), before sanitizing; returns false when the chunk holds a NaN or ±Inf. Exact:
+// the extremes of 16-bit values are 16-bit values.
+template <typename In, int F, int E>
+__device__ __forceinline__ bool packed_extremes(const RawChunk<In, E> &raw, Extremes &ex) {
+  using P = typename PairOf<In>::type;
+  constexpr int kPairs = E / 2;
+  const uint32_t *w = reinterpret_cast<const uint32_t *>(raw.q);
+  if constexpr (F == kInt4Sym32) {
+    P a[kPairs];
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      const uint32_t mag = w[j] & 0x7FFF7FFFu;  // |x| of both halves
+      a[j] = *reinterpret_cast<const P *>(&mag);
+    }
+    const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(x, y); });
+    const float m0 = __low2float(m), m1 = __high2float(m);
+    ex.lo = 0.0f;
+    ex.hi = fmaxf(m0, m1);
+    return m0 <= 0x1.fffffep127f && m1 <= 0x1.fffffep127f;  // false for NaN
+  } else {
+    static_assert(F == kInt4Affine64, "INT4 formats only");
+    P a[kPairs], b[kPairs];
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) a[j] = b[j] = *reinterpret_cast<const P *>(w + j);
+    const P mn = tree_reduce(a, [](P x, P y) { return __hmin2_nan(x, y); });
+    const P mx = tree_reduce(b, [](P x, P y) { return __hmax2_nan(x, y); });
+    const float n0 = __low2float(mn), n1 = __high2float(mn);
+    const float x0 = __low2float(mx), x1 = __high2float(mx);
+    ex.lo = fminf(n0, n1);
+    ex.hi = fmaxf(x0, x1);
+    return n0 >= -0x1.fffffep127f && n1 >= -0x1.fffffep127f && x0 <= 0x1.fffffep127f &&
+           x1 <= 0x1.fffffep127f;
+  }
+}
+
+// Rewrite the non-finite elements of a 16-bit chunk in place so that widening (plus, for bf16,
+// the clamp to ±65504) gives the sanitized values: NaN → +0, and for f16 ±Inf → ±65504 (an f16
+// value; bf16 infinities are left to the clamp). Returns how many were non-finite.
+template <typename In, int E> __device__ uint32_t scrub_raw(RawChunk<In, E> &raw) {
+  constexpr uint32_t kInf = std::is_same<In, __half>::value ? 0x7C00u : 0x7F80u;
+  uint16_t *h = reinterpret_cast<uint16_t *>(raw.q);
+  uint32_t count = 0;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const uint32_t mag = h[i] & 0x7FFFu;
+    count += mag >= kInf ? 1u : 0u;
+    if (mag > kInf) h[i] = 0;
+    if (std::is_same<In, __half>::value && mag == kInf)
+      h[i] = (uint16_t)((h[i] & 0x8000u) | 0x7BFFu);
+  }
+  return count;
+}
+
+// Element i of a 16-bit chunk as f32, clamped to ±65504 when Clamp: the sanitized input once
+// scrub_raw has run (or when the chunk had nothing to scrub).
+template <typename In, int E, bool Clamp> struct RawValues {
+  const RawChunk<In, E> &raw;
+  __device__ __forceinline__ float operator()(int i) const {
+    const float x = to_f32(reinterpret_cast<const In *>(raw.q)[i]);
+    return Clamp ? fminf(fmaxf(x, -kF16Max), kF16Max) : x;
+  }
+};
+
 // Pack E INT4 nibbles (element 2i low) into E / 8 words via the fast exact path; returns false
 // (and leaves garbage) when some element must be recomputed exactly. `num(i)` is element i's
-// numerator, [num_min, num_max] bounds them all (it lets typical groups skip the clamp).
-template <int E, typename Num>
+// numerator, [num_min, num_max] bounds them all (it lets typical groups skip the clamp). Codes
+// lie in [lo, hi], within [-Bias, 15 - Bias]: Bias 8 for symmetric codes, 0 for affine ones.
+template <int E, int Bias, typename Num>
 __device__ __forceinline__ bool int4_pack_fast(uint32_t (&w)[E / 8], float rc, float lo, float hi,
                                                float num_min, float num_max, Num num) {
+  static_assert(Bias == 0 || Bias == 8, "codes are -8..7 or 0..15");
   bool ambiguous = false;
   if (int4_fits_unclamped(num_min, num_max, rc, lo, hi)) {
+    // Biased codes are 0..15 with zeros up to bit 21, so four of them shifted into place and
+    // added give 16 clean bits; a byte permute joins two such halves, and xor-ing the bias
+    // out of every nibble turns code + 8 into the two's-complement nibble.
 #pragma unroll
     for (int j = 0; j < E / 8; ++j) {
-      uint32_t word = 0;
+      uint32_t half[2];
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        word |= int4_nibble_fast<false>(num(8 * j + i), rc, lo, hi, ambiguous) << (4 * i);
-      w[j] = word;
+      for (int h = 0; h < 2; ++h) {
+        uint32_t acc = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          acc += int4_round_biased<Bias>(num(8 * j + 4 * h + i), rc, ambiguous) << (4 * i);
+        half[h] = acc;
+      }
+      w[j] = __byte_perm(half[0], half[1], 0x5410) ^ (Bias == 8 ? 0x88888888u : 0u);
     }
   } else {
 #pragma unroll
@@ -112,7 +239,7 @@ __device__ __forceinline__ bool int4_pack_fast(uint32_t (&w)[E / 8], float rc, f
       uint32_t word = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        word |= int4_nibble_fast<true>(num(8 * j + i), rc, lo, hi, ambiguous) << (4 * i);
+        word |= int4_nibble_clamped(num(8 * j + i), rc, lo, hi, ambiguous) << (4 * i);
       w[j] = word;
     }
   }
@@ -120,11 +247,15 @@ __device__ __forceinline__ bool int4_pack_fast(uint32_t (&w)[E / 8], float rc, f
 }
 
 // Quantize this thread's E sanitized values, chunk `chunk` (elements chunk*E ..) of the row, into
-// `r`. Every lane of the warp must call it (group reductions shuffle); only `active` lanes store.
+// `r`; only `active` lanes store.
 // The fast paths are exact (format.cuh, "fast exact quantization"); anything they cannot decide
 // is recomputed with the reference formulas.
-template <int F, int E>
-__device__ __forceinline__ void encode_chunk(const float (&v)[E], int chunk, const RowRef &r,
+//
+// `v(i)` is sanitized element i; `own` holds this thread's extremes (extremes_of) and `group` its
+// group's (group_extremes), so that no shuffle happens here and callers may branch around it.
+template <int F, int E, typename Values>
+__device__ __forceinline__ void encode_chunk(const Values &v, const Extremes &own,
+                                             const Extremes &group, int chunk, const RowRef &r,
                                              bool active) {
   static_assert(E * (F == kF16 || F == kBf16 ? 2 : F == kFp8E4m3 || F == kFp8E5m2 ? 1 : 0) == 16 ||
                     E == 32,
@@ -134,8 +265,8 @@ __device__ __forceinline__ void encode_chunk(const float (&v)[E], int chunk, con
     uint32_t *w = reinterpret_cast<uint32_t *>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint32_t lo = F == kF16 ? half_bits(v[2 * i]) : bf16_bits(v[2 * i]);
-      const uint32_t hi = F == kF16 ? half_bits(v[2 * i + 1]) : bf16_bits(v[2 * i + 1]);
+      const uint32_t lo = F == kF16 ? half_bits(v(2 * i)) : bf16_bits(v(2 * i));
+      const uint32_t hi = F == kF16 ? half_bits(v(2 * i + 1)) : bf16_bits(v(2 * i + 1));
       w[i] = lo | (hi << 16);
     }
     if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
@@ -147,30 +278,28 @@ __device__ __forceinline__ void encode_chunk(const float (&v)[E], int chunk, con
     uint16_t *h = reinterpret_cast<uint16_t *>(&raw);
 #pragma unroll
     for (int i = 0; i < 8; ++i)
-      h[i] = fp8x2_quantize_fast<F>(v[2 * i], v[2 * i + 1], bracket, undecided);
+      h[i] = fp8x2_quantize_fast<F>(v(2 * i), v(2 * i + 1), bracket, undecided);
     if (undecided) {
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        h[i] = fp8x2_encode<F>(make_float2(__fdiv_rn(v[2 * i], s), __fdiv_rn(v[2 * i + 1], s)));
+        h[i] = fp8x2_encode<F>(make_float2(__fdiv_rn(v(2 * i), s), __fdiv_rn(v(2 * i + 1), s)));
     }
     if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
   } else if constexpr (F == kInt4Sym32) {
     static_assert(E == kSymGroup, "a thread owns one K group");
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < E; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    const float amax = own.hi;
     const __half s = int4_sym_scale(amax);
     const float sf = __half2float(s);
     uint4 raw = make_uint4(0, 0, 0, 0);
     uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
-    if (sf != 0.0f && !int4_pack_fast<E>(w, __frcp_rn(sf), -7.0f, 7.0f, -amax, amax,
-                                         [&](int i) { return v[i]; })) {
+    if (sf != 0.0f && !int4_pack_fast<E, 8>(w, __frcp_rn(sf), -7.0f, 7.0f, -amax, amax,
+                                            [&](int i) { return v(i); })) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         w[j] = 0;
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          w[j] |= (uint32_t)(int4_sym_code(v[8 * j + i], sf) & 0xF) << (4 * i);
+          w[j] |= (uint32_t)(int4_sym_code(v(8 * j + i), sf) & 0xF) << (4 * i);
       }
     }
     if (active) {
@@ -180,30 +309,22 @@ __device__ __forceinline__ void encode_chunk(const float (&v)[E], int chunk, con
   } else {
     static_assert(F == kInt4Affine64, "unknown format");
     constexpr int lanes = kAffineGroup / E;
-    float mn = v[0], mx = v[0];
-#pragma unroll
-    for (int i = 1; i < E; ++i) {
-      mn = fminf(mn, v[i]);
-      mx = fmaxf(mx, v[i]);
-    }
-    const float own_mn = mn, own_mx = mx;  // this thread's extremes bound its numerators
-    // A zero extreme is +0.0 (FORMATS.md), whichever zero the reductions kept.
-    mn = __fadd_rn(group_min<lanes>(mn), 0.0f);
-    mx = __fadd_rn(group_max<lanes>(mx), 0.0f);
+    const float mn = group.lo, mx = group.hi;
+    const float own_mn = own.lo, own_mx = own.hi;  // this thread's extremes bound its numerators
     const __half s = int4_affine_scale(mn, mx);
     const __half z = int4_affine_zero(mn);
     const float sf = __half2float(s), zf = __half2float(z);
     uint4 raw = make_uint4(0, 0, 0, 0);
     uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
     if (sf != 0.0f &&
-        !int4_pack_fast<E>(w, __frcp_rn(sf), 0.0f, 15.0f, __fsub_rn(own_mn, zf),
-                           __fsub_rn(own_mx, zf), [&](int i) { return __fsub_rn(v[i], zf); })) {
+        !int4_pack_fast<E, 0>(w, __frcp_rn(sf), 0.0f, 15.0f, __fsub_rn(own_mn, zf),
+                              __fsub_rn(own_mx, zf), [&](int i) { return __fsub_rn(v(i), zf); })) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         w[j] = 0;
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          w[j] |= (uint32_t)int4_affine_code(v[8 * j + i], sf, zf) << (4 * i);
+          w[j] |= (uint32_t)int4_affine_code(v(8 * j + i), sf, zf) << (4 * i);
       }
     }
     if (active) {
@@ -344,6 +465,10 @@ struct DenseRows {
 // Rows each append thread handles: their loads are issued together, so more bytes are in flight
 // per thread (latency hiding at the occupancy the quantizers' registers allow), and the
 // per-thread setup is shared. f32 input already loads twice the bytes per row.
+// Whether append quantizes straight from the packed 16-bit input (INT4 formats, f16 / bf16).
+template <typename In, int F>
+constexpr bool kPackedInt4 = sizeof(In) == 2 && (F == kInt4Sym32 || F == kInt4Affine64);
+
 template <typename In> constexpr int kAppendRows = sizeof(In) == 4 ? 1 : 2;
 
 // Three blocks per SM: the INT4 quantizers then get about 80 registers, and with two rows per
@@ -383,14 +508,40 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
     // A slot past the pool is an error the host learns about through the counter.
     out_of_range += count_out_of_range && slot[k] >= num_slots && head[k] == 0 && chunk == 0;
     const bool active = slot[k] >= 0 && slot[k] < num_slots;  // -1 also for rows past the end
-    float v[E] = {};
     RowRef r = {};
     if (active) {
-      non_finite += sanitize_raw<In, E>(raw[k], v);
       const uint32_t block = side.by_block_size.div((uint32_t)slot[k]);
       r = side.row(block, (uint32_t)slot[k] - block * side.block_size, head[k]);
     }
-    encode_chunk<F, E>(v, chunk, r, active);
+    if constexpr (kPackedInt4<In, F>) {
+      // INT4 from f16 / bf16: extremes on packed pairs, values widened as the codes need them.
+      Extremes own = {0.0f, 0.0f};
+      bool needs_clamp = false;
+      if (active) {
+        if (!packed_extremes<In, F, E>(raw[k], own)) {
+          non_finite += scrub_raw<In, E>(raw[k]);
+          packed_extremes<In, F, E>(raw[k], own);
+        }
+        // Only bf16 can exceed ±65504 once scrubbed; the clamp is monotonic, so it commutes
+        // with taking extremes.
+        needs_clamp = own.lo < -kF16Max || own.hi > kF16Max;
+        own.lo = fmaxf(own.lo, -kF16Max);
+        own.hi = fminf(own.hi, kF16Max);
+      } else {
+        raw[k] = {};
+      }
+      const Extremes group = group_extremes<F, E>(own);
+      if (__builtin_expect(needs_clamp, 0))
+        encode_chunk<F, E>(RawValues<In, E, true>{raw[k]}, own, group, chunk, r, active);
+      else
+        encode_chunk<F, E>(RawValues<In, E, false>{raw[k]}, own, group, chunk, r, active);
+    } else {
+      float v[E] = {};
+      if (active) non_finite += sanitize_raw<In, E>(raw[k], v);
+      const Extremes own = extremes_of<F, E>(v);
+      encode_chunk<F, E>([&](int i) { return v[i]; }, own, group_extremes<F, E>(own), chunk, r,
+                         active);
+    }
   }
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
   if (count_out_of_range)
@@ -436,7 +587,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     non_finite = load_sanitized<In, E>(x + (int64_t)g.row * shape.head_dim + g.chunk * E, v);
     r = dst.row(g.row);
   }
-  encode_chunk<F, E>(v, g.chunk, r, active);
+  const Extremes own = extremes_of<F, E>(v);
+  encode_chunk<F, E>([&](int i) { return v[i]; }, own, group_extremes<F, E>(own), g.chunk, r,
+                     active);
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
 }
 

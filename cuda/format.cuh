@@ -190,19 +190,33 @@ constexpr float kTieWindow = 0x1p-17f;
 // INT4 code for num / s as a 4-bit two's-complement nibble: rne(fl(num / s)) clamped to
 // [lo, hi] (lo, hi integers in [-8, 15]), given r = __frcp_rn(s) for an f16-valued s > 0.
 // Sets `ambiguous` when the result must be recomputed exactly (int4_sym_code / _affine_code).
-// Clamp = false is for callers that know num * r lies in (lo - 0.5 + kTieWindow,
-// hi + 0.5 - kTieWindow) (see int4_fits_unclamped), where rounding cannot leave [lo, hi].
-template <bool Clamp>
-__device__ __forceinline__ uint32_t int4_nibble_fast(float num, float r, float lo, float hi,
-                                                     bool &ambiguous) {
+__device__ __forceinline__ uint32_t int4_nibble_clamped(float num, float r, float lo, float hi,
+                                                        bool &ambiguous) {
   // Clamping before rounding equals clamping after, for integer bounds; it also keeps |y| small
   // enough for the magic-number rounding.
-  float y = __fmul_rn(num, r);
-  if (Clamp) y = fminf(fmaxf(y, lo), hi);
+  const float y = fminf(fmaxf(__fmul_rn(num, r), lo), hi);
   const float t = __fadd_rn(y, kRoundMagic);
   const float n = __fsub_rn(t, kRoundMagic);
   ambiguous |= fabsf(__fsub_rn(y, n)) >= 0.5f - kTieWindow;
   return __float_as_uint(t) & 0xF;
+}
+
+// The same without the clamp, for callers that know num * r lies in (lo - 0.5 + kTieWindow,
+// hi + 0.5 - kTieWindow) with lo + Bias >= 0 and hi + Bias <= 15 (see int4_fits_unclamped):
+// returns a word whose low 22 bits are rne(fl(num / s)) + Bias, in 0..15 (the bits above are the
+// magic number's), so that callers can pack codes with shifts and adds.
+//
+// It rounds the exact product p = num * r (one fma adds the magic number, a second gives the
+// residual p - n): |p - q| <= |q| * 2^-24 and |fl(q) - q| <= |q| * 2^-24, so |p - fl(q)| <= 2^-19
+// for |q| <= 16, well inside kTieWindow, and the residual fl(p - n) is within 2^-25 of p - n;
+// the same test as above then proves rne(p) == rne(fl(q)).
+template <int Bias>
+__device__ __forceinline__ uint32_t int4_round_biased(float num, float r, bool &ambiguous) {
+  constexpr float kMagic = kRoundMagic + (float)Bias;  // even, so ties still go to even
+  const float t = __fmaf_rn(num, r, kMagic);
+  const float n = __fsub_rn(t, kMagic);
+  ambiguous |= fabsf(__fmaf_rn(num, r, -n)) >= 0.5f - kTieWindow;
+  return __float_as_uint(t);
 }
 
 // Whether every num in [num_min, num_max] rounds into [lo, hi] without clamping: num ↦ num * r is
