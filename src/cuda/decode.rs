@@ -21,7 +21,7 @@
 //! Engines that own their device memory use [`DecodePlan::decode_raw`] instead.
 
 use super::device::DeviceCache;
-use super::ops::{DeviceElement, Dtype};
+use super::ops::{DeviceElement, Dtype, need_len};
 use super::{Gpu, check_status, driver_err, sys};
 use crate::cache::BlockTables;
 use crate::error::{Error, Result};
@@ -93,17 +93,6 @@ fn dtype_code(d: Dtype) -> i32 {
 
 fn to_i32(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::Unsupported(format!("{what} = {v} exceeds int32")))
-}
-
-fn need_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if actual < expected {
-        return Err(Error::Length {
-            what,
-            expected,
-            actual,
-        });
-    }
-    Ok(())
 }
 
 /// Split length for `num_splits` splits of `max_len` tokens (a multiple of [`SPLIT_MULTIPLE`]),

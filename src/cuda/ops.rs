@@ -82,7 +82,8 @@ fn same_device(gpu: &Gpu, cache: &DeviceCache) -> Result<()> {
     Ok(())
 }
 
-fn need_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+/// [`Error::Length`] unless a buffer holds at least `expected` elements.
+pub(crate) fn need_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
     if actual < expected {
         return Err(Error::Length {
             what,
