@@ -9,6 +9,12 @@
 //! | cache | [`cache`] | block allocator, block tables, a host-side pool that quantizes on append |
 //! | attention | [`cpu`] | the reference decode attention, the oracle for the GPU kernels |
 //! | GPU | `cuda` (feature `cuda`) | device cache, append / dequantize / fused decode kernels |
+//!
+//! Beside the pipeline: [`dense`] quantizes whole tensors in the file layout of `kvq quantize`;
+//! [`report`] holds benchmark results and the bytes a decode must read; [`synth`] makes seeded
+//! synthetic activations with outlier channels; `plot` (feature `plot`) draws bench charts.
+//! The format definitions are normative and bit-exact: `docs/FORMATS.md`. The GPU figures and
+//! how they were measured: `docs/PERFORMANCE.md`.
 
 pub mod cache;
 pub mod cpu;
