@@ -4,7 +4,7 @@
 //!
 //! | layer | module | what it holds |
 //! |---|---|---|
-//! | element format | [`format`] | FP8 / INT4 / f16 / bf16 math for one token row, bit-exact with FORMATS.md |
+//! | element format | [`format`](mod@format) | FP8 / INT4 / f16 / bf16 math for one token row, bit-exact with FORMATS.md |
 //! | layout | [`layout`] | where codes, scales and zeros of a block live (host and device agree) |
 //! | cache | [`cache`] | block allocator, block tables, a host-side pool that quantizes on append |
 //! | attention | [`cpu`] | the reference decode attention, the oracle for the GPU kernels |
