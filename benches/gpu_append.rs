@@ -11,8 +11,9 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::f16;
+use kvq::cuda::bench::EventTimer;
 use kvq::cuda::ops;
-use kvq::cuda::{DeviceCache, Gpu};
+use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, KvFormat};
 use std::sync::Arc;
 use std::time::Duration;
@@ -97,24 +98,22 @@ fn time_with_events(stream: &Arc<CudaStream>, iters: u64, mut f: impl FnMut()) -
     Duration::from_secs_f64(ms as f64 / 1e3)
 }
 
-/// Median GB/s of `reps` timed runs of `f` moving `bytes` each.
-fn gbps(stream: &Arc<CudaStream>, bytes: u64, reps: usize, mut f: impl FnMut()) -> f64 {
-    f(); // warm up
-    let mut v: Vec<f64> = (0..reps)
-        .map(|_| bytes as f64 / time_with_events(stream, 1, &mut f).as_secs_f64() / 1e9)
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v[reps / 2]
+/// Median GB/s of `reps` runs of `f` moving `bytes` each (the crate's CUDA-event timer).
+fn gbps(timer: &mut EventTimer, bytes: u64, reps: usize, mut f: impl FnMut()) -> f64 {
+    let us = timer
+        .median_us(1, reps, false, || {
+            f();
+            Ok(())
+        })
+        .expect("timing");
+    bytes as f64 / us / 1e3
 }
 
 fn bench(c: &mut Criterion) {
-    let gpu = match Gpu::new(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED: no GPU ({e})");
-            return;
-        }
+    let Some(gpu) = require_gpu_or_skip("gpu_append bench") else {
+        return;
     };
+    let mut timer = EventTimer::new(&gpu).expect("timer");
     eprintln!("{}", gpu.summary());
     let inputs = Inputs::new(gpu.clone());
     let s = gpu.stream().clone();
@@ -123,7 +122,7 @@ fn bench(c: &mut Criterion) {
     let src = s.alloc_zeros::<u8>(COPY_BYTES).expect("alloc");
     let mut dst = s.alloc_zeros::<u8>(COPY_BYTES).expect("alloc");
     let copy_bytes = 2 * COPY_BYTES as u64;
-    let copy_gbps = gbps(&s, copy_bytes, 9, || {
+    let copy_gbps = gbps(&mut timer, copy_bytes, 9, || {
         s.memcpy_dtod(&src, &mut dst).expect("copy")
     });
 
@@ -158,7 +157,7 @@ fn bench(c: &mut Criterion) {
             )
             .expect("append")
         };
-        let g = gbps(&s, bytes, 9, &mut run);
+        let g = gbps(&mut timer, bytes, 9, &mut run);
         summary.push(format!(
             "append K {kf} / V {vf}, f16 in, {TOKENS} tokens: {:.0} MB moved, {g:.0} GB/s = {:.0}% of dtod copy",
             bytes as f64 / 1e6,

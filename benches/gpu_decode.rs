@@ -15,14 +15,12 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtrMut};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use half::{bf16, f16};
 use kvq::cache::BlockTables;
-use kvq::cuda::decode::{
-    DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables, stream_read,
-};
+use kvq::cuda::decode::{DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables};
 use kvq::cuda::ops;
-use kvq::cuda::{DeviceCache, Gpu};
+use kvq::cuda::{DeviceCache, Gpu, bench, require_gpu_or_skip};
 use kvq::{CacheConfig, KvFormat};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,7 +31,6 @@ const HEAD_DIM: usize = 128;
 const BLOCK: usize = 16;
 /// Tokens appended per append launch while filling a pool.
 const FILL_CHUNK: usize = 16384;
-const CEILING_BYTES: usize = 4 << 30;
 
 /// (batch, context length) shapes.
 fn shapes() -> Vec<(usize, usize)> {
@@ -286,34 +283,17 @@ fn run_format<T: BenchElem>(
 }
 
 fn bench(c: &mut Criterion) {
-    let gpu = match Gpu::new(0) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED: no GPU ({e})");
-            return;
-        }
+    let Some(gpu) = require_gpu_or_skip("gpu_decode bench") else {
+        return;
     };
     // One stream only: let graph capture see no cross-stream event waits.
     // SAFETY: every buffer of this process is used on gpu.stream() alone.
     unsafe { gpu.context().disable_event_tracking() };
     eprintln!("{}", gpu.summary());
-    let s = gpu.stream().clone();
-
-    // Streaming-read ceiling of this device, this run.
-    let mut src = s.alloc_zeros::<u8>(CEILING_BYTES).expect("alloc");
-    {
-        // Not zeros: time reads of ordinary data.
-        let (p, _g) = src.device_ptr_mut(&s);
-        // SAFETY: `p` is a live allocation of CEILING_BYTES bytes on this stream.
-        unsafe { cudarc::driver::result::memset_d8_async(p, 0xA5, CEILING_BYTES, s.cu_stream()) }
-            .expect("fill");
-    }
-    let mut sink = s.alloc_zeros::<f32>(4096).expect("sink");
-    let t = median(&s, 15, || {
-        stream_read(&gpu, &src, CEILING_BYTES, &mut sink).expect("stream read")
-    });
-    let ceiling = CEILING_BYTES as f64 / t.as_secs_f64() / 1e9;
-    drop(src);
+    // Streaming-read ceiling of this device, this run (the crate's own probe and timer).
+    let mut timer = bench::EventTimer::new(&gpu).expect("timer");
+    let ceiling = bench::read_ceiling_gbps(&gpu, &mut timer).expect("read ceiling");
+    drop(timer);
 
     let (mut rows, mut sweep) = (Vec::new(), Vec::new());
     for (name, kf, vf, q_bf16) in FORMATS {
@@ -325,10 +305,7 @@ fn bench(c: &mut Criterion) {
     }
 
     eprintln!("\n== gpu_decode summary: Llama-3-8B shape (32 q / 8 kv heads, d 128, block 16) ==");
-    eprintln!(
-        "streaming-read ceiling ({} GiB): {ceiling:.0} GB/s",
-        CEILING_BYTES >> 30
-    );
+    eprintln!("streaming-read ceiling (4 GiB): {ceiling:.0} GB/s");
     let print = |title: &str, rows: &[Row]| {
         eprintln!("{title}");
         eprintln!(

@@ -22,7 +22,7 @@ use crate::layout::CacheConfig;
 use crate::report::{DecodeBenchReport, DecodeBenchRow, decode_bytes_to_read};
 use crate::synth::Synth;
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, DevicePtrMut};
 use half::{bf16, f16};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -236,9 +236,16 @@ pub fn read_ceiling_gbps(gpu: &Gpu, timer: &mut EventTimer) -> Result<f64> {
     let bytes = 4usize << 30;
     gpu.bind()?;
     let s = gpu.stream();
-    let src = s
+    let mut src = s
         .alloc_zeros::<u8>(bytes)
         .map_err(driver_err("allocating the read-ceiling buffer"))?;
+    {
+        // Time reads of ordinary data, not zeros.
+        let (p, _guard) = src.device_ptr_mut(s);
+        // SAFETY: `p` is a live allocation of `bytes` bytes, filled in order on this stream.
+        unsafe { cudarc::driver::result::memset_d8_async(p, 0xA5, bytes, s.cu_stream()) }
+            .map_err(driver_err("filling the read-ceiling buffer"))?;
+    }
     let mut sink = s
         .alloc_zeros::<f32>(4096)
         .map_err(driver_err("allocating the read-ceiling sink"))?;
