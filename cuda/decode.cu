@@ -219,7 +219,7 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   p.num_kv_heads = l.num_kv_heads;
   p.group = a->num_q_heads / l.num_kv_heads;
   p.q_len = a->q_len;
-  p.m_tiles = (p.group * a->q_len + 15) / 16;
+  p.m_tiles = (p.group * a->q_len + kRows - 1) / kRows;
   p.max_blocks = a->max_blocks;
   p.num_splits = a->num_splits;
   p.split_tokens = a->split_tokens;

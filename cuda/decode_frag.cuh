@@ -1,26 +1,31 @@
 // decode_frag.cuh: how each cache format turns stored codes into tensor-core fragments for the
 // fused decode kernel (decode_kernel.cuh). Nothing here knows about pages or softmax.
 //
-// The kernel uses mma.sync.m16n8k16 (f32 accumulate) twice per 16-token step:
-//   S = Q * K^T : M = 16 query rows, N = 8 tokens per n-tile (two n-tiles), K = head_dim.
-//   O += P * V  : M = 16 query rows, N = 8 head-dim columns per n-tile, K = 16 tokens.
-// Lane (g = lane / 4, t = lane % 4) of a warp holds B-fragment column n = g and k indices
-// {2t, 2t+1} (register b0) and {2t+8, 2t+9} (register b1).
+// The kernel uses mma.sync.m16n8k16 (f32 accumulate) twice per 16-token chunk, transposed so
+// that the few query rows of a KV head are the N = 8 side:
+//   S^T = K * q^T : M = 16 tokens, N = 8 query rows, K = head_dim.
+//   O^T += V^T * P^T : M = 16 head-dim columns per m-tile, N = 8 query rows, K = 16 tokens.
+// The builders below describe K and V in terms of the untransposed product, where K^T and V
+// are B operands: lane (g = lane / 4, t = lane % 4) holds column n = g and k indices {2t, 2t+1}
+// (register b0) and {2t+8, 2t+9} (register b1) of an "n-tile" of 8 columns. Two such n-tiles
+// side by side are exactly one A fragment of the transposed product (a0 = b0 of the first,
+// a1 = b0 of the second, a2 = b1 of the first, a3 = b1 of the second): for K the two n-tiles
+// are tokens g and g + 8 of the chunk, for V the column pairs n-tile 2i / 2i + 1 of m-tile i.
 //
 // Because Q*K^T sums over head_dim, any permutation of head_dim applied to both Q and K is free.
 // We choose it so that lane t's K elements of one token are one contiguous chunk of the row
 // (bytes [t*R/4, (t+1)*R/4) of an R-byte row): for INT4 at head_dim 128 that is exactly one
 // 32-element group and one scale. The pairing of elements inside a 32-bit fragment register is
 // whatever the format's cheapest unpacking produces; `k_pair_elem` says which elements those
-// are, and the Q fragments are built with the same function.
+// are, and the q fragments are built with the same function.
 //
-// For P*V the kernel picks lane g's output columns as the contiguous chunk
-// [g*D/8, (g+1)*D/8) of the row, n-tile j being column g*D/8 + j; k index (token) kk of the
-// 16-token step is simply token kk, so lane t reads tokens {2t, 2t+1, 2t+8, 2t+9}. A V register
-// pairs two tokens at one column, so the unpacking interleaves two rows with byte permutes.
-// INT4 V differs (see v_dim / v_codes_i4): n-tile 8G + c is element c of word g of group G, so
-// that each n-tile lies in one group; V codes stay raw integers and the group's scale rides on
-// P (P' = P * s per token, f16), its zero on a separate accumulator sum_n P_n z_n.
+// For V the kernel picks lane g's columns as the contiguous chunk [g*D/8, (g+1)*D/8) of the
+// row, n-tile j being column g*D/8 + j; k index (token) kk of the chunk is simply token kk, so
+// lane t reads tokens {2t, 2t+1, 2t+8, 2t+9}. A V register pairs two tokens at one column, so
+// the unpacking interleaves two rows with byte permutes. INT4 V differs (see v_dim /
+// v_codes_i4): n-tile 8G + c is element c of word g of group G, so that each n-tile lies in
+// one group; V codes stay raw integers and the group's scale rides on P (P' = P * s per token,
+// f16), its zero on a separate accumulator sum_n P_n z_n.
 //
 // Arithmetic types: K codes of FP8 / INT4 caches and FP8 V codes become f16 (exact for FP8, one
 // f16 rounding for INT4 K, which FORMATS.md allows); f16 / bf16 caches are used as stored.
@@ -100,6 +105,14 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint4 &a, uint32_t
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
   }
+}
+
+/// The transpose of an 8x8 matrix of 16-bit elements held as an mma C fragment (lane g*4 + t
+/// holds row g, columns 2t and 2t+1), in the same layout.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
 }
 
 /// Two E4M3 codes (bytes 0 and 1 of `w`) and (bytes 2 and 3) → two f16x2.

@@ -1,13 +1,15 @@
 // decode_kernel.cuh: the fused paged decode-attention kernel family.
 //
-// Grid (splits, num_kv_heads * m_tiles, batch); 4 or 8 warps per CTA (a launch parameter). A CTA serves one KV head's
-// 16-row tile of query rows (G query heads x q_len tokens, rows g*q_len + i, padded to 16) over
-// one split (a run of `split_tokens` tokens) of one sequence, so each KV byte of the split is
-// read once per tile. Inside the CTA each of W warps takes every W-th step (16 or 32 tokens) of the
-// split and runs its own pipeline: cp.async copies of the step's K codes / K meta / V codes /
-// V meta rows (contiguous runs of the page's head section, see src/layout.rs) into a ring of NS
-// shared-memory stages, then S = Q K^T and O += P V on tensor cores with an online softmax in
-// f32 (log2 domain). The warps' partial results are merged through shared memory at the end. A
+// Grid (splits, num_kv_heads * m_tiles, batch); 4 or 8 warps per CTA (a launch parameter). A
+// CTA serves one KV head's tile of up to 8 query rows (G query heads x q_len tokens, rows
+// g*q_len + i) over one split (a run of `split_tokens` tokens) of one sequence, so each KV byte
+// of the split is read once per tile. Inside the CTA each of W warps takes every W-th step (16
+// or 32 tokens) of the split and runs its own pipeline: cp.async copies of the step's K codes /
+// K meta / V codes / V meta rows (contiguous runs of the page's head section, see
+// src/layout.rs) into a ring of NS shared-memory stages, then S^T = K q^T and O^T += V^T P^T on
+// tensor cores with an online softmax in f32 (log2 domain). Decode has few query rows per KV
+// head, so they are the MMAs' N (8) and the KV tokens / head_dim their M (16): no padded
+// 16-row query tile. The warps' partial results are merged through shared memory at the end. A
 // sequence cut into several splits writes normalized partials + log2-sum-exp to the workspace;
 // the CTA that finishes a (sequence, KV head, tile) last (an atomic counter, reset by it) merges
 // them, so one launch does everything.
@@ -19,7 +21,8 @@
 namespace kvq_decode {
 
 constexpr int kMaxWarps = 8;  // warps per CTA: 4 or 8 (blockDim.x / 32)
-constexpr int kChunk = 16;  // tokens per copy chunk: one page segment, one P*V k-step
+constexpr int kChunk = 16;  // tokens per copy chunk: one page segment, one MMA M / k-step
+constexpr int kRows = KVQ_DECODE_TILE_ROWS;  // query rows per CTA: the MMA N (8)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFull = 0xffffffffu;
@@ -159,12 +162,14 @@ struct Cfg {
   // Shared memory: Q fragments and per-row values first, then the warps' rings of `stages`
   // stages each. After the main loop the ring area holds each warp's O tile and (m, l) per
   // row, then the split merge's weights and partial sums.
-  static constexpr int QFRAG = (D / 16) * 32 * 16;
-  static constexpr int SMALL = 16 * 4 * 5 + 16;  // row factor, q scale, limit, L, M; flag
+  static constexpr int QFRAG = (D / 16) * 32 * 8;  // B fragments of q^T, two registers a lane
+  static constexpr int SMALL = kRows * 4 * 5 + 16;  // row factor, q scale, limit, L, M; flag
   static constexpr int PRE = r128(QFRAG + SMALL);
-  static constexpr int combine(int warps) { return warps * 16 * D * 4 + 2 * warps * 16 * 4; }
+  static constexpr int combine(int warps) {
+    return warps * kRows * D * 4 + 2 * warps * kRows * 4;
+  }
   static constexpr int merge(int warps) {
-    return KVQ_DECODE_MAX_SPLITS * 16 * 4 + warps * 32 * 16;
+    return KVQ_DECODE_MAX_SPLITS * kRows * 4 + warps * 32 * 16;
   }
   static constexpr int cmax(int a, int b) { return a > b ? a : b; }
   /// Dynamic shared memory of a launch with `warps` warps of `stages` stages each.
@@ -183,13 +188,13 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   constexpr int CH = C::CH, STEP = C::STEP;
   const int NS = p.stages;
   extern __shared__ __align__(128) uint8_t smem_all[];
-  uint4 *qfrag = reinterpret_cast<uint4 *>(smem_all);
+  uint2 *qfrag = reinterpret_cast<uint2 *>(smem_all);
   float *row_c = reinterpret_cast<float *>(smem_all + C::QFRAG);
-  float *row_qs = row_c + 16;
-  int *row_lim = reinterpret_cast<int *>(row_qs + 16);
-  float *row_L = reinterpret_cast<float *>(row_lim + 16);
-  float *row_M = row_L + 16;
-  int *flag = reinterpret_cast<int *>(row_M + 16);
+  float *row_qs = row_c + kRows;
+  int *row_lim = reinterpret_cast<int *>(row_qs + kRows);
+  float *row_L = reinterpret_cast<float *>(row_lim + kRows);
+  float *row_M = row_L + kRows;
+  int *flag = reinterpret_cast<int *>(row_M + kRows);
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.m_tiles, mt = blockIdx.y % p.m_tiles;
@@ -203,7 +208,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const int t0 = split * p.split_tokens;
   const int t1 = min(len, t0 + p.split_tokens);
   const int rows = p.group * p.q_len;
-  const int row0 = mt * 16;
+  const int row0 = mt * kRows;
   // Rows of this tile are contiguous in q / out: [b][kvh*G .. ][q_len] flattened.
   const int64_t row_base = ((int64_t)b * p.num_q_heads + (int64_t)kvh * p.group) * p.q_len + row0;
 
@@ -265,11 +270,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   for (int c = 0; c < CH; ++c) next_page[c] = page_of(NS - 1, c);
 
   // ---- 2. Query tile: each row scaled by a power of two so that the f16 operand neither
-  // overflows nor loses precision (exact for bf16 inputs), then packed into A fragments in the
+  // overflows nor loses precision (exact for bf16 inputs), then packed into B fragments in the
   // K-side head_dim order (decode_frag.cuh).
   float k_factor = 1.f;
   if constexpr (KF == Fmt::E4M3 || KF == Fmt::E5M2) k_factor = p.k_scales[kvh] * fp8_unit<KF>();
-  for (int r = warp; r < 16; r += nw) {
+  for (int r = warp; r < kRows; r += nw) {
     const bool valid = row0 + r < rows;
     float mx = 0.f;
     if (valid)
@@ -287,26 +292,30 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     }
   }
   __syncthreads();
+  // B fragments of q^T for k-step j: lane (g, t) holds row g at the K-side dims of registers
+  // 2j and 2j + 1 of decode_frag.cuh's order.
   for (int i = tid; i < (D / 16) * 32; i += nthreads) {
     const int j = i / 32, ln = i % 32, gg = ln / 4, tt = ln % 4;
     const int dd[4] = {F::k_dim(tt, 2 * j, 0), F::k_dim(tt, 2 * j, 1),
                        F::k_dim(tt, 2 * j + 1, 0), F::k_dim(tt, 2 * j + 1, 1)};
-    float v[2][4];
+    const bool valid = row0 + gg < rows;
+    const float sc = row_qs[gg];
+    float v[4];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = gg + 8 * h;
-      const bool valid = row0 + r < rows;
-      const float sc = row_qs[r];
-#pragma unroll
-      for (int x = 0; x < 4; ++x)
-        v[h][x] = valid ? load_elem(p.q, (row_base + r) * D + dd[x], p.q_bf16) * sc : 0.f;
-    }
-    qfrag[i] = make_uint4(pack2<F::K_BF16>(v[0][0], v[0][1]), pack2<F::K_BF16>(v[1][0], v[1][1]),
-                          pack2<F::K_BF16>(v[0][2], v[0][3]), pack2<F::K_BF16>(v[1][2], v[1][3]));
+    for (int x = 0; x < 4; ++x)
+      v[x] = valid ? load_elem(p.q, (row_base + gg) * D + dd[x], p.q_bf16) * sc : 0.f;
+    qfrag[i] = make_uint2(pack2<F::K_BF16>(v[0], v[1]), pack2<F::K_BF16>(v[2], v[3]));
   }
   __syncthreads();
-  const float c_lo = row_c[g], c_hi = row_c[g + 8];
-  const int lim_lo = row_lim[g], lim_hi = row_lim[g + 8];
+  uint32_t qb[D / 16][2];  // this lane's q^T fragments, kept in registers for the whole loop
+#pragma unroll
+  for (int j = 0; j < D / 16; ++j) {
+    const uint2 x = qfrag[j * 32 + lane];
+    qb[j][0] = x.x, qb[j][1] = x.y;
+  }
+  // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
+  const float c_r0 = row_c[2 * t], c_r1 = row_c[2 * t + 1];
+  const int lim_r0 = row_lim[2 * t], lim_r1 = row_lim[2 * t + 1];
 
   // Lane offsets inside a stage (loop invariant): K row g, chunk t; V rows 2t.., chunk g.
   // Other rows and loads are compile-time immediates, except rotated load orders.
@@ -319,11 +328,13 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   auto v_row = [](int ks, int e) { return ks * kChunk + (e & 1) + 8 * (e >> 1); };
 
   // ---- 3. Main loop: this warp's steps w, w+4, ... of [t0, t1).
-  float o[D / 8][4];
+  // O^T accumulators: m-tile i covers the V columns of decode_frag.cuh's n-tiles 2i (rows g) and
+  // 2i + 1 (rows g + 8); C columns are this lane's query rows r0, r1.
+  float o[D / 16][4];
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;
-  // INT4 V: sum_n P_n z_{n,G}, rows g / g+8, columns (groups) 2t, 2t+1; unused otherwise.
+  for (int i = 0; i < D / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_r0 = -INFINITY, m_r1 = -INFINITY, l_r0 = 0.f, l_r1 = 0.f;
+  // INT4 V: sum_n P_n z_{n,G} (Z^T P^T): group g, rows r0 / r1 in [0] / [1]; unused otherwise.
   float zsum[4] = {0.f, 0.f, 0.f, 0.f};
 
   int slot = 0, issue_slot = NS - 1;
@@ -340,23 +351,26 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     const uint32_t ok_bits = page_ok >> (slot * CH);
     slot = slot + 1 == NS ? 0 : slot + 1;
 
-    // S = Q K^T, n-tile nt = tokens tok0 + nt*8 + [0, 8).
-    float s[2 * CH][4];
+    // S^T = K q^T per 16-token chunk ch: A = K (rows: tokens g, g + 8), B = q^T. Two
+    // accumulators per chunk (even / odd k-steps) halve the MMA dependency chain.
+    float s[CH][4], s2nd[CH][4];
 #pragma unroll
-    for (int nt = 0; nt < 2 * CH; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    for (int ch = 0; ch < CH; ++ch)
 #pragma unroll
-    for (int np = 0; np < CH; ++np) {  // n-tiles 2np, 2np+1
+      for (int e = 0; e < 4; ++e) s[ch][e] = s2nd[ch][e] = 0.f;
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
 #pragma unroll
       for (int v = 0; v < F::KNV; ++v) {
         uint32_t w[2][F::KWORDS];
         __half2 s2[2] = {__float2half2_rn(0.f), __float2half2_rn(0.f)};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int nt8 = (2 * np + h) * 8;  // first K row of the n-tile
-          lds<F::KVEC>(st + k_lane + nt8 * F::KPITCH + F::k_vec(t, v) * F::KVEC, w[h]);
+          const int row = ch * kChunk + h * 8;  // first K row of this half of the chunk
+          lds<F::KVEC>(st + k_lane + row * F::KPITCH + F::k_vec(t, v) * F::KVEC, w[h]);
           if constexpr (KF == Fmt::I4)
             s2[h] = F::k_scale2(*reinterpret_cast<const uint16_t *>(
-                st + km_lane + nt8 * F::KM_ROW + F::k_group(t, v) * 2));
+                st + km_lane + row * F::KM_ROW + F::k_group(t, v) * 2));
         }
 #pragma unroll
         for (int u = 0; u < F::KWORDS; u += F::KWU) {
@@ -375,76 +389,74 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
           for (int jj = 0; jj < R / 2; ++jj) {
             const int j = (v * F::KPAIRS + u * F::KPPW) / 2 + jj;  // k-step
-            const uint4 a = qfrag[j * 32 + lane];
-            mma16816<F::K_BF16>(s[2 * np], a, kb[0][2 * jj], kb[0][2 * jj + 1]);
-            mma16816<F::K_BF16>(s[2 * np + 1], a, kb[1][2 * jj], kb[1][2 * jj + 1]);
+            const uint4 a = make_uint4(kb[0][2 * jj], kb[1][2 * jj], kb[0][2 * jj + 1],
+                                       kb[1][2 * jj + 1]);
+            mma16816<F::K_BF16>((j & 1) ? s2nd[ch] : s[ch], a, qb[j][0], qb[j][1]);
           }
         }
       }
     }
 
-    // Online softmax (log2 domain). Thread holds rows g (s[.][0..1]) and g+8 (s[.][2..3]),
-    // tokens tok0 + nt*8 + 2t + {0,1}. Masked entries become -inf whatever the codes were.
-    float mx_lo = -INFINITY, mx_hi = -INFINITY;
+    // Online softmax (log2 domain). Lane holds tokens tok0 + ch*16 + g (s[ch][0..1]) and + 8
+    // (s[ch][2..3]) of rows r0 (s[ch][0], s[ch][2]) and r1. Masked entries become -inf whatever
+    // the codes were.
+    float mx_r0 = -INFINITY, mx_r1 = -INFINITY;
 #pragma unroll
-    for (int nt = 0; nt < 2 * CH; ++nt) {
-      const bool ok = (ok_bits >> (nt / 2)) & 1u;
+    for (int ch = 0; ch < CH; ++ch) {
+      const bool ok = (ok_bits >> ch) & 1u;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int tok = tok0 + nt * 8 + 2 * t + e;
-        s[nt][e] = (ok && tok < lim_lo) ? s[nt][e] * c_lo : -INFINITY;
-        s[nt][2 + e] = (ok && tok < lim_hi) ? s[nt][2 + e] * c_hi : -INFINITY;
-        mx_lo = fmaxf(mx_lo, s[nt][e]);
-        mx_hi = fmaxf(mx_hi, s[nt][2 + e]);
+      for (int h = 0; h < 2; ++h) {
+        const int tok = tok0 + ch * kChunk + 8 * h + g;
+        const float x0 = s[ch][2 * h] + s2nd[ch][2 * h];
+        const float x1 = s[ch][2 * h + 1] + s2nd[ch][2 * h + 1];
+        s[ch][2 * h] = (ok && tok < lim_r0) ? x0 * c_r0 : -INFINITY;
+        s[ch][2 * h + 1] = (ok && tok < lim_r1) ? x1 * c_r1 : -INFINITY;
+        mx_r0 = fmaxf(mx_r0, s[ch][2 * h]);
+        mx_r1 = fmaxf(mx_r1, s[ch][2 * h + 1]);
       }
     }
 #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-      mx_lo = fmaxf(mx_lo, __shfl_xor_sync(kFull, mx_lo, x));
-      mx_hi = fmaxf(mx_hi, __shfl_xor_sync(kFull, mx_hi, x));
+    for (int x = 4; x <= 16; x <<= 1) {
+      mx_r0 = fmaxf(mx_r0, __shfl_xor_sync(kFull, mx_r0, x));
+      mx_r1 = fmaxf(mx_r1, __shfl_xor_sync(kFull, mx_r1, x));
     }
-    const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);
+    const float mn_r0 = fmaxf(m_r0, mx_r0), mn_r1 = fmaxf(m_r1, mx_r1);
     // A row that has seen nothing yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
-    const float sub_lo = mn_lo == -INFINITY ? 0.f : mn_lo;
-    const float sub_hi = mn_hi == -INFINITY ? 0.f : mn_hi;
-    const float al_lo = fast_exp2(m_lo - sub_lo), al_hi = fast_exp2(m_hi - sub_hi);
-    m_lo = mn_lo, m_hi = mn_hi;
-    float ps_lo = 0.f, ps_hi = 0.f;
+    const float sub_r0 = mn_r0 == -INFINITY ? 0.f : mn_r0;
+    const float sub_r1 = mn_r1 == -INFINITY ? 0.f : mn_r1;
+    const float al_r0 = fast_exp2(m_r0 - sub_r0), al_r1 = fast_exp2(m_r1 - sub_r1);
+    m_r0 = mn_r0, m_r1 = mn_r1;
+    float ps_r0 = 0.f, ps_r1 = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < 2 * CH; ++nt) {
+    for (int ch = 0; ch < CH; ++ch) {
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        s[nt][e] = fast_exp2(s[nt][e] - sub_lo);
-        s[nt][2 + e] = fast_exp2(s[nt][2 + e] - sub_hi);
-        ps_lo += s[nt][e];
-        ps_hi += s[nt][2 + e];
+      for (int h = 0; h < 2; ++h) {
+        s[ch][2 * h] = fast_exp2(s[ch][2 * h] - sub_r0);
+        s[ch][2 * h + 1] = fast_exp2(s[ch][2 * h + 1] - sub_r1);
+        ps_r0 += s[ch][2 * h];
+        ps_r1 += s[ch][2 * h + 1];
       }
     }
-    l_lo = l_lo * al_lo + ps_lo;
-    l_hi = l_hi * al_hi + ps_hi;
-    if (__any_sync(kFull, al_lo != 1.f || al_hi != 1.f)) {
+    l_r0 = l_r0 * al_r0 + ps_r0;
+    l_r1 = l_r1 * al_r1 + ps_r1;
+    if (__any_sync(kFull, al_r0 != 1.f || al_r1 != 1.f)) {
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        o[j][0] *= al_lo, o[j][1] *= al_lo;
-        o[j][2] *= al_hi, o[j][3] *= al_hi;
+      for (int i = 0; i < D / 16; ++i) {
+        o[i][0] *= al_r0, o[i][1] *= al_r1;
+        o[i][2] *= al_r0, o[i][3] *= al_r1;
       }
-      if constexpr (VF == Fmt::I4) {
-        zsum[0] *= al_lo, zsum[1] *= al_lo;
-        zsum[2] *= al_hi, zsum[3] *= al_hi;
-      }
+      if constexpr (VF == Fmt::I4) zsum[0] *= al_r0, zsum[1] *= al_r1;
     }
 
-    // O += P V, one k-step per 16-token chunk. The S accumulators of n-tiles 2ks and 2ks+1 are
-    // exactly the A fragment of P (k = token). Lane t's V tokens: 2t, 2t+1 (register b0) and
-    // 2t+8, 2t+9 (register b1). Rows past the split's end may hold stale or never-written
-    // codes: on a partial step their values are zeroed.
+    // O^T += V^T P^T, one k-step per 16-token chunk. The B fragment of P^T (k = token, n = row)
+    // is the transpose of the lane's S^T tile: two movmatrix per chunk. Lane t's V tokens: 2t,
+    // 2t+1 (A registers 0, 1) and 2t+8, 2t+9 (registers 2, 3). Rows past the split's end may
+    // hold stale or never-written codes: on a partial step their values are zeroed.
     const int n_valid = t1 - tok0;  // tokens of this step inside the split (>= 1)
 #pragma unroll
     for (int ks = 0; ks < CH; ++ks) {
-      const uint4 pa = make_uint4(pack2<F::V_BF16>(s[2 * ks][0], s[2 * ks][1]),
-                                  pack2<F::V_BF16>(s[2 * ks][2], s[2 * ks][3]),
-                                  pack2<F::V_BF16>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                                  pack2<F::V_BF16>(s[2 * ks + 1][2], s[2 * ks + 1][3]));
+      const uint32_t pb0 = movmatrix_trans(pack2<F::V_BF16>(s[ks][0], s[ks][1]));
+      const uint32_t pb1 = movmatrix_trans(pack2<F::V_BF16>(s[ks][2], s[ks][3]));
       uint32_t mask01 = kFull, mask89 = kFull;
       if (n_valid < STEP) {
         const int n = n_valid - ks * kChunk;
@@ -452,8 +464,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         mask89 = (2 * t + 8 < n ? 0x0000ffffu : 0u) | (2 * t + 9 < n ? 0xffff0000u : 0u);
       }
       if constexpr (VF == Fmt::I4) {
-        // O_j += (P * 4s)_G * n (B: raw nibbles as subnormals, n-tile j in group G = j / 8);
-        // zsum += P * z (column G = group G). P is 0 at masked tokens, and the codes are finite,
+        // O_j += n * (P * 4s)_G (A: raw nibbles as subnormals, n-tile j in group G = j / 8);
+        // zsum += z * P (A row g = group g). P is 0 at masked tokens, and the codes are finite,
         // so only the metadata of rows past the split (maybe stale: NaN, inf) needs masking.
         uint32_t m[4][F::VG];
 #pragma unroll
@@ -466,11 +478,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           uint32_t z01 = prmt(m[0][G], m[1][G], 0x7632), z89 = prmt(m[2][G], m[3][G], 0x7632);
           if (n_valid < STEP) s01 &= mask01, s89 &= mask89, z01 &= mask01, z89 &= mask89;
           if (g == G) zb01 = z01, zb89 = z89;
-          const __half2 s4_01 = __hmul2(bits_h2(s01), k4), s4_89 = __hmul2(bits_h2(s89), k4);
-          const uint4 pg = make_uint4(h2_bits(__hmul2(bits_h2(pa.x), s4_01)),
-                                      h2_bits(__hmul2(bits_h2(pa.y), s4_01)),
-                                      h2_bits(__hmul2(bits_h2(pa.z), s4_89)),
-                                      h2_bits(__hmul2(bits_h2(pa.w), s4_89)));
+          const uint32_t pg0 = h2_bits(__hmul2(bits_h2(pb0), __hmul2(bits_h2(s01), k4)));
+          const uint32_t pg1 = h2_bits(__hmul2(bits_h2(pb1), __hmul2(bits_h2(s89), k4)));
           const uint8_t *vp = st + v_lane + G * 32;  // word g of group G
           const uint32_t w0 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 0) * F::VPITCH);
           const uint32_t w1 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 1) * F::VPITCH);
@@ -480,9 +489,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           F::v_codes_i4(w0, w1, b01);
           F::v_codes_i4(w8, w9, b89);
 #pragma unroll
-          for (int c = 0; c < 8; ++c) mma16816<false>(o[8 * G + c], pg, b01[c], b89[c]);
+          for (int c = 0; c < 8; c += 2)
+            mma16816<false>(o[4 * G + c / 2], make_uint4(b01[c], b01[c + 1], b89[c], b89[c + 1]),
+                            pg0, pg1);
         }
-        mma16816<false>(zsum, pa, zb01, zb89);
+        mma16816<false>(zsum, make_uint4(zb01, 0u, zb89, 0u), pb0, pb1);
       } else {
 #pragma unroll
         for (int v = 0; v < F::VNV; ++v) {
@@ -502,8 +513,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
               for (int c = 0; c < F::VCPW; ++c) b01[c] &= mask01, b89[c] &= mask89;
             }
 #pragma unroll
-            for (int c = 0; c < F::VCPW; ++c)
-              mma16816<F::V_BF16>(o[v * F::VEV + i * F::VCPW + c], pa, b01[c], b89[c]);
+            for (int c = 0; c < F::VCPW; c += 2)
+              mma16816<F::V_BF16>(o[(v * F::VEV + i * F::VCPW + c) / 2],
+                                  make_uint4(b01[c], b01[c + 1], b89[c], b89[c + 1]), pb0, pb1);
           }
         }
       }
@@ -513,52 +525,54 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 
   // ---- 4. Merge the warps' (m, l, O) per row through shared memory.
 #pragma unroll
-  for (int x = 1; x <= 2; x <<= 1) {
-    l_lo += __shfl_xor_sync(kFull, l_lo, x);
-    l_hi += __shfl_xor_sync(kFull, l_hi, x);
+  for (int x = 4; x <= 16; x <<= 1) {
+    l_r0 += __shfl_xor_sync(kFull, l_r0, x);
+    l_r1 += __shfl_xor_sync(kFull, l_r1, x);
   }
   __syncthreads();  // every warp is done with its ring
-  float *osm = reinterpret_cast<float *>(smem);  // [warp][16][D], head_dim in natural order
-  float *msm = osm + nw * 16 * D;                // [warp][16]
-  float *lsm = msm + nw * 16;                    // [warp][16]
+  float *osm = reinterpret_cast<float *>(smem);  // [warp][kRows][D], head_dim in natural order
+  float *msm = osm + nw * kRows * D;             // [warp][kRows]
+  float *lsm = msm + nw * kRows;                 // [warp][kRows]
+  {
+    float *o_r0 = osm + (warp * kRows + 2 * t) * D, *o_r1 = o_r0 + D;
 #pragma unroll
-  for (int j = 0; j < D / 8; ++j) {
-    // Lane holds columns 2t, 2t+1 of n-tile j: the ones lanes g = 2t, 2t+1 supplied.
-    float *r_lo = osm + (warp * 16 + g) * D, *r_hi = r_lo + 8 * D;
-    const int d0 = F::v_dim(2 * t, j), d1 = F::v_dim(2 * t + 1, j);
-    if constexpr (VF == Fmt::I4) {
-      // O_j = unit * O_raw_j + sum_n P_n z_{n,G}: 1/4 because P carried 4s, the unit undoes
-      // the subnormal code weight (decode_frag.cuh). Group G of rows g, g+8 sits in lane
-      // g*4 + G/2 of zsum, elements G%2 and 2 + G%2.
-      const float u = F::v_col_unit_inv(j % 8) * 0.25f;
-      const int G = j / 8;
-      const int src = (lane & ~3) | (G >> 1);
-      const float z_lo = __shfl_sync(kFull, (G & 1) ? zsum[1] : zsum[0], src);
-      const float z_hi = __shfl_sync(kFull, (G & 1) ? zsum[3] : zsum[2], src);
-      r_lo[d0] = fmaf(o[j][0], u, z_lo);
-      r_lo[d1] = fmaf(o[j][1], u, z_lo);
-      r_hi[d0] = fmaf(o[j][2], u, z_hi);
-      r_hi[d1] = fmaf(o[j][3], u, z_hi);
-    } else {
-      r_lo[d0] = o[j][0];
-      r_lo[d1] = o[j][1];
-      r_hi[d0] = o[j][2];
-      r_hi[d1] = o[j][3];
+    for (int i = 0; i < D / 16; ++i) {
+      // m-tile i rows g / g + 8 are the columns lane g supplied to n-tiles 2i / 2i + 1.
+      const int da = F::v_dim(g, 2 * i), db = F::v_dim(g, 2 * i + 1);
+      if constexpr (VF == Fmt::I4) {
+        // O_j = unit * O_raw_j + sum_n P_n z_{n,G}: 1/4 because P carried 4s, the unit undoes
+        // the subnormal code weight (decode_frag.cuh). Group G's sums for rows r0, r1 sit in
+        // lane 4G + t, elements 0 and 1.
+        const float ua = F::v_col_unit_inv((2 * i) % 8) * 0.25f;
+        const float ub = F::v_col_unit_inv((2 * i + 1) % 8) * 0.25f;
+        const int src = 4 * ((2 * i) / 8) + t;
+        const float z0 = __shfl_sync(kFull, zsum[0], src);
+        const float z1 = __shfl_sync(kFull, zsum[1], src);
+        o_r0[da] = fmaf(o[i][0], ua, z0);
+        o_r1[da] = fmaf(o[i][1], ua, z1);
+        o_r0[db] = fmaf(o[i][2], ub, z0);
+        o_r1[db] = fmaf(o[i][3], ub, z1);
+      } else {
+        o_r0[da] = o[i][0];
+        o_r1[da] = o[i][1];
+        o_r0[db] = o[i][2];
+        o_r1[db] = o[i][3];
+      }
     }
   }
-  if (t == 0) {
-    msm[warp * 16 + g] = m_lo, msm[warp * 16 + g + 8] = m_hi;
-    lsm[warp * 16 + g] = l_lo, lsm[warp * 16 + g + 8] = l_hi;
+  if (g == 0) {
+    msm[warp * kRows + 2 * t] = m_r0, msm[warp * kRows + 2 * t + 1] = m_r1;
+    lsm[warp * kRows + 2 * t] = l_r0, lsm[warp * kRows + 2 * t + 1] = l_r1;
   }
   __syncthreads();
-  if (tid < 16) {
+  if (tid < kRows) {
     float M = -INFINITY;
-    for (int w = 0; w < nw; ++w) M = fmaxf(M, msm[w * 16 + tid]);
+    for (int w = 0; w < nw; ++w) M = fmaxf(M, msm[w * kRows + tid]);
     float L = 0.f;
     for (int w = 0; w < nw; ++w) {
-      const float f = M == -INFINITY ? 0.f : fast_exp2(msm[w * 16 + tid] - M);
-      msm[w * 16 + tid] = f;  // now the warp's weight
-      L += f * lsm[w * 16 + tid];
+      const float f = M == -INFINITY ? 0.f : fast_exp2(msm[w * kRows + tid] - M);
+      msm[w * kRows + tid] = f;  // now the warp's weight
+      L += f * lsm[w * kRows + tid];
     }
     row_L[tid] = L;
     row_M[tid] = M;
@@ -566,7 +580,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   __syncthreads();
   float v_factor = 1.f;
   if constexpr (VF == Fmt::E4M3 || VF == Fmt::E5M2) v_factor = p.v_scales[kvh] * fp8_unit<VF>();
-  const int nvalid = min(16, rows - row0);
+  const int nvalid = min(kRows, rows - row0);
   const int64_t rq = (int64_t)p.num_q_heads * p.q_len;  // rows of one sequence
   const int64_t seq_row = row_base - (int64_t)b * rq;   // this tile's first row in its sequence
   float *ws_o = p.ws_o + ((int64_t)b * p.num_splits * rq + seq_row) * D;  // + split * rq * D
@@ -574,7 +588,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   for (int i = tid; i < nvalid * D; i += nthreads) {
     const int r = i / D, d = i % D;
     float acc = 0.f;
-    for (int w = 0; w < nw; ++w) acc += msm[w * 16 + r] * osm[(w * 16 + r) * D + d];
+    for (int w = 0; w < nw; ++w) acc += msm[w * kRows + r] * osm[(w * kRows + r) * D + d];
     const float L = row_L[r];
     const float val = L > 0.f ? acc * (v_factor / L) : 0.f;
     if (nsplit == 1)
@@ -603,8 +617,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   __syncthreads();
   if (!*flag) return;
   __threadfence();  // see the other CTAs' partials
-  float *wts = reinterpret_cast<float *>(smem);  // [split][16] weights (ring area is free)
-  float4 *part = reinterpret_cast<float4 *>(smem + KVQ_DECODE_MAX_SPLITS * 16 * 4);
+  float *wts = reinterpret_cast<float *>(smem);  // [split][kRows] weights (ring area is free)
+  float4 *part = reinterpret_cast<float4 *>(smem + KVQ_DECODE_MAX_SPLITS * kRows * 4);
   for (int r = warp; r < nvalid; r += nw) {
     float M = -INFINITY;
     for (int s = lane; s < nsplit; s += 32) M = fmaxf(M, __ldcg(ws_lse + s * rq + r));
@@ -613,7 +627,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     float L = 0.f;
     for (int s = lane; s < nsplit; s += 32) {
       const float f = M == -INFINITY ? 0.f : fast_exp2(__ldcg(ws_lse + s * rq + r) - M);
-      wts[s * 16 + r] = f;
+      wts[s * kRows + r] = f;
       L += f;
     }
 #pragma unroll
@@ -645,7 +659,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         for (int u = 0; u < 8; ++u) {
           const int s = s0 + u * per;
           x[u] = s < nsplit ? __ldcg(src + s * stride4) : make_float4(0.f, 0.f, 0.f, 0.f);
-          w[u] = s < nsplit ? wts[s * 16 + r] : 0.f;
+          w[u] = s < nsplit ? wts[s * kRows + r] : 0.f;
         }
 #pragma unroll
         for (int u = 0; u < 8; ++u) {

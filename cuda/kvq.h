@@ -128,6 +128,9 @@ const char *kvq_last_error(void);
 
 /* Longest split-KV fan-out one launch may use (the merge keeps one weight per split). */
 #define KVQ_DECODE_MAX_SPLITS 256
+/* Query rows (G query heads x q_len tokens of one KV head) one thread block serves: the N of
+ * its tensor-core tiles. More rows take several tiles, each reading the KV head's bytes. */
+#define KVQ_DECODE_TILE_ROWS 8
 
 /* One decode step of attention over a paged cache, with the semantics of
  * kvq::cpu::decode_attention: context_lens[b] counts every token of sequence b including its
@@ -140,7 +143,7 @@ const char *kvq_last_error(void);
  *   ws_o, ws_lse, ws_counters  split-KV workspace, used when num_splits > 1:
  *                 ws_o [batch, num_splits, num_q_heads * q_len, head_dim] f32,
  *                 ws_lse [batch, num_splits, num_q_heads * q_len] f32,
- *                 ws_counters [batch, num_kv_heads, ceil(G * q_len / 16)] uint32, all zero
+ *                 ws_counters [batch, num_kv_heads, ceil(G * q_len / KVQ_DECODE_TILE_ROWS)] uint32, all zero
  *                 before the first launch (each launch leaves them zero again)
  * Sequence b is cut into ceil(len / split_tokens) splits (split_tokens a positive multiple of
  * 32; at most num_splits of them, 1 <= num_splits <= KVQ_DECODE_MAX_SPLITS), each served by its

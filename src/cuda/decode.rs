@@ -43,20 +43,20 @@ pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// Most splits one launch may use (`KVQ_DECODE_MAX_SPLITS`).
 pub const MAX_SPLITS: usize = sys::KVQ_DECODE_MAX_SPLITS as usize;
 
+/// Query rows (query heads of one KV head x q_len) one thread block serves; a KV head with more
+/// rows is served by several blocks, each reading its bytes.
+pub const TILE_ROWS: usize = sys::KVQ_DECODE_TILE_ROWS as usize;
+
 /// A split shorter than this costs more in setup and merge than it gains in parallelism.
 const MIN_SPLIT_TOKENS: usize = 256;
 
-/// Fixed cost of one thread block in the split model, in tokens of streaming (query setup,
-/// pipeline fill, warp merge).
-const CTA_OVERHEAD_TOKENS: usize = 128;
+/// Fixed cost of one thread block in the launch model, in tokens of streaming (query setup,
+/// pipeline fill, warp merge); fitted with the rate model (see `RateModel`).
+const CTA_OVERHEAD_TOKENS: usize = 512;
 
-/// Cost of each split in the split model, in tokens of streaming: partial write and merge,
+/// Cost of each split in the launch model, in tokens of streaming: partial write and merge,
 /// measured on an H200 at ~0.44 us per split (docs/PERFORMANCE.md, v3).
 const SPLIT_COST_TOKENS: usize = 32;
-
-/// Bytes of copies in flight per SM the stage choice aims for: the v3 sweep on an H200 found
-/// 16-bit caches at 93 % of the read ceiling with 143 KB in flight and 90 % with 107 KB.
-const INFLIGHT_TARGET: usize = 128 << 10;
 
 /// Warps per thread block the kernel is launched with (`warps` of [`DecodePlan`]).
 pub const WARPS: [usize; 2] = [4, 8];
@@ -103,22 +103,6 @@ fn split_len(max_len: usize, num_splits: usize) -> (usize, usize) {
         .div_ceil(num_splits.max(1))
         .next_multiple_of(SPLIT_MULTIPLE);
     (max_len.div_ceil(split_tokens), split_tokens)
-}
-
-/// Split count and split length for `base_ctas` thread blocks per split on a GPU of `sms`
-/// SMs, for contexts up to `max_len` tokens. Model (memory-bound: an SM streams at its rate
-/// whatever number of blocks shares it): time ~ blocks per SM x (tokens per block + a fixed
-/// cost per block) + a cost per split; the fewest splits within 2 % of the best, splits no
-/// shorter than [`MIN_SPLIT_TOKENS`] (or one split), at most [`MAX_SPLITS`].
-fn choose_splits(base_ctas: usize, sms: usize, max_len: usize) -> (usize, usize) {
-    let most = max_len.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
-    let cost = |s: usize| {
-        let (n, len) = split_len(max_len, s);
-        ((base_ctas * n).div_ceil(sms) * (len + CTA_OVERHEAD_TOKENS) + n * SPLIT_COST_TOKENS) as f64
-    };
-    let best = (1..=most).map(cost).fold(f64::INFINITY, f64::min);
-    let s = (1..=most).find(|&s| cost(s) <= best * 1.02).unwrap_or(1);
-    split_len(max_len, s)
 }
 
 /// How decode launches for one cache layout and batch shape are cut; computed once, reused for
@@ -170,62 +154,118 @@ struct LaunchShape {
     ctas: usize,
 }
 
-/// Stage count at `warps` warps per block, given `occ(warps, stages) -> (blocks per SM, bytes
-/// per stage)`: enough copies in flight per SM (at least 90 % of [`INFLIGHT_TARGET`]) first,
-/// then the most resident blocks, then more bytes in flight, then fewer stages. None if no
-/// stage count fits.
-fn stages_for(
+/// How one launch is cut: its shape and its split-KV split count and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct LaunchChoice {
+    shape: LaunchShape,
+    splits: usize,
+    split_tokens: usize,
+}
+
+/// What an SM needs to run the decode at its full rate: enough copies in flight and enough
+/// resident warps to hide the dependency chains of a step. Fitted to an H200 sweep of every
+/// launch shape (`examples/decode_sweep.rs`, docs/PERFORMANCE.md): 16-bit caches want about
+/// 128 KB in flight and 8 warps; FP8 and INT4 caches are bound by their warps' latency long
+/// before their copies (INT4 ran the same at 61 KB as at 123 KB in flight, 12 % faster at 12
+/// warps per SM than at 8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RateModel {
+    /// Bytes of copies each block keeps in flight.
+    inflight: usize,
+    /// Warps per block.
     warps: usize,
-    occ: &mut impl FnMut(usize, usize) -> Result<(usize, usize)>,
-) -> Result<Option<LaunchShape>> {
-    let mut fits = Vec::new();
-    for stages in STAGES {
-        let (ctas, stage_bytes) = occ(warps, stages)?;
-        if ctas > 0 {
-            let inflight = (ctas * warps * (stages - 1) * stage_bytes).min(INFLIGHT_TARGET);
-            fits.push((inflight, ctas, stages));
+    /// Bytes in flight per SM that reach the full rate.
+    inflight_target: usize,
+    /// Resident warps per SM that reach the full rate.
+    full_rate_warps: usize,
+}
+
+impl RateModel {
+    /// The model for caches in `k` / `v`, launched with `warps` warps per block of `stages`
+    /// stages of `stage_bytes` each (one stage per warp is being computed, the rest in flight).
+    fn new(k: KvFormat, v: KvFormat, warps: usize, stages: usize, stage_bytes: usize) -> Self {
+        let narrowest = k.bits().min(v.bits());
+        RateModel {
+            inflight: warps * (stages - 1) * stage_bytes,
+            warps,
+            inflight_target: if narrowest >= 16 { 128 << 10 } else { 32 << 10 },
+            full_rate_warps: if narrowest == 4 { 12 } else { 8 },
         }
     }
-    Ok(fits
-        .into_iter()
-        .max_by_key(|&(inflight, ctas, stages)| {
-            let enough = inflight * 10 >= INFLIGHT_TARGET * 9;
-            (enough, ctas, inflight, std::cmp::Reverse(stages))
-        })
-        .map(|(_, ctas, stages)| LaunchShape {
+
+    /// Fraction of the full rate of an SM with `k` blocks resident.
+    fn rate(&self, k: usize) -> f64 {
+        let copies = (k * self.inflight) as f64 / self.inflight_target as f64;
+        let warps = (k * self.warps) as f64 / self.full_rate_warps as f64;
+        copies.min(warps).min(1.0)
+    }
+}
+
+/// Time, in units of one block's run at the full rate of an SM, for `blocks` equal blocks on
+/// `sms` SMs holding `ctas` blocks each. Blocks run in waves, and an SM slows down below what
+/// its resident blocks need (`model`), which is what makes a thin last wave slow (H200: B=64
+/// fp8 at 3 blocks per SM, 1.3 waves, 74 % of the ceiling against 87 % at 2 blocks per SM,
+/// 1.9 waves).
+fn wave_time(blocks: usize, sms: usize, ctas: usize, model: RateModel) -> f64 {
+    let slots = ctas * sms;
+    let (full, rest) = (blocks / slots, blocks % slots);
+    let mut t = full as f64 * ctas as f64 / model.rate(ctas);
+    if rest > 0 {
+        let k = rest.div_ceil(sms);
+        t += k as f64 / model.rate(k);
+    }
+    t
+}
+
+/// Warps, stages and split count together, given `occ(warps, stages) -> (blocks per SM, bytes
+/// per stage)` and `base` blocks per split (batch x KV heads x query tiles) on `sms` SMs, for
+/// contexts up to `max_len` tokens of caches in `formats` (K, V). Model: [`wave_time`] x
+/// (tokens per split + a fixed cost per block) + a cost per split; among the launches within
+/// 2 % of the best, the fewest splits, then the fewest stages, then the fewest warps. Splits
+/// are no shorter than [`MIN_SPLIT_TOKENS`] (or one split), at most [`MAX_SPLITS`]. An error
+/// only if nothing fits.
+fn choose_launch(
+    base: usize,
+    sms: usize,
+    max_len: usize,
+    (k, v): (KvFormat, KvFormat),
+    mut occ: impl FnMut(usize, usize) -> Result<(usize, usize)>,
+) -> Result<LaunchChoice> {
+    let most = max_len.div_ceil(MIN_SPLIT_TOKENS).clamp(1, MAX_SPLITS);
+    let mut cands = Vec::new(); // (cost, splits, stages, warps, ctas)
+    for warps in WARPS {
+        for stages in STAGES {
+            let (ctas, stage_bytes) = occ(warps, stages)?;
+            if ctas == 0 {
+                continue;
+            }
+            let model = RateModel::new(k, v, warps, stages, stage_bytes);
+            for splits in 1..=most {
+                let (n, len) = split_len(max_len, splits);
+                let waves = wave_time(base * n, sms, ctas, model);
+                let cost =
+                    waves * (len + CTA_OVERHEAD_TOKENS) as f64 + (n * SPLIT_COST_TOKENS) as f64;
+                cands.push((cost, n, stages, warps, ctas));
+            }
+        }
+    }
+    let best = cands.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
+    let &(_, n, stages, warps, ctas) = cands
+        .iter()
+        .filter(|c| c.0 <= best * 1.02)
+        .min_by_key(|c| (c.1, c.2, c.3))
+        .ok_or_else(|| {
+            Error::Unsupported("GPU decode: no stage count fits this device's shared memory".into())
+        })?;
+    let (splits, split_tokens) = split_len(max_len, n);
+    Ok(LaunchChoice {
+        shape: LaunchShape {
             warps,
             stages,
             ctas,
-        }))
-}
-
-/// The launch shape of a plan whose grid has `blocks` thread blocks on `sms` SMs; `compact`:
-/// the cache is not 16-bit on both sides (dequantization makes a step's dependency chain
-/// long). What the H200 sweep (docs/PERFORMANCE.md, v4) found best:
-/// - more blocks than SMs: 4 warps per block and the stage rule of [`stages_for`];
-/// - at most one block per SM, compact cache: 8 warps of 2 stages (two warps per scheduler
-///   hide the dequantization chain better than deeper copies do);
-/// - at most one block per SM, 16-bit cache: as for many blocks (bytes in flight matter more).
-///
-/// Falls back to 4 warps when 8 do not fit; an error only if nothing fits.
-fn choose_launch(
-    blocks: usize,
-    sms: usize,
-    compact: bool,
-    mut occ: impl FnMut(usize, usize) -> Result<(usize, usize)>,
-) -> Result<LaunchShape> {
-    if blocks <= sms && compact {
-        let (ctas, _) = occ(8, 2)?;
-        if ctas > 0 {
-            return Ok(LaunchShape {
-                warps: 8,
-                stages: 2,
-                ctas,
-            });
-        }
-    }
-    stages_for(4, &mut occ)?.ok_or_else(|| {
-        Error::Unsupported("GPU decode: no stage count fits this device's shared memory".into())
+        },
+        splits,
+        split_tokens,
     })
 }
 
@@ -292,7 +332,7 @@ impl DecodePlan {
                  (context lengths include the new tokens)"
             )));
         }
-        let m_tiles = (num_q_heads / c.num_kv_heads * q_len).div_ceil(16);
+        let m_tiles = (num_q_heads / c.num_kv_heads * q_len).div_ceil(TILE_ROWS);
         if c.num_kv_heads * m_tiles > 65535 || batch > 65535 {
             return Err(Error::Unsupported(format!(
                 "GPU decode grid: batch {batch} and num_kv_heads x query tiles {} must each be \
@@ -307,12 +347,13 @@ impl DecodePlan {
         gpu.bind()?;
         let sms = gpu.props().sm_count as usize;
         let base = batch * c.num_kv_heads * m_tiles;
-        let (num_splits, split_tokens) = choose_splits(base, sms, max_context_len);
-        let compact = c.k_format.bits() < 16 || c.v_format.bits() < 16;
-        let shape = choose_launch(base * num_splits, sms, compact, |w, n| {
+        let formats = (c.k_format, c.v_format);
+        let choice = choose_launch(base, sms, max_context_len, formats, |w, n| {
             occupancy(layout, w, n)
         })?;
-        let (warps, stages, ctas_per_sm) = (shape.warps, shape.stages, shape.ctas);
+        let (num_splits, split_tokens) = (choice.splits, choice.split_tokens);
+        let s = choice.shape;
+        let (warps, stages, ctas_per_sm) = (s.warps, s.stages, s.ctas);
         Ok(DecodePlan {
             gpu: gpu.clone(),
             layout: *layout,
@@ -445,7 +486,7 @@ impl DecodePlan {
         }
         let lse = self.lse_elems() * self.num_splits;
         let c = &self.layout.config;
-        let tiles = (self.num_q_heads / c.num_kv_heads * self.q_len).div_ceil(16);
+        let tiles = (self.num_q_heads / c.num_kv_heads * self.q_len).div_ceil(TILE_ROWS);
         (lse * c.head_dim, lse, self.batch * c.num_kv_heads * tiles)
     }
 
@@ -892,29 +933,6 @@ pub fn stream_read(
 mod tests {
     use super::*;
 
-    #[test]
-    fn split_choice_fills_the_gpu() {
-        // Llama-3-8B decode, one sequence of 32k on 132 SMs: 8 CTAs per split, so 16 splits
-        // give every SM one block.
-        let (n, len) = choose_splits(8, 132, 32768);
-        assert!((14..=16).contains(&n) && n * len >= 32768, "{n} x {len}");
-        assert_eq!(len % SPLIT_MULTIPLE, 0);
-        // Two blocks per SM already: no split.
-        assert_eq!(choose_splits(264, 132, 16384).0, 1);
-        assert_eq!(choose_splits(512, 132, 16384).0, 1);
-        // Short contexts are never cut below MIN_SPLIT_TOKENS.
-        let (n, len) = choose_splits(1, 132, 300);
-        assert!(n <= 2 && n * len >= 300);
-        // Slightly more blocks than SMs: split so the SMs share the work evenly.
-        let (n, len) = choose_splits(140, 132, 16384);
-        assert!(n > 1 && n * len >= 16384, "{n} x {len}");
-        // Every choice covers the context with at most MAX_SPLITS splits.
-        for (base, len) in [(1, 1), (1, 1 << 20), (3, 777), (4096, 5)] {
-            let (n, l) = choose_splits(base, 132, len);
-            assert!((1..=MAX_SPLITS).contains(&n) && n * l >= len && l % SPLIT_MULTIPLE == 0);
-        }
-    }
-
     /// A shared-memory model shaped like the kernel's: `stage` bytes per stage and warp, 227 KB
     /// per SM, at most `max_ctas` blocks per SM by registers.
     fn occ_model(
@@ -929,25 +947,64 @@ mod tests {
 
     #[test]
     fn launch_choice() {
-        let bf16 = 8960; // bytes per stage: head_dim 128, 16 tokens of K and V, padded rows
-        let int4 = 5120; // 32 tokens
-        // Many blocks: 4 warps; 3 stages of bf16 (2 blocks, 143 KB in flight).
-        let s = choose_launch(1024, 132, false, occ_model(bf16, 3)).unwrap();
-        assert_eq!((s.warps, s.stages, s.ctas), (4, 3, 2));
-        // int4: 3 stages keep 3 blocks per SM with 123 KB in flight.
-        let s = choose_launch(1024, 132, true, occ_model(int4, 3)).unwrap();
-        assert_eq!((s.warps, s.stages, s.ctas), (4, 3, 3));
-        // One block per SM: compact caches take 8 warps of 2 stages, 16-bit ones stay at 4.
-        let s = choose_launch(128, 132, true, occ_model(int4, 3)).unwrap();
-        assert_eq!((s.warps, s.stages), (8, 2));
-        let s = choose_launch(128, 132, false, occ_model(bf16, 3)).unwrap();
-        assert_eq!((s.warps, s.stages), (4, 3));
-        // 8 warps that do not fit (huge stages): back to 4 warps.
-        let s = choose_launch(128, 132, true, occ_model(17_000, 2)).unwrap();
-        assert_eq!(s.warps, 4);
-        assert!(s.ctas >= 1);
+        use KvFormat::*;
+        let bf16 = ((Bf16, Bf16), 8960); // bytes per stage at head_dim 128: 16 tokens, padded
+        let fp8 = ((Fp8E4m3, Fp8E4m3), 4608);
+        let int4 = ((Int4Sym32, Int4Affine64), 5120); // 32 tokens
+        // (warps, stages, blocks per SM, splits, split length); `regs`: 4-warp blocks per SM
+        // that registers allow.
+        let pick = |base, len, (formats, stage), regs| {
+            let c = choose_launch(base, 132, len, formats, occ_model(stage, regs)).unwrap();
+            (
+                c.shape.warps,
+                c.shape.stages,
+                c.shape.ctas,
+                c.splits,
+                c.split_tokens,
+            )
+        };
+        // Many blocks of a 16-bit cache: 2 blocks of 4 warps x 3 stages (143 KB in flight).
+        assert_eq!(pick(512, 16384, bf16, 3), (4, 3, 2, 1, 16384));
+        // FP8 and INT4: as many resident warps as fit, few stages, no split.
+        assert_eq!(pick(512, 16384, fp8, 4), (4, 2, 4, 1, 16384));
+        assert_eq!(pick(1024, 8192, int4, 3), (4, 2, 3, 1, 8192));
+        // One sequence of 32k (8 blocks per split): every SM gets one block of 8 warps.
+        for (cache, regs) in [(bf16, 3), (int4, 3)] {
+            let (w, _, _, n, len) = pick(8, 32768, cache, regs);
+            assert!(
+                w == 8 && (14..=16).contains(&n) && n * len >= 32768,
+                "{n} x {len}"
+            );
+            assert_eq!(len % SPLIT_MULTIPLE, 0);
+        }
+        // Short contexts are never cut below MIN_SPLIT_TOKENS.
+        let (.., n, len) = pick(1, 300, bf16, 3);
+        assert!(n <= 2 && n * len >= 300);
+        // Every choice covers the context with at most MAX_SPLITS splits.
+        for (base, len) in [(1, 1), (1, 1 << 20), (3, 777), (4096, 5), (140, 16384)] {
+            let (.., n, l) = pick(base, len, int4, 3);
+            assert!((1..=MAX_SPLITS).contains(&n) && n * l >= len && l % SPLIT_MULTIPLE == 0);
+        }
+        // Huge stages: whatever fits.
+        let (_, _, ctas, ..) = pick(8, 32768, (int4.0, 25_000), 2);
+        assert!(ctas >= 1);
         // Nothing fits: an error, not a panic.
-        assert!(choose_launch(128, 132, true, occ_model(200_000, 2)).is_err());
+        assert!(choose_launch(128, 132, 4096, bf16.0, occ_model(200_000, 2)).is_err());
+    }
+
+    #[test]
+    fn waves() {
+        let m = |inflight, warps| RateModel {
+            inflight,
+            warps,
+            inflight_target: 128 << 10,
+            full_rate_warps: 8,
+        };
+        // Full waves at full rate cost their block count per SM; a thin last wave costs more.
+        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 4)), 2.0);
+        assert!(wave_time(396 + 132, 132, 3, m(43 << 10, 4)) > 4.0);
+        // Too few warps slow an SM down as too few copies do.
+        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 2)), 4.0);
     }
 
     #[test]

@@ -86,6 +86,9 @@ pub struct kvq_cache {
 /// Most split-KV splits one decode launch may use.
 pub const KVQ_DECODE_MAX_SPLITS: i32 = 256;
 
+/// Query rows one decode thread block serves (its tensor-core tile's N).
+pub const KVQ_DECODE_TILE_ROWS: i32 = 8;
+
 /// `kvq_decode_args`: one fused decode launch (kvq.h documents every field).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
