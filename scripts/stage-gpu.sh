@@ -16,7 +16,7 @@ grep -qxF '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >>
 rm -rf .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/data
 cargo build --release --features cuda,cli --bin kvq \
   --test gpu_append --test gpu_decode --bench gpu_append --bench gpu_decode \
-  --example decode_bench --example moe_decode_budget \
+  --example decode_bench --example moe_decode_budget --example decode_sweep \
   --message-format=json-render-diagnostics > .gpu-stage/build.json
 python3 - <<'PY'
 import json, shutil

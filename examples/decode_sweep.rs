@@ -1,0 +1,144 @@
+//! Launch-shape sweep of the decode kernel: for chosen cases of the standard grid and format
+//! pairs, time every (warps, stages) that fits at several split counts, beside the plan's own
+//! choice, with the method of `kvq::cuda::bench` (cold L2, CUDA events, median). This is the
+//! data behind `DecodePlan`'s launch model (src/cuda/decode.rs, docs/PERFORMANCE.md).
+//!
+//! ```sh
+//! cargo run --release --features cuda --example decode_sweep -- \
+//!     [--case NAME]... [--shape B:L]... [--format bf16|fp8|int4|int4-fp8]... [--splits 1,2,3]
+//!     [--iters N]
+//! ```
+//! `--case` names a shape family of the grid (`llama3-8b`, `8x22b-tp8`, `mha-32`, ...),
+//! `--shape` a batch and context length in it. Prints one markdown row per launch, `*` marking
+//! the plan's choice.
+
+use kvq::KvFormat;
+use kvq::cuda::decode::{DecodeWorkspace, STAGES, WARPS};
+use kvq::cuda::{Gpu, bench};
+
+struct Args {
+    cases: Vec<String>,
+    shapes: Vec<(usize, usize)>,
+    formats: Vec<(KvFormat, KvFormat)>,
+    splits: Vec<usize>,
+    iters: usize,
+}
+
+fn parse_format(name: &str) -> Result<(KvFormat, KvFormat), String> {
+    Ok(match name {
+        "bf16" => (KvFormat::Bf16, KvFormat::Bf16),
+        "fp8" => (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        "int4" => (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        "int4-fp8" => (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
+        other => {
+            return Err(format!(
+                "unknown format '{other}' (bf16, fp8, int4, int4-fp8)"
+            ));
+        }
+    })
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        cases: Vec::new(),
+        shapes: Vec::new(),
+        formats: Vec::new(),
+        splits: vec![1, 2, 3, 4],
+        iters: 20,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        let mut value = |name: &str| it.next().ok_or(format!("{name} needs a value"));
+        match arg.as_str() {
+            "--case" => a.cases.push(value("--case")?),
+            "--shape" => {
+                let v = value("--shape")?;
+                let (b, l) = v
+                    .split_once(':')
+                    .ok_or(format!("--shape {v}: expected B:L"))?;
+                let num = |x: &str| x.parse::<usize>().map_err(|e| format!("--shape {v}: {e}"));
+                a.shapes.push((num(b)?, num(l)?));
+            }
+            "--format" => a.formats.push(parse_format(&value("--format")?)?),
+            "--splits" => {
+                a.splits = value("--splits")?
+                    .split(',')
+                    .map(|s| s.trim().parse().map_err(|e| format!("--splits: {e}")))
+                    .collect::<Result<_, _>>()?
+            }
+            "--iters" => {
+                a.iters = value("--iters")?
+                    .parse()
+                    .map_err(|e| format!("--iters: {e}"))?
+            }
+            "--bench" => {}
+            other => return Err(format!("unknown argument '{other}'")),
+        }
+    }
+    if a.formats.is_empty() {
+        a.formats = vec![
+            parse_format("bf16")?,
+            parse_format("fp8")?,
+            parse_format("int4")?,
+        ];
+    }
+    Ok(a)
+}
+
+fn run(args: &Args) -> kvq::Result<()> {
+    let gpu = Gpu::new(0)?;
+    eprintln!("{}", gpu.summary());
+    let mut timer = bench::EventTimer::new(&gpu)?;
+    let ceiling = bench::read_ceiling_gbps(&gpu, &mut timer)?;
+    println!("read ceiling {ceiling:.0} GB/s\n");
+    println!("| case | B | L | K | V | splits | warps | stages | blocks/SM | µs | % ceiling |");
+    println!("|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|");
+    let cases = bench::select(bench::standard_grid(), &args.cases, false)
+        .into_iter()
+        .filter(|c| args.shapes.is_empty() || args.shapes.contains(&(c.batch, c.context_len)));
+    for case in cases {
+        for &(k, v) in &args.formats {
+            let mut p = bench::PreparedDecode::new(&gpu, &case, k, v, 0x5EED)?;
+            let bytes = p.bytes_to_read() as f64;
+            let default = p.plan.clone();
+            let mut shapes = vec![(default.clone(), true)];
+            for &n in &args.splits {
+                for w in WARPS {
+                    for s in STAGES {
+                        if let Ok(plan) = default.clone().with_num_splits(n).with_launch(w, s) {
+                            shapes.push((plan, false));
+                        }
+                    }
+                }
+            }
+            for (plan, is_default) in shapes {
+                p.workspace = DecodeWorkspace::new(&plan)?;
+                p.plan = plan;
+                let us = timer.median_us(2, args.iters, true, || p.run())?;
+                let pct = 100.0 * bytes / us / 1e3 / ceiling;
+                println!(
+                    "| {}{} | {} | {} | {} | {} | {} | {} | {} | {} | {us:.1} | {pct:.1} |",
+                    if is_default { "*" } else { "" },
+                    case.case,
+                    case.batch,
+                    case.context_len,
+                    k,
+                    v,
+                    p.plan.num_splits(),
+                    p.plan.warps(),
+                    p.plan.stages(),
+                    p.plan.ctas_per_sm(),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let result = parse_args().and_then(|a| run(&a).map_err(|e| e.to_string()));
+    if let Err(e) = result {
+        eprintln!("decode_sweep: {e}");
+        std::process::exit(1);
+    }
+}
