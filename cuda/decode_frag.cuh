@@ -27,8 +27,9 @@
 // one group; V codes stay raw integers and the group's scale rides on P (P' = P * s per token,
 // f16), its zero on a separate accumulator sum_n P_n z_n.
 //
-// Arithmetic types: K codes of FP8 / INT4 caches and FP8 V codes become f16 (exact for FP8, one
-// f16 rounding for INT4 K, which FORMATS.md allows); f16 / bf16 caches are used as stored.
+// Arithmetic types: K codes of FP8 caches and FP8 V codes become f16 (exact); f16 / bf16 caches
+// are used as stored. INT4 codes of either side go in raw (f16 subnormals, exact), their group
+// scales applied in f32 to the K MMA's result and on P for V.
 // FP8's per-head scale is uniform over a head, so it is applied to S and to O in f32 instead of
 // to every element.
 #pragma once
@@ -115,6 +116,14 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return y;
 }
 
+/// Four 8x8 matrices of 16-bit elements from shared memory: lanes 8i..8i+7 give the row
+/// addresses (16 bytes each) of matrix i; lane g*4 + t gets word t of row g of matrix i in d[i].
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+
 /// Two E4M3 codes (bytes 0 and 1 of `w`) and (bytes 2 and 3) → two f16x2.
 __device__ __forceinline__ void e4m3x4_cvt(uint32_t w, uint32_t &lo, uint32_t &hi) {
 #if KVQ_E4M3_CVT
@@ -142,11 +151,6 @@ __device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
   return d;
 }
 
-// INT4 K nibbles → f16 integers without conversions. In each 16-bit half, the nibble at bits 0-3
-// OR'd into 0x6400 is the f16 1024 + n; the nibble at bits 4-7 OR'd into 0x5400 is 64 + n (an
-// f16 of exponent 6 whose mantissa bit 4 weighs 1). Nibbles at bits 8-15 take the same path
-// after one shift by 8. So a word of 8 nibbles costs 1 shift + 4 LOP3.
-constexpr uint32_t kF16_1024 = 0x64006400u, kF16_64 = 0x54005400u;
 
 // ---------------------------------------------------------------------------------------------
 // Geometry of one format at one head_dim, and the K / V fragment builders.
@@ -167,11 +171,9 @@ struct Frag {
   static constexpr int KPAIRS = KEV / 2;         // fragment registers per load
   static constexpr int KWORDS = KVEC / 4;
 
-  /// Element (0..KEV) of a load that half `e` of fragment register `p` holds.
+  /// Element (0..KEV) of a load that half `e` of fragment register `p` holds (not INT4).
   static __device__ __forceinline__ int k_pair_elem(int p, int e) {
-    if constexpr (KF == Fmt::I4) {
-      return 8 * (p / 4) + (p % 4) + 4 * e;
-    } else if constexpr (KF == Fmt::E4M3 && !KVQ_E4M3_CVT) {
+    if constexpr (KF == Fmt::E4M3 && !KVQ_E4M3_CVT) {
       return 4 * (p / 2) + (p % 2) + 2 * e;
     } else {
       return 2 * p + e;
@@ -182,21 +184,35 @@ struct Frag {
   // quarter-warp (rows g, g+1; t = 0..3) hit distinct 16-byte bank groups. With 4 or 8 loads
   // per lane, lanes t of one row would still collide: lane t then reads its loads in an order
   // rotated by k_rot(t). Any such order is free, since Q fragments follow the same mapping.
-  static constexpr int KPITCH = KC_ROW + (KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
+  // INT4 rows are read by ldmatrix (8 rows x 16 bytes per matrix): one 16-byte pad makes the 8
+  // rows of a matrix distinct bank groups.
+  static constexpr int KPITCH =
+      KC_ROW + (KF == Fmt::I4 ? 16 : KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
   static __host__ __device__ constexpr int k_rot(int t) {
     return KNV == 4 ? (t >> 1) : KNV == 8 ? 2 * t : 0;
   }
   /// Which load of its chunk lane t issues as its v-th.
   static __host__ __device__ constexpr int k_vec(int t, int v) { return (v + k_rot(t)) % KNV; }
 
-  /// Head-dim index of half `e` of lane t's fragment register `p` (0..D/8) of a token.
+  /// Head-dim index of half `e` of lane t's fragment register `p` (0..D/8) of a token:
+  /// registers 2j and 2j + 1 are b0 and b1 of k-step j.
+  /// INT4 K instead keeps each k-step inside one 32-element group, so that the group's scale
+  /// can be applied to the MMA's result: k-steps 2G and 2G + 1 are group G, lane t supplies
+  /// word t of the group (elements 8t..8t+7), its even elements in k-step 2G and its odd ones
+  /// in k-step 2G + 1 (see k_codes_i4).
   static __device__ __forceinline__ int k_dim(int t, int p, int e) {
-    return t * (D / 4) + k_vec(t, p / KPAIRS) * KEV + k_pair_elem(p % KPAIRS, e);
+    if constexpr (KF == Fmt::I4) {
+      const int j = p / 2, odd = j % 2, b1 = p % 2;
+      return 32 * (j / 2) + 8 * t + 2 * b1 + odd + 4 * e;
+    } else {
+      return t * (D / 4) + k_vec(t, p / KPAIRS) * KEV + k_pair_elem(p % KPAIRS, e);
+    }
   }
 
-  /// INT4 K: group of lane t's v-th load.
-  static __device__ __forceinline__ int k_group(int t, int v) {
-    return (t * (D / 4) + k_vec(t, v) * KEV) / 32;
+  /// INT4 K: the value per unit of code of the raw nibbles k_codes_i4 puts in k-step j (f16
+  /// subnormals): 2^-24 for the even elements (k-step 2G), 2^-20 for the odd ones.
+  static __host__ __device__ constexpr float k_step_unit(int j) {
+    return (j & 1) ? 1.f / 1048576.f : 1.f / 16777216.f;
   }
 
   /// Fragment registers one 32-bit word of K codes unpacks into.
@@ -204,16 +220,9 @@ struct Frag {
   /// Words unpacked together: enough for at least one k-step (two registers).
   static constexpr int KWU = KPPW >= 2 ? 1 : 2;
 
-  /// The INT4 group scale as used by k_unpack: capped so that 7 * s stays finite in f16 (only
-  /// groups with |x| near 65504 are affected, by < 1e-3 relative), in both halves.
-  static __device__ __forceinline__ __half2 k_scale2(uint16_t scale) {
-    return __half2half2(__hmin(__ushort_as_half(scale), __ushort_as_half(0x7091)));  // 9352
-  }
-
-  /// Unpack K code word `w` into KPPW fragment registers (pairs as k_pair_elem says).
-  /// `s2` is the INT4 group scale (k_scale2), unused otherwise.
-  static __device__ __forceinline__ void k_unpack(uint32_t w, __half2 s2,
-                                                  uint32_t (&out)[KPPW]) {
+  /// Unpack K code word `w` into KPPW fragment registers (pairs as k_pair_elem says); 16-bit
+  /// and FP8 formats (INT4 uses k_codes_i4).
+  static __device__ __forceinline__ void k_unpack(uint32_t w, uint32_t (&out)[KPPW]) {
     if constexpr (KF == Fmt::F16 || KF == Fmt::BF16) {
       out[0] = w;
     } else if constexpr (KF == Fmt::E5M2) {
@@ -226,20 +235,20 @@ struct Frag {
       e4m3x4_bits(w, out[0], out[1]);
 #endif
     } else {
-      // Symmetric INT4: nibble n ^ 8 = q + 8 (the XOR rides in the LOP3), so
-      // f16(1024 + (n ^ 8)) - 1032 = q exactly (64-based: - 72); then one rounding for q * s.
-      // Register n holds elements (n, n + 4) of the word.
-      const __half2 off_lo = __half2half2(__ushort_as_half(0x6408));  // 1032
-      const __half2 off_hi = __half2half2(__ushort_as_half(0x5480));  // 72
-      const uint32_t w8 = w >> 8;
-      const uint32_t h[4] = {and_xor<0x000F000Fu>(w, kF16_1024 | 0x00080008u),
-                             and_xor<0x00F000F0u>(w, kF16_64 | 0x00800080u),
-                             and_xor<0x000F000Fu>(w8, kF16_1024 | 0x00080008u),
-                             and_xor<0x00F000F0u>(w8, kF16_64 | 0x00800080u)};
-#pragma unroll
-      for (int n = 0; n < 4; ++n)
-        out[n] = h2_bits(__hmul2(__hsub2(bits_h2(h[n]), (n & 1) ? off_hi : off_lo), s2));
+      static_assert(KF != Fmt::I4, "INT4 K codes go through k_codes_i4");
     }
+  }
+
+  /// INT4 K: word `w` of one token's group (8 symmetric codes, element i at bits 4i) as raw
+  /// f16 subnormals, one LOP3 each: nibble n ^ 8 = q + 8 (the XOR rides in the LOP3), left in
+  /// place. out[0] / out[2] hold elements (0, 4) / (2, 6) worth (q + 8) * 2^-24 (b0 / b1 of
+  /// k-step 2G), out[1] / out[3] elements (1, 5) / (3, 7) worth (q + 8) * 2^-20 (k-step 2G + 1).
+  static __device__ __forceinline__ void k_codes_i4(uint32_t w, uint32_t (&out)[4]) {
+    const uint32_t w8 = w >> 8;
+    out[0] = and_xor<0x000F000Fu>(w, 0x00080008u);
+    out[1] = and_xor<0x00F000F0u>(w, 0x00800080u);
+    out[2] = and_xor<0x000F000Fu>(w8, 0x00080008u);
+    out[3] = and_xor<0x00F000F0u>(w8, 0x00800080u);
   }
 
   // ---- V: lane g owns bytes [g*VCH, (g+1)*VCH) of each of its four tokens' rows.

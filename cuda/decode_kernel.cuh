@@ -163,7 +163,8 @@ struct Cfg {
   // stages each. After the main loop the ring area holds each warp's O tile and (m, l) per
   // row, then the split merge's weights and partial sums.
   static constexpr int QFRAG = (D / 16) * 32 * 8;  // B fragments of q^T, two registers a lane
-  static constexpr int SMALL = kRows * 4 * 5 + 16;  // row factor, q scale, limit, L, M; flag
+  // Per row: factor, q scale, limit, L, M, INT4-K zero terms (D / 32); a flag.
+  static constexpr int SMALL = kRows * 4 * (5 + D / 32) + 16;
   static constexpr int PRE = r128(QFRAG + SMALL);
   static constexpr int combine(int warps) {
     return warps * kRows * D * 4 + 2 * warps * kRows * 4;
@@ -194,7 +195,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   int *row_lim = reinterpret_cast<int *>(row_qs + kRows);
   float *row_L = reinterpret_cast<float *>(row_lim + kRows);
   float *row_M = row_L + kRows;
-  int *flag = reinterpret_cast<int *>(row_M + kRows);
+  float *row_z = row_M + kRows;  // [kRows][D / 32], INT4 K only
+  int *flag = reinterpret_cast<int *>(row_z + kRows * (D / 32));
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.m_tiles, mt = blockIdx.y % p.m_tiles;
@@ -274,6 +276,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // K-side head_dim order (decode_frag.cuh).
   float k_factor = 1.f;
   if constexpr (KF == Fmt::E4M3 || KF == Fmt::E5M2) k_factor = p.k_scales[kvh] * fp8_unit<KF>();
+  // INT4 K scores come out of the MMAs in units of 2^-20 (decode_frag.cuh, k_codes_i4).
+  if constexpr (KF == Fmt::I4) k_factor = 1048576.f;
   for (int r = warp; r < kRows; r += nw) {
     const bool valid = row0 + r < rows;
     float mx = 0.f;
@@ -299,12 +303,30 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     const int dd[4] = {F::k_dim(tt, 2 * j, 0), F::k_dim(tt, 2 * j, 1),
                        F::k_dim(tt, 2 * j + 1, 0), F::k_dim(tt, 2 * j + 1, 1)};
     const bool valid = row0 + gg < rows;
-    const float sc = row_qs[gg];
+    // INT4 K: k-steps 2G hold codes in units of 2^-24, 2G + 1 in 2^-20; the query carries the
+    // 16 that brings both to 2^-20.
+    const float sc = row_qs[gg] * (KF == Fmt::I4 && j % 2 == 0 ? 16.f : 1.f);
     float v[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x)
       v[x] = valid ? load_elem(p.q, (row_base + gg) * D + dd[x], p.q_bf16) * sc : 0.f;
     qfrag[i] = make_uint2(pack2<F::K_BF16>(v[0], v[1]), pack2<F::K_BF16>(v[2], v[3]));
+  }
+  if constexpr (KF == Fmt::I4) {
+    // The codes enter the MMAs as q + 8: start each group's accumulator at -8 * sum(q) over
+    // the group, summing the query values exactly as the fragments hold them (in 2^-20 units).
+    for (int i = tid; i < kRows * (D / 32); i += nthreads) {
+      const int r = i / (D / 32), G = i % (D / 32);
+      float sum = 0.f;
+      if (row0 + r < rows) {
+        for (int d = 32 * G; d < 32 * G + 32; ++d) {
+          const float x = load_elem(p.q, (row_base + r) * D + d, p.q_bf16) * row_qs[r];
+          sum += d % 2 == 0 ? __half2float(__float2half_rn(16.f * x)) * 0.0625f
+                            : __half2float(__float2half_rn(x));
+        }
+      }
+      row_z[i] = -8.f / 1048576.f * sum;
+    }
   }
   __syncthreads();
   uint32_t qb[D / 16][2];  // this lane's q^T fragments, kept in registers for the whole loop
@@ -316,11 +338,24 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
   const float c_r0 = row_c[2 * t], c_r1 = row_c[2 * t + 1];
   const int lim_r0 = row_lim[2 * t], lim_r1 = row_lim[2 * t + 1];
+  // INT4 K: the zero terms of rows r0, r1 per group.
+  float kz[KF == Fmt::I4 ? D / 32 : 1][2];
+  if constexpr (KF == Fmt::I4) {
+#pragma unroll
+    for (int G = 0; G < D / 32; ++G) {
+      kz[G][0] = row_z[2 * t * (D / 32) + G];
+      kz[G][1] = row_z[(2 * t + 1) * (D / 32) + G];
+    }
+  }
 
   // Lane offsets inside a stage (loop invariant): K row g, chunk t; V rows 2t.., chunk g.
   // Other rows and loads are compile-time immediates, except rotated load orders.
   const uint32_t k_lane = C::KC_OFF + g * F::KPITCH + t * F::KCH;
   const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
+  // INT4 K, ldmatrix x4: lanes 8m..8m+7 address rows 0-7 (m even) or 8-15 of the chunk, in the
+  // first (m < 2) or second 16-byte group of a pair.
+  const uint32_t k_ldsm_lane =
+      C::KC_OFF + (((lane >> 3) & 1) * 8 + (lane & 7)) * F::KPITCH + (lane >> 4) * 16;
   // INT4 V: lane g reads word g of each 64-group (decode_frag.cuh), and whole meta rows.
   const uint32_t v_lane = C::VC_OFF + 2 * t * F::VPITCH + g * (VF == Fmt::I4 ? 4 : F::VCH);
   const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW;
@@ -347,6 +382,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
     for (int c = 0; c < CH; ++c) next_page[c] = page_of(k + NS, c);
     const uint8_t *st = ring + slot * C::STAGE;
+    const uint32_t st_s = ring_u32 + slot * C::STAGE;
     const int tok0 = t0 + (warp + k * nw) * STEP;
     const uint32_t ok_bits = page_ok >> (slot * CH);
     slot = slot + 1 == NS ? 0 : slot + 1;
@@ -358,40 +394,71 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     for (int ch = 0; ch < CH; ++ch)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[ch][e] = s2nd[ch][e] = 0.f;
+    if constexpr (KF == Fmt::I4) {
+      // Per group G: two MMAs of raw codes (k-steps 2G, 2G + 1) from the zero term, then the
+      // scores += scale(token, G) * that, in f32. C rows are tokens g and g + 8.
 #pragma unroll
-    for (int ch = 0; ch < CH; ++ch) {
+      for (int ch = 0; ch < CH; ++ch) {
+        uint32_t sc_lo[F::KM_ROW / 4], sc_hi[F::KM_ROW / 4];  // f16 group scales, tokens g, g+8
+        lds<F::KM_ROW>(st + km_lane + ch * kChunk * F::KM_ROW, sc_lo);
+        lds<F::KM_ROW>(st + km_lane + (ch * kChunk + 8) * F::KM_ROW, sc_hi);
 #pragma unroll
-      for (int v = 0; v < F::KNV; ++v) {
-        uint32_t w[2][F::KWORDS];
-        __half2 s2[2] = {__float2half2_rn(0.f), __float2half2_rn(0.f)};
+        for (int G2 = 0; G2 < D / 64; ++G2) {
+          uint32_t w[4];  // word t of groups 2 G2 (w[0] token g, w[1] g + 8) and 2 G2 + 1
+          ldmatrix_x4(st_s + k_ldsm_lane + ch * kChunk * F::KPITCH + G2 * 32, w);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = ch * kChunk + h * 8;  // first K row of this half of the chunk
-          lds<F::KVEC>(st + k_lane + row * F::KPITCH + F::k_vec(t, v) * F::KVEC, w[h]);
-          if constexpr (KF == Fmt::I4)
-            s2[h] = F::k_scale2(*reinterpret_cast<const uint16_t *>(
-                st + km_lane + row * F::KM_ROW + F::k_group(t, v) * 2));
+          for (int x = 0; x < 2; ++x) {
+            const int G = 2 * G2 + x;
+            uint32_t lo[4], hi[4];
+            F::k_codes_i4(w[2 * x], lo);
+            F::k_codes_i4(w[2 * x + 1], hi);
+            float r[4] = {kz[G][0], kz[G][1], kz[G][0], kz[G][1]};
+            mma16816<false>(r, make_uint4(lo[0], hi[0], lo[2], hi[2]), qb[2 * G][0],
+                            qb[2 * G][1]);
+            mma16816<false>(r, make_uint4(lo[1], hi[1], lo[3], hi[3]), qb[2 * G + 1][0],
+                            qb[2 * G + 1][1]);
+            const int sh = 16 * (G % 2);
+            const float s_lo = __half2float(__ushort_as_half((uint16_t)(sc_lo[G / 2] >> sh)));
+            const float s_hi = __half2float(__ushort_as_half((uint16_t)(sc_hi[G / 2] >> sh)));
+            s[ch][0] = fmaf(s_lo, r[0], s[ch][0]);
+            s[ch][1] = fmaf(s_lo, r[1], s[ch][1]);
+            s[ch][2] = fmaf(s_hi, r[2], s[ch][2]);
+            s[ch][3] = fmaf(s_hi, r[3], s[ch][3]);
+          }
         }
+      }
+    } else {
 #pragma unroll
-        for (int u = 0; u < F::KWORDS; u += F::KWU) {
-          constexpr int R = F::KWU * F::KPPW;  // fragment registers of these words
-          uint32_t kb[2][R];
+      for (int ch = 0; ch < CH; ++ch) {
+#pragma unroll
+        for (int v = 0; v < F::KNV; ++v) {
+          uint32_t w[2][F::KWORDS];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-#pragma unroll
-            for (int x = 0; x < F::KWU; ++x) {
-              uint32_t r[F::KPPW];
-              F::k_unpack(w[h][u + x], s2[h], r);
-#pragma unroll
-              for (int y = 0; y < F::KPPW; ++y) kb[h][x * F::KPPW + y] = r[y];
-            }
+            const int row = ch * kChunk + h * 8;  // first K row of this half of the chunk
+            lds<F::KVEC>(st + k_lane + row * F::KPITCH + F::k_vec(t, v) * F::KVEC, w[h]);
           }
 #pragma unroll
-          for (int jj = 0; jj < R / 2; ++jj) {
-            const int j = (v * F::KPAIRS + u * F::KPPW) / 2 + jj;  // k-step
-            const uint4 a = make_uint4(kb[0][2 * jj], kb[1][2 * jj], kb[0][2 * jj + 1],
-                                       kb[1][2 * jj + 1]);
-            mma16816<F::K_BF16>((j & 1) ? s2nd[ch] : s[ch], a, qb[j][0], qb[j][1]);
+          for (int u = 0; u < F::KWORDS; u += F::KWU) {
+            constexpr int R = F::KWU * F::KPPW;  // fragment registers of these words
+            uint32_t kb[2][R];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+              for (int x = 0; x < F::KWU; ++x) {
+                uint32_t r[F::KPPW];
+                F::k_unpack(w[h][u + x], r);
+#pragma unroll
+                for (int y = 0; y < F::KPPW; ++y) kb[h][x * F::KPPW + y] = r[y];
+              }
+            }
+#pragma unroll
+            for (int jj = 0; jj < R / 2; ++jj) {
+              const int j = (v * F::KPAIRS + u * F::KPPW) / 2 + jj;  // k-step
+              const uint4 a = make_uint4(kb[0][2 * jj], kb[1][2 * jj], kb[0][2 * jj + 1],
+                                         kb[1][2 * jj + 1]);
+              mma16816<F::K_BF16>((j & 1) ? s2nd[ch] : s[ch], a, qb[j][0], qb[j][1]);
+            }
           }
         }
       }
