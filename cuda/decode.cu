@@ -204,8 +204,6 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   p.v_codes_off = l.v_codes_offset;
   p.v_meta_off = l.v_meta_offset;
   p.block_size = l.block_size;
-  const int bs16 = l.block_size / kChunk;
-  p.chunks_per_block_shift = (bs16 & (bs16 - 1)) == 0 ? __builtin_ctz(bs16) : -1;
   p.q = a->q;
   p.out = a->out;
   p.lse = a->lse;

@@ -34,7 +34,6 @@ struct Params {
   int64_t head_stride, block_stride, num_blocks;
   int32_t k_codes_off, k_meta_off, v_codes_off, v_meta_off;
   int32_t block_size;
-  int32_t chunks_per_block_shift;  // log2(block_size / 16), or -1 if not a power of two
   const void *q;
   void *out;
   float *lse;
@@ -195,7 +194,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   int *row_lim = reinterpret_cast<int *>(row_qs + kRows);
   float *row_L = reinterpret_cast<float *>(row_lim + kRows);
   float *row_M = row_L + kRows;
-  float *row_z = row_M + kRows;  // [kRows][D / 32], INT4 K only
+  float *row_z = row_M + kRows;  // [D / 32][kRows], INT4 K only
   int *flag = reinterpret_cast<int *>(row_z + kRows * (D / 32));
 
   const int split = blockIdx.x;
@@ -223,30 +222,48 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const uint8_t *head = p.pool + (int64_t)kvh * p.head_stride;
   const int32_t *table = p.block_tables + (int64_t)b * p.max_blocks;
   const int bs16 = p.block_size / kChunk;
-  // Table index of the block holding 16-token chunk u of the sequence.
-  auto block_of = [&](int u) {
-    return p.chunks_per_block_shift >= 0 ? (u >> p.chunks_per_block_shift) : u / bs16;
+  const uint32_t num_blocks = (uint32_t)min(p.num_blocks, (int64_t)INT32_MAX);
+  // Where the next step to fetch starts: its first token, and its first 16-token chunk as (table
+  // index, chunk within the block), advanced by the same amount per step (no division after
+  // this one).
+  int f_tok = t0 + warp * STEP;
+  int f_blk = (f_tok / kChunk) / bs16, f_cib = f_tok / kChunk - f_blk * bs16;
+  const int adv_blk = nw * CH / bs16, adv_cib = nw * CH - adv_blk * bs16;
+  // One fetched step: per chunk the table entry (or -1: past the split, nothing to read) and
+  // the chunk's index within its block.
+  struct Fetch {
+    int page[CH], cib[CH];
   };
-  // Table entry (or -1) of chunk c of this warp's step k; chunks past the split read nothing.
-  auto page_of = [&](int k, int c) -> int {
-    const int tok = t0 + (warp + k * nw) * STEP + c * kChunk;
-    if (k >= my_steps || tok >= t1) return -1;
-    return table[block_of(tok / kChunk)];
+  int fetched = 0;  // steps fetched so far
+  auto fetch = [&]() {
+    Fetch f;
+    int blk = f_blk, cib = f_cib;
+#pragma unroll
+    for (int c = 0; c < CH; ++c) {
+      if (c > 0 && ++cib == bs16) cib = 0, ++blk;
+      const bool live = fetched < my_steps && f_tok + c * kChunk < t1;
+      f.page[c] = live ? table[blk] : -1;
+      f.cib[c] = cib;
+    }
+    ++fetched;
+    f_tok += nw * STEP;
+    f_blk += adv_blk, f_cib += adv_cib;
+    if (f_cib >= bs16) f_cib -= bs16, ++f_blk;
+    return f;
   };
   uint32_t page_ok = 0;  // bit (slot * CH + c): chunk c of the step in `slot` has a valid page
-  auto issue = [&](int k, int slot, const int (&page)[CH]) {
+  auto issue = [&](int k, int slot, const Fetch &f) {
     if (k < my_steps) {
       const uint32_t dst = ring_u32 + slot * C::STAGE;
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
-        const int u = (t0 + (warp + k * nw) * STEP) / kChunk + c;  // chunk of the sequence
-        const bool ok = page[c] >= 0 && page[c] < p.num_blocks;
+        const bool ok = (uint32_t)f.page[c] < num_blocks;
         const uint32_t bit = 1u << (slot * CH + c);
         page_ok = ok ? (page_ok | bit) : (page_ok & ~bit);
-        // Token offset in the block; a bad page id reads block 0's address range with a
-        // zero-fill copy (nothing is read, the address stays inside the pool).
-        const int off = (u - block_of(u) * bs16) * kChunk;
-        const uint8_t *base = head + (int64_t)(ok ? page[c] : 0) * p.block_stride;
+        // A bad page id reads block 0's address range with a zero-fill copy (nothing is read,
+        // the address stays inside the pool).
+        const int off = f.cib[c] * kChunk;  // token offset in the block
+        const uint8_t *base = head + (int64_t)(ok ? f.page[c] : 0) * p.block_stride;
         const uint32_t bytes = ok ? 16u : 0u;
         copy_rows<F::KC_ROW, F::KPITCH>(dst + C::KC_OFF + c * kChunk * F::KPITCH,
                                         base + p.k_codes_off + off * F::KC_ROW, bytes, lane);
@@ -261,15 +278,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     cp_async_commit();
   };
 #pragma unroll 1
-  for (int k = 0; k < NS - 1; ++k) {
-    int pg[CH];
-#pragma unroll
-    for (int c = 0; c < CH; ++c) pg[c] = page_of(k, c);
-    issue(k, k, pg);
-  }
-  int next_page[CH];
-#pragma unroll
-  for (int c = 0; c < CH; ++c) next_page[c] = page_of(NS - 1, c);
+  for (int k = 0; k < NS - 1; ++k) issue(k, k, fetch());
+  Fetch next = fetch();  // step NS - 1
 
   // ---- 2. Query tile: each row scaled by a power of two so that the f16 operand neither
   // overflows nor loses precision (exact for bf16 inputs), then packed into B fragments in the
@@ -325,7 +335,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
                             : __half2float(__float2half_rn(x));
         }
       }
-      row_z[i] = -8.f / 1048576.f * sum;
+      row_z[G * kRows + r] = -8.f / 1048576.f * sum;
     }
   }
   __syncthreads();
@@ -338,15 +348,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
   const float c_r0 = row_c[2 * t], c_r1 = row_c[2 * t + 1];
   const int lim_r0 = row_lim[2 * t], lim_r1 = row_lim[2 * t + 1];
-  // INT4 K: the zero terms of rows r0, r1 per group.
-  float kz[KF == Fmt::I4 ? D / 32 : 1][2];
-  if constexpr (KF == Fmt::I4) {
-#pragma unroll
-    for (int G = 0; G < D / 32; ++G) {
-      kz[G][0] = row_z[2 * t * (D / 32) + G];
-      kz[G][1] = row_z[(2 * t + 1) * (D / 32) + G];
-    }
-  }
+  // INT4 K: the zero terms of rows r0, r1 of group G at kz_lane + G (read when used: the
+  // registers are scarcer than shared-memory bandwidth).
+  const float2 *kz_lane = reinterpret_cast<const float2 *>(row_z) + t;
 
   // Lane offsets inside a stage (loop invariant): K row g, chunk t; V rows 2t.., chunk g.
   // Other rows and loads are compile-time immediates, except rotated load orders.
@@ -377,10 +381,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   for (int k = 0; k < my_steps; ++k) {
     cp_async_wait_at_most(NS - 2);
     __syncwarp();
-    issue(k + NS - 1, issue_slot, next_page);  // into the slot step k-1 used
+    issue(k + NS - 1, issue_slot, next);  // into the slot step k-1 used
     issue_slot = slot;
-#pragma unroll
-    for (int c = 0; c < CH; ++c) next_page[c] = page_of(k + NS, c);
+    next = fetch();  // step k + NS
     const uint8_t *st = ring + slot * C::STAGE;
     const uint32_t st_s = ring_u32 + slot * C::STAGE;
     const int tok0 = t0 + (warp + k * nw) * STEP;
@@ -412,7 +415,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
             uint32_t lo[4], hi[4];
             F::k_codes_i4(w[2 * x], lo);
             F::k_codes_i4(w[2 * x + 1], hi);
-            float r[4] = {kz[G][0], kz[G][1], kz[G][0], kz[G][1]};
+            const float2 z = kz_lane[G * (kRows / 2)];
+            float r[4] = {z.x, z.y, z.x, z.y};
             mma16816<false>(r, make_uint4(lo[0], hi[0], lo[2], hi[2]), qb[2 * G][0],
                             qb[2 * G][1]);
             mma16816<false>(r, make_uint4(lo[1], hi[1], lo[3], hi[3]), qb[2 * G + 1][0],
@@ -482,37 +486,40 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         mx_r1 = fmaxf(mx_r1, s[ch][2 * h + 1]);
       }
     }
+    // The running max of a row rarely grows once a few steps have been seen: the warp reduces
+    // the step's max across lanes (three shuffle rounds on the step's critical path) and
+    // rescales O only when some lane's scores exceed it. Same results as always reducing.
+    if (__any_sync(kFull, mx_r0 > m_r0 || mx_r1 > m_r1)) {
 #pragma unroll
-    for (int x = 4; x <= 16; x <<= 1) {
-      mx_r0 = fmaxf(mx_r0, __shfl_xor_sync(kFull, mx_r0, x));
-      mx_r1 = fmaxf(mx_r1, __shfl_xor_sync(kFull, mx_r1, x));
-    }
-    const float mn_r0 = fmaxf(m_r0, mx_r0), mn_r1 = fmaxf(m_r1, mx_r1);
-    // A row that has seen nothing yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
-    const float sub_r0 = mn_r0 == -INFINITY ? 0.f : mn_r0;
-    const float sub_r1 = mn_r1 == -INFINITY ? 0.f : mn_r1;
-    const float al_r0 = fast_exp2(m_r0 - sub_r0), al_r1 = fast_exp2(m_r1 - sub_r1);
-    m_r0 = mn_r0, m_r1 = mn_r1;
-    float ps_r0 = 0.f, ps_r1 = 0.f;
-#pragma unroll
-    for (int ch = 0; ch < CH; ++ch) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        s[ch][2 * h] = fast_exp2(s[ch][2 * h] - sub_r0);
-        s[ch][2 * h + 1] = fast_exp2(s[ch][2 * h + 1] - sub_r1);
-        ps_r0 += s[ch][2 * h];
-        ps_r1 += s[ch][2 * h + 1];
+      for (int x = 4; x <= 16; x <<= 1) {
+        mx_r0 = fmaxf(mx_r0, __shfl_xor_sync(kFull, mx_r0, x));
+        mx_r1 = fmaxf(mx_r1, __shfl_xor_sync(kFull, mx_r1, x));
       }
-    }
-    l_r0 = l_r0 * al_r0 + ps_r0;
-    l_r1 = l_r1 * al_r1 + ps_r1;
-    if (__any_sync(kFull, al_r0 != 1.f || al_r1 != 1.f)) {
+      const float mn_r0 = fmaxf(m_r0, mx_r0), mn_r1 = fmaxf(m_r1, mx_r1);
+      // A row that has seen nothing keeps m = -inf and alpha 1 (its O and l are still 0).
+      const float al_r0 = m_r0 == -INFINITY ? 1.f : fast_exp2(m_r0 - mn_r0);
+      const float al_r1 = m_r1 == -INFINITY ? 1.f : fast_exp2(m_r1 - mn_r1);
+      m_r0 = mn_r0, m_r1 = mn_r1;
+      l_r0 *= al_r0, l_r1 *= al_r1;
 #pragma unroll
       for (int i = 0; i < D / 16; ++i) {
         o[i][0] *= al_r0, o[i][1] *= al_r1;
         o[i][2] *= al_r0, o[i][3] *= al_r1;
       }
       if constexpr (VF == Fmt::I4) zsum[0] *= al_r0, zsum[1] *= al_r1;
+    }
+    // A row that has seen nothing yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+    const float sub_r0 = m_r0 == -INFINITY ? 0.f : m_r0;
+    const float sub_r1 = m_r1 == -INFINITY ? 0.f : m_r1;
+#pragma unroll
+    for (int ch = 0; ch < CH; ++ch) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        s[ch][2 * h] = fast_exp2(s[ch][2 * h] - sub_r0);
+        s[ch][2 * h + 1] = fast_exp2(s[ch][2 * h + 1] - sub_r1);
+        l_r0 += s[ch][2 * h];
+        l_r1 += s[ch][2 * h + 1];
+      }
     }
 
     // O^T += V^T P^T, one k-step per 16-token chunk. The B fragment of P^T (k = token, n = row)
