@@ -110,9 +110,26 @@ __device__ __forceinline__ void store_elem(void *p, int64_t i, float x, bool bf1
     reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
 }
 
+/// Row (of 32 / PER_ROW per pass) whose piece lane % PER_ROW lane copies. A quarter-warp's eight
+/// 16-byte stores are one shared-memory wavefront when they hit eight distinct 16-byte bank
+/// groups; with padded rows (pitch = 16 * (PER_ROW + 1)) consecutive rows would put two of
+/// them in one group, so a quarter-warp takes rows {q, q + 4} (4 pieces a row) or rows
+/// {a, a + 2, a + 4, a + 6} (2 pieces a row) instead. Rows of 8+ pieces fill a quarter alone.
+template <int PER_ROW>
+__device__ __forceinline__ int copy_row_of(int lane) {
+  if constexpr (PER_ROW == 4) {
+    return (lane >> 3) + ((lane >> 2) & 1) * 4;
+  } else if constexpr (PER_ROW == 2) {
+    return ((lane >> 3) & 1) + ((lane >> 4) << 3) + ((lane >> 1) & 3) * 2;
+  } else {
+    return lane / PER_ROW;
+  }
+}
+
 /// Queue the copy of 16 rows of ROW bytes starting at `src` (global) into shared-memory rows of
 /// PITCH bytes starting at `dst` (rows shorter than 16 bytes are packed: PITCH == ROW).
-/// `src_bytes` is 16, or 0 to zero-fill without reading. Lane l copies 16-byte pieces l, l+32..
+/// `src_bytes` is 16, or 0 to zero-fill without reading. Each pass of the warp copies 512
+/// contiguous bytes (32 pieces of 16).
 template <int ROW, int PITCH>
 __device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint32_t src_bytes,
                                           int lane) {
@@ -120,14 +137,21 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint
   static_assert(PITCH == ROW || (ROW >= 16 && ROW % 16 == 0 && 32 % (ROW >= 16 ? ROW / 16 : 1) == 0),
                 "padded rows are whole 16-byte pieces, a divisor of 32 per row");
   if constexpr (PIECES > 0) {
-    constexpr int PER_ROW = PITCH == ROW ? 1 : ROW / 16;  // pieces per row (divides 32)
-    const uint32_t d0 =
-        PITCH == ROW ? lane * 16 : (lane / PER_ROW) * PITCH + (lane % PER_ROW) * 16;
-    src += lane * 16;
+    if constexpr (PITCH == ROW) {
 #pragma unroll
-    for (int i = 0; i < (PIECES + 31) / 32; ++i) {
-      const uint32_t d = d0 + (PITCH == ROW ? 512 * i : (32 / PER_ROW) * PITCH * i);
-      if (PIECES % 32 == 0 || lane + 32 * i < PIECES) cp_async16(dst + d, src + 512 * i, src_bytes);
+      for (int i = 0; i < (PIECES + 31) / 32; ++i)
+        if (PIECES % 32 == 0 || lane + 32 * i < PIECES)
+          cp_async16(dst + lane * 16 + 512 * i, src + lane * 16 + 512 * i, src_bytes);
+    } else {
+      static_assert(PIECES % 32 == 0, "padded rows come in whole passes");
+      constexpr int PER_ROW = ROW / 16;  // pieces per row (divides 32)
+      constexpr int ROWS = 32 / PER_ROW;  // rows per pass
+      const int row = copy_row_of<PER_ROW>(lane), piece = lane % PER_ROW;
+      const uint32_t d0 = row * PITCH + piece * 16;
+      src += row * ROW + piece * 16;
+#pragma unroll
+      for (int i = 0; i < PIECES / 32; ++i)
+        cp_async16(dst + d0 + ROWS * PITCH * i, src + 512 * i, src_bytes);
     }
   }
 }
@@ -162,11 +186,14 @@ struct Cfg {
   // stages each. After the main loop the ring area holds each warp's O tile and (m, l) per
   // row, then the split merge's weights and partial sums.
   static constexpr int QFRAG = (D / 16) * 32 * 8;  // B fragments of q^T, two registers a lane
-  // Per row: factor, q scale, limit, L, M, INT4-K zero terms (D / 32); a flag.
-  static constexpr int SMALL = kRows * 4 * (5 + D / 32) + 16;
+  // Per row: factor, q scale, limit, L, M; INT4-K zero terms (D / 32 groups x 16); a flag.
+  static constexpr int SMALL = kRows * 4 * 5 + (D / 32) * 16 * 4 + 16;
   static constexpr int PRE = r128(QFRAG + SMALL);
+  // Per-warp O tiles are stored at a pitch of D + 1 floats: the lanes of one store (rows 2t,
+  // columns 8g + c) then spread over 16 banks instead of 4.
+  static constexpr int OPITCH = D + 1;
   static constexpr int combine(int warps) {
-    return warps * kRows * D * 4 + 2 * warps * kRows * 4;
+    return warps * kRows * OPITCH * 4 + 2 * warps * kRows * 4;
   }
   static constexpr int merge(int warps) {
     return KVQ_DECODE_MAX_SPLITS * kRows * 4 + warps * 32 * 16;
@@ -194,8 +221,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   int *row_lim = reinterpret_cast<int *>(row_qs + kRows);
   float *row_L = reinterpret_cast<float *>(row_lim + kRows);
   float *row_M = row_L + kRows;
-  float *row_z = row_M + kRows;  // [D / 32][kRows], INT4 K only
-  int *flag = reinterpret_cast<int *>(row_z + kRows * (D / 32));
+  // INT4 K only: [D / 32][4] float4 {z(2t), z(2t+1), z(2t), z(2t+1)}, the C operand of lane t.
+  float *row_z = row_M + kRows;
+  int *flag = reinterpret_cast<int *>(row_z + (D / 32) * 16);
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.m_tiles, mt = blockIdx.y % p.m_tiles;
@@ -320,7 +348,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
     for (int x = 0; x < 4; ++x)
       v[x] = valid ? load_elem(p.q, (row_base + gg) * D + dd[x], p.q_bf16) * sc : 0.f;
-    qfrag[i] = make_uint2(pack2<F::K_BF16>(v[0], v[1]), pack2<F::K_BF16>(v[2], v[3]));
+    // k-steps 2m and 2m + 1 of a lane side by side (one 16-byte load for both).
+    qfrag[(j / 2) * 64 + ln * 2 + j % 2] =
+        make_uint2(pack2<F::K_BF16>(v[0], v[1]), pack2<F::K_BF16>(v[2], v[3]));
   }
   if constexpr (KF == Fmt::I4) {
     // The codes enter the MMAs as q + 8: start each group's accumulator at -8 * sum(q) over
@@ -335,22 +365,29 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
                             : __half2float(__float2half_rn(x));
         }
       }
-      row_z[G * kRows + r] = -8.f / 1048576.f * sum;
+      const float z = -8.f / 1048576.f * sum;
+      row_z[G * 16 + (r / 2) * 4 + r % 2] = z;
+      row_z[G * 16 + (r / 2) * 4 + r % 2 + 2] = z;
     }
   }
   __syncthreads();
-  uint32_t qb[D / 16][2];  // this lane's q^T fragments, kept in registers for the whole loop
+  // This lane's q^T fragments: in registers for the whole loop, except with INT4 keys, whose
+  // loop needs the registers more (it reads them from shared memory, group by group).
+  uint32_t qb[KF == Fmt::I4 ? 1 : D / 16][2];
+  const uint4 *q_lane = reinterpret_cast<const uint4 *>(qfrag) + lane;
+  if constexpr (KF != Fmt::I4) {
 #pragma unroll
-  for (int j = 0; j < D / 16; ++j) {
-    const uint2 x = qfrag[j * 32 + lane];
-    qb[j][0] = x.x, qb[j][1] = x.y;
+    for (int m = 0; m < D / 32; ++m) {
+      const uint4 x = q_lane[32 * m];
+      qb[2 * m][0] = x.x, qb[2 * m][1] = x.y, qb[2 * m + 1][0] = x.z, qb[2 * m + 1][1] = x.w;
+    }
   }
   // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
   const float c_r0 = row_c[2 * t], c_r1 = row_c[2 * t + 1];
   const int lim_r0 = row_lim[2 * t], lim_r1 = row_lim[2 * t + 1];
-  // INT4 K: the zero terms of rows r0, r1 of group G at kz_lane + G (read when used: the
-  // registers are scarcer than shared-memory bandwidth).
-  const float2 *kz_lane = reinterpret_cast<const float2 *>(row_z) + t;
+  // INT4 K: the zero terms of rows r0, r1 of group G at kz_lane[4 G], as the MMA's C operand
+  // (read when used: registers are scarcer than shared-memory bandwidth).
+  const float4 *kz_lane = reinterpret_cast<const float4 *>(row_z) + t;
 
   // Lane offsets inside a stage (loop invariant): K row g, chunk t; V rows 2t.., chunk g.
   // Other rows and loads are compile-time immediates, except rotated load orders.
@@ -415,12 +452,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
             uint32_t lo[4], hi[4];
             F::k_codes_i4(w[2 * x], lo);
             F::k_codes_i4(w[2 * x + 1], hi);
-            const float2 z = kz_lane[G * (kRows / 2)];
-            float r[4] = {z.x, z.y, z.x, z.y};
-            mma16816<false>(r, make_uint4(lo[0], hi[0], lo[2], hi[2]), qb[2 * G][0],
-                            qb[2 * G][1]);
-            mma16816<false>(r, make_uint4(lo[1], hi[1], lo[3], hi[3]), qb[2 * G + 1][0],
-                            qb[2 * G + 1][1]);
+            const float4 z = kz_lane[4 * G];
+            const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
+            float r[4];
+            mma16816_c(r, make_uint4(lo[0], hi[0], lo[2], hi[2]), qg.x, qg.y, z.x, z.y, z.z, z.w);
+            mma16816<false>(r, make_uint4(lo[1], hi[1], lo[3], hi[3]), qg.z, qg.w);
             const int sh = 16 * (G % 2);
             const float s_lo = __half2float(__ushort_as_half((uint16_t)(sc_lo[G / 2] >> sh)));
             const float s_hi = __half2float(__ushort_as_half((uint16_t)(sc_hi[G / 2] >> sh)));
@@ -604,11 +640,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     l_r1 += __shfl_xor_sync(kFull, l_r1, x);
   }
   __syncthreads();  // every warp is done with its ring
-  float *osm = reinterpret_cast<float *>(smem);  // [warp][kRows][D], head_dim in natural order
-  float *msm = osm + nw * kRows * D;             // [warp][kRows]
+  float *osm = reinterpret_cast<float *>(smem);  // [warp][kRows][OPITCH], natural head_dim order
+  float *msm = osm + nw * kRows * C::OPITCH;     // [warp][kRows]
   float *lsm = msm + nw * kRows;                 // [warp][kRows]
   {
-    float *o_r0 = osm + (warp * kRows + 2 * t) * D, *o_r1 = o_r0 + D;
+    float *o_r0 = osm + (warp * kRows + 2 * t) * C::OPITCH, *o_r1 = o_r0 + C::OPITCH;
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) {
       // m-tile i rows g / g + 8 are the columns lane g supplied to n-tiles 2i / 2i + 1.
@@ -662,7 +698,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   for (int i = tid; i < nvalid * D; i += nthreads) {
     const int r = i / D, d = i % D;
     float acc = 0.f;
-    for (int w = 0; w < nw; ++w) acc += msm[w * kRows + r] * osm[(w * kRows + r) * D + d];
+    for (int w = 0; w < nw; ++w) acc += msm[w * kRows + r] * osm[(w * kRows + r) * C::OPITCH + d];
     const float L = row_L[r];
     const float val = L > 0.f ? acc * (v_factor / L) : 0.f;
     if (nsplit == 1)
