@@ -7,7 +7,6 @@
 // INT4 V group 2 lanes, reduced with warp shuffles. A thread block holds whole rows (RowShape).
 // Per-thread work is sized so that quantizing stays under the memory time (the fast exact paths
 // of format.cuh avoid per-element division).
-#include <atomic>
 #include <type_traits>
 
 #include "common.cuh"
@@ -402,9 +401,10 @@ struct RowShape {
   __host__ RowShape(int d, int ept)
       : head_dim(d), tpr(d / ept), rows_per_block(kThreadsPerBlock / (d / ept)),
         by_tpr((uint32_t)(d / ept)) {}
-  // Blocks of one row per thread covering `rows` rows (for append: the slabs it walks).
-  __host__ unsigned blocks(int64_t rows) const {
-    return (unsigned)((rows + rows_per_block - 1) / rows_per_block);
+  // Blocks covering `rows` rows when each thread serves `rows_per_thread` of them.
+  __host__ unsigned blocks(int64_t rows, int rows_per_thread = 1) const {
+    const int64_t per_block = (int64_t)rows_per_block * rows_per_thread;
+    return (unsigned)((rows + per_block - 1) / per_block);
   }
 };
 
@@ -435,13 +435,7 @@ struct PagedSide {
   const float *head_scales;  // FP8 only
   FastDiv by_heads, by_block_size;
 
-  // The FP8 head scale, 1 for the other formats.
-  __device__ __forceinline__ float head_scale(uint32_t head) const {
-    return head_scales != nullptr ? head_scales[head] : 1.0f;
-  }
-  // Row `offset` of `block` for `head`, with its head scale given (append copies it ahead).
-  __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head,
-                                        float scale) const {
+  __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head) const {
     uint8_t *section = pool + block * block_stride + head * head_stride;
     uint8_t *meta = section + meta_offset + offset * meta_row;
     RowRef r;
@@ -449,11 +443,8 @@ struct PagedSide {
     r.scales = reinterpret_cast<uint16_t *>(meta);
     r.zeros = reinterpret_cast<uint16_t *>(meta) + 1;
     r.meta_step = meta_step;
-    r.head_scale = scale;
+    r.head_scale = head_scales != nullptr ? head_scales[head] : 1.0f;
     return r;
-  }
-  __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head) const {
-    return row(block, offset, head, head_scale(head));
   }
 };
 
@@ -481,182 +472,86 @@ struct DenseRows {
 
 // ---- kernels --------------------------------------------------------------------------
 
+// Rows each append thread handles: their loads are issued together, so more bytes are in flight
+// per thread (latency hiding at the occupancy the quantizers' registers allow), and the
+// per-thread setup is shared. f32 input already loads twice the bytes per row.
 // Whether append quantizes straight from the packed 16-bit input (INT4 formats, f16 / bf16).
 template <typename In, int F>
 constexpr bool kPackedInt4 = sizeof(In) == 2 && (F == kInt4Sym32 || F == kInt4Affine64);
 
-// Asynchronous global → shared copies (sm_80+), so that loads in flight hold no registers.
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-// An L2 policy that evicts first: append reads its input once (as __ldcs does).
-__device__ __forceinline__ uint64_t l2_evict_first() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ void cp_async16(void *dst, const void *src, uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;"
-               ::"r"(smem_addr(dst)), "l"(__cvta_generic_to_global(src)), "l"(policy)
-               : "memory");
-}
-template <int N> __device__ __forceinline__ void cp_async_small(void *dst, const void *src) {
-  static_assert(N == 4 || N == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)),
-               "l"(__cvta_generic_to_global(src)), "n"(N)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;" ::: "memory");
-}
-// Wait until at most N of this thread's committed groups are still in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
+template <typename In> constexpr int kAppendRows = sizeof(In) == 4 ? 1 : 2;
 
-// Append is persistent and software-pipelined through shared memory. A block walks the slabs
-// (rows_per_block consecutive rows, contiguous in the input) blockIdx.x, blockIdx.x + gridDim.x,
-// ..., and each thread copies its chunk of the next rows into a ring of stages with cp.async
-// while it quantizes the current one. Loading a batch of rows into registers and then
-// quantizing it was latency-bound (INT4: 80 registers for 3 blocks per SM, and no loads in
-// flight while a warp quantized); copies in flight hold no registers and never pause, and one
-// wave of resident blocks leaves no tail. A thread reads back only what it copied itself, so its
-// own cp.async.wait_group orders everything: no block barrier. It overwrites a stage one step
-// after quantizing from it, when every value read from there has been consumed (the codes it
-// stored depend on all of them).
-
-// A stage: per thread, one row chunk of input as [vector][thread] 16-byte vectors (conflict-free
-// reads), the row's slot as loaded (i64, or i32 in .x) and the FP8 head scale.
-template <typename In, int F> struct AppendStage {
-  static constexpr int kVectors = RawChunk<In, kEpt<F>>::kVectors;
-  uint4 data[kVectors][kThreadsPerBlock];
-  uint2 slot[kThreadsPerBlock];
-  float head_scale[F == kFp8E4m3 || F == kFp8E5m2 ? kThreadsPerBlock : 4];
-};
-
-// Stages: one being quantized, and enough in flight for >= 64 bytes of input per thread.
-template <typename In, int F> constexpr int kAppendRowBytes = kEpt<F> * (int)sizeof(In);
+// Three blocks per SM: the INT4 quantizers then get about 80 registers, and with two rows per
+// thread that keeps enough loads in flight to cover memory latency.
 template <typename In, int F>
-constexpr int kAppendStages = 1 + (64 + kAppendRowBytes<In, F> - 1) / kAppendRowBytes<In, F>;
-template <typename In, int F>
-constexpr size_t kAppendSmem = kAppendStages<In, F> * sizeof(AppendStage<In, F>);
-
-// Blocks per SM that the registers must allow: 4 (64 registers) keeps the INT4 quantizers from
-// f16 / bf16 free of spills. INT4 from f32 widens 32 values per thread and would spill at 3,
-// so it gets 2 (its copies in flight, not its warps, cover the memory latency).
-template <typename In, int F> constexpr int kAppendMinBlocks = kAppendRowBytes<In, F> > 64 ? 2 : 4;
-
-template <typename In, int F>
-__global__ void __launch_bounds__(kThreadsPerBlock, kAppendMinBlocks<In, F>)
+__global__ void __launch_bounds__(kThreadsPerBlock, 3)
     append_kernel(RowShape shape, const In *__restrict__ x, int64_t token_stride,
-                  uint32_t num_tokens, uint32_t num_slabs, const void *__restrict__ slots,
-                  int slots_i64, int64_t num_slots, PagedSide side, int count_out_of_range,
+                  uint32_t num_tokens, const void *__restrict__ slots, int slots_i64,
+                  int64_t num_slots, PagedSide side, int count_out_of_range,
                   unsigned long long *counters) {
   constexpr int E = kEpt<F>;
-  constexpr int S = kAppendStages<In, F>;
-  constexpr bool kFp8 = F == kFp8E4m3 || F == kFp8E5m2;
-  using Stage = AppendStage<In, F>;
-  extern __shared__ uint4 append_smem[];
-  Stage *stages = reinterpret_cast<Stage *>(append_smem);
-  const int t = threadIdx.x;
-  const uint32_t local = shape.by_tpr.div(t);
-  const int chunk = (int)(t - local * shape.tpr);
+  constexpr int R = kAppendRows<In>;
+  const uint32_t local = shape.by_tpr.div(threadIdx.x);
+  const int chunk = (int)(threadIdx.x - local * shape.tpr);
   const bool in_block = local < (uint32_t)shape.rows_per_block;
-  const uint64_t policy = l2_evict_first();
 
-  // The token and head of this thread's row in `slab`; false when it has none.
-  auto row_of = [&](uint32_t slab, uint32_t &token, uint32_t &head) {
-    if (slab >= num_slabs || !in_block) return false;
-    const uint32_t row = slab * (uint32_t)shape.rows_per_block + local;  // < 2^31: kMaxRows
-    token = side.by_heads.div(row);
-    head = row - token * side.num_heads;
-    return token < num_tokens;
-  };
-
-  // Start the copies of this thread's row in `slab` into `st`, as one group (empty past the
-  // end, so that group counts stay uniform).
-  auto issue = [&](uint32_t slab, Stage &st) {
-    uint32_t token, head;
-    if (row_of(slab, token, head)) {
-      const In *src = x + token * token_stride + head * shape.head_dim + chunk * E;
+  // Block b serves rows [b * R * rows_per_block, (b + 1) * R * rows_per_block): row k of this
+  // thread is `local` in the k-th slab. First issue every row's input and slot loads.
+  RawChunk<In, E> raw[R];
+  uint32_t token[R], head[R];
+  int64_t slot[R];
 #pragma unroll
-      for (int j = 0; j < Stage::kVectors; ++j)
-        cp_async16(&st.data[j][t], reinterpret_cast<const uint4 *>(src) + j, policy);
-      if (slots_i64)
-        cp_async_small<8>(&st.slot[t], static_cast<const int64_t *>(slots) + token);
-      else
-        cp_async_small<4>(&st.slot[t].x, static_cast<const int32_t *>(slots) + token);
-      if constexpr (kFp8) cp_async_small<4>(&st.head_scale[t], side.head_scales + head);
+  for (int k = 0; k < R; ++k) {
+    const uint32_t row = (blockIdx.x * R + k) * (uint32_t)shape.rows_per_block + local;
+    token[k] = side.by_heads.div(row);
+    head[k] = row - token[k] * side.num_heads;
+    slot[k] = -1;
+    if (in_block && token[k] < num_tokens) {
+      load_raw<In, E>(x + token[k] * token_stride + head[k] * shape.head_dim + chunk * E, raw[k]);
+      slot[k] = slots_i64 ? static_cast<const int64_t *>(slots)[token[k]]
+                          : (int64_t) static_cast<const int32_t *>(slots)[token[k]];
     }
-    cp_async_commit();
-  };
-
+  }
   uint32_t non_finite = 0, out_of_range = 0;
-  // Quantize this thread's row in `slab` from `st`, whose copies have landed. Every lane of the
-  // warp calls it (the INT4 V group reduction shuffles).
-  auto quantize = [&](uint32_t slab, const Stage &st) {
-    uint32_t token = 0, head = 0;
-    int64_t slot = -1;  // also for rows past the end
-    float head_scale = 1.0f;
-    if (row_of(slab, token, head)) {
-      const uint2 b = st.slot[t];
-      slot = slots_i64 ? (int64_t)(((uint64_t)b.y << 32) | b.x) : (int64_t)(int32_t)b.x;
-      if constexpr (kFp8) head_scale = st.head_scale[t];
-    }
-    // A slot past the pool is an error the host learns about through the counter.
-    out_of_range += count_out_of_range && slot >= num_slots && head == 0 && chunk == 0;
-    const bool active = slot >= 0 && slot < num_slots;
-    RowRef r = {};
-    RawChunk<In, E> raw = {};
-    if (active) {
-      const uint32_t block = side.by_block_size.div((uint32_t)slot);
-      r = side.row(block, (uint32_t)slot - block * side.block_size, head, head_scale);
 #pragma unroll
-      for (int j = 0; j < Stage::kVectors; ++j) raw.q[j] = st.data[j][t];
+  for (int k = 0; k < R; ++k) {
+    // A slot past the pool is an error the host learns about through the counter.
+    out_of_range += count_out_of_range && slot[k] >= num_slots && head[k] == 0 && chunk == 0;
+    const bool active = slot[k] >= 0 && slot[k] < num_slots;  // -1 also for rows past the end
+    RowRef r = {};
+    if (active) {
+      const uint32_t block = side.by_block_size.div((uint32_t)slot[k]);
+      r = side.row(block, (uint32_t)slot[k] - block * side.block_size, head[k]);
     }
     if constexpr (kPackedInt4<In, F>) {
       // INT4 from f16 / bf16: extremes on packed pairs, values widened as the codes need them.
       Extremes own = {0.0f, 0.0f};
       bool needs_clamp = false;
       if (active) {
-        if (!packed_extremes<In, F, E>(raw, own)) {
-          non_finite += scrub_raw<In, E>(raw);
-          packed_extremes<In, F, E>(raw, own);
+        if (!packed_extremes<In, F, E>(raw[k], own)) {
+          non_finite += scrub_raw<In, E>(raw[k]);
+          packed_extremes<In, F, E>(raw[k], own);
         }
         // Only bf16 can exceed ±65504 once scrubbed; the clamp is monotonic, so it commutes
         // with taking extremes.
         needs_clamp = own.lo < -kF16Max || own.hi > kF16Max;
         own.lo = fmaxf(own.lo, -kF16Max);
         own.hi = fminf(own.hi, kF16Max);
+      } else {
+        raw[k] = {};
       }
       const Extremes group = group_extremes<F, E>(own);
       if (__builtin_expect(needs_clamp, 0))
-        encode_chunk<F, E>(RawValues<In, E, true>{raw}, own, group, chunk, r, active);
+        encode_chunk<F, E>(RawValues<In, E, true>{raw[k]}, own, group, chunk, r, active);
       else
-        encode_chunk<F, E>(RawValues<In, E, false>{raw}, own, group, chunk, r, active);
+        encode_chunk<F, E>(RawValues<In, E, false>{raw[k]}, own, group, chunk, r, active);
     } else {
       float v[E] = {};
-      if (active) non_finite += sanitize_raw<In, E>(raw, v);
+      if (active) non_finite += sanitize_raw<In, E>(raw[k], v);
       const Extremes own = extremes_of<F, E>(v);
       encode_chunk<F, E>([&](int i) { return v[i]; }, own, group_extremes<F, E>(own), chunk, r,
                          active);
     }
-  };
-
-  // This block's slabs are blockIdx.x + i * step for i < iters: a block-uniform count, so the
-  // whole warp runs every step. Slab i goes through stage i % S, copied S - 1 steps ahead.
-  const uint32_t step = gridDim.x;
-  const uint32_t iters = (num_slabs - blockIdx.x + step - 1) / step;
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue(blockIdx.x + s * step, stages[s]);
-  int cur = 0, next = S - 1;  // stages of slab i and of slab i + S - 1
-  for (uint32_t i = 0; i < iters; ++i) {
-    // Slab indices stay below num_slabs + S * step < 2^32: no wrap-around.
-    issue(blockIdx.x + (i + S - 1) * step, stages[next]);
-    cp_async_wait<S - 1>();  // every group but the newest S - 1: slab i's has landed
-    quantize(blockIdx.x + i * step, stages[cur]);
-    cur = cur == S - 1 ? 0 : cur + 1;
-    next = next == S - 1 ? 0 : next + 1;
   }
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
   if (count_out_of_range)
@@ -847,49 +742,6 @@ template <bool Dense, typename Fn> int with_format(int32_t format, Fn &&fn) {
   }
 }
 
-// Readies append_kernel<In, F> on the current device (opts in to its shared memory, which may
-// pass the default 48 KiB) and finds how many of its blocks the device holds at once: SMs times
-// blocks per SM. Once per device, so that later launches (e.g. inside a graph capture) make no
-// attribute calls.
-template <typename In, int F> cudaError_t prepare_append(int &resident) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices];  // static storage: zero-initialized
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return e;
-  if (dev < kMaxDevices && (resident = cached[dev].load(std::memory_order_acquire)) > 0)
-    return cudaSuccess;
-  int sms = 0, per_sm = 0;
-  e = cudaFuncSetAttribute(append_kernel<In, F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           (int)kAppendSmem<In, F>);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, append_kernel<In, F>,
-                                                      kThreadsPerBlock, kAppendSmem<In, F>);
-  if (e != cudaSuccess) return e;
-  resident = sms * per_sm > 0 ? sms * per_sm : 1;  // 0 fits: the launch will say why
-  if (dev < kMaxDevices) cached[dev].store(resident, std::memory_order_release);
-  return cudaSuccess;
-}
-
-// Launches append_kernel<In, F> over `slabs` slabs (the other arguments are the kernel's): one
-// wave of resident blocks, so that every block walks the same number of slabs (±1), and at
-// least two slabs per block, so that small appends run the pipelined loop too.
-template <typename In, int F, typename... Args>
-int launch_append(unsigned slabs, cudaStream_t stream, Args... args) {
-  int resident = 0;
-  const cudaError_t e = prepare_append<In, F>(resident);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // reported here, not by the next launch_status()
-    set_last_error(e);
-    return KVQ_ERR_LAUNCH;
-  }
-  const unsigned pairs = (slabs + 1) / 2;
-  const unsigned grid = (unsigned)resident < pairs ? (unsigned)resident : pairs;
-  append_kernel<In, F><<<grid, kThreadsPerBlock, kAppendSmem<In, F>, stream>>>(args...);
-  return launch_status();
-}
-
 bool is_fp8(int32_t f) { return f == kFp8E4m3 || f == kFp8E5m2; }
 
 // head_dim rule of a format (mirrors KvFormat::head_dim_multiple) plus the kernels' own limit.
@@ -963,12 +815,12 @@ extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void
     return with_dtype(dtype, [&](auto in) {
       using In = typename decltype(in)::type;
       return with_format<false>(format, [&](auto f) {
-        constexpr int F = decltype(f)::value;
-        const RowShape shape(side.head_dim, kEpt<F>);
-        const unsigned slabs = shape.blocks(num_tokens * side.num_heads);
-        return launch_append<In, F>(slabs, s, shape, static_cast<const In *>(x), stride,
-                                    (uint32_t)num_tokens, slabs, slots, (int)(slots_i64 != 0),
-                                    num_slots, side, (int)count_out_of_range, counters);
+        const RowShape shape(side.head_dim, kEpt<decltype(f)::value>);
+        const unsigned grid = shape.blocks(num_tokens * side.num_heads, kAppendRows<In>);
+        append_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
+            shape, static_cast<const In *>(x), stride, (uint32_t)num_tokens, slots,
+            slots_i64 != 0, num_slots, side, count_out_of_range, counters);
+        return launch_status();
       });
     });
   };
