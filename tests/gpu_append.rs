@@ -323,6 +323,36 @@ fn append_edge_values_match_cpu() {
     }
 }
 
+/// Long appends: the kernel streams rows through a ring of shared-memory buffers per thread
+/// block, which only wraps around after about a thousand slabs of rows; 20,000 tokens of 8 KV
+/// heads wrap it many times for every format.
+#[test]
+fn long_appends_match_cpu() {
+    let Some(gpu) = require_gpu_or_skip("long_appends_match_cpu") else {
+        return;
+    };
+    use KvFormat::*;
+    let pairs = [
+        (Int4Sym32, Int4Affine64),
+        (Fp8E4m3, Fp8E4m3),
+        (Fp8E5m2, Int4Affine64),
+        (F16, Bf16),
+    ];
+    for (i, (kf, vf)) in pairs.into_iter().enumerate() {
+        let c = CacheConfig::new(8, 128, 16, kf, vf).unwrap();
+        let seed = 100 + i as u64;
+        match i % 3 {
+            0 => check_append::<f16>(&gpu, c, 20_000, seed, false),
+            1 => check_append::<f32>(&gpu, c, 20_000, seed, false),
+            _ => check_append::<bf16>(&gpu, c, 20_000, seed, false),
+        }
+    }
+    // Every input type with INT4 on both sides (the pipelined kernel differs per input type).
+    let c = CacheConfig::new(8, 128, 16, Int4Sym32, Int4Affine64).unwrap();
+    check_append::<f32>(&gpu, c, 20_000, 7, false);
+    check_append::<bf16>(&gpu, c, 20_000, 8, false);
+}
+
 #[test]
 fn i32_and_i64_slot_mappings_agree() {
     let Some(gpu) = require_gpu_or_skip("i32_and_i64_slot_mappings_agree") else {
