@@ -385,6 +385,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
   const float c_r0 = row_c[2 * t], c_r1 = row_c[2 * t + 1];
   const int lim_r0 = row_lim[2 * t], lim_r1 = row_lim[2 * t + 1];
+  // Tokens below lim_all are seen by every row of the tile (rows past the tile's end hold zero
+  // queries: finite scores, never written out).
+  int lim_all = t1;
+  for (int r = 0; r < kRows && row0 + r < rows; ++r) lim_all = min(lim_all, row_lim[r]);
   // INT4 K: the zero terms of rows r0, r1 of group G at kz_lane[4 G], as the MMA's C operand
   // (read when used: registers are scarcer than shared-memory bandwidth).
   const float4 *kz_lane = reinterpret_cast<const float4 *>(row_z) + t;
@@ -508,18 +512,31 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     // (s[ch][2..3]) of rows r0 (s[ch][0], s[ch][2]) and r1. Masked entries become -inf whatever
     // the codes were.
     float mx_r0 = -INFINITY, mx_r1 = -INFINITY;
+    constexpr uint32_t kAllChunks = (1u << CH) - 1;
+    if ((ok_bits & kAllChunks) == kAllChunks && tok0 + STEP <= lim_all) {
+      // Every token of the step is visible to every row: no masks (all steps but the last
+      // of a split, and of every causal tail).
 #pragma unroll
-    for (int ch = 0; ch < CH; ++ch) {
-      const bool ok = (ok_bits >> ch) & 1u;
+      for (int ch = 0; ch < CH; ++ch) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int tok = tok0 + ch * kChunk + 8 * h + g;
-        const float x0 = s[ch][2 * h] + s2nd[ch][2 * h];
-        const float x1 = s[ch][2 * h + 1] + s2nd[ch][2 * h + 1];
-        s[ch][2 * h] = (ok && tok < lim_r0) ? x0 * c_r0 : -INFINITY;
-        s[ch][2 * h + 1] = (ok && tok < lim_r1) ? x1 * c_r1 : -INFINITY;
-        mx_r0 = fmaxf(mx_r0, s[ch][2 * h]);
-        mx_r1 = fmaxf(mx_r1, s[ch][2 * h + 1]);
+        for (int e = 0; e < 4; ++e) s[ch][e] = (s[ch][e] + s2nd[ch][e]) * (e % 2 ? c_r1 : c_r0);
+        mx_r0 = fmaxf(mx_r0, fmaxf(s[ch][0], s[ch][2]));
+        mx_r1 = fmaxf(mx_r1, fmaxf(s[ch][1], s[ch][3]));
+      }
+    } else {
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch) {
+        const bool ok = (ok_bits >> ch) & 1u;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int tok = tok0 + ch * kChunk + 8 * h + g;
+          const float x0 = s[ch][2 * h] + s2nd[ch][2 * h];
+          const float x1 = s[ch][2 * h + 1] + s2nd[ch][2 * h + 1];
+          s[ch][2 * h] = (ok && tok < lim_r0) ? x0 * c_r0 : -INFINITY;
+          s[ch][2 * h + 1] = (ok && tok < lim_r1) ? x1 * c_r1 : -INFINITY;
+          mx_r0 = fmaxf(mx_r0, s[ch][2 * h]);
+          mx_r1 = fmaxf(mx_r1, s[ch][2 * h + 1]);
+        }
       }
     }
     // The running max of a row rarely grows once a few steps have been seen: the warp reduces
