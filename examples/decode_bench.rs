@@ -7,8 +7,8 @@
 //! ```
 //! Prints a markdown table (µs median, bytes, GB/s, % of ceiling, speedup vs bf16) and writes
 //! `decode_bench.{md,csv,json}` plus, with feature `plot`, `decode_bench.png` (% of ceiling vs
-//! B·L per format) into DIR (default `bench-out`). `--plot` redraws the PNG from a JSON report
-//! on any machine (no GPU needed). Method: `kvq::cuda::bench`.
+//! B·L per format) into DIR (default `bench-out`). `--plot` re-renders the tables and the PNG
+//! from a JSON report, beside it, on any machine (no GPU needed). Method: `kvq::cuda::bench`.
 
 use std::path::{Path, PathBuf};
 
@@ -111,7 +111,7 @@ fn main() {
                 let report =
                     kvq::report::DecodeBenchReport::from_json(&text).map_err(|e| e.to_string())?;
                 let dir = json.parent().unwrap_or(Path::new("."));
-                return plot(&report, dir);
+                return write_outputs(&report, dir);
             }
             None => measure(&args)?,
         };

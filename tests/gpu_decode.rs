@@ -465,7 +465,7 @@ fn speculative_q_len_is_causal() {
         return;
     };
     let mut rng = rng("speculative_q_len_is_causal");
-    // G * q_len from 2 to 128 rows: one to eight 16-row query tiles per KV head.
+    // G * q_len from 2 to 128 rows: one to sixteen 8-row query tiles per KV head.
     for (group, q_len) in [(1, 2), (4, 3), (6, 4), (8, 8), (16, 8), (3, 7)] {
         for (k, v) in [
             (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
