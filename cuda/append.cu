@@ -903,6 +903,32 @@ extern "C" int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, in
   return launch_status();
 }
 
+namespace {
+/// The checks both grouped / FP8 dense launchers make, and the rows they launch over: KVQ_OK
+/// with `out` filled, or the error to return.
+int dense_rows(int32_t format, uint8_t *codes, const float *head_scales, int32_t num_head_scales,
+               uint16_t *group_scales, uint16_t *group_zeros, int64_t rows, int32_t heads,
+               int32_t head_dim, DenseRows &out) {
+  if (!head_dim_ok(format, head_dim)) return KVQ_ERR_INVALID;
+  const int g = group_size(format);
+  if (is_fp8(format) && (head_scales == nullptr || (num_head_scales != 1 && num_head_scales != heads)))
+    return KVQ_ERR_INVALID;
+  if (g != 0 && (group_scales == nullptr || (format == kInt4Affine64 && group_zeros == nullptr)))
+    return KVQ_ERR_INVALID;
+  if (rows > kMaxRows) return KVQ_ERR_UNSUPPORTED;
+  out = {codes,
+         group_scales,
+         group_zeros,
+         code_bytes(format, head_dim),
+         g != 0 ? head_dim / g : 0,
+         heads,
+         num_head_scales,
+         is_fp8(format) ? head_scales : nullptr,
+         FastDiv((uint32_t)heads)};
+  return KVQ_OK;
+}
+}  // namespace
+
 extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, int64_t rows,
                                   int32_t heads, int32_t head_dim, const float *head_scales,
                                   int32_t num_head_scales, uint8_t *codes, uint16_t *group_scales,
@@ -925,23 +951,10 @@ extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, 
       return launch_status();
     });
   }
-  if (!head_dim_ok(format, head_dim)) return KVQ_ERR_INVALID;
-  const int g = group_size(format);
-  if (is_fp8(format) && (head_scales == nullptr || (num_head_scales != 1 && num_head_scales != heads)))
-    return KVQ_ERR_INVALID;
-  if (g != 0 && (group_scales == nullptr || (format == kInt4Affine64 && group_zeros == nullptr)))
-    return KVQ_ERR_INVALID;
-  if (rows == 0) return KVQ_OK;
-  if (rows > kMaxRows) return KVQ_ERR_UNSUPPORTED;
-  const DenseRows dst = {codes,
-                         group_scales,
-                         group_zeros,
-                         code_bytes(format, head_dim),
-                         g != 0 ? head_dim / g : 0,
-                         heads,
-                         num_head_scales,
-                         is_fp8(format) ? head_scales : nullptr,
-                         FastDiv((uint32_t)heads)};
+  DenseRows dst;
+  const int status = dense_rows(format, codes, head_scales, num_head_scales, group_scales,
+                                group_zeros, rows, heads, head_dim, dst);
+  if (status != KVQ_OK || rows == 0) return status;
   return with_dtype(dtype, [&](auto in) {
     using In = typename decltype(in)::type;
     return with_format<true>(format, [&](auto f) {
@@ -975,23 +988,12 @@ extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
       return launch_status();
     });
   }
-  if (!head_dim_ok(format, head_dim)) return KVQ_ERR_INVALID;
-  const int g = group_size(format);
-  if (is_fp8(format) && (head_scales == nullptr || (num_head_scales != 1 && num_head_scales != heads)))
-    return KVQ_ERR_INVALID;
-  if (g != 0 && (group_scales == nullptr || (format == kInt4Affine64 && group_zeros == nullptr)))
-    return KVQ_ERR_INVALID;
-  if (rows == 0) return KVQ_OK;
-  if (rows > kMaxRows) return KVQ_ERR_UNSUPPORTED;
-  const DenseRows src = {const_cast<uint8_t *>(codes),
-                         const_cast<uint16_t *>(group_scales),
-                         const_cast<uint16_t *>(group_zeros),
-                         code_bytes(format, head_dim),
-                         g != 0 ? head_dim / g : 0,
-                         heads,
-                         num_head_scales,
-                         is_fp8(format) ? head_scales : nullptr,
-                         FastDiv((uint32_t)heads)};
+  // The kernel only reads through src.
+  DenseRows src;
+  const int status = dense_rows(format, const_cast<uint8_t *>(codes), head_scales,
+                                num_head_scales, const_cast<uint16_t *>(group_scales),
+                                const_cast<uint16_t *>(group_zeros), rows, heads, head_dim, src);
+  if (status != KVQ_OK || rows == 0) return status;
   return with_dtype(out_dtype, [&](auto o) {
     using Out = typename decltype(o)::type;
     return with_format<true>(format, [&](auto f) {
