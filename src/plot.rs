@@ -45,11 +45,14 @@ fn ensure_font() -> Result<()> {
 pub fn percent_of_ceiling_png(report: &DecodeBenchReport, case: &str, path: &Path) -> Result<()> {
     ensure_font()?;
     let mut series: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    for r in report.rows.iter().filter(|r| r.case == case) {
+    for r in report.rows.iter().filter(|r| r.shape.case == case) {
         series
             .entry(format!("K {} / V {}", r.k_format, r.v_format))
             .or_default()
-            .push(((r.batch * r.context_len) as f64, r.pct_of_ceiling));
+            .push((
+                (r.shape.batch * r.shape.context_len) as f64,
+                r.pct_of_ceiling,
+            ));
     }
     if series.is_empty() {
         return Err(Error::InvalidArgument(format!(
@@ -119,7 +122,7 @@ pub fn percent_of_ceiling_png(report: &DecodeBenchReport, case: &str, path: &Pat
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::DecodeBenchRow;
+    use crate::report::{DecodeBenchRow, DecodeCase};
 
     #[test]
     fn draws_a_png() {
@@ -127,14 +130,7 @@ mod tests {
         for (fmt, pct) in [("bf16", 90.0), ("int4-k32", 80.0)] {
             for (b, l) in [(1, 4096), (16, 4096), (64, 16384)] {
                 report.rows.push(DecodeBenchRow {
-                    case: "llama3-8b".into(),
-                    batch: b,
-                    context_len: l,
-                    num_q_heads: 32,
-                    num_kv_heads: 8,
-                    head_dim: 128,
-                    block_size: 16,
-                    q_len: 1,
+                    shape: DecodeCase::llama3_8b(b, l),
                     k_format: fmt.into(),
                     v_format: fmt.into(),
                     splits: 1,

@@ -4,6 +4,7 @@
 use crate::error::{Error, Result};
 use crate::layout::BlockLayout;
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::fmt::Write as _;
 
 /// Bytes a decode step must read from device memory at the least: every K and V code and its
@@ -36,11 +37,11 @@ pub fn decode_bytes_to_read(
         + head_scales
 }
 
-/// One measured decode configuration.
+/// One decode shape: a model's attention geometry at a batch size and context length.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DecodeBenchRow {
-    /// Name of the shape family (e.g. `llama3-8b`, `8x22b-tp8`, `mha-d64`).
-    pub case: String,
+pub struct DecodeCase {
+    /// Name of the shape family (e.g. `llama3-8b`, `8x22b-tp8`, `mha-32`).
+    pub case: Cow<'static, str>,
     pub batch: usize,
     pub context_len: usize,
     pub num_q_heads: usize,
@@ -48,6 +49,45 @@ pub struct DecodeBenchRow {
     pub head_dim: usize,
     pub block_size: usize,
     pub q_len: usize,
+}
+
+impl DecodeCase {
+    /// Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, blocks of 16.
+    pub const fn llama3_8b(batch: usize, context_len: usize) -> Self {
+        DecodeCase {
+            case: Cow::Borrowed("llama3-8b"),
+            batch,
+            context_len,
+            num_q_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            block_size: 16,
+            q_len: 1,
+        }
+    }
+
+    /// One GPU's share of Mixtral-8x22B attention under 8-way tensor parallelism: 6 query
+    /// heads over 1 KV head, head_dim 128.
+    pub const fn moe_8x22b_tp8(batch: usize, context_len: usize) -> Self {
+        DecodeCase {
+            case: Cow::Borrowed("8x22b-tp8"),
+            batch,
+            context_len,
+            num_q_heads: 6,
+            num_kv_heads: 1,
+            head_dim: 128,
+            block_size: 16,
+            q_len: 1,
+        }
+    }
+}
+
+/// One measured decode configuration (flat in JSON and CSV: the shape's fields first).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DecodeBenchRow {
+    /// What was measured.
+    #[serde(flatten)]
+    pub shape: DecodeCase,
     pub k_format: String,
     pub v_format: String,
     /// Split-KV partitions the plan chose.
@@ -89,27 +129,17 @@ impl DecodeBenchReport {
 
     /// Fill `speedup_vs_bf16` for every row that has a bf16/bf16 row of the same shape.
     pub fn fill_speedups(&mut self) {
-        let base: Vec<(String, usize, usize, usize, f64)> = self
+        let base: Vec<(DecodeCase, f64)> = self
             .rows
             .iter()
             .filter(|r| r.k_format == "bf16" && r.v_format == "bf16")
-            .map(|r| {
-                (
-                    r.case.clone(),
-                    r.batch,
-                    r.context_len,
-                    r.head_dim,
-                    r.median_us,
-                )
-            })
+            .map(|r| (r.shape.clone(), r.median_us))
             .collect();
         for r in &mut self.rows {
             r.speedup_vs_bf16 = base
                 .iter()
-                .find(|b| {
-                    b.0 == r.case && b.1 == r.batch && b.2 == r.context_len && b.3 == r.head_dim
-                })
-                .map(|b| b.4 / r.median_us);
+                .find(|b| b.0 == r.shape)
+                .map(|b| b.1 / r.median_us);
         }
     }
 
@@ -128,12 +158,12 @@ impl DecodeBenchReport {
             let _ = writeln!(
                 s,
                 "| {} | {} | {} | {}/{} | {} | {} | {} | {} | {:.1} | {:.1} | {:.0} | {:.1} | {} |",
-                r.case,
-                r.batch,
-                r.context_len,
-                r.num_q_heads,
-                r.num_kv_heads,
-                r.head_dim,
+                r.shape.case,
+                r.shape.batch,
+                r.shape.context_len,
+                r.shape.num_q_heads,
+                r.shape.num_kv_heads,
+                r.shape.head_dim,
                 r.k_format,
                 r.v_format,
                 r.splits,
@@ -156,14 +186,14 @@ impl DecodeBenchReport {
             let _ = writeln!(
                 s,
                 "{},{},{},{},{},{},{},{},{},{},{},{:.3},{},{:.1},{:.2},{}",
-                r.case,
-                r.batch,
-                r.context_len,
-                r.num_q_heads,
-                r.num_kv_heads,
-                r.head_dim,
-                r.block_size,
-                r.q_len,
+                r.shape.case,
+                r.shape.batch,
+                r.shape.context_len,
+                r.shape.num_q_heads,
+                r.shape.num_kv_heads,
+                r.shape.head_dim,
+                r.shape.block_size,
+                r.shape.q_len,
                 r.k_format,
                 r.v_format,
                 r.splits,
@@ -226,14 +256,10 @@ mod tests {
     fn report_round_trips_through_json() {
         let mut r = DecodeBenchReport::new("test", 4700.0);
         r.rows.push(DecodeBenchRow {
-            case: "x".into(),
-            batch: 1,
-            context_len: 4096,
-            num_q_heads: 32,
-            num_kv_heads: 8,
-            head_dim: 128,
-            block_size: 16,
-            q_len: 1,
+            shape: DecodeCase {
+                case: "x".into(),
+                ..DecodeCase::llama3_8b(1, 4096)
+            },
             k_format: "bf16".into(),
             v_format: "bf16".into(),
             splits: 4,

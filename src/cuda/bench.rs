@@ -19,6 +19,7 @@ use crate::cache::BlockTables;
 use crate::error::{Error, Result};
 use crate::format::KvFormat;
 use crate::layout::CacheConfig;
+pub use crate::report::DecodeCase;
 use crate::report::{DecodeBenchReport, DecodeBenchRow, decode_bytes_to_read};
 use crate::synth::Synth;
 use cudarc::driver::sys::CUevent_flags;
@@ -26,51 +27,6 @@ use cudarc::driver::{CudaEvent, CudaSlice, DevicePtrMut};
 use half::{bf16, f16};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
-
-/// One decode shape: a model's attention geometry at a batch size and context length.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DecodeCase {
-    /// Name of the shape family (a column of the report).
-    pub case: &'static str,
-    pub batch: usize,
-    pub context_len: usize,
-    pub num_q_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub block_size: usize,
-    pub q_len: usize,
-}
-
-impl DecodeCase {
-    /// Llama-3-8B attention: 32 query heads, 8 KV heads, head_dim 128, blocks of 16.
-    pub const fn llama3_8b(batch: usize, context_len: usize) -> Self {
-        DecodeCase {
-            case: "llama3-8b",
-            batch,
-            context_len,
-            num_q_heads: 32,
-            num_kv_heads: 8,
-            head_dim: 128,
-            block_size: 16,
-            q_len: 1,
-        }
-    }
-
-    /// One GPU's share of Mixtral-8x22B attention under 8-way tensor parallelism: 6 query
-    /// heads over 1 KV head, head_dim 128.
-    pub const fn moe_8x22b_tp8(batch: usize, context_len: usize) -> Self {
-        DecodeCase {
-            case: "8x22b-tp8",
-            batch,
-            context_len,
-            num_q_heads: 6,
-            num_kv_heads: 1,
-            head_dim: 128,
-            block_size: 16,
-            q_len: 1,
-        }
-    }
-}
 
 /// The grid of issue 5: Llama-3-8B over (B, L), the 8x22B per-GPU shape, MHA, and head_dim
 /// 64 / 256.
@@ -91,19 +47,19 @@ pub fn standard_grid() -> Vec<DecodeCase> {
     grid.push(DecodeCase::moe_8x22b_tp8(64, 16384));
     let base = DecodeCase::llama3_8b(32, 8192);
     grid.push(DecodeCase {
-        case: "mha-32",
+        case: "mha-32".into(),
         num_kv_heads: 32,
         ..base.clone()
     });
     grid.push(DecodeCase {
-        case: "gqa-d64",
+        case: "gqa-d64".into(),
         head_dim: 64,
         batch: 64,
         context_len: 16384,
         ..base.clone()
     });
     grid.push(DecodeCase {
-        case: "gqa-d256",
+        case: "gqa-d256".into(),
         head_dim: 256,
         num_q_heads: 16,
         num_kv_heads: 4,
@@ -116,7 +72,7 @@ pub fn standard_grid() -> Vec<DecodeCase> {
 /// least 256k tokens in the batch (where the bandwidth targets apply).
 pub fn select(grid: Vec<DecodeCase>, names: &[String], quick: bool) -> Vec<DecodeCase> {
     grid.into_iter()
-        .filter(|c| names.is_empty() || names.iter().any(|n| n == c.case))
+        .filter(|c| names.is_empty() || names.iter().any(|n| c.case == n.as_str()))
         .filter(|c| !quick || c.batch * c.context_len >= 64 * 4096)
         .collect()
 }
@@ -393,14 +349,7 @@ pub fn measure(
     let bytes = prepared.bytes_to_read();
     let gbps = bytes as f64 / us / 1e3;
     Ok(DecodeBenchRow {
-        case: case.case.to_string(),
-        batch: case.batch,
-        context_len: case.context_len,
-        num_q_heads: case.num_q_heads,
-        num_kv_heads: case.num_kv_heads,
-        head_dim: case.head_dim,
-        block_size: case.block_size,
-        q_len: case.q_len,
+        shape: case.clone(),
         k_format: k.name().to_string(),
         v_format: v.name().to_string(),
         splits: prepared.plan.num_splits(),
