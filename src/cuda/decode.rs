@@ -20,8 +20,8 @@
 //!
 //! Engines that own their device memory use [`DecodePlan::decode_raw`] instead.
 
-use super::device::DeviceCache;
-use super::ops::{DeviceElement, Dtype, need_len};
+use super::device::{DeviceCache, raw_layout};
+use super::ops::{DeviceElement, Dtype, need_len, to_i32};
 use super::{Gpu, check_status, driver_err, sys};
 use crate::cache::BlockTables;
 use crate::error::{Error, Result};
@@ -83,18 +83,6 @@ pub fn kernel_available(k: KvFormat, v: KvFormat) -> bool {
     )
 }
 
-fn dtype_code(d: Dtype) -> i32 {
-    match d {
-        Dtype::F32 => sys::KVQ_DTYPE_F32,
-        Dtype::F16 => sys::KVQ_DTYPE_F16,
-        Dtype::Bf16 => sys::KVQ_DTYPE_BF16,
-    }
-}
-
-fn to_i32(what: &str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| Error::Unsupported(format!("{what} = {v} exceeds int32")))
-}
-
 /// Split length for `num_splits` splits of `max_len` tokens (a multiple of [`SPLIT_MULTIPLE`]),
 /// and the split count that length really gives.
 fn split_len(max_len: usize, num_splits: usize) -> (usize, usize) {
@@ -145,19 +133,13 @@ fn occupancy(layout: &BlockLayout, warps: usize, stages: usize) -> Result<(usize
     Ok((ctas.max(0) as usize, stage_bytes.max(0) as usize))
 }
 
-/// A launch shape: warps per thread block, copy stages per warp, and the blocks per SM that
-/// fit with them.
+/// How one launch is cut: warps per thread block, copy stages per warp, the blocks per SM that
+/// fit with them, and the split-KV split count and length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct LaunchShape {
+struct LaunchChoice {
     warps: usize,
     stages: usize,
     ctas: usize,
-}
-
-/// How one launch is cut: its shape and its split-KV split count and length.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct LaunchChoice {
-    shape: LaunchShape,
     splits: usize,
     split_tokens: usize,
 }
@@ -259,11 +241,9 @@ fn choose_launch(
         })?;
     let (splits, split_tokens) = split_len(max_len, n);
     Ok(LaunchChoice {
-        shape: LaunchShape {
-            warps,
-            stages,
-            ctas,
-        },
+        warps,
+        stages,
+        ctas,
         splits,
         split_tokens,
     })
@@ -351,9 +331,6 @@ impl DecodePlan {
         let choice = choose_launch(base, sms, max_context_len, formats, |w, n| {
             occupancy(layout, w, n)
         })?;
-        let (num_splits, split_tokens) = (choice.splits, choice.split_tokens);
-        let s = choice.shape;
-        let (warps, stages, ctas_per_sm) = (s.warps, s.stages, s.ctas);
         Ok(DecodePlan {
             gpu: gpu.clone(),
             layout: *layout,
@@ -362,11 +339,11 @@ impl DecodePlan {
             q_len,
             max_context_len,
             softmax_scale: 1.0 / (c.head_dim as f32).sqrt(),
-            num_splits,
-            split_tokens,
-            warps,
-            stages,
-            ctas_per_sm,
+            num_splits: choice.splits,
+            split_tokens: choice.split_tokens,
+            warps: choice.warps,
+            stages: choice.stages,
+            ctas_per_sm: choice.ctas,
         })
     }
 
@@ -612,7 +589,7 @@ impl DecodePlan {
         let mut a = self.raw_args();
         a.cache = cache.as_raw();
         a.num_blocks = cache.num_blocks() as i64;
-        a.q_dtype = dtype_code(T::DTYPE);
+        a.q_dtype = T::DTYPE.raw();
         a.max_blocks = tables.max_blocks as i32;
         let (q_p, _g1) = q.device_ptr(s);
         let (o_p, _g2) = out.device_ptr_mut(s);
@@ -657,20 +634,7 @@ impl DecodePlan {
     ///   the output is then unspecified);
     /// - nothing else writes `out`, `lse` or the workspace until the launch on `stream` ends.
     pub unsafe fn decode_raw(&self, args: &RawDecodeArgs, stream: CUstream) -> Result<()> {
-        let l = &args.cache.layout;
-        let c = &self.layout.config;
-        let same = l.num_kv_heads as usize == c.num_kv_heads
-            && l.head_dim as usize == c.head_dim
-            && l.block_size as usize == c.block_size
-            && l.k_format == c.k_format as i32
-            && l.v_format == c.v_format as i32
-            && l.head_stride as usize == self.layout.head_stride
-            && l.block_stride as usize == self.layout.block_stride
-            && l.k_codes_offset as usize == self.layout.k_codes.offset
-            && l.k_meta_offset as usize == self.layout.k_meta.offset
-            && l.v_codes_offset as usize == self.layout.v_codes.offset
-            && l.v_meta_offset as usize == self.layout.v_meta.offset;
-        if !same {
+        if args.cache.layout != raw_layout(&self.layout)? {
             return Err(Error::InvalidArgument(
                 "the cache's layout differs from the one the plan was made for".into(),
             ));
@@ -715,7 +679,7 @@ impl DecodePlan {
         a.ws_o = args.workspace_o as *mut f32;
         a.ws_lse = args.workspace_lse as *mut f32;
         a.ws_counters = args.workspace_counters as *mut u32;
-        a.q_dtype = dtype_code(args.q_dtype);
+        a.q_dtype = args.q_dtype.raw();
         a.max_blocks = to_i32("max_blocks", args.max_blocks)?;
         // SAFETY: forwarded from the caller's contract; shapes come from the plan.
         let status = unsafe { sys::kvq_decode_attention(&a, stream.cast()) };
@@ -955,13 +919,7 @@ mod tests {
         // that registers allow.
         let pick = |base, len, (formats, stage), regs| {
             let c = choose_launch(base, 132, len, formats, occ_model(stage, regs)).unwrap();
-            (
-                c.shape.warps,
-                c.shape.stages,
-                c.shape.ctas,
-                c.splits,
-                c.split_tokens,
-            )
+            (c.warps, c.stages, c.ctas, c.splits, c.split_tokens)
         };
         // Many blocks of a 16-bit cache: 2 blocks of 4 warps x 3 stages (143 KB in flight).
         assert_eq!(pick(512, 16384, bf16, 3), (4, 3, 2, 1, 16384));

@@ -40,7 +40,7 @@ pub struct DeviceCache {
 }
 
 /// The C view of a layout; [`Error::Unsupported`] when a field does not fit the ABI's int32.
-fn raw_layout(l: &BlockLayout) -> Result<sys::kvq_layout> {
+pub(crate) fn raw_layout(l: &BlockLayout) -> Result<sys::kvq_layout> {
     let c = &l.config;
     let i = |what: &str, v: usize| -> Result<i32> {
         i32::try_from(v).map_err(|_| {

@@ -27,7 +27,8 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    fn raw(self) -> i32 {
+    /// The `KVQ_DTYPE_*` code of kvq.h.
+    pub(crate) fn raw(self) -> i32 {
         match self {
             Dtype::F32 => sys::KVQ_DTYPE_F32,
             Dtype::F16 => sys::KVQ_DTYPE_F16,
@@ -94,7 +95,8 @@ pub(crate) fn need_len(what: &'static str, expected: usize, actual: usize) -> Re
     Ok(())
 }
 
-fn to_i32(what: &str, v: usize) -> Result<i32> {
+/// `v` as the int32 a launcher takes, or Unsupported.
+pub(crate) fn to_i32(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::Unsupported(format!("{what} = {v} exceeds int32")))
 }
 
@@ -243,27 +245,7 @@ pub fn gather_dequantize<T: DeviceElement>(
     same_device(gpu, cache)?;
     let c = cache.config();
     let used = len.div_ceil(c.block_size);
-    need_len(
-        "block table entries (ceil(len / block_size))",
-        used,
-        block_table.len(),
-    )?;
-    for (i, &e) in block_table[..used].iter().enumerate() {
-        match usize::try_from(e) {
-            Ok(block) if block < cache.num_blocks() => {}
-            Ok(block) => {
-                return Err(Error::BlockIndex {
-                    block,
-                    num_blocks: cache.num_blocks(),
-                });
-            }
-            Err(_) => {
-                return Err(Error::InvalidArgument(format!(
-                    "block table entry {i} = {e}: a used entry must be a block id"
-                )));
-            }
-        }
-    }
+    crate::cache::check_row(block_table, None, len, c.block_size, cache.num_blocks())?;
     let n = len * c.num_kv_heads * c.head_dim;
     gpu.bind()?;
     let s = gpu.stream();
