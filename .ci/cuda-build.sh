@@ -11,9 +11,10 @@ start=$SECONDS
 cargo build --release --features cuda --all-targets
 echo "cargo build --release --features cuda --all-targets: $((SECONDS - start))s"
 
+# Release profile, like the build above: the kernels are compiled once, not again for debug.
 start=$SECONDS
-cargo clippy --all-targets --features cuda -- -D warnings
-echo "cargo clippy --all-targets --features cuda: $((SECONDS - start))s"
+cargo clippy --release --all-targets --features cuda -- -D warnings
+echo "cargo clippy --release --all-targets --features cuda: $((SECONDS - start))s"
 
 # The sys.rs ⇄ kvq.h consistency tests and the no-GPU behaviour tests need no device.
 cargo test --release --features cuda --lib cuda::
