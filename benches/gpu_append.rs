@@ -8,14 +8,12 @@
 //! Run: `cargo bench --features cuda --bench gpu_append` (prints `SKIPPED: no GPU` without one).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaSlice;
 use half::f16;
 use kvq::cuda::bench::EventTimer;
 use kvq::cuda::ops;
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, KvFormat};
-use std::sync::Arc;
 use std::time::Duration;
 
 const HEADS: usize = 8;
@@ -83,21 +81,6 @@ impl Inputs {
     }
 }
 
-/// Time `iters` runs of `f` on `stream` with CUDA events.
-fn time_with_events(stream: &Arc<CudaStream>, iters: u64, mut f: impl FnMut()) -> Duration {
-    let ctx = stream.context();
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let start = ctx.new_event(flags).expect("event");
-    let end = ctx.new_event(flags).expect("event");
-    start.record(stream).expect("record");
-    for _ in 0..iters {
-        f();
-    }
-    end.record(stream).expect("record");
-    let ms = start.elapsed_ms(&end).expect("elapsed");
-    Duration::from_secs_f64(ms as f64 / 1e3)
-}
-
 /// Median GB/s of `reps` runs of `f` moving `bytes` each (the crate's CUDA-event timer).
 fn gbps(timer: &mut EventTimer, bytes: u64, reps: usize, mut f: impl FnMut()) -> f64 {
     let us = timer
@@ -138,7 +121,12 @@ fn bench(c: &mut Criterion) {
     group.throughput(Throughput::Bytes(copy_bytes));
     group.bench_function("dtod_copy_2GiB", |b| {
         b.iter_custom(|iters| {
-            time_with_events(&s, iters, || s.memcpy_dtod(&src, &mut dst).expect("copy"))
+            timer
+                .total(iters, || {
+                    s.memcpy_dtod(&src, &mut dst).expect("copy");
+                    Ok(())
+                })
+                .expect("timing")
         })
     });
     drop((src, dst));
@@ -165,7 +153,14 @@ fn bench(c: &mut Criterion) {
         ));
         group.throughput(Throughput::Bytes(bytes));
         group.bench_function(format!("append_{kf}_{vf}_f16"), |b| {
-            b.iter_custom(|iters| time_with_events(&s, iters, &mut run))
+            b.iter_custom(|iters| {
+                timer
+                    .total(iters, || {
+                        run();
+                        Ok(())
+                    })
+                    .expect("timing")
+            })
         });
         assert_eq!(cache.check_appends().expect("counters"), 0);
     }

@@ -14,15 +14,15 @@
 //! Run: `cargo bench --features cuda --bench gpu_decode` (`KVQ_BENCH_QUICK=1`: fewer shapes).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
 use half::{bf16, f16};
 use kvq::cache::BlockTables;
 use kvq::cuda::decode::{DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables};
 use kvq::cuda::ops;
 use kvq::cuda::{DeviceCache, Gpu, bench, require_gpu_or_skip};
+use kvq::report::decode_bytes_to_read;
 use kvq::{CacheConfig, KvFormat};
-use std::sync::Arc;
 use std::time::Duration;
 
 const Q_HEADS: usize = 32;
@@ -62,26 +62,6 @@ fn noise(i: usize, salt: u64) -> f32 {
     z = (z ^ (z >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z ^= z >> 29;
     ((z >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 8.0
-}
-
-/// Time `f` with CUDA events around it (GPU time only).
-fn event_time(stream: &Arc<CudaStream>, mut f: impl FnMut()) -> Duration {
-    let ctx = stream.context();
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let start = ctx.new_event(flags).expect("event");
-    let end = ctx.new_event(flags).expect("event");
-    start.record(stream).expect("record");
-    f();
-    end.record(stream).expect("record");
-    Duration::from_secs_f64(start.elapsed_ms(&end).expect("elapsed") as f64 / 1e3)
-}
-
-/// Median of `reps` timings of `f`, after one warm-up call.
-fn median(stream: &Arc<CudaStream>, reps: usize, mut f: impl FnMut()) -> Duration {
-    f();
-    let mut v: Vec<Duration> = (0..reps).map(|_| event_time(stream, &mut f)).collect();
-    v.sort();
-    v[reps / 2]
 }
 
 /// (warps per block, stages per warp) swept (besides the plan's own) at these (batch, len).
@@ -159,8 +139,7 @@ fn setup(gpu: &Gpu, k: KvFormat, v: KvFormat, batch: usize, len: usize) -> Setup
             DeviceBlockTables::new(&cache, &t).expect("device tables")
         })
         .collect();
-    let q_bytes = batch * Q_HEADS * HEAD_DIM * 2;
-    let bytes = (kv_bytes + batch * pages * 4 + q_bytes) as u64;
+    let bytes = decode_bytes_to_read(&layout, &vec![len; batch], Q_HEADS, 1, 2);
     Setup {
         cache,
         tables,
@@ -224,6 +203,7 @@ impl BenchElem for bf16 {
 
 fn run_format<T: BenchElem>(
     gpu: &Gpu,
+    timer: &mut bench::EventTimer,
     c: &mut Criterion,
     (name, kf, vf): (&'static str, KvFormat, KvFormat),
     rows: &mut Vec<Row>,
@@ -243,7 +223,7 @@ fn run_format<T: BenchElem>(
         let mut out = s.clone_htod(&vec![T::from_f32(0.0); n]).expect("out");
         let mut keep = Vec::new();
         let copies = su.tables.len() as u32;
-        let row = |graph: &CudaGraph, plan: &DecodePlan| Row {
+        let row = |timer: &mut bench::EventTimer, graph: &CudaGraph, plan: &DecodePlan| Row {
             format: name,
             batch,
             len,
@@ -252,28 +232,37 @@ fn run_format<T: BenchElem>(
             stages: plan.stages(),
             ctas_per_sm: plan.ctas_per_sm(),
             bytes: su.bytes,
-            time: median(&s, 15, || graph.launch().expect("launch")) / copies,
+            time: Duration::from_secs_f64(
+                timer
+                    .median_us(1, 15, false, || {
+                        graph.launch().expect("launch");
+                        Ok(())
+                    })
+                    .expect("timing")
+                    / 1e6,
+            ) / copies,
         };
         if SWEEP_SHAPES.contains(&(batch, len)) {
             for launch in SWEEP_LAUNCH {
                 if let Some((g, p)) =
                     capture(gpu, &su, batch, len, &mut out, &q, &mut keep, Some(launch))
                 {
-                    sweep.push(row(&g, &p));
+                    sweep.push(row(timer, &g, &p));
                 }
             }
         }
         let (graph, plan) =
             capture(gpu, &su, batch, len, &mut out, &q, &mut keep, None).expect("default plan");
-        rows.push(row(&graph, &plan));
+        rows.push(row(timer, &graph, &plan));
         group.throughput(Throughput::Bytes(su.bytes * copies as u64));
         group.bench_function(format!("B{batch}_L{len}"), |b| {
             b.iter_custom(|iters| {
-                event_time(&s, || {
-                    for _ in 0..iters {
+                timer
+                    .total(iters, || {
                         graph.launch().expect("launch");
-                    }
-                })
+                        Ok(())
+                    })
+                    .expect("timing")
             })
         });
         drop(graph);
@@ -286,21 +275,19 @@ fn bench(c: &mut Criterion) {
     let Some(gpu) = require_gpu_or_skip("gpu_decode bench") else {
         return;
     };
-    // One stream only: let graph capture see no cross-stream event waits.
-    // SAFETY: every buffer of this process is used on gpu.stream() alone.
-    unsafe { gpu.context().disable_event_tracking() };
+    // The timer also turns off cudarc's event tracking (one stream only), so graph capture
+    // sees no cross-stream event waits.
+    let mut timer = bench::EventTimer::new(&gpu).expect("timer");
     eprintln!("{}", gpu.summary());
     // Streaming-read ceiling of this device, this run (the crate's own probe and timer).
-    let mut timer = bench::EventTimer::new(&gpu).expect("timer");
     let ceiling = bench::read_ceiling_gbps(&gpu, &mut timer).expect("read ceiling");
-    drop(timer);
 
     let (mut rows, mut sweep) = (Vec::new(), Vec::new());
     for (name, kf, vf, q_bf16) in FORMATS {
         if q_bf16 {
-            run_format::<bf16>(&gpu, c, (name, kf, vf), &mut rows, &mut sweep);
+            run_format::<bf16>(&gpu, &mut timer, c, (name, kf, vf), &mut rows, &mut sweep);
         } else {
-            run_format::<f16>(&gpu, c, (name, kf, vf), &mut rows, &mut sweep);
+            run_format::<f16>(&gpu, &mut timer, c, (name, kf, vf), &mut rows, &mut sweep);
         }
     }
 

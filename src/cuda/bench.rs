@@ -27,6 +27,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, DevicePtrMut};
 use half::{bf16, f16};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
+use std::time::Duration;
 
 /// The grid of issue 5: Llama-3-8B over (B, L), the 8x22B per-GPU shape, MHA, and head_dim
 /// 64 / 256.
@@ -184,6 +185,28 @@ impl EventTimer {
             .collect::<Result<Vec<f64>>>()?;
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
+    }
+}
+
+impl EventTimer {
+    /// GPU time of `iters` back-to-back runs of `run` between one pair of events (criterion's
+    /// `iter_custom`); no L2 flush.
+    pub fn total(&mut self, iters: u64, mut run: impl FnMut() -> Result<()>) -> Result<Duration> {
+        self.events(1)?;
+        let s = self.gpu.stream().clone();
+        self.start[0]
+            .record(&s)
+            .map_err(driver_err("recording an event"))?;
+        for _ in 0..iters {
+            run()?;
+        }
+        self.end[0]
+            .record(&s)
+            .map_err(driver_err("recording an event"))?;
+        let ms = self.start[0]
+            .elapsed_ms(&self.end[0])
+            .map_err(driver_err("reading an event"))?;
+        Ok(Duration::from_secs_f64(ms as f64 / 1e3))
     }
 }
 
