@@ -417,11 +417,13 @@ struct RowGrid {
   bool in_block;
 };
 
-__device__ __forceinline__ RowGrid row_grid(const RowShape &s) {
+// This thread's row in slab `slab` of rows_per_block rows (one slab per block, unless a kernel
+// gives each block several), its chunk of that row, and whether it has a row at all.
+__device__ __forceinline__ RowGrid row_grid(const RowShape &s, uint32_t slab) {
   const uint32_t local = s.by_tpr.div(threadIdx.x);
   RowGrid g;
   g.chunk = (int)(threadIdx.x - local * s.tpr);
-  g.row = blockIdx.x * (uint32_t)s.rows_per_block + local;
+  g.row = slab * (uint32_t)s.rows_per_block + local;
   g.in_block = local < (uint32_t)s.rows_per_block;
   return g;
 }
@@ -491,18 +493,19 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
                   unsigned long long *counters) {
   constexpr int E = kEpt<F>;
   constexpr int R = kAppendRows<In>;
-  const uint32_t local = shape.by_tpr.div(threadIdx.x);
-  const int chunk = (int)(threadIdx.x - local * shape.tpr);
-  const bool in_block = local < (uint32_t)shape.rows_per_block;
+  const RowGrid g = row_grid(shape, blockIdx.x * R);
+  const int chunk = g.chunk;
+  const bool in_block = g.in_block;
 
   // Block b serves rows [b * R * rows_per_block, (b + 1) * R * rows_per_block): row k of this
-  // thread is `local` in the k-th slab. First issue every row's input and slot loads.
+  // thread is its row of the block's first slab, k slabs further. First issue every row's
+  // input and slot loads.
   RawChunk<In, E> raw[R];
   uint32_t token[R], head[R];
   int64_t slot[R];
 #pragma unroll
   for (int k = 0; k < R; ++k) {
-    const uint32_t row = (blockIdx.x * R + k) * (uint32_t)shape.rows_per_block + local;
+    const uint32_t row = g.row + k * (uint32_t)shape.rows_per_block;
     token[k] = side.by_heads.div(row);
     head[k] = row - token[k] * side.num_heads;
     slot[k] = -1;
@@ -564,7 +567,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                   uint32_t num_tokens, int64_t num_blocks, Out *__restrict__ out,
                   unsigned long long *counters) {
   constexpr int E = kEpt<F>;
-  const RowGrid g = row_grid(shape);
+  const RowGrid g = row_grid(shape, blockIdx.x);
   const uint32_t token = side.by_heads.div(g.row);
   const uint32_t head = g.row - token * side.num_heads;
   if (!g.in_block || token >= num_tokens) return;  // no shuffles below
@@ -588,7 +591,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     quantize_dense_kernel(RowShape shape, const In *__restrict__ x, uint32_t rows, DenseRows dst,
                           unsigned long long *counters) {
   constexpr int E = kEpt<F>;
-  const RowGrid g = row_grid(shape);
+  const RowGrid g = row_grid(shape, blockIdx.x);
   const bool active = g.in_block && g.row < rows;
   float v[E] = {};
   uint32_t non_finite = 0;
@@ -607,7 +610,7 @@ template <typename Out, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     dequantize_dense_kernel(RowShape shape, DenseRows src, uint32_t rows, Out *__restrict__ out) {
   constexpr int E = kEpt<F>;
-  const RowGrid g = row_grid(shape);
+  const RowGrid g = row_grid(shape, blockIdx.x);
   if (!g.in_block || g.row >= rows) return;
   float v[E];
   decode_chunk<F, E>(src.row(g.row), g.chunk, v);
@@ -702,7 +705,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   for (int b = 0; b < count / 2; ++b) w |= (uint32_t)codes[c * 4 + b] << (8 * b);
   float v[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = __fmul_rn((float)nibble_s(w, i), s);
+  for (int i = 0; i < 8; ++i) v[i] = int4_sym_dequantize(nibble_s(w, i), s);
   if (count == kChunk) {
     store8(out + c * kChunk, v);
   } else {
@@ -782,8 +785,7 @@ bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
   if (l.num_kv_heads <= 0 || l.block_size <= 0) return false;
   s.by_heads = FastDiv((uint32_t)l.num_kv_heads);
   s.by_block_size = FastDiv((uint32_t)l.block_size);
-  return c.pool != nullptr && aligned16(c.pool) && l.num_kv_heads > 0 && l.block_size > 0 &&
-         head_dim_ok(f, l.head_dim) && s.codes_row == code_bytes(f, l.head_dim) &&
+  return c.pool != nullptr && aligned16(c.pool) && head_dim_ok(f, l.head_dim) && s.codes_row == code_bytes(f, l.head_dim) &&
          s.codes_offset % 16 == 0 && s.meta_offset % 16 == 0 &&
          (!is_fp8(f) || s.head_scales != nullptr);
 }
@@ -888,22 +890,31 @@ extern "C" int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, in
     });
     if (r != KVQ_OK) return r;
   }
-  const unsigned grid = (unsigned)((n_scales + 255) / 256);
+  const unsigned grid = blocks_for(n_scales);
   switch (format) {
   case kFp8E4m3:
-    scales_from_amax_kernel<kFp8E4m3><<<grid, 256, 0, s>>>(amax_scratch, n_scales, scales_out);
+    scales_from_amax_kernel<kFp8E4m3><<<grid, kThreadsPerBlock, 0, s>>>(amax_scratch, n_scales, scales_out);
     break;
   case kFp8E5m2:
-    scales_from_amax_kernel<kFp8E5m2><<<grid, 256, 0, s>>>(amax_scratch, n_scales, scales_out);
+    scales_from_amax_kernel<kFp8E5m2><<<grid, kThreadsPerBlock, 0, s>>>(amax_scratch, n_scales, scales_out);
     break;
   default:
     scales_from_amax_kernel<KVQ_DENSE_INT4_UNIFORM>
-        <<<grid, 256, 0, s>>>(amax_scratch, n_scales, scales_out);
+        <<<grid, kThreadsPerBlock, 0, s>>>(amax_scratch, n_scales, scales_out);
   }
   return launch_status();
 }
 
 namespace {
+/// The checks both uniform-INT4 dense launchers make: KVQ_OK with `n` = elements, or the error.
+int uniform_elems(int64_t rows, int32_t head_dim, const float *head_scales,
+                  int32_t num_head_scales, int64_t &n) {
+  if (head_dim <= 0 || head_dim % 2 != 0 || head_scales == nullptr || num_head_scales != 1)
+    return KVQ_ERR_INVALID;
+  n = rows * head_dim;
+  return KVQ_OK;
+}
+
 /// The checks both grouped / FP8 dense launchers make, and the rows they launch over: KVQ_OK
 /// with `out` filled, or the error to return.
 int dense_rows(int32_t format, uint8_t *codes, const float *head_scales, int32_t num_head_scales,
@@ -939,10 +950,9 @@ extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, 
     return KVQ_ERR_INVALID;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (format == KVQ_DENSE_INT4_UNIFORM) {
-    if (head_dim <= 0 || head_dim % 2 != 0 || head_scales == nullptr || num_head_scales != 1)
-      return KVQ_ERR_INVALID;
-    const int64_t n = rows * head_dim;
-    if (n == 0) return KVQ_OK;
+    int64_t n = 0;
+    const int status = uniform_elems(rows, head_dim, head_scales, num_head_scales, n);
+    if (status != KVQ_OK || n == 0) return status;
     return with_dtype(dtype, [&](auto in) {
       using In = typename decltype(in)::type;
       quantize_uniform_kernel<In><<<blocks_for((n + kChunk - 1) / kChunk), kThreadsPerBlock, 0,
@@ -977,10 +987,9 @@ extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
     return KVQ_ERR_INVALID;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (format == KVQ_DENSE_INT4_UNIFORM) {
-    if (head_dim <= 0 || head_dim % 2 != 0 || head_scales == nullptr || num_head_scales != 1)
-      return KVQ_ERR_INVALID;
-    const int64_t n = rows * head_dim;
-    if (n == 0) return KVQ_OK;
+    int64_t n = 0;
+    const int status = uniform_elems(rows, head_dim, head_scales, num_head_scales, n);
+    if (status != KVQ_OK || n == 0) return status;
     return with_dtype(out_dtype, [&](auto o) {
       using Out = typename decltype(o)::type;
       dequantize_uniform_kernel<Out><<<blocks_for((n + kChunk - 1) / kChunk), kThreadsPerBlock,

@@ -124,10 +124,10 @@ __device__ __forceinline__ void warp_count(unsigned long long *counter, uint32_t
 // m = ceil(2^(31 + l) / d) with l = ceil(log2 d) satisfies m * d - 2^(31 + l) < 2^l, which makes
 // floor(n * m / 2^(31 + l)) == floor(n / d) for every 31-bit n (Granlund & Montgomery 1994).
 struct FastDiv {
-  uint32_t d, m, shift;
+  uint32_t m, shift;
 
   FastDiv() = default;
-  __host__ explicit FastDiv(uint32_t divisor) : d(divisor) {
+  __host__ explicit FastDiv(uint32_t divisor) {
     uint32_t l = 0;
     while ((1ull << l) < divisor) ++l;
     m = (uint32_t)(((1ull << (31 + l)) + divisor - 1) / divisor);

@@ -124,16 +124,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&d)[4]) {
                : "r"(addr));
 }
 
-/// d = a * b + c, m16n8k16, f16 operands, f32 accumulate (c left intact).
-__device__ __forceinline__ void mma16816_c(float (&d)[4], const uint4 &a, uint32_t b0, uint32_t b1,
-                                           float c0, float c1, float c2, float c3) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-      "{%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1), "f"(c0), "f"(c1), "f"(c2),
-        "f"(c3));
-}
-
 /// Two E4M3 codes (bytes 0 and 1 of `w`) and (bytes 2 and 3) → two f16x2.
 __device__ __forceinline__ void e4m3x4_cvt(uint32_t w, uint32_t &lo, uint32_t &hi) {
 #if KVQ_E4M3_CVT
@@ -219,11 +209,6 @@ struct Frag {
     }
   }
 
-  /// INT4 K: the value per unit of code of the raw nibbles k_codes_i4 puts in k-step j (f16
-  /// subnormals): 2^-24 for the even elements (k-step 2G), 2^-20 for the odd ones.
-  static __host__ __device__ constexpr float k_step_unit(int j) {
-    return (j & 1) ? 1.f / 1048576.f : 1.f / 16777216.f;
-  }
 
   /// Fragment registers one 32-bit word of K codes unpacks into.
   static constexpr int KPPW = 32 / KBITS / 2;

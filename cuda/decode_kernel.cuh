@@ -458,8 +458,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
             F::k_codes_i4(w[2 * x + 1], hi);
             const float4 z = kz_lane[4 * G];
             const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
-            float r[4];
-            mma16816_c(r, make_uint4(lo[0], hi[0], lo[2], hi[2]), qg.x, qg.y, z.x, z.y, z.z, z.w);
+            float r[4] = {z.x, z.y, z.z, z.w};
+            mma16816<false>(r, make_uint4(lo[0], hi[0], lo[2], hi[2]), qg.x, qg.y);
             mma16816<false>(r, make_uint4(lo[1], hi[1], lo[3], hi[3]), qg.z, qg.w);
             const int sh = 16 * (G % 2);
             const float s_lo = __half2float(__ushort_as_half((uint16_t)(sc_lo[G / 2] >> sh)));

@@ -94,24 +94,9 @@ template <int F> __device__ __forceinline__ uint16_t fp8x2_encode(float2 y) {
   return __nv_cvt_float2_to_fp8x2(y, __NV_SATFINITE, Fp8Traits<F>::kind);
 }
 
-// The exact value of a code, as f16 (every E4M3 / E5M2 value is an f16 value).
-template <int F> __device__ __forceinline__ __half fp8_to_half(uint8_t code) {
-  return __half(__nv_cvt_fp8_to_halfraw(code, Fp8Traits<F>::kind));
-}
-
 // Two codes (low byte → .x) as f16x2, exact.
 template <int F> __device__ __forceinline__ __half2 fp8x2_to_half2(uint16_t codes) {
   return __half2(__nv_cvt_fp8x2_to_halfraw2(codes, Fp8Traits<F>::kind));
-}
-
-// quantize: encode(x / s), the division correctly rounded.
-template <int F> __device__ __forceinline__ uint8_t fp8_quantize(float x, float scale) {
-  return fp8_encode<F>(__fdiv_rn(x, scale));
-}
-
-// dequantize: value(code) * s.
-template <int F> __device__ __forceinline__ float fp8_dequantize(uint8_t code, float scale) {
-  return __fmul_rn(__half2float(fp8_to_half<F>(code)), scale);
 }
 
 // Calibration scale: amax / max_finite, or 1 when amax == 0.
@@ -133,6 +118,7 @@ __device__ __forceinline__ int int4_sym_code(float x, float sf) {
   return (int)fminf(fmaxf(q, -7.0f), 7.0f);
 }
 
+// q * s, one rounding.
 __device__ __forceinline__ float int4_sym_dequantize(int q, float sf) {
   return __fmul_rn((float)q, sf);
 }
@@ -150,16 +136,10 @@ __device__ __forceinline__ int int4_affine_code(float x, float sf, float zf) {
   return (int)fminf(fmaxf(q, 0.0f), 15.0f);
 }
 
-// fma(q, s, z), one rounding.
-__device__ __forceinline__ float int4_affine_dequantize(int q, float sf, float zf) {
-  return __fmaf_rn((float)q, sf, zf);
-}
-
 // Uniform (per-tensor) INT4: codes as symmetric INT4 but with an f32 scale amax / 7.
 __device__ __forceinline__ float int4_uniform_scale(float amax) { return __fdiv_rn(amax, 7.0f); }
 
-// Nibble i (0..7) of a packed 32-bit word of 8 codes: unsigned, and two's-complement signed.
-__device__ __forceinline__ int nibble_u(uint32_t word, int i) { return (word >> (4 * i)) & 0xF; }
+// Nibble i (0..7) of a packed 32-bit word of 8 codes, two's-complement signed.
 __device__ __forceinline__ int nibble_s(uint32_t word, int i) {
   return ((int)(word << (28 - 4 * i))) >> 28;
 }
