@@ -2,6 +2,7 @@
 //! the device ([`BlockLayout`]), so it can be uploaded as is and read back byte for byte.
 
 use super::allocator::CopyBlock;
+use super::tables::check_row;
 use crate::error::{Error, Result};
 use crate::format::{Element, KvFormat, ScaleGranularity, sanitize};
 use crate::layout::{BlockLayout, CacheConfig, Region};
@@ -362,30 +363,7 @@ impl HostCache {
         let expected = len * heads * d;
         Self::check_len("out_k ([len, kv_heads, head_dim])", expected, out_k.len())?;
         Self::check_len("out_v ([len, kv_heads, head_dim])", expected, out_v.len())?;
-        let used = len.div_ceil(bs);
-        if block_table.len() < used {
-            return Err(Error::Length {
-                what: "block table entries (ceil(len / block_size))",
-                expected: used,
-                actual: block_table.len(),
-            });
-        }
-        for (i, &e) in block_table[..used].iter().enumerate() {
-            match usize::try_from(e) {
-                Ok(block) if block < self.num_blocks => {}
-                Ok(block) => {
-                    return Err(Error::BlockIndex {
-                        block,
-                        num_blocks: self.num_blocks,
-                    });
-                }
-                Err(_) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "block table entry {i} = {e}: a used entry must be a block id"
-                    )));
-                }
-            }
-        }
+        check_row(block_table, None, len, bs, self.num_blocks)?;
         for p in 0..len {
             let block = block_table[p / bs] as usize;
             for h in 0..heads {

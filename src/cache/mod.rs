@@ -15,3 +15,4 @@ pub use allocator::{BlockAllocator, CopyBlock, Reservation, SeqId};
 pub use host::{HostCache, POISON};
 pub use paged::PagedKvCache;
 pub use tables::BlockTables;
+pub(crate) use tables::check_row;

@@ -110,17 +110,42 @@ impl BlockTables {
                     self.max_blocks
                 )));
             }
-            for (i, &e) in self.row(b)[..used].iter().enumerate() {
-                let block = usize::try_from(e).map_err(|_| {
-                    Error::InvalidArgument(format!(
-                        "block table row {b} entry {i} = {e}: a used entry must be a block id"
-                    ))
-                })?;
-                if block >= num_blocks {
-                    return Err(Error::BlockIndex { block, num_blocks });
-                }
-            }
+            check_row(self.row(b), Some(b), len, block_size, num_blocks)?;
         }
         Ok(())
     }
+}
+
+/// Check one block-table row for a sequence of `len` tokens against a pool of `num_blocks`
+/// blocks of `block_size` tokens: the row holds at least `ceil(len / block_size)` entries
+/// ([`Error::Length`]) and each of those is a block id ([`Error::InvalidArgument`]) below
+/// `num_blocks` ([`Error::BlockIndex`]). `row_index` names the row in messages when the row
+/// is part of a batch.
+pub(crate) fn check_row(
+    row: &[i32],
+    row_index: Option<usize>,
+    len: usize,
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<()> {
+    let used = len.div_ceil(block_size);
+    if row.len() < used {
+        return Err(Error::Length {
+            what: "block table entries (ceil(len / block_size))",
+            expected: used,
+            actual: row.len(),
+        });
+    }
+    for (i, &e) in row[..used].iter().enumerate() {
+        let block = usize::try_from(e).map_err(|_| {
+            let row = row_index.map(|b| format!("row {b} ")).unwrap_or_default();
+            Error::InvalidArgument(format!(
+                "block table {row}entry {i} = {e}: a used entry must be a block id"
+            ))
+        })?;
+        if block >= num_blocks {
+            return Err(Error::BlockIndex { block, num_blocks });
+        }
+    }
+    Ok(())
 }
