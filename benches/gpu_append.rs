@@ -135,15 +135,7 @@ fn bench(c: &mut Criterion) {
         let mut cache = inputs.cache(kf, vf);
         let bytes = inputs.append_bytes(&cache);
         let mut run = || {
-            ops::append(
-                &gpu,
-                &mut cache,
-                &inputs.slots,
-                &inputs.k,
-                &inputs.v,
-                TOKENS,
-            )
-            .expect("append")
+            ops::append(&mut cache, &inputs.slots, &inputs.k, &inputs.v, TOKENS).expect("append")
         };
         let g = gbps(&mut timer, bytes, 9, &mut run);
         summary.push(format!(

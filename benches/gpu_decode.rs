@@ -117,7 +117,7 @@ fn setup(gpu: &Gpu, k: KvFormat, v: KvFormat, batch: usize, len: usize) -> Setup
         let count = FILL_CHUNK.min(slots_total - start);
         let slots: Vec<i64> = (start..start + count).map(|x| x as i64).collect();
         s.memcpy_htod(&slots, &mut slots_dev).expect("slots");
-        ops::append(gpu, &mut cache, &slots_dev, &kd, &vd, count).expect("append");
+        ops::append(&mut cache, &slots_dev, &kd, &vd, count).expect("append");
     }
     assert_eq!(cache.check_appends().expect("counters"), 0);
 

@@ -248,7 +248,7 @@ fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u
     let s = gpu.stream();
     let slots_d = s.clone_htod(&mapping).unwrap();
     let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
-    ops::append(gpu, &mut dev, &slots_d, &k_d, &v_d, tokens).unwrap();
+    ops::append(&mut dev, &slots_d, &k_d, &v_d, tokens).unwrap();
     let gpu_non_finite = dev.check_appends().unwrap();
     let back = dev.to_host().unwrap();
     if let Some(m) = pool_mismatch(&host, &back) {
@@ -266,14 +266,14 @@ fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u
     let mut hk = vec![0f32; len * row];
     let mut hv = vec![0f32; len * row];
     host.gather(&table, len, &mut hk, &mut hv).unwrap();
-    let (gk, gv) = ops::gather_dequantize::<f32>(gpu, &dev, &table, len).unwrap();
+    let (gk, gv) = ops::gather_dequantize::<f32>(&dev, &table, len).unwrap();
     assert_bits_eq("gather k f32", &hk, &download(gpu, &gk));
     assert_bits_eq("gather v f32", &hv, &download(gpu, &gv));
-    let (gk16, _) = ops::gather_dequantize::<f16>(gpu, &dev, &table, len).unwrap();
+    let (gk16, _) = ops::gather_dequantize::<f16>(&dev, &table, len).unwrap();
     let want: Vec<u16> = hk.iter().map(|&x| f16::from_f32(x).to_bits()).collect();
     let got: Vec<u16> = download(gpu, &gk16).iter().map(|x| x.to_bits()).collect();
     assert!(want == got, "{config:?}: gather k as f16 differs");
-    let (_, gvb) = ops::gather_dequantize::<bf16>(gpu, &dev, &table, len).unwrap();
+    let (_, gvb) = ops::gather_dequantize::<bf16>(&dev, &table, len).unwrap();
     let want: Vec<u16> = hv.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
     let got: Vec<u16> = download(gpu, &gvb).iter().map(|x| x.to_bits()).collect();
     assert!(want == got, "{config:?}: gather v as bf16 differs");
@@ -367,17 +367,9 @@ fn i32_and_i64_slot_mappings_agree() {
     let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
     let mut a = DeviceCache::new(&gpu, c, 4).unwrap();
     let mut b = DeviceCache::new(&gpu, c, 4).unwrap();
-    ops::append(&gpu, &mut a, &s.clone_htod(&slots).unwrap(), &k_d, &v_d, 20).unwrap();
+    ops::append(&mut a, &s.clone_htod(&slots).unwrap(), &k_d, &v_d, 20).unwrap();
     let slots32: Vec<i32> = slots.iter().map(|&x| x as i32).collect();
-    ops::append(
-        &gpu,
-        &mut b,
-        &s.clone_htod(&slots32).unwrap(),
-        &k_d,
-        &v_d,
-        20,
-    )
-    .unwrap();
+    ops::append(&mut b, &s.clone_htod(&slots32).unwrap(), &k_d, &v_d, 20).unwrap();
     assert!(a.to_host().unwrap().pool() == b.to_host().unwrap().pool());
 }
 
@@ -433,7 +425,7 @@ fn shared_pool_keeps_poison_outside_written_slots() {
             host.write(&slots, &pick(&k), &pick(&v)).unwrap();
             let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
             let m_d = s.clone_htod(&mapping).unwrap();
-            ops::append(&gpu, &mut dev, &m_d, &k_d, &v_d, tokens).unwrap();
+            ops::append(&mut dev, &m_d, &k_d, &v_d, tokens).unwrap();
         }
         assert_eq!(dev.check_appends().unwrap(), 0);
         let back = dev.to_host().unwrap();
@@ -541,7 +533,7 @@ fn out_of_range_slot_is_reported_and_skipped() {
     let s = gpu.stream();
     let x = s.clone_htod(&vec![f16::ONE; 3 * 64]).unwrap();
     let slots = s.clone_htod(&[0i64, 32, 1]).unwrap(); // 32 == num_slots
-    ops::append(&gpu, &mut dev, &slots, &x, &x, 3).unwrap();
+    ops::append(&mut dev, &slots, &x, &x, 3).unwrap();
     let err = dev.check_appends().unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     // The valid tokens were written, and the counters were reset by the check.
@@ -562,19 +554,19 @@ fn bad_arguments_are_typed_errors() {
     let s = gpu.stream();
     let x = s.clone_htod(&vec![0f32; 2 * 128]).unwrap();
     let slots = s.clone_htod(&[0i32, 1, 2]).unwrap();
-    let r = ops::append(&gpu, &mut dev, &slots, &x, &x, 3);
+    let r = ops::append(&mut dev, &slots, &x, &x, 3);
     assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
-    let r = ops::append(&gpu, &mut dev, &slots, &x, &x, 4);
+    let r = ops::append(&mut dev, &slots, &x, &x, 4);
     assert!(
         matches!(r, Err(Error::Length { what: "slots", .. })),
         "{r:?}"
     );
-    let r = ops::gather_dequantize::<f32>(&gpu, &dev, &[0, 2], 20);
+    let r = ops::gather_dequantize::<f32>(&dev, &[0, 2], 20);
     assert!(
         matches!(r, Err(Error::BlockIndex { block: 2, .. })),
         "{r:?}"
     );
-    let r = ops::gather_dequantize::<f32>(&gpu, &dev, &[0], 20);
+    let r = ops::gather_dequantize::<f32>(&dev, &[0], 20);
     assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
     let big = CacheConfig::new(1, 4096, 16, KvFormat::F16, KvFormat::F16).unwrap();
     assert!(matches!(

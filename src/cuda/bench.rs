@@ -291,7 +291,7 @@ impl PreparedDecode {
             let slots: Vec<i32> = (first..first + n).map(|x| x as i32).collect();
             s.memcpy_htod(&slots, &mut slots_d)
                 .map_err(driver_err("uploading bench slots"))?;
-            append(gpu, &mut cache, &slots_d, &kd, &vd, n)?;
+            append(&mut cache, &slots_d, &kd, &vd, n)?;
         }
         gpu.synchronize()?;
 

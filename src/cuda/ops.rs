@@ -72,17 +72,6 @@ impl SlotIndex for i64 {
     const IS_I64: bool = true;
 }
 
-fn same_device(gpu: &Gpu, cache: &DeviceCache) -> Result<()> {
-    if gpu.context() != cache.gpu().context() {
-        return Err(Error::InvalidArgument(format!(
-            "the cache lives on GPU {}, the launch was asked for GPU {}",
-            cache.gpu().props().ordinal,
-            gpu.props().ordinal
-        )));
-    }
-    Ok(())
-}
-
 /// [`Error::Length`] unless a buffer holds at least `expected` elements.
 pub(crate) fn need_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
     if actual < expected {
@@ -113,16 +102,18 @@ fn to_i64(v: usize) -> i64 {
 /// skips it and is reported by [`DeviceCache::check_appends`]; non-finite inputs are sanitized
 /// and counted there too (FORMATS.md). Bytes equal [`HostCache::write`]'s bit for bit.
 ///
+/// Enqueued on the cache's stream (that of the [`Gpu`] it was made with), like every other
+/// operation on it.
+///
 /// [`HostCache::write`]: crate::cache::HostCache::write
 pub fn append<T: DeviceElement, S: SlotIndex>(
-    gpu: &Gpu,
     cache: &mut DeviceCache,
     slots: &CudaSlice<S>,
     k: &CudaSlice<T>,
     v: &CudaSlice<T>,
     num_tokens: usize,
 ) -> Result<()> {
-    same_device(gpu, cache)?;
+    let gpu = cache.gpu().clone();
     let c = *cache.config();
     let row = c.num_kv_heads * c.head_dim;
     need_len("slots", num_tokens, slots.len())?;
@@ -235,14 +226,14 @@ pub unsafe fn append_raw(
 
 /// Dequantize the first `len` tokens of the sequence whose blocks are `block_table` into dense
 /// `[len, num_kv_heads, head_dim]` keys and values of `T`: the f32 values of
-/// [`HostCache::gather`](crate::cache::HostCache::gather), rounded to `T`.
+/// [`HostCache::gather`](crate::cache::HostCache::gather), rounded to `T`. Runs on the cache's
+/// stream.
 pub fn gather_dequantize<T: DeviceElement>(
-    gpu: &Gpu,
     cache: &DeviceCache,
     block_table: &[i32],
     len: usize,
 ) -> Result<(CudaSlice<T>, CudaSlice<T>)> {
-    same_device(gpu, cache)?;
+    let gpu = cache.gpu();
     let c = cache.config();
     let used = len.div_ceil(c.block_size);
     crate::cache::check_row(block_table, None, len, c.block_size, cache.num_blocks())?;
