@@ -15,4 +15,6 @@ pub use allocator::{BlockAllocator, CopyBlock, Reservation, SeqId};
 pub use host::{HostCache, POISON};
 pub use paged::PagedKvCache;
 pub use tables::BlockTables;
+// The device gather checks its block table on the host with the same rule.
+#[cfg(feature = "cuda")]
 pub(crate) use tables::check_row;
