@@ -250,22 +250,9 @@ impl BlockAllocator {
             .iter()
             .map(|&s| self.seq(s))
             .collect::<Result<Vec<_>>>()?;
-        let max_blocks = rows
-            .iter()
-            .map(|s| s.blocks.len())
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut data = vec![BlockTables::UNUSED; rows.len() * max_blocks];
-        for (row, s) in data.chunks_exact_mut(max_blocks).zip(&rows) {
-            row[..s.blocks.len()].copy_from_slice(&s.blocks);
-        }
-        let context_lens = rows.iter().map(|s| s.len as i32).collect();
-        Ok(BlockTables {
-            data,
-            max_blocks,
-            context_lens,
-        })
+        let blocks: Vec<&[i32]> = rows.iter().map(|s| s.blocks.as_slice()).collect();
+        let lens: Vec<usize> = rows.iter().map(|s| s.len).collect();
+        BlockTables::from_rows(&blocks, &lens)
     }
 
     /// Drop one reference to `block`, freeing it at zero.
