@@ -163,31 +163,38 @@ impl KvFormat {
         let d = x.len();
         debug_assert_eq!(codes.len(), self.code_bytes(d));
         debug_assert_eq!(meta.len(), self.meta_bytes(d));
+        // Sanitize element by element (or one group at a time into a stack buffer) so that
+        // the per-row append / quantize paths never allocate.
         let mut non_finite = 0u64;
-        let mut vals = vec![0f32; d];
-        sanitize::sanitize_into(x, &mut vals, &mut non_finite);
+        let mut clean = |v: T| {
+            let (v, bad) = sanitize(v.to_f32());
+            non_finite += bad as u64;
+            v
+        };
         match self {
             KvFormat::F16 => {
-                for (c, v) in codes.chunks_exact_mut(2).zip(&vals) {
-                    c.copy_from_slice(&f16::from_f32(*v).to_le_bytes());
+                for (c, &v) in codes.chunks_exact_mut(2).zip(x) {
+                    c.copy_from_slice(&f16::from_f32(clean(v)).to_le_bytes());
                 }
             }
             KvFormat::Bf16 => {
-                for (c, v) in codes.chunks_exact_mut(2).zip(&vals) {
-                    c.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+                for (c, &v) in codes.chunks_exact_mut(2).zip(x) {
+                    c.copy_from_slice(&bf16::from_f32(clean(v)).to_le_bytes());
                 }
             }
             KvFormat::Fp8E4m3 | KvFormat::Fp8E5m2 => {
                 let kind = self.fp8_kind().expect("fp8 format");
-                for (c, v) in codes.iter_mut().zip(&vals) {
-                    *c = kind.quantize(*v, head_scale);
+                for (c, &v) in codes.iter_mut().zip(x) {
+                    *c = kind.quantize(clean(v), head_scale);
                 }
             }
             KvFormat::Int4Sym32 => {
                 let g = int4::SYM_GROUP;
+                let mut vals = [0f32; int4::SYM_GROUP];
                 let mut q = [0i8; int4::SYM_GROUP];
-                for (i, group) in vals.chunks_exact(g).enumerate() {
-                    let s = int4::quantize_sym_group(group, &mut q);
+                for (i, group) in x.chunks_exact(g).enumerate() {
+                    sanitize::sanitize_into(group, &mut vals, &mut non_finite);
+                    let s = int4::quantize_sym_group(&vals, &mut q);
                     int4::pack_nibbles(
                         q.iter().map(|&c| c as u8),
                         &mut codes[i * g / 2..][..g / 2],
@@ -197,9 +204,11 @@ impl KvFormat {
             }
             KvFormat::Int4Affine64 => {
                 let g = int4::AFFINE_GROUP;
+                let mut vals = [0f32; int4::AFFINE_GROUP];
                 let mut q = [0u8; int4::AFFINE_GROUP];
-                for (i, group) in vals.chunks_exact(g).enumerate() {
-                    let (s, z) = int4::quantize_affine_group(group, &mut q);
+                for (i, group) in x.chunks_exact(g).enumerate() {
+                    sanitize::sanitize_into(group, &mut vals, &mut non_finite);
+                    let (s, z) = int4::quantize_affine_group(&vals, &mut q);
                     int4::pack_nibbles(q.iter().copied(), &mut codes[i * g / 2..][..g / 2]);
                     meta[i * 4..i * 4 + 2].copy_from_slice(&s.to_le_bytes());
                     meta[i * 4 + 2..i * 4 + 4].copy_from_slice(&z.to_le_bytes());
