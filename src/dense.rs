@@ -19,7 +19,7 @@
 //! little-endian.
 
 use crate::error::{Error, Result};
-use crate::format::{Element, Fp8Kind, KvFormat, int4, sanitize, sanitized_amax};
+use crate::format::{Element, Fp8Kind, KvFormat, head_amax, int4, sanitize, sanitized_amax};
 use half::f16;
 use std::fmt;
 
@@ -495,14 +495,10 @@ fn fp8_scales<T: Element>(
             vec![s]
         }
         Fp8ScaleChoice::PerTensorAmax => vec![kind.scale_from_amax(sanitized_amax(data))],
-        Fp8ScaleChoice::PerHeadAmax => {
-            let mut amax = vec![0.0f32; geometry.heads];
-            for (r, row) in data.chunks_exact(geometry.head_dim).enumerate() {
-                let a = &mut amax[r % geometry.heads];
-                *a = a.max(sanitized_amax(row));
-            }
-            amax.into_iter().map(|a| kind.scale_from_amax(a)).collect()
-        }
+        Fp8ScaleChoice::PerHeadAmax => head_amax(data, geometry.heads, geometry.head_dim)
+            .into_iter()
+            .map(|a| kind.scale_from_amax(a))
+            .collect(),
     })
 }
 

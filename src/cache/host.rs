@@ -4,7 +4,7 @@
 use super::allocator::CopyBlock;
 use super::tables::check_row;
 use crate::error::{Error, Result};
-use crate::format::{Element, KvFormat, ScaleGranularity, sanitize};
+use crate::format::{Element, KvFormat, ScaleGranularity, head_amax};
 use crate::layout::{BlockLayout, CacheConfig, Region};
 
 /// Byte a new pool is filled with, so that tests can tell unwritten slots from written ones.
@@ -149,11 +149,7 @@ impl HostCache {
             let Some(kind) = format.fp8_kind() else {
                 continue;
             };
-            let mut amax = vec![0.0f32; c.num_kv_heads];
-            for (i, x) in x.iter().enumerate() {
-                let h = i / c.head_dim % c.num_kv_heads;
-                amax[h] = amax[h].max(sanitize(x.to_f32()).0.abs());
-            }
+            let mut amax = head_amax(x, c.num_kv_heads, c.head_dim);
             if granularity == ScaleGranularity::PerTensor {
                 let all = amax.iter().copied().fold(0.0, f32::max);
                 amax.fill(all);

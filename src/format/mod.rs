@@ -278,6 +278,18 @@ pub fn sanitized_amax<T: Element>(x: &[T]) -> f32 {
         .fold(0.0f32, |m, v| m.max(sanitize(v.to_f32()).0.abs()))
 }
 
+/// [`sanitized_amax`] of each head of `x`, laid out `[tokens, heads, head_dim]` (row `r` of
+/// `head_dim` values belongs to head `r % heads`; a trailing partial row is ignored): the
+/// amaxes per-head FP8 scales are calibrated from.
+pub fn head_amax<T: Element>(x: &[T], heads: usize, head_dim: usize) -> Vec<f32> {
+    let mut amax = vec![0.0f32; heads];
+    for (r, row) in x.chunks_exact(head_dim).enumerate() {
+        let a = &mut amax[r % heads];
+        *a = a.max(sanitized_amax(row));
+    }
+    amax
+}
+
 /// FP8 scale granularity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ScaleGranularity {
