@@ -22,7 +22,7 @@
 
 use super::device::{DeviceCache, raw_layout};
 use super::ops::{DeviceElement, Dtype, need_len, to_i32};
-use super::{Gpu, check_status, driver_err, sys};
+use super::{Gpu, check_status, driver_err, owned_ptr, sys};
 use crate::cache::BlockTables;
 use crate::error::{Error, Result};
 use crate::format::KvFormat;
@@ -593,11 +593,10 @@ impl DecodePlan {
         a.max_blocks = tables.max_blocks as i32;
         let (q_p, _g1) = q.device_ptr(s);
         let (o_p, _g2) = out.device_ptr_mut(s);
-        let (t_p, _g3) = tables.data.device_ptr(s);
-        let (c_p, _g4) = tables.context_lens.device_ptr(s);
-        let (wo_p, _g5) = ws.o.device_ptr_mut(s);
-        let (wl_p, _g6) = ws.lse.device_ptr_mut(s);
-        let (wc_p, _g7) = ws.counters.device_ptr_mut(s);
+        // The cache's, tables' and workspace's own buffers go by their fixed addresses (they
+        // live on this stream); only the caller's q / out / lse take cudarc's guards.
+        let [t_p, c_p] = tables.ptrs;
+        let [wo_p, wl_p, wc_p] = ws.ptrs;
         let mut lse_guard = lse.map(|l| l.device_ptr_mut(s));
         a.q = q_p as *const c_void;
         a.out = o_p as *mut c_void;
@@ -721,9 +720,10 @@ pub struct RawDecodeArgs {
 /// every launch of that plan (one launch at a time).
 #[derive(Debug)]
 pub struct DecodeWorkspace {
-    o: CudaSlice<f32>,
-    lse: CudaSlice<f32>,
-    counters: CudaSlice<u32>,
+    /// Partial outputs, partial log-sum-exps, split counters: held for their memory, used by
+    /// the kernel through `ptrs` (see [`owned_ptr`]).
+    _buffers: (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<u32>),
+    ptrs: [CUdeviceptr; 3],
     elems: (usize, usize, usize),
 }
 
@@ -742,10 +742,10 @@ impl DecodeWorkspace {
         let counters = s
             .alloc_zeros::<u32>(elems.2.max(1))
             .map_err(driver_err("allocating the decode workspace"))?;
+        let ptrs = [owned_ptr(&o), owned_ptr(&lse), owned_ptr(&counters)];
         Ok(DecodeWorkspace {
-            o,
-            lse,
-            counters,
+            _buffers: (o, lse, counters),
+            ptrs,
             elems,
         })
     }
@@ -769,6 +769,8 @@ impl DecodeWorkspace {
 pub struct DeviceBlockTables {
     data: CudaSlice<i32>,
     context_lens: CudaSlice<i32>,
+    /// Device addresses of `data` and `context_lens` (see [`owned_ptr`]).
+    ptrs: [CUdeviceptr; 2],
     batch: usize,
     max_blocks: usize,
     num_blocks: usize,
@@ -789,9 +791,11 @@ impl DeviceBlockTables {
         let context_lens = s
             .clone_htod(&tables.context_lens)
             .map_err(driver_err("uploading context lengths"))?;
+        let ptrs = [owned_ptr(&data), owned_ptr(&context_lens)];
         Ok(DeviceBlockTables {
             data,
             context_lens,
+            ptrs,
             batch: tables.batch(),
             max_blocks: tables.max_blocks,
             num_blocks: cache.num_blocks(),

@@ -2,11 +2,11 @@
 //! a [`HostCache`] (both follow [`BlockLayout`]), plus the FP8 per-KV-head scales and the device
 //! counters the append kernels report into.
 
-use super::{Gpu, driver_err, sys};
+use super::{Gpu, driver_err, owned_ptr, sys};
 use crate::cache::{HostCache, POISON};
 use crate::error::{Error, Result};
 use crate::layout::{BlockLayout, CacheConfig};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 
 /// Largest `head_dim` the CUDA kernels serve (a row's lanes fit in one thread block).
 pub const MAX_GPU_HEAD_DIM: usize = 2048;
@@ -37,6 +37,8 @@ pub struct DeviceCache {
     host_k_scales: Vec<f32>,
     host_v_scales: Vec<f32>,
     counters: CudaSlice<u64>,
+    /// Device addresses of pool, K scales, V scales and counters (see [`owned_ptr`]).
+    ptrs: [cudarc::driver::sys::CUdeviceptr; 4],
 }
 
 /// The C view of a layout; [`Error::Unsupported`] when a field does not fit the ABI's int32.
@@ -135,23 +137,33 @@ impl DeviceCache {
                 .map_err(driver_err("filling the pool"))?;
         }
         let ones = vec![1.0f32; config.num_kv_heads];
+        let k_scales = s
+            .clone_htod(&ones)
+            .map_err(driver_err("uploading scales"))?;
+        let v_scales = s
+            .clone_htod(&ones)
+            .map_err(driver_err("uploading scales"))?;
+        let counters = s
+            .alloc_zeros::<u64>(sys::KVQ_NUM_COUNTERS)
+            .map_err(driver_err("allocating counters"))?;
+        let ptrs = [
+            owned_ptr(&pool),
+            owned_ptr(&k_scales),
+            owned_ptr(&v_scales),
+            owned_ptr(&counters),
+        ];
         Ok(DeviceCache {
             gpu: gpu.clone(),
             layout,
             raw_layout,
             num_blocks,
             pool,
-            k_scales: s
-                .clone_htod(&ones)
-                .map_err(driver_err("uploading scales"))?,
-            v_scales: s
-                .clone_htod(&ones)
-                .map_err(driver_err("uploading scales"))?,
+            k_scales,
+            v_scales,
             host_k_scales: ones.clone(),
             host_v_scales: ones,
-            counters: s
-                .alloc_zeros::<u64>(sys::KVQ_NUM_COUNTERS)
-                .map_err(driver_err("allocating counters"))?,
+            counters,
+            ptrs,
         })
     }
 
@@ -237,22 +249,17 @@ impl DeviceCache {
     /// using them must be queued on [`Gpu::stream`] of [`gpu`](Self::gpu) (or be ordered after
     /// it), which is what orders it after earlier appends.
     pub fn as_raw(&self) -> sys::kvq_cache {
-        let s = self.gpu.stream();
-        let (pool, _g1) = self.pool.device_ptr(s);
-        let (k, _g2) = self.k_scales.device_ptr(s);
-        let (v, _g3) = self.v_scales.device_ptr(s);
         sys::kvq_cache {
-            pool: pool as *mut u8,
-            k_scales: k as *const f32,
-            v_scales: v as *const f32,
+            pool: self.ptrs[0] as *mut u8,
+            k_scales: self.ptrs[1] as *const f32,
+            v_scales: self.ptrs[2] as *const f32,
             layout: self.raw_layout,
         }
     }
 
     /// Device pointer of the counters array (`KVQ_NUM_COUNTERS` u64), for the launchers.
     pub(crate) fn counters_ptr(&mut self) -> *mut u64 {
-        let (p, _g) = self.counters.device_ptr_mut(self.gpu.stream());
-        p as *mut u64
+        self.ptrs[3] as *mut u64
     }
 
     /// Read and reset the append counters (waits for queued work).

@@ -52,6 +52,15 @@ pub struct Gpu {
 }
 
 /// A cudarc driver error as [`Error::Cuda`], naming what failed.
+/// Device address of a buffer the crate owns and uses only on the stream it was allocated on,
+/// taken once. Launches through such addresses skip cudarc's per-use event bookkeeping (an
+/// event wait and an event record per buffer and call), which orders nothing on one stream.
+pub(crate) fn owned_ptr<T>(buf: &cudarc::driver::CudaSlice<T>) -> cudarc::driver::sys::CUdeviceptr {
+    use cudarc::driver::DevicePtr;
+    let (p, _guard) = buf.device_ptr(buf.stream());
+    p
+}
+
 pub(crate) fn driver_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e}"))
 }
