@@ -174,6 +174,9 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   if (a == nullptr) return KVQ_ERR_INVALID;
   const kvq_layout &l = a->cache.layout;
   if (a->q_dtype != KVQ_DTYPE_F16 && a->q_dtype != KVQ_DTYPE_BF16) return KVQ_ERR_UNSUPPORTED;
+  if (a->out_dtype != KVQ_DTYPE_F16 && a->out_dtype != KVQ_DTYPE_BF16 &&
+      a->out_dtype != KVQ_DTYPE_F32)
+    return KVQ_ERR_UNSUPPORTED;
   Fmt k, v;
   if (!formats(l, a->q_dtype, k, v)) return KVQ_ERR_UNSUPPORTED;
   if (l.block_size <= 0 || l.block_size % kChunk != 0) return KVQ_ERR_UNSUPPORTED;
@@ -183,6 +186,8 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
       a->split_tokens % 32 != 0 || a->num_blocks <= 0 || a->stages < kMinStages ||
       a->stages > kMaxStages || !valid_warps(a->warps))
     return KVQ_ERR_INVALID;
+  for (const kvq_rows *r : {&a->q_rows, &a->out_rows, &a->lse_rows})
+    if (r->seq < 0 || r->token < 0 || r->head < 0) return KVQ_ERR_INVALID;
   if (a->cache.pool == nullptr || a->q == nullptr || a->out == nullptr ||
       a->block_tables == nullptr || a->context_lens == nullptr)
     return KVQ_ERR_INVALID;
@@ -207,6 +212,11 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   p.q = a->q;
   p.out = a->out;
   p.lse = a->lse;
+  p.q_rows = a->q_rows;
+  p.out_rows = a->out_rows;
+  p.lse_rows = a->lse_rows;
+  p.counters = a->counters;
+  p.out_dtype = a->out_dtype;
   p.block_tables = a->block_tables;
   p.context_lens = a->context_lens;
   p.ws_o = a->ws_o;

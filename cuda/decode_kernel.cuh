@@ -37,10 +37,13 @@ struct Params {
   const void *q;
   void *out;
   float *lse;
+  kvq_rows q_rows, out_rows, lse_rows;  // element strides (kvq.h)
   const int32_t *block_tables, *context_lens;
   float *ws_o, *ws_lse;
   uint32_t *ws_counters;
-  int32_t q_bf16;  // q / out element type: 1 = bf16, 0 = f16
+  unsigned long long *counters;  // may be null: faults met (kvq.h)
+  int32_t q_bf16;     // q element type: 1 = bf16, 0 = f16
+  int32_t out_dtype;  // kvq_dtype of out
   int32_t num_q_heads, num_kv_heads, group, q_len, m_tiles;
   int32_t max_blocks, num_splits, split_tokens;
   int32_t stages;       // copy stages per warp, 2..8
@@ -103,11 +106,18 @@ __device__ __forceinline__ float load_elem(const void *p, int64_t i, bool bf16) 
   return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(p)[i])
               : __half2float(reinterpret_cast<const __half *>(p)[i]);
 }
-__device__ __forceinline__ void store_elem(void *p, int64_t i, float x, bool bf16) {
-  if (bf16)
+__device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t dtype) {
+  if (dtype == KVQ_DTYPE_BF16)
     reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
-  else
+  else if (dtype == KVQ_DTYPE_F16)
     reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
+  else
+    reinterpret_cast<float *>(p)[i] = x;
+}
+
+/// Offset (elements) of query row `b, h, i` in a tensor whose rows are at `r` (kvq_rows).
+__device__ __forceinline__ int64_t row_at(const kvq_rows &r, int b, int h, int i) {
+  return (int64_t)b * r.seq + (int64_t)i * r.token + (int64_t)h * r.head;
 }
 
 /// Row (of 32 / PER_ROW per pass) whose piece lane % PER_ROW lane copies. A quarter-warp's eight
@@ -157,11 +167,13 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint
 }
 
 /// Tokens of sequence b the kernel may touch: its length clamped to what its table row maps
-/// and to what the launch's splits cover (both hold for valid input).
-__device__ __forceinline__ int seq_len(const Params &p, int b) {
+/// and to what the launch's splits cover (both hold for valid input); `*bad` is set when the
+/// length had to be clamped.
+__device__ __forceinline__ int seq_len(const Params &p, int b, bool *bad) {
   const long long cap = min((long long)p.max_blocks * p.block_size,
                             (long long)p.num_splits * p.split_tokens);
   const int len = p.context_lens[b];
+  *bad = len < 0 || len > cap;
   return len < 0 ? 0 : (len > cap ? (int)cap : len);
 }
 
@@ -186,8 +198,9 @@ struct Cfg {
   // stages each. After the main loop the ring area holds each warp's O tile and (m, l) per
   // row, then the split merge's weights and partial sums.
   static constexpr int QFRAG = (D / 16) * 32 * 8;  // B fragments of q^T, two registers a lane
-  // Per row: factor, q scale, limit, L, M; INT4-K zero terms (D / 32 groups x 16); a flag.
-  static constexpr int SMALL = kRows * 4 * 5 + (D / 32) * 16 * 4 + 16;
+  // Per row: q / out / lse offsets (int64), then factor, q scale, limit, L, M; INT4-K zero
+  // terms (D / 32 groups x 16); a flag.
+  static constexpr int SMALL = kRows * 8 * 3 + kRows * 4 * 5 + (D / 32) * 16 * 4 + 16;
   static constexpr int PRE = r128(QFRAG + SMALL);
   // Per-warp O tiles are stored at a pitch of D + 1 floats: the lanes of one store (rows 2t,
   // columns 8g + c) then spread over 16 banks instead of 4.
@@ -216,7 +229,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const int NS = p.stages;
   extern __shared__ __align__(128) uint8_t smem_all[];
   uint2 *qfrag = reinterpret_cast<uint2 *>(smem_all);
-  float *row_c = reinterpret_cast<float *>(smem_all + C::QFRAG);
+  int64_t *row_q = reinterpret_cast<int64_t *>(smem_all + C::QFRAG);  // q offset per row
+  int64_t *row_o = row_q + kRows;                                      // out offset per row
+  int64_t *row_l = row_o + kRows;                                      // lse offset per row
+  float *row_c = reinterpret_cast<float *>(row_l + kRows);
   float *row_qs = row_c + kRows;
   int *row_lim = reinterpret_cast<int *>(row_qs + kRows);
   float *row_L = reinterpret_cast<float *>(row_lim + kRows);
@@ -231,15 +247,24 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int nthreads = blockDim.x, nw = nthreads / 32;
 
-  const int len = seq_len(p, b);
+  bool bad_len;
+  const int len = seq_len(p, b, &bad_len);
   const int nsplit = len <= 0 ? 1 : (len + p.split_tokens - 1) / p.split_tokens;
   if (split >= nsplit) return;
   const int t0 = split * p.split_tokens;
   const int t1 = min(len, t0 + p.split_tokens);
   const int rows = p.group * p.q_len;
   const int row0 = mt * kRows;
-  // Rows of this tile are contiguous in q / out: [b][kvh*G .. ][q_len] flattened.
+  // This tile's first row in the workspace's [b][head][q_len] order.
   const int64_t row_base = ((int64_t)b * p.num_q_heads + (int64_t)kvh * p.group) * p.q_len + row0;
+  // Row r of the tile is query token (row0 + r) % q_len of head kvh * G + (row0 + r) / q_len.
+  if (tid < kRows) {
+    const int gr = row0 + tid, h = kvh * p.group + gr / p.q_len, i = gr % p.q_len;
+    row_q[tid] = row_at(p.q_rows, b, h, i);
+    row_o[tid] = row_at(p.out_rows, b, h, i);
+    row_l[tid] = row_at(p.lse_rows, b, h, i);
+  }
+  __syncthreads();
 
   // ---- 1. Start this warp's copies, so they fly while the query tile is prepared.
   const int nsteps = t1 > t0 ? (t1 - t0 + STEP - 1) / STEP : 0;
@@ -262,7 +287,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   struct Fetch {
     int page[CH], cib[CH];
   };
-  int fetched = 0;  // steps fetched so far
+  int fetched = 0;     // steps fetched so far
+  bool fault = false;  // a live chunk's table entry was outside the pool (warp-uniform)
   auto fetch = [&]() {
     Fetch f;
     int blk = f_blk, cib = f_cib;
@@ -271,6 +297,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
       if (c > 0 && ++cib == bs16) cib = 0, ++blk;
       const bool live = fetched < my_steps && f_tok + c * kChunk < t1;
       f.page[c] = live ? table[blk] : -1;
+      fault |= live && (uint32_t)f.page[c] >= num_blocks;
       f.cib[c] = cib;
     }
     ++fetched;
@@ -321,7 +348,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     float mx = 0.f;
     if (valid)
       for (int d = lane; d < D; d += 32)
-        mx = fmaxf(mx, fabsf(load_elem(p.q, (row_base + r) * D + d, p.q_bf16)));
+        mx = fmaxf(mx, fabsf(load_elem(p.q, row_q[r] + d, p.q_bf16)));
 #pragma unroll
     for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
     const int e = (mx > 0.f && mx <= 3.0e38f) ? ilogbf(mx) : 0;
@@ -347,7 +374,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     float v[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x)
-      v[x] = valid ? load_elem(p.q, (row_base + gg) * D + dd[x], p.q_bf16) * sc : 0.f;
+      v[x] = valid ? load_elem(p.q, row_q[gg] + dd[x], p.q_bf16) * sc : 0.f;
     // k-steps 2m and 2m + 1 of a lane side by side (one 16-byte load for both).
     qfrag[(j / 2) * 64 + ln * 2 + j % 2] =
         make_uint2(pack2<F::K_BF16>(v[0], v[1]), pack2<F::K_BF16>(v[2], v[3]));
@@ -360,7 +387,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
       float sum = 0.f;
       if (row0 + r < rows) {
         for (int d = 32 * G; d < 32 * G + 32; ++d) {
-          const float x = load_elem(p.q, (row_base + r) * D + d, p.q_bf16) * row_qs[r];
+          const float x = load_elem(p.q, row_q[r] + d, p.q_bf16) * row_qs[r];
           sum += d % 2 == 0 ? __half2float(__float2half_rn(16.f * x)) * 0.0625f
                             : __half2float(__float2half_rn(x));
         }
@@ -656,7 +683,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     l_r0 += __shfl_xor_sync(kFull, l_r0, x);
     l_r1 += __shfl_xor_sync(kFull, l_r1, x);
   }
-  __syncthreads();  // every warp is done with its ring
+  // Every warp is done with its ring; one count per thread block that met a fault.
+  if (__syncthreads_or(fault || bad_len) && tid == 0 && p.counters != nullptr)
+    atomicAdd(p.counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
   float *osm = reinterpret_cast<float *>(smem);  // [warp][kRows][OPITCH], natural head_dim order
   float *msm = osm + nw * kRows * C::OPITCH;     // [warp][kRows]
   float *lsm = msm + nw * kRows;                 // [warp][kRows]
@@ -719,7 +748,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     const float L = row_L[r];
     const float val = L > 0.f ? acc * (v_factor / L) : 0.f;
     if (nsplit == 1)
-      store_elem(p.out, (row_base + r) * D + d, val, p.q_bf16);
+      store_out(p.out, row_o[r] + d, val, p.out_dtype);
     else
       ws_o[(split * rq + r) * D + d] = val;
   }
@@ -727,7 +756,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     const float L = row_L[tid];
     const float lse2 = L > 0.f ? row_M[tid] + log2f(L) : -INFINITY;
     if (nsplit == 1) {
-      if (p.lse) p.lse[row_base + tid] = lse2 * kLn2;
+      if (p.lse) p.lse[row_l[tid]] = lse2 * kLn2;
     } else {
       ws_lse[split * rq + tid] = lse2;
     }
@@ -761,7 +790,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     for (int x = 16; x; x >>= 1) L += __shfl_xor_sync(kFull, L, x);
     if (lane == 0) {
       row_L[r] = L;
-      if (p.lse) p.lse[row_base + r] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+      if (p.lse) p.lse[row_l[r]] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
     }
   }
   __syncthreads();
@@ -805,11 +834,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
       const int r = e / D4, d = (e % D4) * 4;
       const float L = row_L[r];
       const float inv = L > 0.f ? 1.f / L : 0.f;
-      const int64_t at = (row_base + r) * D + d;
-      store_elem(p.out, at, acc.x * inv, p.q_bf16);
-      store_elem(p.out, at + 1, acc.y * inv, p.q_bf16);
-      store_elem(p.out, at + 2, acc.z * inv, p.q_bf16);
-      store_elem(p.out, at + 3, acc.w * inv, p.q_bf16);
+      const int64_t at = row_o[r] + d;
+      store_out(p.out, at, acc.x * inv, p.out_dtype);
+      store_out(p.out, at + 1, acc.y * inv, p.out_dtype);
+      store_out(p.out, at + 2, acc.z * inv, p.out_dtype);
+      store_out(p.out, at + 3, acc.w * inv, p.out_dtype);
     }
     __syncthreads();
   }

@@ -94,6 +94,16 @@ int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks, const int3
                           int64_t num_tokens, int32_t out_dtype, void *k_out, void *v_out,
                           unsigned long long *counters, void *stream);
 
+/* Copy whole blocks inside one pool (copy-on-write after a fork, defragmentation): for each
+ * i < num_pairs, every byte of block pairs[2i] (codes and metadata of every KV head) to block
+ * pairs[2i + 1]. `pairs` is a device array of 2 * num_pairs int32. Destinations must be
+ * distinct and none may also be a source in the same launch (the copies run in parallel; the
+ * safe Rust API checks this). A pair with an id outside [0, num_blocks) is skipped and counted
+ * in counters[KVQ_COUNTER_OUT_OF_RANGE] (counters may be null). Bytes are copied 16 at a time:
+ * layout.block_stride is a multiple of 16 and the pool 16-byte aligned. */
+int kvq_copy_blocks(const kvq_cache *cache, int64_t num_blocks, const int32_t *pairs,
+                    int64_t num_pairs, unsigned long long *counters, void *stream);
+
 /* Calibration scales of a dense tensor x ([rows, head_dim], rows cycling through `heads` heads,
  * so row r belongs to head r % heads) for `format` (FP8, or KVQ_DENSE_INT4_UNIFORM): FP8
  * amax / max_finite (1 when amax is 0), one per head when per_head != 0, else one for the tensor;
@@ -132,28 +142,45 @@ const char *kvq_last_error(void);
  * its tensor-core tiles. More rows take several tiles, each reading the KV head's bytes. */
 #define KVQ_DECODE_TILE_ROWS 8
 
+/* Where the rows of a query-shaped tensor live, in elements: element d of query token i of
+ * query head h of sequence b is at b * seq + i * token + h * head + d (head_dim contiguous).
+ * [batch, heads, q_len, head_dim] is {heads * q_len * head_dim, head_dim, q_len * head_dim};
+ * [tokens, heads, head_dim] with q_len tokens per sequence is {q_len * t, t, head_dim} for a
+ * token stride t (heads * head_dim, or more for a view into a fused QKV buffer). For lse the
+ * same with head_dim 1. */
+typedef struct kvq_rows {
+  int64_t seq;
+  int64_t token;
+  int64_t head;
+} kvq_rows;
+
 /* One decode step of attention over a paged cache, with the semantics of
  * kvq::cpu::decode_attention: context_lens[b] counts every token of sequence b including its
  * q_len new ones; query token i sits at position context_lens[b] - q_len + i and sees positions
  * 0..=that (causal); query head h reads KV head h / (num_q_heads / num_kv_heads).
- *   q, out        [batch, num_q_heads, q_len, head_dim], q_dtype (KVQ_DTYPE_F16 or _BF16)
- *   lse           [batch, num_q_heads, q_len] f32, natural log of the softmax denominator
- *                 (logits include softmax_scale); may be null
+ *   q             q_dtype (KVQ_DTYPE_F16 or _BF16), rows at q_rows
+ *   out           out_dtype (KVQ_DTYPE_F16, _BF16 or _F32), rows at out_rows
+ *   lse           f32 at lse_rows, natural log of the softmax denominator (logits include
+ *                 softmax_scale); may be null
  *   block_tables  [batch, max_blocks] int32, context_lens [batch] int32
  *   ws_o, ws_lse, ws_counters  split-KV workspace, used when num_splits > 1:
  *                 ws_o [batch, num_splits, num_q_heads * q_len, head_dim] f32,
  *                 ws_lse [batch, num_splits, num_q_heads * q_len] f32,
  *                 ws_counters [batch, num_kv_heads, ceil(G * q_len / KVQ_DECODE_TILE_ROWS)] uint32, all zero
  *                 before the first launch (each launch leaves them zero again)
+ *   counters      optional (may be null): counters[KVQ_COUNTER_OUT_OF_RANGE] is incremented once
+ *                 by each thread block that met a block-table entry outside [0, num_blocks) or
+ *                 a context length outside [0, max_blocks * block_size]
  * Sequence b is cut into ceil(len / split_tokens) splits (split_tokens a positive multiple of
  * 32; at most num_splits of them, 1 <= num_splits <= KVQ_DECODE_MAX_SPLITS), each served by its
  * own thread blocks; the last block of a sequence to finish merges them (one launch, one
- * kernel). One launch at a time per workspace. Caller guarantees (the safe Rust API checks
- * them): buffers of these sizes; context_lens[b] in [q_len, max_blocks * block_size] and
- * ceil(context_lens[b] / split_tokens) <= num_splits; the first ceil(len / block_size) entries
- * of each table row valid block ids. Outside that the kernel stays in bounds (lengths are
- * clamped, block ids outside [0, num_blocks) are read as absent tokens) but the output is
- * unspecified. A row that sees no token gets out = 0 and lse = -inf.
+ * kernel). One launch at a time per workspace. A sequence of length 0 is padding: its rows get
+ * out = 0 and lse = -inf and nothing of the cache or its table row is read. Caller guarantees
+ * (the safe Rust API checks them): buffers that hold every row the strides address; every
+ * context_lens[b] 0 or in [q_len, max_blocks * block_size] and ceil(context_lens[b] /
+ * split_tokens) <= num_splits; the first ceil(len / block_size) entries of each table row valid
+ * block ids. Outside that the kernel stays in bounds of the pool (lengths are clamped, block ids
+ * outside [0, num_blocks) are read as absent tokens and counted) but the output is unspecified.
  * Supported: head_dim 64, 128, 256; block_size a multiple of 16; K and V formats each one of
  * f16, bf16, fp8-e4m3, int4 (K: KVQ_INT4_SYM32, V: KVQ_INT4_AFFINE64), mixed freely, or both
  * fp8-e5m2; a bf16 K cache needs bf16 queries. Else KVQ_ERR_UNSUPPORTED. */
@@ -163,12 +190,17 @@ typedef struct kvq_decode_args {
   const void *q;
   void *out;
   float *lse;
+  kvq_rows q_rows;
+  kvq_rows out_rows;
+  kvq_rows lse_rows;
   const int32_t *block_tables;
   const int32_t *context_lens;
   float *ws_o;
   float *ws_lse;
   uint32_t *ws_counters;
+  unsigned long long *counters;
   int32_t q_dtype;
+  int32_t out_dtype;
   int32_t batch;
   int32_t num_q_heads;
   int32_t q_len;

@@ -19,8 +19,9 @@ pub const MAX_GPU_SLOTS: usize = (1 << 31) - 256;
 pub struct AppendCounters {
     /// Non-finite inputs met (written as their sanitized values, FORMATS.md).
     pub non_finite: u64,
-    /// Tokens skipped because their slot was outside the pool (an engine bug, reported by
-    /// [`DeviceCache::check_appends`] as an error).
+    /// Faults (an engine bug, reported by [`DeviceCache::check_appends`] as an error): tokens
+    /// skipped because their slot was outside the pool, and decode / block-copy thread blocks
+    /// that met a block id outside the pool or a context longer than its table row.
     pub out_of_range: u64,
 }
 
@@ -37,6 +38,8 @@ pub struct DeviceCache {
     host_k_scales: Vec<f32>,
     host_v_scales: Vec<f32>,
     counters: CudaSlice<u64>,
+    /// Reused device memory for block-copy pairs (see `blocks.rs`).
+    pub(crate) copy_staging: super::blocks::CopyStaging,
     /// Device addresses of pool, K scales, V scales and counters (see [`owned_ptr`]).
     ptrs: [cudarc::driver::sys::CUdeviceptr; 4],
 }
@@ -163,6 +166,7 @@ impl DeviceCache {
             host_k_scales: ones.clone(),
             host_v_scales: ones,
             counters,
+            copy_staging: Default::default(),
             ptrs,
         })
     }
@@ -257,9 +261,18 @@ impl DeviceCache {
         }
     }
 
-    /// Device pointer of the counters array (`KVQ_NUM_COUNTERS` u64), for the launchers.
-    pub(crate) fn counters_ptr(&mut self) -> *mut u64 {
+    /// Device pointer of the counters array (`KVQ_NUM_COUNTERS` u64), for the launchers (the
+    /// kernels add to it atomically; the host reads it in [`take_counters`](Self::take_counters)).
+    pub(crate) fn counters_ptr(&self) -> *mut u64 {
         self.ptrs[3] as *mut u64
+    }
+
+    /// Device address of the cache's fault counters (`KVQ_NUM_COUNTERS` u64, see kvq.h), for
+    /// raw launches ([`RawDecodeArgs::counters`](super::decode::RawDecodeArgs::counters),
+    /// [`ops::append_raw`](super::ops::append_raw)) whose faults
+    /// [`check_appends`](Self::check_appends) should report.
+    pub fn counters_raw(&self) -> cudarc::driver::sys::CUdeviceptr {
+        self.ptrs[3]
     }
 
     /// Read and reset the append counters (waits for queued work).
@@ -277,14 +290,19 @@ impl DeviceCache {
     }
 
     /// Read and reset the counters; an error if any appended token had a slot outside the
-    /// pool (it was skipped). Returns the number of non-finite inputs met.
+    /// pool (it was skipped), or a decode or block copy met a block id outside the pool or a
+    /// context longer than its table row (those blocks were not read). Returns the number of
+    /// non-finite inputs met.
     pub fn check_appends(&mut self) -> Result<u64> {
         let c = self.take_counters()?;
         if c.out_of_range > 0 {
             return Err(Error::InvalidArgument(format!(
-                "{} appended token(s) had a slot outside the pool of {} slots and were skipped",
+                "{} fault(s) since the last check: appended tokens with a slot outside the pool \
+                 of {} slots (skipped), or decode / block-copy thread blocks that met a block id \
+                 outside the pool of {} blocks or a context longer than its table row (not read)",
                 c.out_of_range,
-                self.num_slots()
+                self.num_slots(),
+                self.num_blocks
             )));
         }
         Ok(c.non_finite)

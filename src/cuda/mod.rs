@@ -10,16 +10,23 @@
 //! a GPU or driver, [`is_available`] says `false` and [`Gpu::new`] returns [`Error::NoDevice`].
 
 pub mod bench;
+mod blocks;
 pub mod decode;
 pub mod device;
+pub(crate) mod launch;
 pub mod ops;
 pub mod sys;
+mod tables;
 
+pub use blocks::SwapSpace;
+pub use cudarc;
+pub use decode::{DecodePlan, DecodeStep, DecodeWorkspace, RowStrides};
 pub use device::{AppendCounters, DeviceCache};
+pub use tables::DeviceBlockTables;
 
 use crate::error::{Error, Result};
-use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaStream, DriverError};
+use cudarc::driver::sys::{CUcontext, CUdevice, CUdevice_attribute, CUstream};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 use std::sync::Arc;
 
 /// Targets the kernels were compiled for (`KVQ_CUDA_ARCHS`), e.g. `sm_80,sm_89,sm_90a,compute_90`.
@@ -42,13 +49,18 @@ pub struct DeviceProps {
     pub total_memory: usize,
 }
 
-/// One GPU: a retained primary context and the stream kvq's launches and copies are ordered on.
-/// Cheap to clone (shared handles).
+/// One GPU: a context and the stream kvq's launches and copies made through this handle are
+/// queued on — kvq's own ([`Gpu::new`]) or the engine's ([`Gpu::from_stream`],
+/// [`Gpu::from_raw`]). Cheap to clone (shared handles). Objects made from handles of different
+/// streams (a cache, a plan, block tables) can be used together: kvq orders their streams with
+/// events (see [`Gpu::wait_for`]).
 #[derive(Debug, Clone)]
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    props: DeviceProps,
+    props: Arc<DeviceProps>,
+    /// Recorded on `stream` when another stream must wait for it (see [`Gpu::wait_for`]).
+    order_event: Arc<CudaEvent>,
 }
 
 /// A cudarc driver error as [`Error::Cuda`], naming what failed.
@@ -63,28 +75,6 @@ pub(crate) fn owned_ptr<T>(buf: &cudarc::driver::CudaSlice<T>) -> cudarc::driver
 
 pub(crate) fn driver_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
     move |e| Error::Cuda(format!("{what}: {e}"))
-}
-
-/// Map a `kvq_status` returned by launcher `what` to a result.
-pub(crate) fn check_status(status: std::ffi::c_int, what: &str) -> Result<()> {
-    match status {
-        sys::KVQ_OK => Ok(()),
-        sys::KVQ_ERR_INVALID => Err(Error::Cuda(format!(
-            "{what}: the launcher rejected its arguments (kvq bug: ops.rs should have caught this)"
-        ))),
-        sys::KVQ_ERR_UNSUPPORTED => Err(Error::Unsupported(format!(
-            "{what}: no kernel for this combination in this build"
-        ))),
-        sys::KVQ_ERR_LAUNCH => {
-            // SAFETY: kvq_last_error returns a static NUL-terminated string.
-            let msg = unsafe { std::ffi::CStr::from_ptr(sys::kvq_last_error()) };
-            Err(Error::Cuda(format!(
-                "{what}: kernel launch failed: {}",
-                msg.to_string_lossy()
-            )))
-        }
-        other => Err(Error::Cuda(format!("{what}: unknown status {other}"))),
-    }
 }
 
 /// Number of CUDA devices, or why there is none. Never panics: the driver library is probed
@@ -109,7 +99,7 @@ pub fn is_available() -> bool {
 }
 
 impl Gpu {
-    /// Open device `ordinal`: retain its primary context and create a stream.
+    /// Open device `ordinal`: retain its primary context and create a stream of kvq's own.
     /// [`Error::NoDevice`] when there is no driver or no such device.
     pub fn new(ordinal: usize) -> Result<Gpu> {
         let count = device_count().map_err(Error::NoDevice)?;
@@ -120,6 +110,14 @@ impl Gpu {
         }
         let ctx = CudaContext::new(ordinal).map_err(driver_err("opening the CUDA context"))?;
         let stream = ctx.new_stream().map_err(driver_err("creating a stream"))?;
+        Self::from_stream(stream)
+    }
+
+    /// Every kvq launch and copy made through this handle goes to `stream`, an engine's own
+    /// cudarc stream (candle's, for instance), so kvq's work is ordered with the engine's
+    /// without any synchronization.
+    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Gpu> {
+        let ctx = stream.context().clone();
         let attr = |a: CUdevice_attribute| -> Result<i32> {
             ctx.attribute(a)
                 .map_err(driver_err("reading a device attribute"))
@@ -128,7 +126,7 @@ impl Gpu {
             .compute_capability()
             .map_err(driver_err("reading the compute capability"))?;
         let props = DeviceProps {
-            ordinal,
+            ordinal: ctx.ordinal(),
             name: ctx.name().map_err(driver_err("reading the device name"))?,
             sm_count: attr(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
             compute_capability: (major as u32, minor as u32),
@@ -137,7 +135,115 @@ impl Gpu {
                 .total_mem()
                 .map_err(driver_err("reading total memory"))?,
         };
-        Ok(Gpu { ctx, stream, props })
+        let order_event = ctx
+            .new_event(None)
+            .map_err(driver_err("creating an ordering event"))?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            props: Arc::new(props),
+            order_event: Arc::new(order_event),
+        })
+    }
+
+    /// A handle on a context and stream the engine owns (from the CUDA runtime, another
+    /// library or its own driver calls). kvq never destroys either: the engine keeps both alive
+    /// while this handle or anything made with it is in use. The primary context of a device
+    /// is shared with cudarc's own handle of it; any other context is wrapped and never
+    /// released.
+    ///
+    /// # Safety
+    /// `context` is a live CUDA context and `stream` a live stream of it (or null, the
+    /// context's legacy default stream).
+    pub unsafe fn from_raw(context: CUcontext, stream: CUstream) -> Result<Gpu> {
+        device_count().map_err(Error::NoDevice)?;
+        if context.is_null() {
+            return Err(Error::InvalidArgument(
+                "Gpu::from_raw: the context is null".into(),
+            ));
+        }
+        let mut device: CUdevice = 0;
+        // SAFETY: the caller promises a live context; binding it and asking its device reads
+        // nothing else.
+        unsafe {
+            cudarc::driver::result::ctx::set_current(context)
+                .map_err(driver_err("binding the engine's context"))?;
+            cudarc::driver::sys::cuCtxGetDevice(&mut device)
+                .result()
+                .map_err(driver_err("reading the context's device"))?;
+        }
+        let ordinal = usize::try_from(device)
+            .map_err(|_| Error::Cuda(format!("the context's device id {device} is negative")))?;
+        let primary = CudaContext::new(ordinal).map_err(driver_err("opening the CUDA context"))?;
+        let ctx = if primary.cu_ctx() == context {
+            primary
+        } else {
+            drop(primary);
+            // SAFETY: a live context of `device` (the caller's promise).
+            let ctx = unsafe { CudaContext::from_raw_context(ordinal, device, context) }
+                .map_err(driver_err("wrapping the engine's context"))?;
+            // cudarc destroys a wrapped context when its last handle goes; the engine owns this
+            // one, so one handle is leaked on purpose and the context outlives kvq's use.
+            std::mem::forget(ctx.clone());
+            ctx
+        };
+        // SAFETY: a live stream of that context (the caller's promise); cudarc never destroys
+        // a borrowed stream.
+        let stream = unsafe { ctx.wrap_borrowed_stream(stream) };
+        Self::from_stream(stream)
+    }
+
+    /// Whether `other` queues its work on the same stream (work of one stream needs no
+    /// ordering between objects).
+    pub fn same_stream(&self, other: &Gpu) -> bool {
+        self.stream.cu_stream() == other.stream.cu_stream()
+    }
+
+    /// Make this handle's stream wait for all work queued on `other`'s stream so far (an event
+    /// recorded there, waited for here). Nothing happens when both are the same stream.
+    pub fn wait_for(&self, other: &Gpu) -> Result<()> {
+        if self.same_stream(other) {
+            return Ok(());
+        }
+        if self.ctx.cu_ctx() != other.ctx.cu_ctx() {
+            return Err(Error::InvalidArgument(format!(
+                "objects of GPU {} and GPU {} cannot be used in one operation",
+                self.props.ordinal, other.props.ordinal
+            )));
+        }
+        other
+            .order_event
+            .record(&other.stream)
+            .map_err(driver_err("recording an ordering event"))?;
+        self.stream
+            .wait(&other.order_event)
+            .map_err(driver_err("waiting for another stream"))
+    }
+
+    /// Run `launch` on this handle's stream, ordered after the work queued so far on the
+    /// streams of `others`, and make those streams wait for it in turn (so that neither reads
+    /// what the other has not finished writing). Objects of one stream cost nothing; objects of
+    /// several streams cost two event records and waits per other stream, and cannot be
+    /// captured in a CUDA graph (an event from outside the capture).
+    pub(crate) fn ordered<R>(
+        &self,
+        others: &[&Gpu],
+        launch: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let mut distinct: Vec<&Gpu> = Vec::new();
+        for g in others {
+            if !self.same_stream(g) && !distinct.iter().any(|d| d.same_stream(g)) {
+                distinct.push(g);
+            }
+        }
+        for g in &distinct {
+            self.wait_for(g)?;
+        }
+        let r = launch()?;
+        for g in &distinct {
+            g.wait_for(self)?;
+        }
+        Ok(r)
     }
 
     /// The device's properties.
@@ -153,11 +259,6 @@ impl Gpu {
     /// The stream every kvq launch and copy of this `Gpu` is ordered on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
-    }
-
-    /// The raw stream, for the C launchers (`void *stream`).
-    pub(crate) fn raw_stream(&self) -> *mut std::ffi::c_void {
-        self.stream.cu_stream().cast()
     }
 
     /// Make this device's context current on the calling thread (the CUDA runtime, which the

@@ -7,7 +7,7 @@
 //! what the caller must guarantee.
 
 use super::device::MAX_GPU_HEAD_DIM;
-use super::{DeviceCache, Gpu, check_status, driver_err, sys};
+use super::{DeviceCache, Gpu, driver_err, launch, sys};
 use crate::dense::{DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor};
 use crate::error::{Error, Result};
 use crate::format::Element;
@@ -113,7 +113,6 @@ pub fn append<T: DeviceElement, S: SlotIndex>(
     v: &CudaSlice<T>,
     num_tokens: usize,
 ) -> Result<()> {
-    let gpu = cache.gpu().clone();
     let c = *cache.config();
     let row = c.num_kv_heads * c.head_dim;
     need_len("slots", num_tokens, slots.len())?;
@@ -125,34 +124,35 @@ pub fn append<T: DeviceElement, S: SlotIndex>(
     if num_tokens == 0 {
         return Ok(());
     }
+    let gpu = cache.gpu().clone();
     gpu.bind()?;
     let s = gpu.stream();
     let raw = cache.as_raw();
     let num_blocks = cache.num_blocks();
-    let counters = cache.counters_ptr();
+    let counters = cache.counters_ptr() as CUdeviceptr;
     let (slots_p, _g1) = slots.device_ptr(s);
     let (k_p, _g2) = k.device_ptr(s);
     let (v_p, _g3) = v.device_ptr(s);
-    // SAFETY: the cache view and counters come from a live DeviceCache on this device; slots,
-    // k and v hold at least num_tokens rows (checked above); everything is queued on `s`, whose
-    // order the slices' guards record.
-    let status = unsafe {
-        sys::kvq_append(
+    // SAFETY: the cache view and counters come from a live DeviceCache on this stream's device;
+    // slots, k and v hold at least num_tokens rows (checked above), contiguous rows (stride =
+    // row), 16-byte aligned (cudarc allocations are 256-byte aligned); the guards order the
+    // caller's slices with this stream.
+    unsafe {
+        append_raw(
             &raw,
-            to_i64(num_blocks),
-            slots_p as *const c_void,
-            S::IS_I64 as i32,
-            to_i64(num_tokens),
-            k_p as *const c_void,
-            v_p as *const c_void,
-            T::DTYPE.raw(),
-            to_i64(row),
-            to_i64(row),
-            counters.cast(),
-            gpu.raw_stream(),
+            num_blocks,
+            slots_p,
+            S::IS_I64,
+            num_tokens,
+            k_p,
+            v_p,
+            T::DTYPE,
+            row,
+            row,
+            counters,
+            s.cu_stream(),
         )
-    };
-    check_status(status, "kvq_append")
+    }
 }
 
 /// [`append`] for memory the caller owns.
@@ -203,12 +203,12 @@ pub unsafe fn append_raw(
         ));
     }
     // SAFETY: forwarded from the caller's contract.
-    let status = unsafe {
-        sys::kvq_append(
+    unsafe {
+        launch::append(
             cache,
             to_i64(num_blocks),
             slots as *const c_void,
-            slots_i64 as i32,
+            slots_i64,
             to_i64(num_tokens),
             k as *const c_void,
             v as *const c_void,
@@ -216,10 +216,9 @@ pub unsafe fn append_raw(
             to_i64(k_token_stride),
             to_i64(v_token_stride),
             counters as *mut u64,
-            stream.cast(),
+            stream,
         )
-    };
-    check_status(status, "kvq_append")
+    }
 }
 
 // ---- gather ----------------------------------------------------------------------------
@@ -259,20 +258,19 @@ pub fn gather_dequantize<T: DeviceElement>(
         let (k_p, _g2) = k_out.device_ptr_mut(s);
         let (v_p, _g3) = v_out.device_ptr_mut(s);
         // SAFETY: the table holds `used` validated block ids; outputs hold n elements.
-        let status = unsafe {
-            sys::kvq_gather_dequantize(
+        unsafe {
+            gather_dequantize_raw(
                 &raw,
-                to_i64(cache.num_blocks()),
-                t_p as *const i32,
-                to_i64(len),
-                T::DTYPE.raw(),
-                k_p as *mut c_void,
-                v_p as *mut c_void,
-                std::ptr::null_mut(),
-                gpu.raw_stream(),
-            )
-        };
-        check_status(status, "kvq_gather_dequantize")?;
+                cache.num_blocks(),
+                t_p,
+                len,
+                T::DTYPE,
+                k_p,
+                v_p,
+                0,
+                s.cu_stream(),
+            )?;
+        }
     }
     Ok((k_out, v_out))
 }
@@ -306,8 +304,8 @@ pub unsafe fn gather_dequantize_raw(
         ));
     }
     // SAFETY: forwarded from the caller's contract.
-    let status = unsafe {
-        sys::kvq_gather_dequantize(
+    unsafe {
+        launch::gather_dequantize(
             cache,
             to_i64(num_blocks),
             block_table as *const i32,
@@ -316,10 +314,9 @@ pub unsafe fn gather_dequantize_raw(
             k_out as *mut c_void,
             v_out as *mut c_void,
             counters as *mut u64,
-            stream.cast(),
+            stream,
         )
-    };
-    check_status(status, "kvq_gather_dequantize")
+    }
 }
 
 // ---- dense quantize / dequantize ------------------------------------------------------------
@@ -437,7 +434,7 @@ pub fn quantize_dense<T: DeviceElement>(
     gpu.bind()?;
     let s = gpu.stream();
     let fmt = format_id(format);
-    let stream = gpu.raw_stream();
+    let stream = s.cu_stream();
     let groups = g.groups(format);
     let code_bytes = format.code_bytes(g.head_dim);
     // SAFETY (allocations): every byte is written by the launches below before it is read.
@@ -463,21 +460,20 @@ pub fn quantize_dense<T: DeviceElement>(
             let (hs_p, _g2) = hs.device_ptr_mut(s);
             let (sc_p, _g3) = scratch.device_ptr_mut(s);
             // SAFETY: x holds rows * head_dim elements; scales and scratch n_scales each.
-            let status = unsafe {
-                sys::kvq_dense_scales(
+            unsafe {
+                launch::dense_scales(
                     fmt,
                     x_p as *const c_void,
                     T::DTYPE.raw(),
                     to_i64(g.rows),
                     g.heads as i32,
                     g.head_dim as i32,
-                    (n_scales > 1) as i32,
+                    n_scales > 1,
                     hs_p as *mut f32,
                     sc_p as *mut u32,
                     stream,
-                )
-            };
-            check_status(status, "kvq_dense_scales")?;
+                )?;
+            }
         }
         head_scales = Some(hs);
     }
@@ -499,8 +495,8 @@ pub fn quantize_dense<T: DeviceElement>(
         let gz = group_zeros.as_mut().map(|h| h.device_ptr_mut(s));
         let (n_p, _g3) = counters.device_ptr_mut(s);
         // SAFETY: every buffer was sized from the validated geometry above.
-        let status = unsafe {
-            sys::kvq_quantize_dense(
+        unsafe {
+            launch::quantize_dense(
                 fmt,
                 x_p as *const c_void,
                 T::DTYPE.raw(),
@@ -514,9 +510,8 @@ pub fn quantize_dense<T: DeviceElement>(
                 gz.as_ref().map_or(0, |p| p.0) as *mut u16,
                 n_p as *mut u64,
                 stream,
-            )
-        };
-        check_status(status, "kvq_quantize_dense")?;
+            )?;
+        }
     }
     Ok(DeviceQuantized {
         format,
@@ -549,8 +544,8 @@ pub fn dequantize_dense<T: DeviceElement>(gpu: &Gpu, q: &DeviceQuantized) -> Res
         let gz = q.group_zeros.as_ref().map(|h| h.device_ptr(s));
         let (o_p, _g2) = out.device_ptr_mut(s);
         // SAFETY: a DeviceQuantized's parts always match its format and shape.
-        let status = unsafe {
-            sys::kvq_dequantize_dense(
+        unsafe {
+            launch::dequantize_dense(
                 format_id(q.format),
                 c_p as *const u8,
                 hs.as_ref().map_or(0, |p| p.0) as *const f32,
@@ -562,10 +557,9 @@ pub fn dequantize_dense<T: DeviceElement>(gpu: &Gpu, q: &DeviceQuantized) -> Res
                 g.head_dim as i32,
                 T::DTYPE.raw(),
                 o_p as *mut c_void,
-                gpu.raw_stream(),
-            )
-        };
-        check_status(status, "kvq_dequantize_dense")?;
+                s.cu_stream(),
+            )?;
+        }
     }
     Ok(out)
 }

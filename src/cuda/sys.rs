@@ -89,6 +89,15 @@ pub const KVQ_DECODE_MAX_SPLITS: i32 = 256;
 /// Query rows one decode thread block serves (its tensor-core tile's N).
 pub const KVQ_DECODE_TILE_ROWS: i32 = 8;
 
+/// `kvq_rows`: element strides of a query-shaped tensor (kvq.h).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct kvq_rows {
+    pub seq: i64,
+    pub token: i64,
+    pub head: i64,
+}
+
 /// `kvq_decode_args`: one fused decode launch (kvq.h documents every field).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -98,12 +107,17 @@ pub struct kvq_decode_args {
     pub q: *const c_void,
     pub out: *mut c_void,
     pub lse: *mut f32,
+    pub q_rows: kvq_rows,
+    pub out_rows: kvq_rows,
+    pub lse_rows: kvq_rows,
     pub block_tables: *const i32,
     pub context_lens: *const i32,
     pub ws_o: *mut f32,
     pub ws_lse: *mut f32,
     pub ws_counters: *mut u32,
+    pub counters: *mut c_ulonglong,
     pub q_dtype: i32,
+    pub out_dtype: i32,
     pub batch: i32,
     pub num_q_heads: i32,
     pub q_len: i32,
@@ -191,6 +205,16 @@ unsafe extern "C" {
         head_dim: i32,
         out_dtype: i32,
         out: *mut c_void,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    /// Copy whole blocks inside one pool, pairs (src, dst) of int32 (kvq.h, cuda/blocks.cu).
+    pub fn kvq_copy_blocks(
+        cache: *const kvq_cache,
+        num_blocks: i64,
+        pairs: *const i32,
+        num_pairs: i64,
+        counters: *mut c_ulonglong,
         stream: *mut c_void,
     ) -> c_int;
 
@@ -340,7 +364,7 @@ mod tests {
     #[test]
     fn structs_match_the_header() {
         let header = strip_c(HEADER);
-        for name in ["kvq_layout", "kvq_cache", "kvq_decode_args"] {
+        for name in ["kvq_layout", "kvq_cache", "kvq_rows", "kvq_decode_args"] {
             let c = c_struct_fields(&header, name);
             let r = rust_struct_fields(THIS, name);
             assert_eq!(c, r, "fields of {name}");

@@ -1,0 +1,58 @@
+// blocks.cu: whole-block copies inside one pool (kvq_copy_blocks in kvq.h), the device side of
+// copy-on-write after a fork. A block is an opaque run of block_stride bytes (codes and
+// metadata of every KV head), so one kernel serves every format.
+#include <cuda_runtime.h>
+
+#include "common.cuh"
+#include "kvq.h"
+
+namespace {
+
+constexpr int kCopyThreads = 256;
+constexpr int kCopyUnroll = 4;  // 16-byte loads in flight per thread
+
+// Grid (pieces, pairs): block y copies pair y, its x-th run of kCopyThreads * kCopyUnroll
+// 16-byte words. A pair naming a block outside the pool is skipped and counted once.
+__global__ void __launch_bounds__(kCopyThreads)
+    copy_blocks_kernel(uint8_t *__restrict__ pool, int64_t words_per_block, int64_t num_blocks,
+                       const int32_t *__restrict__ pairs, unsigned long long *counters) {
+  const int32_t src = pairs[2 * (int64_t)blockIdx.y];
+  const int32_t dst = pairs[2 * (int64_t)blockIdx.y + 1];
+  if (src < 0 || dst < 0 || src >= num_blocks || dst >= num_blocks) {
+    if (counters != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+      atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
+    return;
+  }
+  const uint4 *from = reinterpret_cast<const uint4 *>(pool) + src * words_per_block;
+  uint4 *to = reinterpret_cast<uint4 *>(pool) + dst * words_per_block;
+  const int64_t first = (int64_t)blockIdx.x * kCopyThreads * kCopyUnroll + threadIdx.x;
+  uint4 v[kCopyUnroll];
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int64_t i = first + u * kCopyThreads;
+    if (i < words_per_block) v[u] = from[i];
+  }
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const int64_t i = first + u * kCopyThreads;
+    if (i < words_per_block) to[i] = v[u];
+  }
+}
+
+}  // namespace
+
+extern "C" int kvq_copy_blocks(const kvq_cache *cache, int64_t num_blocks, const int32_t *pairs,
+                               int64_t num_pairs, unsigned long long *counters, void *stream) {
+  if (cache == nullptr || cache->pool == nullptr || !kvq::aligned16(cache->pool) ||
+      num_blocks <= 0 || num_pairs < 0 || (num_pairs > 0 && pairs == nullptr) ||
+      cache->layout.block_stride <= 0 || cache->layout.block_stride % 16 != 0)
+    return KVQ_ERR_INVALID;
+  if (num_pairs == 0) return KVQ_OK;
+  if (num_pairs > 65535) return KVQ_ERR_UNSUPPORTED;  // grid y; the Rust API launches in chunks
+  const int64_t words = cache->layout.block_stride / 16;
+  const int64_t per_cta = (int64_t)kCopyThreads * kCopyUnroll;
+  const dim3 grid((unsigned)((words + per_cta - 1) / per_cta), (unsigned)num_pairs);
+  copy_blocks_kernel<<<grid, kCopyThreads, 0, (cudaStream_t)stream>>>(
+      cache->pool, words, num_blocks, pairs, counters);
+  return kvq::launch_status();
+}

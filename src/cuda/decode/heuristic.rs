@@ -1,0 +1,276 @@
+//! How a decode launch is cut: the kernel's occupancy, a wave-aware rate model of an SM, and the
+//! choice of warps per block, copy stages and split-KV splits that the model predicts fastest.
+
+use super::{MAX_SPLITS, STAGES, WARPS};
+use crate::cuda::launch;
+use crate::error::{Error, Result};
+use crate::format::KvFormat;
+use crate::layout::BlockLayout;
+
+/// Split lengths are multiples of this (the kernel's longest step).
+pub(super) const SPLIT_MULTIPLE: usize = 32;
+
+/// A split shorter than this costs more in setup and merge than it gains in parallelism.
+const MIN_SPLIT_TOKENS: usize = 256;
+
+/// Fixed cost of one thread block in the launch model, in tokens of streaming (query setup,
+/// pipeline fill, warp merge); fitted with the rate model (see `RateModel`).
+const CTA_OVERHEAD_TOKENS: usize = 512;
+
+/// Cost of each split in the launch model, in tokens of streaming: partial write and merge,
+/// measured on an H200 at ~0.44 us per split (docs/PERFORMANCE.md, v3).
+const SPLIT_COST_TOKENS: usize = 32;
+
+/// Split length for `num_splits` splits of `max_len` tokens (a multiple of [`SPLIT_MULTIPLE`]),
+/// and the split count that length really gives.
+pub(super) fn split_len(max_len: usize, num_splits: usize) -> (usize, usize) {
+    let max_len = max_len.max(1);
+    let split_tokens = max_len
+        .div_ceil(num_splits.max(1))
+        .next_multiple_of(SPLIT_MULTIPLE);
+    (max_len.div_ceil(split_tokens), split_tokens)
+}
+
+/// How one launch is cut: warps per thread block, copy stages per warp, the blocks per SM that
+/// fit with them, and the split-KV split count and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct LaunchChoice {
+    pub warps: usize,
+    pub stages: usize,
+    pub ctas: usize,
+    pub splits: usize,
+    pub split_tokens: usize,
+}
+
+/// Thread blocks per SM and bytes per stage of the decode kernel for `layout` with `warps`
+/// warps per block of `stages` copy stages each (0 blocks: does not fit). The GPU's context
+/// must be current.
+pub(super) fn occupancy(
+    layout: &BlockLayout,
+    warps: usize,
+    stages: usize,
+) -> Result<(usize, usize)> {
+    let c = &layout.config;
+    launch::decode_occupancy(
+        c.k_format as i32,
+        c.v_format as i32,
+        c.head_dim as i32,
+        warps as i32,
+        stages as i32,
+    )
+}
+
+/// What an SM needs to run the decode at its full rate: enough copies in flight and enough
+/// resident warps to hide the dependency chains of a step. Fitted to an H200 sweep of every
+/// launch shape (`examples/decode_sweep.rs`, docs/PERFORMANCE.md): 16-bit caches want about
+/// 128 KB in flight and 8 warps; FP8 and INT4 caches are bound by their warps' latency long
+/// before their copies (INT4 ran the same at 61 KB as at 123 KB in flight, 12 % faster at 12
+/// warps per SM than at 8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RateModel {
+    /// Bytes of copies each block keeps in flight.
+    inflight: usize,
+    /// Warps per block.
+    warps: usize,
+    /// Bytes in flight per SM that reach the full rate.
+    inflight_target: usize,
+    /// Resident warps per SM that reach the full rate.
+    full_rate_warps: usize,
+}
+
+impl RateModel {
+    /// The model for caches in `k` / `v`, launched with `warps` warps per block of `stages`
+    /// stages of `stage_bytes` each (one stage per warp is being computed, the rest in flight).
+    fn new(k: KvFormat, v: KvFormat, warps: usize, stages: usize, stage_bytes: usize) -> Self {
+        let narrowest = k.bits().min(v.bits());
+        RateModel {
+            inflight: warps * (stages - 1) * stage_bytes,
+            warps,
+            inflight_target: if narrowest >= 16 { 128 << 10 } else { 32 << 10 },
+            full_rate_warps: if narrowest == 4 { 12 } else { 8 },
+        }
+    }
+
+    /// Fraction of the full rate of an SM with `k` blocks resident.
+    fn rate(&self, k: usize) -> f64 {
+        let copies = (k * self.inflight) as f64 / self.inflight_target as f64;
+        let warps = (k * self.warps) as f64 / self.full_rate_warps as f64;
+        copies.min(warps).min(1.0)
+    }
+}
+
+/// Time, in units of one block's run at the full rate of an SM, for `blocks` equal blocks on
+/// `sms` SMs holding `ctas` blocks each. Blocks run in waves, and an SM slows down below what
+/// its resident blocks need (`model`), which is what makes a thin last wave slow (H200: B=64
+/// fp8 at 3 blocks per SM, 1.3 waves, 74 % of the ceiling against 87 % at 2 blocks per SM,
+/// 1.9 waves).
+fn wave_time(blocks: usize, sms: usize, ctas: usize, model: RateModel) -> f64 {
+    let slots = ctas * sms;
+    let (full, rest) = (blocks / slots, blocks % slots);
+    let mut t = full as f64 * ctas as f64 / model.rate(ctas);
+    if rest > 0 {
+        let k = rest.div_ceil(sms);
+        t += k as f64 / model.rate(k);
+    }
+    t
+}
+
+/// The split counts a launch over contexts of up to `max_len` tokens may use: splits no shorter
+/// than [`MIN_SPLIT_TOKENS`] (or one), at most [`MAX_SPLITS`] and at most `cap` (what a
+/// workspace holds).
+pub(super) fn split_range(max_len: usize, cap: usize) -> std::ops::RangeInclusive<usize> {
+    1..=max_len
+        .div_ceil(MIN_SPLIT_TOKENS)
+        .clamp(1, MAX_SPLITS.min(cap.max(1)))
+}
+
+/// Warps, stages and split count together, given `occ(warps, stages) -> (blocks per SM, bytes
+/// per stage)` and `base` blocks per split (batch x KV heads x query tiles) on `sms` SMs, for
+/// contexts up to `max_len` tokens of caches in `formats` (K, V). Model: [`wave_time`] x
+/// (tokens per split + a fixed cost per block) + a cost per split; among the launches within
+/// 2 % of the best, the fewest splits, then the fewest stages, then the fewest warps. Split
+/// counts come from `splits` (see [`split_range`]). An error only if nothing fits.
+pub(super) fn choose_launch(
+    base: usize,
+    sms: usize,
+    max_len: usize,
+    splits: std::ops::RangeInclusive<usize>,
+    (k, v): (KvFormat, KvFormat),
+    mut occ: impl FnMut(usize, usize) -> Result<(usize, usize)>,
+) -> Result<LaunchChoice> {
+    let mut cands = Vec::new(); // (cost, splits, stages, warps, ctas)
+    for warps in WARPS {
+        for stages in STAGES {
+            let (ctas, stage_bytes) = occ(warps, stages)?;
+            if ctas == 0 {
+                continue;
+            }
+            let model = RateModel::new(k, v, warps, stages, stage_bytes);
+            for splits in splits.clone() {
+                let (n, len) = split_len(max_len, splits);
+                let waves = wave_time(base * n, sms, ctas, model);
+                let cost =
+                    waves * (len + CTA_OVERHEAD_TOKENS) as f64 + (n * SPLIT_COST_TOKENS) as f64;
+                cands.push((cost, n, stages, warps, ctas));
+            }
+        }
+    }
+    let best = cands.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
+    let &(_, n, stages, warps, ctas) = cands
+        .iter()
+        .filter(|c| c.0 <= best * 1.02)
+        .min_by_key(|c| (c.1, c.2, c.3))
+        .ok_or_else(|| {
+            Error::Unsupported("GPU decode: no stage count fits this device's shared memory".into())
+        })?;
+    let (splits, split_tokens) = split_len(max_len, n);
+    Ok(LaunchChoice {
+        warps,
+        stages,
+        ctas,
+        splits,
+        split_tokens,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shared-memory model shaped like the kernel's: `stage` bytes per stage and warp, 227 KB
+    /// per SM, at most `max_ctas` blocks per SM by registers.
+    fn occ_model(
+        stage: usize,
+        max_ctas: usize,
+    ) -> impl FnMut(usize, usize) -> Result<(usize, usize)> {
+        move |warps, stages| {
+            let bytes = warps * stages * stage + 8192;
+            Ok((((227 << 10) / bytes).min(max_ctas * 4 / warps), stage))
+        }
+    }
+
+    #[test]
+    fn launch_choice() {
+        use KvFormat::*;
+        let bf16 = ((Bf16, Bf16), 8960); // bytes per stage at head_dim 128: 16 tokens, padded
+        let fp8 = ((Fp8E4m3, Fp8E4m3), 4608);
+        let int4 = ((Int4Sym32, Int4Affine64), 5120); // 32 tokens
+        // (warps, stages, blocks per SM, splits, split length); `regs`: 4-warp blocks per SM
+        // that registers allow.
+        let pick = |base, len, (formats, stage), regs| {
+            let c = choose_launch(
+                base,
+                132,
+                len,
+                split_range(len, MAX_SPLITS),
+                formats,
+                occ_model(stage, regs),
+            )
+            .unwrap();
+            (c.warps, c.stages, c.ctas, c.splits, c.split_tokens)
+        };
+        // Many blocks of a 16-bit cache: 2 blocks of 4 warps x 3 stages (143 KB in flight).
+        assert_eq!(pick(512, 16384, bf16, 3), (4, 3, 2, 1, 16384));
+        // FP8 and INT4: as many resident warps as fit, few stages, no split.
+        assert_eq!(pick(512, 16384, fp8, 4), (4, 2, 4, 1, 16384));
+        assert_eq!(pick(1024, 8192, int4, 3), (4, 2, 3, 1, 8192));
+        // One sequence of 32k (8 blocks per split): every SM gets one block of 8 warps.
+        for (cache, regs) in [(bf16, 3), (int4, 3)] {
+            let (w, _, _, n, len) = pick(8, 32768, cache, regs);
+            assert!(
+                w == 8 && (14..=16).contains(&n) && n * len >= 32768,
+                "{n} x {len}"
+            );
+            assert_eq!(len % SPLIT_MULTIPLE, 0);
+        }
+        // Short contexts are never cut below MIN_SPLIT_TOKENS.
+        let (.., n, len) = pick(1, 300, bf16, 3);
+        assert!(n <= 2 && n * len >= 300);
+        // Every choice covers the context with at most MAX_SPLITS splits.
+        for (base, len) in [(1, 1), (1, 1 << 20), (3, 777), (4096, 5), (140, 16384)] {
+            let (.., n, l) = pick(base, len, int4, 3);
+            assert!((1..=MAX_SPLITS).contains(&n) && n * l >= len && l % SPLIT_MULTIPLE == 0);
+        }
+        // A workspace cap bounds the splits.
+        let c = choose_launch(
+            8,
+            132,
+            32768,
+            split_range(32768, 3),
+            int4.0,
+            occ_model(int4.1, 3),
+        )
+        .unwrap();
+        assert!(c.splits <= 3 && c.splits * c.split_tokens >= 32768);
+        // Huge stages: whatever fits.
+        let (_, _, ctas, ..) = pick(8, 32768, (int4.0, 25_000), 2);
+        assert!(ctas >= 1);
+        // Nothing fits: an error, not a panic.
+        assert!(
+            choose_launch(
+                128,
+                132,
+                4096,
+                split_range(4096, MAX_SPLITS),
+                bf16.0,
+                occ_model(200_000, 2)
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn waves() {
+        let m = |inflight, warps| RateModel {
+            inflight,
+            warps,
+            inflight_target: 128 << 10,
+            full_rate_warps: 8,
+        };
+        // Full waves at full rate cost their block count per SM; a thin last wave costs more.
+        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 4)), 2.0);
+        assert!(wave_time(396 + 132, 132, 3, m(43 << 10, 4)) > 4.0);
+        // Too few warps slow an SM down as too few copies do.
+        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 2)), 4.0);
+    }
+}

@@ -1,0 +1,295 @@
+//! The result layer: every call into `cuda/kvq.h`, with its status mapped to an [`Error`], in
+//! one place. Above it, [`ops`](super::ops), [`decode`](super::decode) and
+//! [`DeviceCache`](super::DeviceCache) validate their arguments and then call these; below it,
+//! [`sys`] is the bare C ABI. Nothing here validates beyond what the launchers do themselves
+//! (kvq.h: "a last line of defence"), so every function is `unsafe` with the header's contract.
+
+use super::sys;
+use crate::error::{Error, Result};
+use std::ffi::c_void;
+
+/// A raw stream for the launchers (`void *stream`).
+pub(crate) type Stream = cudarc::driver::sys::CUstream;
+
+/// Map a `kvq_status` returned by launcher `what` to a result.
+pub(crate) fn check_status(status: std::ffi::c_int, what: &str) -> Result<()> {
+    match status {
+        sys::KVQ_OK => Ok(()),
+        sys::KVQ_ERR_INVALID => Err(Error::Cuda(format!(
+            "{what}: the launcher rejected its arguments (kvq bug: the Rust checks should have \
+             caught this)"
+        ))),
+        sys::KVQ_ERR_UNSUPPORTED => Err(Error::Unsupported(format!(
+            "{what}: no kernel for this combination in this build"
+        ))),
+        sys::KVQ_ERR_LAUNCH => {
+            // SAFETY: kvq_last_error returns a static NUL-terminated string.
+            let msg = unsafe { std::ffi::CStr::from_ptr(sys::kvq_last_error()) };
+            Err(Error::Cuda(format!(
+                "{what}: kernel launch failed: {}",
+                msg.to_string_lossy()
+            )))
+        }
+        other => Err(Error::Cuda(format!("{what}: unknown status {other}"))),
+    }
+}
+
+/// `kvq_append`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_append`: a live pool of `num_blocks` blocks described by `cache`,
+/// `num_tokens` slots and rows at the given strides, all on `stream`'s device.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn append(
+    cache: &sys::kvq_cache,
+    num_blocks: i64,
+    slots: *const c_void,
+    slots_i64: bool,
+    num_tokens: i64,
+    k: *const c_void,
+    v: *const c_void,
+    dtype: i32,
+    k_token_stride: i64,
+    v_token_stride: i64,
+    counters: *mut u64,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_append(
+            cache,
+            num_blocks,
+            slots,
+            slots_i64 as i32,
+            num_tokens,
+            k,
+            v,
+            dtype,
+            k_token_stride,
+            v_token_stride,
+            counters,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_append")
+}
+
+/// `kvq_gather_dequantize`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_gather_dequantize`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gather_dequantize(
+    cache: &sys::kvq_cache,
+    num_blocks: i64,
+    block_table: *const i32,
+    num_tokens: i64,
+    out_dtype: i32,
+    k_out: *mut c_void,
+    v_out: *mut c_void,
+    counters: *mut u64,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_gather_dequantize(
+            cache,
+            num_blocks,
+            block_table,
+            num_tokens,
+            out_dtype,
+            k_out,
+            v_out,
+            counters,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_gather_dequantize")
+}
+
+/// `kvq_copy_blocks`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_copy_blocks`: `pairs` holds `2 * num_pairs` device int32, no
+/// destination repeated or also a source.
+pub(crate) unsafe fn copy_blocks(
+    cache: &sys::kvq_cache,
+    num_blocks: i64,
+    pairs: *const i32,
+    num_pairs: i64,
+    counters: *mut u64,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_copy_blocks(cache, num_blocks, pairs, num_pairs, counters, stream.cast())
+    };
+    check_status(status, "kvq_copy_blocks")
+}
+
+/// `kvq_dense_scales`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_dense_scales`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn dense_scales(
+    format: i32,
+    x: *const c_void,
+    dtype: i32,
+    rows: i64,
+    heads: i32,
+    head_dim: i32,
+    per_head: bool,
+    scales_out: *mut f32,
+    amax_scratch: *mut u32,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_dense_scales(
+            format,
+            x,
+            dtype,
+            rows,
+            heads,
+            head_dim,
+            per_head as i32,
+            scales_out,
+            amax_scratch,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_dense_scales")
+}
+
+/// `kvq_quantize_dense`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_quantize_dense`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn quantize_dense(
+    format: i32,
+    x: *const c_void,
+    dtype: i32,
+    rows: i64,
+    heads: i32,
+    head_dim: i32,
+    head_scales: *const f32,
+    num_head_scales: i32,
+    codes: *mut u8,
+    group_scales: *mut u16,
+    group_zeros: *mut u16,
+    counters: *mut u64,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_quantize_dense(
+            format,
+            x,
+            dtype,
+            rows,
+            heads,
+            head_dim,
+            head_scales,
+            num_head_scales,
+            codes,
+            group_scales,
+            group_zeros,
+            counters,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_quantize_dense")
+}
+
+/// `kvq_dequantize_dense`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_dequantize_dense`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn dequantize_dense(
+    format: i32,
+    codes: *const u8,
+    head_scales: *const f32,
+    num_head_scales: i32,
+    group_scales: *const u16,
+    group_zeros: *const u16,
+    rows: i64,
+    heads: i32,
+    head_dim: i32,
+    out_dtype: i32,
+    out: *mut c_void,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_dequantize_dense(
+            format,
+            codes,
+            head_scales,
+            num_head_scales,
+            group_scales,
+            group_zeros,
+            rows,
+            heads,
+            head_dim,
+            out_dtype,
+            out,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_dequantize_dense")
+}
+
+/// `kvq_decode_attention`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_decode_attention`.
+pub(crate) unsafe fn decode_attention(args: &sys::kvq_decode_args, stream: Stream) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe { sys::kvq_decode_attention(args, stream.cast()) };
+    check_status(status, "kvq_decode_attention")
+}
+
+/// `kvq_decode_occupancy`: thread blocks per SM and bytes per stage of the decode kernel for a
+/// format pair (kvq_format ids), head_dim, warps per block and stages. The device's context
+/// must be current on this thread (it raises the kernel's shared-memory limit there).
+pub(crate) fn decode_occupancy(
+    k_format: i32,
+    v_format: i32,
+    head_dim: i32,
+    warps: i32,
+    stages: i32,
+) -> Result<(usize, usize)> {
+    let (mut ctas, mut stage_bytes) = (0i32, 0i32);
+    // SAFETY: a host call that writes two ints.
+    let status = unsafe {
+        sys::kvq_decode_occupancy(
+            k_format,
+            v_format,
+            head_dim,
+            warps,
+            stages,
+            &mut ctas,
+            &mut stage_bytes,
+        )
+    };
+    check_status(status, "kvq_decode_occupancy")?;
+    Ok((ctas.max(0) as usize, stage_bytes.max(0) as usize))
+}
+
+/// `kvq_stream_read`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_stream_read`: `bytes` readable at `src`, 4096 f32 at `sink`.
+pub(crate) unsafe fn stream_read(
+    src: *const c_void,
+    bytes: i64,
+    sink: *mut f32,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe { sys::kvq_stream_read(src, bytes, sink, stream.cast()) };
+    check_status(status, "kvq_stream_read")
+}
