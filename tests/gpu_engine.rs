@@ -1,0 +1,808 @@
+//! The GPU path as an engine's step loop drives it, checked against the CPU reference on a host
+//! cache that receives the same operations: continuous batching through one capacity plan (a
+//! CUDA graph captured once and replayed over a changing batch with padding rows), block tables
+//! updated in place, fork → reserve → copy-on-write → decode, swapping blocks out and back in,
+//! strided query / output views with independent output types, the engine's own streams
+//! (ordering across streams, a raw context and stream), fault counting, and reuse of freed
+//! blocks.
+//!
+//! Without a GPU every test prints `SKIPPED`; with `KVQ_REQUIRE_GPU=1` it fails instead.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::Rng;
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaSlice, DevicePtr};
+use half::{bf16, f16};
+use kvq::cache::{BlockAllocator, BlockTables, HostCache, SeqId};
+use kvq::cpu::{Accum, DecodeShape, decode_attention};
+use kvq::cuda::decode::{DecodeStep, RawDecodeArgs, RowStrides};
+use kvq::cuda::ops::{self, DeviceElement, Dtype};
+use kvq::cuda::{
+    DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, SwapSpace,
+    require_gpu_or_skip,
+};
+use kvq::{CacheConfig, Error, KvFormat};
+
+const KV_HEADS: usize = 2;
+const GROUP: usize = 4;
+const HEADS: usize = KV_HEADS * GROUP;
+const D: usize = 128;
+const BS: usize = 16;
+
+/// One layer's cache on the host (the reference) and on the device, an allocator, and the
+/// operations an engine applies to both.
+struct Engine {
+    gpu: Gpu,
+    host: HostCache,
+    dev: DeviceCache,
+    alloc: BlockAllocator,
+    rng: Rng,
+}
+
+impl Engine {
+    fn new(gpu: &Gpu, k: KvFormat, v: KvFormat, num_blocks: usize, seed: u64) -> Engine {
+        let config = CacheConfig::new(KV_HEADS, D, BS, k, v).expect("config");
+        let mut host = HostCache::new(config, num_blocks).expect("host cache");
+        if k.has_head_scale() || v.has_head_scale() {
+            host.set_scales(&[0.02, 0.03], &[0.01, 0.015])
+                .expect("scales");
+        }
+        let dev = DeviceCache::from_host(gpu, &host).expect("device cache");
+        Engine {
+            gpu: gpu.clone(),
+            host,
+            dev,
+            alloc: BlockAllocator::new(num_blocks, BS).expect("allocator"),
+            rng: Rng(seed),
+        }
+    }
+
+    /// Reserve `n` tokens for `seq`, apply its copy-on-write copies to both caches, and write
+    /// random K/V there (keys with outlier channels, values with an offset).
+    fn append(&mut self, seq: SeqId, n: usize) {
+        let r = self.alloc.reserve(seq, n).expect("reserve");
+        self.host.apply_copies(&r.copies).expect("host copies");
+        self.dev.copy_blocks(&r.copies).expect("device copies");
+        let row = KV_HEADS * D;
+        let k: Vec<f32> = (0..n * row)
+            .map(|i| self.rng.normal() * if i % 13 == 0 { 6.0 } else { 1.0 })
+            .collect();
+        let v: Vec<f32> = (0..n * row)
+            .map(|i| self.rng.normal() + (i % 7) as f32 * 0.1)
+            .collect();
+        self.host.write(&r.slots, &k, &v).expect("host write");
+        let s = self.gpu.stream();
+        let slots: Vec<i32> = r.slots.iter().map(|&x| x as i32).collect();
+        let slots = s.clone_htod(&slots).expect("slots");
+        let (kd, vd) = (s.clone_htod(&k).expect("k"), s.clone_htod(&v).expect("v"));
+        ops::append(&mut self.dev, &slots, &kd, &vd, n).expect("device append");
+    }
+
+    /// CPU reference for `seqs` with queries `q` ([batch, heads, q_len, D]).
+    fn reference(&self, seqs: &[SeqId], q: &[f32], q_len: usize) -> (Vec<f32>, Vec<f32>) {
+        let tables = self.alloc.block_tables(seqs).expect("tables");
+        let out = decode_attention(
+            &self.host,
+            &tables,
+            q,
+            &DecodeShape::new(HEADS, q_len, D),
+            Accum::F64,
+        )
+        .expect("cpu decode");
+        (out.out, out.lse)
+    }
+
+    /// Table row `b` of `tables` set to `seq`'s blocks and length.
+    fn set_row(&self, tables: &mut DeviceBlockTables, b: usize, seq: SeqId) {
+        let blocks = self.alloc.block_table(seq).expect("row");
+        let len = self.alloc.len(seq).expect("len");
+        tables.set_row(b, blocks, len).expect("set_row");
+    }
+}
+
+/// ‖out − want‖ / ‖want‖ with half an ulp of the output type forgiven per element, and lse
+/// within 1e-3 (+10 % per unit).
+fn assert_close(what: &str, got: &[f32], want: &[f32], half_ulp: impl Fn(f32) -> f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        assert!(g.is_finite(), "{what}: non-finite output {g}");
+        let e = ((g as f64 - w as f64).abs() - half_ulp(w)).max(0.0);
+        num += e * e;
+        den += (w as f64) * (w as f64);
+    }
+    let rel = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+    assert!(rel <= 2e-3, "{what}: relative error {rel:.3e}");
+}
+
+fn assert_lse(what: &str, got: &[f32], want: &[f32]) {
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let err = (g as f64 - w as f64).abs();
+        assert!(
+            err <= 5e-3 * (1.0 + 0.1 * (w as f64).abs()),
+            "{what}: lse[{i}] = {g}, want {w}"
+        );
+    }
+}
+
+fn half_ulp_f16(w: f32) -> f64 {
+    let x = (w as f64).abs().max(f64::MIN_POSITIVE);
+    2f64.powi(x.log2().floor() as i32 - 11)
+}
+
+fn half_ulp_bf16(w: f32) -> f64 {
+    let x = (w as f64).abs().max(f64::MIN_POSITIVE);
+    2f64.powi(x.log2().floor() as i32 - 8)
+}
+
+fn to_f32<T: DeviceElement>(gpu: &Gpu, x: &CudaSlice<T>) -> Vec<f32> {
+    gpu.stream()
+        .clone_dtoh(x)
+        .expect("download")
+        .iter()
+        .map(|v| v.to_f32())
+        .collect()
+}
+
+// ---- tests ----------------------------------------------------------------------------------
+
+/// A sequence forked mid-block, both branches grown: the shared partial block is copied on the
+/// device exactly as on the host, and both branches decode as the CPU does.
+#[test]
+fn fork_reserve_copy_on_write_decode() {
+    let Some(gpu) = require_gpu_or_skip("fork_reserve_copy_on_write_decode") else {
+        return;
+    };
+    for (k, v) in [
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::F16, KvFormat::F16),
+    ] {
+        let mut e = Engine::new(&gpu, k, v, 64, 7);
+        let a = e.alloc.create_sequence();
+        e.append(a, 37); // 3 blocks, the last one partial
+        let b = e.alloc.fork(a).expect("fork");
+        e.append(b, 5); // copies A's partial last block first
+        e.append(a, 20);
+        e.append(b, 30);
+        let c = e.alloc.fork(b).expect("fork");
+        e.append(c, 1);
+        let dev_pool = e.dev.to_host().expect("download pool");
+        assert!(
+            dev_pool.pool() == e.host.pool(),
+            "{k}/{v}: device pool bytes differ from the host's after copy-on-write"
+        );
+        let seqs = [a, b, c];
+        let max = seqs.iter().map(|&s| e.alloc.len(s).unwrap()).max().unwrap();
+        let q: Vec<f32> = e.rng.normals(seqs.len() * HEADS * D, 1.0);
+        let plan = DecodePlan::new(&gpu, e.dev.layout(), seqs.len(), HEADS, 1, max).unwrap();
+        let mut ws = DecodeWorkspace::new(&plan).unwrap();
+        let tables = DeviceBlockTables::new(&e.dev, &e.alloc.block_tables(&seqs).unwrap()).unwrap();
+        let s = gpu.stream();
+        let qh: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
+        let qh = s.clone_htod(&qh).unwrap();
+        let mut out = s.alloc_zeros::<f32>(q.len()).unwrap();
+        let rows = RowStrides::batch_head_token(HEADS, 1, D);
+        plan.decode_step(
+            &mut ws,
+            &e.dev,
+            &tables,
+            DecodeStep {
+                q_len: 1,
+                q: &qh,
+                q_rows: rows,
+                out: &mut out,
+                out_rows: rows,
+                lse: None,
+            },
+        )
+        .unwrap();
+        // The reference saw f32 queries; the GPU f16 ones: compare against f16-rounded q.
+        let q16: Vec<f32> = q.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+        let (want16, _) = e.reference(&seqs, &q16, 1);
+        assert_close(
+            &format!("{k}/{v} fork"),
+            &to_f32(&gpu, &out),
+            &want16,
+            |_| 0.0,
+        );
+        assert_eq!(e.dev.check_appends().unwrap(), 0);
+    }
+}
+
+/// One plan at capacity, a graph captured once, replayed while sequences join and finish:
+/// live rows match the CPU, padding rows give zeros and lse = -inf. Then the same plan serves
+/// smaller batches and q_len 2 without the graph.
+#[test]
+fn continuous_batching_with_a_captured_graph() {
+    let Some(gpu) = require_gpu_or_skip("continuous_batching_with_a_captured_graph") else {
+        return;
+    };
+    const CAP: usize = 6;
+    const MAX_CTX: usize = 1024;
+    let mut e = Engine::new(&gpu, KvFormat::Int4Sym32, KvFormat::Int4Affine64, 512, 11);
+    let plan = DecodePlan::new(&gpu, e.dev.layout(), CAP, HEADS, 2, MAX_CTX).unwrap();
+    let mut ws = DecodeWorkspace::new(&plan).unwrap();
+    let mut tables = DeviceBlockTables::with_capacity(&e.dev, CAP, MAX_CTX / BS).unwrap();
+    tables.set_batch(CAP).unwrap();
+    let s = gpu.stream().clone();
+    // Fixed buffers at the capacity, q_len 1: what the graph reads and writes.
+    let rows = RowStrides::token_major(HEADS, 1, D);
+    let mut q = s.alloc_zeros::<f16>(CAP * HEADS * D).unwrap();
+    let mut out = s.alloc_zeros::<bf16>(CAP * HEADS * D).unwrap();
+    let mut lse = s.alloc_zeros::<f32>(CAP * HEADS).unwrap();
+    let lse_rows = RowStrides::token_major(HEADS, 1, 1);
+    // Slot b of the batch holds sequence slots[b] (None: padding).
+    let mut slots: [Option<SeqId>; CAP] = [None; CAP];
+    let mut graph = None;
+    for step in 0..12 {
+        // Joins and finishes.
+        for (b, slot) in slots.iter_mut().enumerate() {
+            let join = slot.is_none() && (step + b) % 3 == 0;
+            let finish = slot.is_some() && (step * 7 + b) % 5 == 0;
+            if finish {
+                e.alloc.free(slot.take().unwrap()).unwrap();
+                tables.clear_row(b).unwrap();
+            } else if join {
+                let sq = e.alloc.create_sequence();
+                let prompt = 1 + e.rng.below(300);
+                e.append(sq, prompt);
+                *slot = Some(sq);
+            }
+        }
+        // One new token per live sequence, then the rows.
+        for (b, slot) in slots.iter().enumerate() {
+            if let Some(sq) = *slot {
+                e.append(sq, 1);
+                e.set_row(&mut tables, b, sq);
+            }
+        }
+        tables.upload().unwrap();
+        let qf: Vec<f32> = e.rng.normals(CAP * HEADS * D, 1.0);
+        let qh: Vec<f16> = qf.iter().map(|&x| f16::from_f32(x)).collect();
+        s.memcpy_htod(&qh, &mut q).unwrap();
+        if graph.is_none() {
+            gpu.synchronize().unwrap();
+            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+                .unwrap();
+            plan.decode_step(
+                &mut ws,
+                &e.dev,
+                &tables,
+                DecodeStep {
+                    q_len: 1,
+                    q: &q,
+                    q_rows: rows,
+                    out: &mut out,
+                    out_rows: rows,
+                    lse: Some((&mut lse, lse_rows)),
+                },
+            )
+            .unwrap();
+            graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap();
+        }
+        graph.as_ref().expect("captured").launch().unwrap();
+        let got = to_f32(&gpu, &out);
+        let got_lse = s.clone_dtoh(&lse).unwrap();
+        let q16: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+        for (b, slot) in slots.iter().enumerate() {
+            let at = b * HEADS * D..(b + 1) * HEADS * D;
+            match *slot {
+                None => {
+                    assert!(
+                        got[at].iter().all(|&x| x == 0.0),
+                        "step {step} padding row {b}"
+                    );
+                    assert!(
+                        got_lse[b * HEADS..(b + 1) * HEADS]
+                            .iter()
+                            .all(|&x| x == f32::NEG_INFINITY),
+                        "step {step} padding lse {b}"
+                    );
+                }
+                Some(sq) => {
+                    let (want, want_lse) = e.reference(&[sq], &q16[at.clone()], 1);
+                    assert_close(
+                        &format!("step {step} row {b}"),
+                        &got[at],
+                        &want,
+                        half_ulp_bf16,
+                    );
+                    assert_lse(
+                        &format!("step {step} row {b}"),
+                        &got_lse[b * HEADS..(b + 1) * HEADS],
+                        &want_lse,
+                    );
+                }
+            }
+        }
+    }
+    // Without the graph: the live sequences packed into a smaller batch, two new tokens each.
+    let live: Vec<SeqId> = slots.iter().flatten().copied().collect();
+    assert!(!live.is_empty());
+    for (b, &sq) in live.iter().enumerate() {
+        e.append(sq, 2);
+        e.set_row(&mut tables, b, sq);
+    }
+    tables.set_batch(live.len()).unwrap();
+    tables.upload().unwrap();
+    let qf: Vec<f32> = e.rng.normals(live.len() * 2 * HEADS * D, 1.0);
+    let qh: Vec<f16> = qf.iter().map(|&x| f16::from_f32(x)).collect();
+    let q2 = s.clone_htod(&qh).unwrap();
+    let mut out2 = s.alloc_zeros::<f16>(qh.len()).unwrap();
+    let r2 = RowStrides::batch_head_token(HEADS, 2, D);
+    plan.decode_step(
+        &mut ws,
+        &e.dev,
+        &tables,
+        DecodeStep {
+            q_len: 2,
+            q: &q2,
+            q_rows: r2,
+            out: &mut out2,
+            out_rows: r2,
+            lse: None,
+        },
+    )
+    .unwrap();
+    let q16: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+    let (want, _) = e.reference(&live, &q16, 2);
+    assert_close("packed q_len 2", &to_f32(&gpu, &out2), &want, half_ulp_f16);
+    // Beyond the capacity: typed errors.
+    assert!(tables.set_batch(CAP + 1).is_err());
+    let r3 = RowStrides::batch_head_token(HEADS, 3, D);
+    let big = s.alloc_zeros::<f16>(CAP * 3 * HEADS * D).unwrap();
+    let mut big_out = s.alloc_zeros::<f16>(CAP * 3 * HEADS * D).unwrap();
+    let r = plan.decode_step(
+        &mut ws,
+        &e.dev,
+        &tables,
+        DecodeStep {
+            q_len: 3,
+            q: &big,
+            q_rows: r3,
+            out: &mut big_out,
+            out_rows: r3,
+            lse: None,
+        },
+    );
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    assert_eq!(e.dev.check_appends().unwrap(), 0);
+}
+
+/// Queries read from a fused QKV projection buffer ([tokens, (H + 2 Hkv) * D], q first),
+/// outputs written token-major as f32, and bf16 in / bf16 out for a bf16 key cache.
+#[test]
+fn strided_views_and_output_types() {
+    let Some(gpu) = require_gpu_or_skip("strided_views_and_output_types") else {
+        return;
+    };
+    for (k, v) in [
+        (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
+        (KvFormat::Bf16, KvFormat::Bf16),
+    ] {
+        let mut e = Engine::new(&gpu, k, v, 128, 5);
+        let seqs: Vec<SeqId> = (0..3).map(|_| e.alloc.create_sequence()).collect();
+        for (i, &sq) in seqs.iter().enumerate() {
+            e.append(sq, 50 + 333 * i);
+        }
+        let batch = seqs.len();
+        let max = seqs.iter().map(|&s| e.alloc.len(s).unwrap()).max().unwrap();
+        let plan = DecodePlan::new(&gpu, e.dev.layout(), batch, HEADS, 1, max).unwrap();
+        let mut ws = DecodeWorkspace::new(&plan).unwrap();
+        let tables = DeviceBlockTables::new(&e.dev, &e.alloc.block_tables(&seqs).unwrap()).unwrap();
+        let width = (HEADS + 2 * KV_HEADS) * D;
+        let qkv: Vec<f32> = e.rng.normals(batch * width, 1.0);
+        // q of token b, head h: qkv[b * width + h * D ..].
+        let mut q_ref = Vec::new();
+        for b in 0..batch {
+            q_ref.extend_from_slice(&qkv[b * width..b * width + HEADS * D]);
+        }
+        let s = gpu.stream();
+        let q_rows = RowStrides::token_major_strided(width, D, 1);
+        let out_rows = RowStrides::token_major(HEADS, 1, D);
+        if k == KvFormat::Bf16 {
+            let qkv_d: Vec<bf16> = qkv.iter().map(|&x| bf16::from_f32(x)).collect();
+            let qkv_d = s.clone_htod(&qkv_d).unwrap();
+            let mut out = s.alloc_zeros::<bf16>(batch * HEADS * D).unwrap();
+            plan.decode_step(
+                &mut ws,
+                &e.dev,
+                &tables,
+                DecodeStep {
+                    q_len: 1,
+                    q: &qkv_d,
+                    q_rows,
+                    out: &mut out,
+                    out_rows,
+                    lse: None,
+                },
+            )
+            .unwrap();
+            let qr: Vec<f32> = q_ref.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+            let (want, _) = e.reference(&seqs, &qr, 1);
+            assert_close(
+                &format!("{k}/{v} bf16 out"),
+                &to_f32(&gpu, &out),
+                &want,
+                half_ulp_bf16,
+            );
+        } else {
+            let qkv_d: Vec<f16> = qkv.iter().map(|&x| f16::from_f32(x)).collect();
+            let qkv_d = s.clone_htod(&qkv_d).unwrap();
+            // A view that starts at the q part (offset 0 here) of the fused buffer.
+            let view = qkv_d.slice(0..);
+            let mut out = s.alloc_zeros::<f32>(batch * HEADS * D).unwrap();
+            plan.decode_step(
+                &mut ws,
+                &e.dev,
+                &tables,
+                DecodeStep {
+                    q_len: 1,
+                    q: &view,
+                    q_rows,
+                    out: &mut out,
+                    out_rows,
+                    lse: None,
+                },
+            )
+            .unwrap();
+            let qr: Vec<f32> = q_ref.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
+            let (want, _) = e.reference(&seqs, &qr, 1);
+            assert_close(
+                &format!("{k}/{v} f32 out"),
+                &to_f32(&gpu, &out),
+                &want,
+                |_| 0.0,
+            );
+            // A buffer one element short of the last row is refused.
+            let mut short = s.alloc_zeros::<f32>(batch * HEADS * D - 1).unwrap();
+            let r = plan.decode_step(
+                &mut ws,
+                &e.dev,
+                &tables,
+                DecodeStep {
+                    q_len: 1,
+                    q: &view,
+                    q_rows,
+                    out: &mut short,
+                    out_rows,
+                    lse: None,
+                },
+            );
+            assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+            // Overlapping output rows are refused.
+            let overlap = RowStrides {
+                seq: HEADS * D,
+                token: 0,
+                head: D / 2,
+            };
+            let r = plan.decode_step(
+                &mut ws,
+                &e.dev,
+                &tables,
+                DecodeStep {
+                    q_len: 1,
+                    q: &view,
+                    q_rows,
+                    out: &mut out,
+                    out_rows: overlap,
+                    lse: None,
+                },
+            );
+            assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        }
+    }
+}
+
+/// The cache on one stream, plan, tables and workspace on another: the decode waits for the
+/// appends (queued behind a long memset) instead of racing them.
+#[test]
+fn objects_on_different_streams_are_ordered() {
+    let Some(gpu_a) = require_gpu_or_skip("objects_on_different_streams_are_ordered") else {
+        return;
+    };
+    let stream_b = gpu_a.context().new_stream().unwrap();
+    let gpu_b = Gpu::from_stream(stream_b).unwrap();
+    assert!(!gpu_a.same_stream(&gpu_b));
+    let mut e = Engine::new(&gpu_a, KvFormat::Fp8E4m3, KvFormat::Int4Affine64, 256, 3);
+    let seqs: Vec<SeqId> = (0..4).map(|_| e.alloc.create_sequence()).collect();
+    for &sq in &seqs {
+        e.append(sq, 700);
+    }
+    let max = 701;
+    let plan = DecodePlan::new(&gpu_b, e.dev.layout(), seqs.len(), HEADS, 1, max).unwrap();
+    let mut ws = DecodeWorkspace::new(&plan).unwrap();
+    let mut tables =
+        DeviceBlockTables::with_capacity_on(&gpu_b, &e.dev, 4, max.div_ceil(BS)).unwrap();
+    tables.set_batch(4).unwrap();
+    gpu_a.synchronize().unwrap();
+    gpu_b.synchronize().unwrap();
+    // Keep stream A busy for milliseconds (an 8 GiB memset), then append the last token.
+    let busy = gpu_a.stream().alloc_zeros::<u8>(8 << 30).unwrap();
+    for (b, &sq) in seqs.iter().enumerate() {
+        e.append(sq, 1);
+        e.set_row(&mut tables, b, sq);
+    }
+    tables.upload().unwrap();
+    let qf: Vec<f32> = e.rng.normals(4 * HEADS * D, 1.0);
+    let qh: Vec<f16> = qf.iter().map(|&x| f16::from_f32(x)).collect();
+    let q = gpu_b.stream().clone_htod(&qh).unwrap();
+    let mut out = gpu_b.stream().alloc_zeros::<f16>(qh.len()).unwrap();
+    plan.decode(&mut ws, &e.dev, &tables, &q, &mut out, None)
+        .unwrap();
+    let got = to_f32(&gpu_b, &out);
+    drop(busy);
+    let q16: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+    let (want, _) = e.reference(&seqs, &q16, 1);
+    assert_close(
+        "decode on stream B after appends on A",
+        &got,
+        &want,
+        half_ulp_f16,
+    );
+}
+
+/// A handle on the engine's raw context and stream gives the same results as kvq's own.
+#[test]
+fn raw_context_and_stream() {
+    let Some(gpu) = require_gpu_or_skip("raw_context_and_stream") else {
+        return;
+    };
+    let engine_stream = gpu.context().new_stream().unwrap();
+    // SAFETY: the primary context and a stream of it, both alive for the whole test.
+    let raw = unsafe { Gpu::from_raw(gpu.context().cu_ctx(), engine_stream.cu_stream()) }.unwrap();
+    assert_eq!(raw.stream().cu_stream(), engine_stream.cu_stream());
+    assert_eq!(raw.context().cu_ctx(), gpu.context().cu_ctx());
+    let mut e = Engine::new(&raw, KvFormat::F16, KvFormat::Int4Affine64, 64, 9);
+    let sq = e.alloc.create_sequence();
+    e.append(sq, 300);
+    let plan = DecodePlan::new(&raw, e.dev.layout(), 1, HEADS, 1, 300).unwrap();
+    let mut ws = DecodeWorkspace::new(&plan).unwrap();
+    let tables = DeviceBlockTables::new(&e.dev, &e.alloc.block_tables(&[sq]).unwrap()).unwrap();
+    let qh: Vec<f16> = e
+        .rng
+        .normals(HEADS * D, 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let q = raw.stream().clone_htod(&qh).unwrap();
+    let mut out = raw.stream().alloc_zeros::<f16>(qh.len()).unwrap();
+    plan.decode(&mut ws, &e.dev, &tables, &q, &mut out, None)
+        .unwrap();
+    let q16: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+    let (want, _) = e.reference(&[sq], &q16, 1);
+    assert_close("raw stream", &to_f32(&raw, &out), &want, half_ulp_f16);
+    // SAFETY: a null context is refused before it is used.
+    assert!(unsafe { Gpu::from_raw(std::ptr::null_mut(), std::ptr::null_mut()) }.is_err());
+}
+
+/// A preempted sequence's blocks go to pinned host memory, another sequence overwrites them,
+/// and they come back into other block ids byte for byte: the decode matches the CPU.
+#[test]
+fn swap_out_and_back_in() {
+    let Some(gpu) = require_gpu_or_skip("swap_out_and_back_in") else {
+        return;
+    };
+    let mut e = Engine::new(&gpu, KvFormat::Int4Sym32, KvFormat::Int4Affine64, 96, 13);
+    let a = e.alloc.create_sequence();
+    e.append(a, 200); // 13 blocks
+    let blocks: Vec<usize> = e
+        .alloc
+        .block_table(a)
+        .unwrap()
+        .iter()
+        .map(|&b| b as usize)
+        .collect();
+    let len = e.alloc.len(a).unwrap();
+    let stride = e.host.layout().block_stride;
+    let before = e.dev.to_host().unwrap();
+    let mut space = SwapSpace::new(&e.dev, 16).unwrap();
+    let moves: Vec<(usize, usize)> = blocks.iter().enumerate().map(|(i, &b)| (b, i)).collect();
+    e.dev.swap_out(&moves, &mut space).unwrap();
+    // Preempted: its blocks go to a new sequence, which overwrites them.
+    e.alloc.free(a).unwrap();
+    let other = e.alloc.create_sequence();
+    e.append(other, 200);
+    // Resumed into blocks no one holds.
+    let fresh: Vec<usize> = (0..blocks.len()).map(|i| 95 - i).collect();
+    let back: Vec<(usize, usize)> = fresh.iter().enumerate().map(|(i, &b)| (i, b)).collect();
+    e.dev.swap_in(&back, &mut space).unwrap();
+    let mut after = e.dev.to_host().unwrap();
+    for (&old, &new) in blocks.iter().zip(&fresh) {
+        assert!(
+            after.pool()[new * stride..(new + 1) * stride]
+                == before.pool()[old * stride..(old + 1) * stride],
+            "block {old} came back into {new} changed"
+        );
+    }
+    let rows: Vec<i32> = fresh.iter().map(|&b| b as i32).collect();
+    let tables = BlockTables::from_rows(&[&rows], &[len]).unwrap();
+    let plan = DecodePlan::new(&gpu, e.dev.layout(), 1, HEADS, 1, len).unwrap();
+    let mut ws = DecodeWorkspace::new(&plan).unwrap();
+    let dt = DeviceBlockTables::new(&e.dev, &tables).unwrap();
+    let qh: Vec<f16> = e
+        .rng
+        .normals(HEADS * D, 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let q = gpu.stream().clone_htod(&qh).unwrap();
+    let mut out = gpu.stream().alloc_zeros::<f16>(qh.len()).unwrap();
+    plan.decode(&mut ws, &e.dev, &dt, &q, &mut out, None)
+        .unwrap();
+    let q16: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+    after
+        .set_scales(e.host.k_scales(), e.host.v_scales())
+        .unwrap();
+    let want = decode_attention(
+        &after,
+        &tables,
+        &q16,
+        &DecodeShape::new(HEADS, 1, D),
+        Accum::F64,
+    )
+    .unwrap();
+    assert_close("swapped in", &to_f32(&gpu, &out), &want.out, half_ulp_f16);
+    // Moves outside the pool or the space are typed errors.
+    assert!(e.dev.swap_out(&[(96, 0)], &mut space).is_err());
+    assert!(e.dev.swap_in(&[(16, 0)], &mut space).is_err());
+    assert_eq!(e.dev.check_appends().unwrap(), 0);
+}
+
+/// Padding rows (length 0) read nothing; a raw decode whose table names a block outside the
+/// pool reads nothing there either and is reported by the next check.
+#[test]
+fn padding_and_faults() {
+    let Some(gpu) = require_gpu_or_skip("padding_and_faults") else {
+        return;
+    };
+    let mut e = Engine::new(&gpu, KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, 32, 17);
+    let sq = e.alloc.create_sequence();
+    e.append(sq, 100);
+    let plan = DecodePlan::new(&gpu, e.dev.layout(), 2, HEADS, 1, 128).unwrap();
+    let mut ws = DecodeWorkspace::new(&plan).unwrap();
+    let s = gpu.stream();
+    // Row 0 padding, row 1 real; then a raw launch whose table row names block 999.
+    let mut row = e.alloc.block_table(sq).unwrap().to_vec();
+    row.resize(8, -1);
+    let mut data = vec![-1i32; 8];
+    data.extend_from_slice(&row);
+    let table = s.clone_htod(&data).unwrap();
+    let lens = s.clone_htod(&[0i32, 100]).unwrap();
+    let qh: Vec<f16> = e
+        .rng
+        .normals(2 * HEADS * D, 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let q = s.clone_htod(&qh).unwrap();
+    let mut out = s.clone_htod(&vec![f16::NAN; qh.len()]).unwrap();
+    let rows = RowStrides::batch_head_token(HEADS, 1, D);
+    let lse_rows = RowStrides::batch_head_token(HEADS, 1, 1);
+    let mut lse = s.alloc_zeros::<f32>(2 * HEADS).unwrap();
+    let (ws_o, ws_l, ws_c) = {
+        let w = ws.elems();
+        assert!(w.0 > 0);
+        // The workspace's own addresses are private; use a fresh one of the plan's sizes.
+        (
+            s.alloc_zeros::<f32>(w.0).unwrap(),
+            s.alloc_zeros::<f32>(w.1).unwrap(),
+            s.alloc_zeros::<u32>(w.2).unwrap(),
+        )
+    };
+    let counters = s.alloc_zeros::<u64>(2).unwrap();
+    let raw_args = |table_ptr, out_ptr, lse_ptr, counters_ptr| RawDecodeArgs {
+        cache: e.dev.as_raw(),
+        num_blocks: e.dev.num_blocks(),
+        batch: 2,
+        q_len: 1,
+        q: q.device_ptr(s).0,
+        q_dtype: Dtype::F16,
+        q_rows: rows,
+        out: out_ptr,
+        out_dtype: Dtype::F16,
+        out_rows: rows,
+        lse: lse_ptr,
+        lse_rows,
+        block_tables: table_ptr,
+        max_blocks: 8,
+        context_lens: lens.device_ptr(s).0,
+        workspace_o: ws_o.device_ptr(s).0,
+        workspace_lse: ws_l.device_ptr(s).0,
+        workspace_counters: ws_c.device_ptr(s).0,
+        counters: counters_ptr,
+    };
+    let out_ptr = out.device_ptr(s).0;
+    let lse_ptr = lse.device_ptr(s).0;
+    let args = raw_args(
+        table.device_ptr(s).0,
+        out_ptr,
+        lse_ptr,
+        counters.device_ptr(s).0,
+    );
+    // SAFETY: every buffer above holds what the plan's capacity needs; lengths within tables.
+    unsafe { plan.decode_raw(&args, s.cu_stream()) }.unwrap();
+    let got = to_f32(&gpu, &out);
+    let got_lse = s.clone_dtoh(&lse).unwrap();
+    assert!(
+        got[..HEADS * D].iter().all(|&x| x == 0.0),
+        "padding row output"
+    );
+    assert!(
+        got_lse[..HEADS].iter().all(|&x| x == f32::NEG_INFINITY),
+        "padding row lse"
+    );
+    let q16: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+    let (want, _) = e.reference(&[sq], &q16[HEADS * D..], 1);
+    assert_close("row after padding", &got[HEADS * D..], &want, half_ulp_f16);
+    assert_eq!(s.clone_dtoh(&counters).unwrap()[1], 0, "no fault yet");
+    // A block id outside the pool: counted, not read.
+    let mut bad = data.clone();
+    bad[8 + 2] = 999;
+    let bad_table = s.clone_htod(&bad).unwrap();
+    let args = raw_args(
+        bad_table.device_ptr(s).0,
+        out_ptr,
+        lse_ptr,
+        e.dev.counters_raw(),
+    );
+    // SAFETY: as above; the bad id is the point (the kernel stays inside the pool).
+    unsafe { plan.decode_raw(&args, s.cu_stream()) }.unwrap();
+    assert!(e.dev.check_appends().is_err(), "a fault must be reported");
+    assert_eq!(e.dev.check_appends().unwrap(), 0, "and the counters reset");
+    // Padding is also what a safe decode does with a cleared row.
+    let mut t = DeviceBlockTables::with_capacity(&e.dev, 2, 8).unwrap();
+    t.set_batch(2).unwrap();
+    e.set_row(&mut t, 1, sq);
+    t.upload().unwrap();
+    plan.decode(&mut ws, &e.dev, &t, &q, &mut out, Some(&mut lse))
+        .unwrap();
+    let got = to_f32(&gpu, &out);
+    assert!(got[..HEADS * D].iter().all(|&x| x == 0.0));
+    assert_close(
+        "safe decode after padding",
+        &got[HEADS * D..],
+        &want,
+        half_ulp_f16,
+    );
+    // Changes not uploaded are refused.
+    t.clear_row(1).unwrap();
+    assert!(
+        plan.decode(&mut ws, &e.dev, &t, &q, &mut out, None)
+            .is_err()
+    );
+}
+
+/// Blocks freed by a long sequence and reused by a short one: the short one's decode sees only
+/// its own tokens (the old bytes past its length never leak in).
+#[test]
+fn reused_blocks_do_not_leak_old_tokens() {
+    let Some(gpu) = require_gpu_or_skip("reused_blocks_do_not_leak_old_tokens") else {
+        return;
+    };
+    let mut e = Engine::new(&gpu, KvFormat::Int4Sym32, KvFormat::Int4Affine64, 40, 19);
+    let old = e.alloc.create_sequence();
+    e.append(old, 600);
+    e.alloc.free(old).unwrap();
+    let new = e.alloc.create_sequence();
+    e.append(new, 21); // 2 blocks: the second one mostly holds `old`'s tokens
+    let plan = DecodePlan::new(&gpu, e.dev.layout(), 1, HEADS, 1, 21).unwrap();
+    let mut ws = DecodeWorkspace::new(&plan).unwrap();
+    let tables = DeviceBlockTables::new(&e.dev, &e.alloc.block_tables(&[new]).unwrap()).unwrap();
+    let qh: Vec<f16> = e
+        .rng
+        .normals(HEADS * D, 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let q = gpu.stream().clone_htod(&qh).unwrap();
+    let mut out = gpu.stream().alloc_zeros::<f16>(qh.len()).unwrap();
+    plan.decode(&mut ws, &e.dev, &tables, &q, &mut out, None)
+        .unwrap();
+    let q16: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
+    let (want, _) = e.reference(&[new], &q16, 1);
+    assert_close("reused blocks", &to_f32(&gpu, &out), &want, half_ulp_f16);
+}
