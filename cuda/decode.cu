@@ -24,24 +24,34 @@ bool to_fmt(int32_t f, bool is_v, Fmt &out) {
   }
 }
 
-/// The instantiated pairs: f16, bf16, fp8-e4m3 and int4 mixed freely (K x V), and e5m2 with
-/// itself. Each pair is built for head_dim 64, 128 and 256.
-template <Fmt K, Fmt V>
+/// The instances: f16, bf16, fp8-e4m3 and int4 mixed freely (K x V), and e5m2 with itself, at
+/// head_dim 64, 80, 96, 112, 128, 192 and 256 where the INT4 groups divide head_dim (keys: 32,
+/// values: 64). This is the one statement of the supported set (kvq_decode_supported).
+template <Fmt K, Fmt V, int D>
 constexpr bool has_kernel() {
-  return (K == Fmt::E5M2) == (V == Fmt::E5M2);
+  return (K == Fmt::E5M2) == (V == Fmt::E5M2) && (K != Fmt::I4 || D % 32 == 0) &&
+         (V != Fmt::I4 || D % 64 == 0);
+}
+
+template <Fmt K, Fmt V, int D, class Fn>
+int run_if(Fn &fn) {
+  if constexpr (has_kernel<K, V, D>())
+    return fn.template run<K, V, D>();
+  else
+    return KVQ_ERR_UNSUPPORTED;
 }
 
 template <Fmt K, Fmt V, class Fn>
 int with_dim(int d, Fn &fn) {
-  if constexpr (!has_kernel<K, V>()) {
-    return KVQ_ERR_UNSUPPORTED;
-  } else {
-    switch (d) {
-      case 64: return fn.template run<K, V, 64>();
-      case 128: return fn.template run<K, V, 128>();
-      case 256: return fn.template run<K, V, 256>();
-      default: return KVQ_ERR_UNSUPPORTED;
-    }
+  switch (d) {
+    case 64: return run_if<K, V, 64>(fn);
+    case 80: return run_if<K, V, 80>(fn);
+    case 96: return run_if<K, V, 96>(fn);
+    case 112: return run_if<K, V, 112>(fn);
+    case 128: return run_if<K, V, 128>(fn);
+    case 192: return run_if<K, V, 192>(fn);
+    case 256: return run_if<K, V, 256>(fn);
+    default: return KVQ_ERR_UNSUPPORTED;
   }
 }
 
@@ -116,6 +126,14 @@ struct Occupancy {
   }
 };
 
+/// Answers whether an instance exists (its run is reached only for instances that do).
+struct Supported {
+  template <Fmt K, Fmt V, int D>
+  int run() {
+    return KVQ_OK;
+  }
+};
+
 struct Launch {
   const Params &p;
   const kvq_layout &l;
@@ -156,7 +174,16 @@ bool formats(const kvq_layout &l, int32_t q_dtype, Fmt &k, Fmt &v) {
 using namespace kvq_decode;
 
 /// Warp counts per CTA the kernel is launched with.
-static bool valid_warps(int32_t w) { return w == 4 || w == kMaxWarps; }
+static bool valid_warps(int32_t w) {
+  return w == KVQ_DECODE_WARPS_SMALL || w == KVQ_DECODE_WARPS_LARGE;
+}
+
+extern "C" int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim) {
+  Fmt k, v;
+  if (!to_fmt(k_format, false, k) || !to_fmt(v_format, true, v)) return 0;
+  Supported fn;
+  return dispatch(k, v, head_dim, fn) == KVQ_OK ? 1 : 0;
+}
 
 extern "C" int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim,
                                     int32_t warps, int32_t stages, int32_t *ctas_per_sm,

@@ -51,6 +51,12 @@ constexpr int fmt_bits() {
 
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
+/// The widest shared-memory load (16, 8, 4 or 2 bytes) that divides a lane's `bytes`: rows of
+/// head dims like 80 or 112 split into per-lane chunks that 16-byte loads do not fit.
+constexpr int load_width(int bytes) {
+  return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : 2;
+}
+
 // FP8 E4M3 unpacking: sm_89+ has a conversion instruction; sm_80 moves the bits into an f16
 // whose value is the code's value * 2^-8 (exact, subnormals included), and the 2^8 is folded
 // into the per-head scale.
@@ -124,6 +130,13 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&d)[4]) {
                : "r"(addr));
 }
 
+/// Two 8x8 matrices (lanes 0..15 give the row addresses), as ldmatrix_x4's first two.
+__device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t (&d)[2]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
+               : "=r"(d[0]), "=r"(d[1])
+               : "r"(addr));
+}
+
 /// Two E4M3 codes (bytes 0 and 1 of `w`) and (bytes 2 and 3) → two f16x2.
 __device__ __forceinline__ void e4m3x4_cvt(uint32_t w, uint32_t &lo, uint32_t &hi) {
 #if KVQ_E4M3_CVT
@@ -165,7 +178,7 @@ struct Frag {
   static constexpr int KC_ROW = D * KBITS / 8;
   static constexpr int KM_ROW = KF == Fmt::I4 ? D / 32 * 2 : 0;
   static constexpr int KCH = KC_ROW / 4;
-  static constexpr int KVEC = cmin(16, KCH);     // bytes per shared-memory load
+  static constexpr int KVEC = load_width(KCH);   // bytes per shared-memory load
   static constexpr int KNV = KCH / KVEC;         // loads per token
   static constexpr int KEV = KVEC * 8 / KBITS;   // elements per load
   static constexpr int KPAIRS = KEV / 2;         // fragment registers per load
@@ -251,10 +264,11 @@ struct Frag {
   static constexpr int VC_ROW = D * VBITS / 8;
   static constexpr int VM_ROW = VF == Fmt::I4 ? D / 64 * 4 : 0;
   static constexpr int VCH = VC_ROW / 8;
-  static constexpr int VVEC = cmin(VCH, VF == Fmt::I4 ? 8 : 16);
+  static constexpr int VVEC = VF == Fmt::I4 ? 8 : load_width(VCH);
   static constexpr int VNV = VCH / VVEC;
   static constexpr int VEV = VVEC * 8 / VBITS;   // elements (= n-tiles) per load
-  static constexpr int VWORDS = VVEC / 4;
+  // 32-bit words per load (a 2-byte FP8 load is one word whose upper half is not used).
+  static constexpr int VWORDS = VVEC >= 4 ? VVEC / 4 : 1;
 
   // V code rows at a pitch of VPITCH bytes: one 16-byte pad separates the rows 2t of lanes t;
   // with several 16-byte loads per lane, odd lanes g read theirs in the other order.
@@ -283,6 +297,8 @@ struct Frag {
 
   /// B-fragment registers (columns) one 32-bit word of each of two V rows unpacks into.
   static constexpr int VCPW = 32 / VBITS;
+  /// Of those, the ones a load really holds (fewer for a 2-byte load).
+  static constexpr int VCOLS = cmin(VCPW, VEV);
 
   /// INT4 V: interleave word `a` (lower k index) and `b` of two tokens' codes into 8 B-fragment
   /// registers of the raw nibbles as exact f16 subnormals (one LOP3 each, no offset to remove):

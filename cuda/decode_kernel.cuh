@@ -20,8 +20,9 @@
 
 namespace kvq_decode {
 
-constexpr int kMaxWarps = 8;  // warps per CTA: 4 or 8 (blockDim.x / 32)
-constexpr int kChunk = 16;  // tokens per copy chunk: one page segment, one MMA M / k-step
+constexpr int kMaxWarps = KVQ_DECODE_WARPS_LARGE;  // warps per CTA: 4 or 8 (blockDim.x / 32)
+constexpr int kChunk = KVQ_DECODE_CHUNK_TOKENS;  // tokens per copy chunk: one page segment, one MMA M / k-step
+static_assert(kChunk == 16, "the MMA's M is 16 tokens");
 constexpr int kRows = KVQ_DECODE_TILE_ROWS;  // query rows per CTA: the MMA N (8)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -51,7 +52,7 @@ struct Params {
 };
 
 /// Shared-memory stages per warp a launch may use.
-constexpr int kMinStages = 2, kMaxStages = 8;
+constexpr int kMinStages = KVQ_DECODE_MIN_STAGES, kMaxStages = KVQ_DECODE_MAX_STAGES;
 
 __device__ __forceinline__ uint32_t smem_u32(const void *p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -88,17 +89,28 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+/// Load a metadata row of BYTES (a multiple of 2) as 32-bit words, element i of the row in bits
+/// 16 (i % 2) of word i / 2: word loads when BYTES is a multiple of 4 (rows aligned to 4), else
+/// 2-byte loads (rows of 6 bytes: INT4 keys at head_dim 96).
 template <int BYTES>
-__device__ __forceinline__ void lds(const uint8_t *p, uint32_t (&w)[BYTES / 4]) {
+__device__ __forceinline__ void lds_meta(const uint8_t *p, uint32_t (&w)[(BYTES + 3) / 4]);
+
+/// Load BYTES (16, 8, 12, 4 or 2) from shared memory aligned to the widest of those that
+/// divides BYTES, as 32-bit words (2 bytes: the low half of one word).
+template <int BYTES>
+__device__ __forceinline__ void lds(const uint8_t *p, uint32_t (&w)[BYTES >= 4 ? BYTES / 4 : 1]) {
   if constexpr (BYTES == 16) {
     const uint4 v = *reinterpret_cast<const uint4 *>(p);
     w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
   } else if constexpr (BYTES == 8) {
     const uint2 v = *reinterpret_cast<const uint2 *>(p);
     w[0] = v.x, w[1] = v.y;
+  } else if constexpr (BYTES == 2) {
+    w[0] = *reinterpret_cast<const uint16_t *>(p);
   } else {
-    static_assert(BYTES == 4, "load width");
-    w[0] = *reinterpret_cast<const uint32_t *>(p);
+    static_assert(BYTES % 4 == 0, "load width");
+#pragma unroll
+    for (int i = 0; i < BYTES / 4; ++i) w[i] = reinterpret_cast<const uint32_t *>(p)[i];
   }
 }
 
@@ -118,6 +130,19 @@ __device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t d
 /// Offset (elements) of query row `b, h, i` in a tensor whose rows are at `r` (kvq_rows).
 __device__ __forceinline__ int64_t row_at(const kvq_rows &r, int b, int h, int i) {
   return (int64_t)b * r.seq + (int64_t)i * r.token + (int64_t)h * r.head;
+}
+
+template <int BYTES>
+__device__ __forceinline__ void lds_meta(const uint8_t *p, uint32_t (&w)[(BYTES + 3) / 4]) {
+  if constexpr (BYTES % 4 == 0) {
+    lds<BYTES>(p, w);
+  } else {
+#pragma unroll
+    for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = 0;
+#pragma unroll
+    for (int i = 0; i < BYTES / 2; ++i)
+      w[i / 2] |= (uint32_t)reinterpret_cast<const uint16_t *>(p)[i] << (16 * (i % 2));
+  }
 }
 
 /// Row (of 32 / PER_ROW per pass) whose piece lane % PER_ROW lane copies. A quarter-warp's eight
@@ -144,16 +169,27 @@ template <int ROW, int PITCH>
 __device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint32_t src_bytes,
                                           int lane) {
   constexpr int PIECES = ROW;  // 16 rows * ROW bytes / 16 bytes
-  static_assert(PITCH == ROW || (ROW >= 16 && ROW % 16 == 0 && 32 % (ROW >= 16 ? ROW / 16 : 1) == 0),
-                "padded rows are whole 16-byte pieces, a divisor of 32 per row");
+  static_assert(PITCH == ROW || (ROW >= 16 && ROW % 16 == 0 && PITCH % 16 == 0),
+                "padded rows are whole 16-byte pieces");
   if constexpr (PIECES > 0) {
     if constexpr (PITCH == ROW) {
 #pragma unroll
       for (int i = 0; i < (PIECES + 31) / 32; ++i)
         if (PIECES % 32 == 0 || lane + 32 * i < PIECES)
           cp_async16(dst + lane * 16 + 512 * i, src + lane * 16 + 512 * i, src_bytes);
+    } else if constexpr (PIECES % 32 != 0 || 32 % (ROW / 16) != 0) {
+      // Rows whose pieces do not tile a warp pass (head dims like 96, 160-byte rows): piece
+      // p of the chunk is piece p % PER_ROW of row p / PER_ROW (a division by a constant).
+      constexpr int PER_ROW = ROW / 16;
+#pragma unroll
+      for (int i = 0; i < (PIECES + 31) / 32; ++i) {
+        const int p = lane + 32 * i;
+        if (PIECES % 32 == 0 || p < PIECES) {
+          const int row = p / PER_ROW, piece = p - row * PER_ROW;
+          cp_async16(dst + row * PITCH + piece * 16, src + p * 16, src_bytes);
+        }
+      }
     } else {
-      static_assert(PIECES % 32 == 0, "padded rows come in whole passes");
       constexpr int PER_ROW = ROW / 16;  // pieces per row (divides 32)
       constexpr int ROWS = 32 / PER_ROW;  // rows per pass
       const int row = copy_row_of<PER_ROW>(lane), piece = lane % PER_ROW;
@@ -197,7 +233,8 @@ struct Cfg {
   // Shared memory: Q fragments and per-row values first, then the warps' rings of `stages`
   // stages each. After the main loop the ring area holds each warp's O tile and (m, l) per
   // row, then the split merge's weights and partial sums.
-  static constexpr int QFRAG = (D / 16) * 32 * 8;  // B fragments of q^T, two registers a lane
+  // B fragments of q^T, two registers a lane per k-step, stored in pairs of k-steps.
+  static constexpr int QFRAG = (D / 32 + D % 32 / 16) * 64 * 8;
   // Per row: q / out / lse offsets (int64), then factor, q scale, limit, L, M; INT4-K zero
   // terms (D / 32 groups x 16); a flag.
   static constexpr int SMALL = kRows * 8 * 3 + kRows * 4 * 5 + (D / 32) * 16 * 4 + 16;
@@ -282,22 +319,26 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   int f_tok = t0 + warp * STEP;
   int f_blk = (f_tok / kChunk) / bs16, f_cib = f_tok / kChunk - f_blk * bs16;
   const int adv_blk = nw * CH / bs16, adv_cib = nw * CH - adv_blk * bs16;
-  // One fetched step: per chunk the table entry (or -1: past the split, nothing to read) and
-  // the chunk's index within its block.
+  // One fetched step: per chunk the table entry (or -1: past the split, nothing to read), the
+  // chunk's index within its block, and whether the chunk lies inside the split (bit c).
   struct Fetch {
     int page[CH], cib[CH];
+    uint32_t live;
   };
   int fetched = 0;     // steps fetched so far
   bool fault = false;  // a live chunk's table entry was outside the pool (warp-uniform)
   auto fetch = [&]() {
     Fetch f;
+    f.live = 0;
     int blk = f_blk, cib = f_cib;
 #pragma unroll
     for (int c = 0; c < CH; ++c) {
       if (c > 0 && ++cib == bs16) cib = 0, ++blk;
       const bool live = fetched < my_steps && f_tok + c * kChunk < t1;
+      // The table entry is loaded here and first used a step later (in issue), so the load's
+      // latency hides behind a step of math.
       f.page[c] = live ? table[blk] : -1;
-      fault |= live && (uint32_t)f.page[c] >= num_blocks;
+      f.live |= (uint32_t)live << c;
       f.cib[c] = cib;
     }
     ++fetched;
@@ -313,6 +354,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
         const bool ok = (uint32_t)f.page[c] < num_blocks;
+        fault |= ((f.live >> c) & 1u) && !ok;
         const uint32_t bit = 1u << (slot * CH + c);
         page_ok = ok ? (page_ok | bit) : (page_ok & ~bit);
         // A bad page id reads block 0's address range with a zero-fill copy (nothing is read,
@@ -404,9 +446,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const uint4 *q_lane = reinterpret_cast<const uint4 *>(qfrag) + lane;
   if constexpr (KF != Fmt::I4) {
 #pragma unroll
-    for (int m = 0; m < D / 32; ++m) {
+    for (int m = 0; 2 * m < D / 16; ++m) {
       const uint4 x = q_lane[32 * m];
-      qb[2 * m][0] = x.x, qb[2 * m][1] = x.y, qb[2 * m + 1][0] = x.z, qb[2 * m + 1][1] = x.w;
+      qb[2 * m][0] = x.x, qb[2 * m][1] = x.y;
+      if (2 * m + 1 < D / 16) qb[2 * m + 1][0] = x.z, qb[2 * m + 1][1] = x.w;
     }
   }
   // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
@@ -470,32 +513,40 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
       // scores += scale(token, G) * that, in f32. C rows are tokens g and g + 8.
 #pragma unroll
       for (int ch = 0; ch < CH; ++ch) {
-        uint32_t sc_lo[F::KM_ROW / 4], sc_hi[F::KM_ROW / 4];  // f16 group scales, tokens g, g+8
-        lds<F::KM_ROW>(st + km_lane + ch * kChunk * F::KM_ROW, sc_lo);
-        lds<F::KM_ROW>(st + km_lane + (ch * kChunk + 8) * F::KM_ROW, sc_hi);
+        constexpr int KMW = (F::KM_ROW + 3) / 4;
+        uint32_t sc_lo[KMW], sc_hi[KMW];  // f16 group scales of tokens g, g + 8
+        lds_meta<F::KM_ROW>(st + km_lane + ch * kChunk * F::KM_ROW, sc_lo);
+        lds_meta<F::KM_ROW>(st + km_lane + (ch * kChunk + 8) * F::KM_ROW, sc_hi);
+        // Group G from word t of its tokens g (lo_w) and g + 8 (hi_w).
+        auto group = [&](int G, uint32_t lo_w, uint32_t hi_w) {
+          uint32_t lo[4], hi[4];
+          F::k_codes_i4(lo_w, lo);
+          F::k_codes_i4(hi_w, hi);
+          const float4 z = kz_lane[4 * G];
+          const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
+          float r[4] = {z.x, z.y, z.z, z.w};
+          mma16816<false>(r, make_uint4(lo[0], hi[0], lo[2], hi[2]), qg.x, qg.y);
+          mma16816<false>(r, make_uint4(lo[1], hi[1], lo[3], hi[3]), qg.z, qg.w);
+          const int sh = 16 * (G % 2);
+          const float s_lo = __half2float(__ushort_as_half((uint16_t)(sc_lo[G / 2] >> sh)));
+          const float s_hi = __half2float(__ushort_as_half((uint16_t)(sc_hi[G / 2] >> sh)));
+          s[ch][0] = fmaf(s_lo, r[0], s[ch][0]);
+          s[ch][1] = fmaf(s_lo, r[1], s[ch][1]);
+          s[ch][2] = fmaf(s_hi, r[2], s[ch][2]);
+          s[ch][3] = fmaf(s_hi, r[3], s[ch][3]);
+        };
+        const uint32_t k_rows = st_s + k_ldsm_lane + ch * kChunk * F::KPITCH;
 #pragma unroll
         for (int G2 = 0; G2 < D / 64; ++G2) {
           uint32_t w[4];  // word t of groups 2 G2 (w[0] token g, w[1] g + 8) and 2 G2 + 1
-          ldmatrix_x4(st_s + k_ldsm_lane + ch * kChunk * F::KPITCH + G2 * 32, w);
-#pragma unroll
-          for (int x = 0; x < 2; ++x) {
-            const int G = 2 * G2 + x;
-            uint32_t lo[4], hi[4];
-            F::k_codes_i4(w[2 * x], lo);
-            F::k_codes_i4(w[2 * x + 1], hi);
-            const float4 z = kz_lane[4 * G];
-            const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
-            float r[4] = {z.x, z.y, z.z, z.w};
-            mma16816<false>(r, make_uint4(lo[0], hi[0], lo[2], hi[2]), qg.x, qg.y);
-            mma16816<false>(r, make_uint4(lo[1], hi[1], lo[3], hi[3]), qg.z, qg.w);
-            const int sh = 16 * (G % 2);
-            const float s_lo = __half2float(__ushort_as_half((uint16_t)(sc_lo[G / 2] >> sh)));
-            const float s_hi = __half2float(__ushort_as_half((uint16_t)(sc_hi[G / 2] >> sh)));
-            s[ch][0] = fmaf(s_lo, r[0], s[ch][0]);
-            s[ch][1] = fmaf(s_lo, r[1], s[ch][1]);
-            s[ch][2] = fmaf(s_hi, r[2], s[ch][2]);
-            s[ch][3] = fmaf(s_hi, r[3], s[ch][3]);
-          }
+          ldmatrix_x4(k_rows + G2 * 32, w);
+          group(2 * G2, w[0], w[1]);
+          group(2 * G2 + 1, w[2], w[3]);
+        }
+        if constexpr (D % 64 != 0) {  // an odd group count (head_dim 96): the last one alone
+          uint32_t w[2];
+          ldmatrix_x2(k_rows + (D / 64) * 32, w);
+          group(D / 32 - 1, w[0], w[1]);
         }
       }
     } else {
@@ -664,10 +715,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
             F::v_unpack(w8[i], w9[i], b89);
             if (n_valid < STEP) {
 #pragma unroll
-              for (int c = 0; c < F::VCPW; ++c) b01[c] &= mask01, b89[c] &= mask89;
+              for (int c = 0; c < F::VCOLS; ++c) b01[c] &= mask01, b89[c] &= mask89;
             }
 #pragma unroll
-            for (int c = 0; c < F::VCPW; c += 2)
+            for (int c = 0; c < F::VCOLS; c += 2)
               mma16816<F::V_BF16>(o[(v * F::VEV + i * F::VCPW + c) / 2],
                                   make_uint4(b01[c], b01[c + 1], b89[c], b89[c + 1]), pb0, pb1);
           }

@@ -136,6 +136,16 @@ const char *kvq_last_error(void);
 
 /* ---- fused paged decode attention (cuda/decode.cu) ---- */
 
+/* The decode kernels' launch parameters, stated once (the Rust side reads them from here):
+ * block_size must be a multiple of KVQ_DECODE_CHUNK_TOKENS; a thread block has
+ * KVQ_DECODE_WARPS_SMALL or KVQ_DECODE_WARPS_LARGE warps of KVQ_DECODE_MIN_STAGES ..
+ * KVQ_DECODE_MAX_STAGES copy stages each. Which (K format, V format, head_dim) have a kernel:
+ * kvq_decode_supported. */
+#define KVQ_DECODE_CHUNK_TOKENS 16
+#define KVQ_DECODE_WARPS_SMALL 4
+#define KVQ_DECODE_WARPS_LARGE 8
+#define KVQ_DECODE_MIN_STAGES 2
+#define KVQ_DECODE_MAX_STAGES 8
 /* Longest split-KV fan-out one launch may use (the merge keeps one weight per split). */
 #define KVQ_DECODE_MAX_SPLITS 256
 /* Query rows (G query heads x q_len tokens of one KV head) one thread block serves: the N of
@@ -181,9 +191,8 @@ typedef struct kvq_rows {
  * split_tokens) <= num_splits; the first ceil(len / block_size) entries of each table row valid
  * block ids. Outside that the kernel stays in bounds of the pool (lengths are clamped, block ids
  * outside [0, num_blocks) are read as absent tokens and counted) but the output is unspecified.
- * Supported: head_dim 64, 128, 256; block_size a multiple of 16; K and V formats each one of
- * f16, bf16, fp8-e4m3, int4 (K: KVQ_INT4_SYM32, V: KVQ_INT4_AFFINE64), mixed freely, or both
- * fp8-e5m2; a bf16 K cache needs bf16 queries. Else KVQ_ERR_UNSUPPORTED. */
+ * Supported: what kvq_decode_supported says, block_size a multiple of KVQ_DECODE_CHUNK_TOKENS,
+ * and a bf16 K cache needs bf16 queries. Else KVQ_ERR_UNSUPPORTED. */
 typedef struct kvq_decode_args {
   kvq_cache cache;
   int64_t num_blocks;
@@ -211,6 +220,13 @@ typedef struct kvq_decode_args {
   int32_t stages; /* copy stages per warp, 2..8 (the plan picks it from kvq_decode_occupancy) */
   float softmax_scale;
 } kvq_decode_args;
+
+/* 1 when this build has a decode kernel for keys in k_format and values in v_format
+ * (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3 and int4 (K: KVQ_INT4_SYM32, V:
+ * KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80, 96, 112, 128, 192 or
+ * 256, a multiple of 32 with INT4 keys and of 64 with INT4 values. A host function: no device
+ * is needed. */
+int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim);
 
 /* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. */
 int kvq_decode_attention(const kvq_decode_args *args, void *stream);

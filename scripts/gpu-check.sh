@@ -9,6 +9,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 dest=${OUT:-gpu-check-out}; out=$(mktemp -d); mkdir -p "$dest"
 bin=$here/bin
+[ -d "$bin" ] || tar -xJf "$here/bin.tar.xz" -C "$here"
 export KVQ_REQUIRE_GPU=1 KVQ_REQUIRE_DATA=1 KVQ_DATA_DIR=$here/data KVQ_MINILM=$here/data/minilm_kv.safetensors
 summary=()
 step() {  # step NAME LOG CMD...: run, keep the log, record pass/fail and time

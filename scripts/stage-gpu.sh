@@ -2,7 +2,8 @@
 # Build the GPU test, bench and example binaries HERE (no GPU needed; nvcc 13 from
 # ../shared/device/cuda-toolkit.sh or scripts/install-cuda-toolkit.sh) and lay them out in
 # .gpu-stage/ beside scripts/gpu-check.sh and the MiniLM data, small enough to carry to the GPU
-# machine (its transfer limit is 64 MiB: sm_90a only, stripped). There, from the repo root:
+# machine (its transfer limit is 64 MiB: sm_90a only, stripped, xz-compressed; gpu-check.sh
+# unpacks them). There, from the repo root:
 #   bash .gpu-stage/gpu-check.sh [quick]     tests, sanitizers, benches; logs under $OUT
 # Usage here: scripts/stage-gpu.sh   (KVQ_CUDA_ARCHS overrides the sm_90a default)
 set -euo pipefail
@@ -15,8 +16,9 @@ export KVQ_CUDA_ARCHS=${KVQ_CUDA_ARCHS:-90a} CARGO_TARGET_DIR=${CARGO_TARGET_DIR
 grep -qxF '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >> .git/info/exclude
 rm -rf .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/data
 cargo build --release --features cuda,cli --bin kvq \
-  --test gpu_append --test gpu_decode --bench gpu_append --bench gpu_decode \
+  --test gpu_append --test gpu_decode --test gpu_engine --bench gpu_append --bench gpu_decode \
   --example decode_bench --example moe_decode_budget --example decode_sweep \
+  --example engine_step --example tensor_parallel \
   --message-format=json-render-diagnostics > .gpu-stage/build.json
 python3 - <<'PY'
 import json, shutil
@@ -29,6 +31,8 @@ for line in open(".gpu-stage/build.json"):
 PY
 rm .gpu-stage/build.json
 strip .gpu-stage/bin/*
+# The kernels' code compresses about 9x: the device tool's transfer limit is 64 MiB.
+tar -cJf .gpu-stage/bin.tar.xz -C .gpu-stage bin && rm -rf .gpu-stage/bin
 cp scripts/gpu-check.sh .gpu-stage/
 data=../shared/data/minilm_kv.safetensors
 [ -f "$data" ] && cp "$data" .gpu-stage/data/

@@ -21,7 +21,8 @@ use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{Accum, DecodeShape, decode_attention};
 use kvq::cuda::decode::{
-    DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables, kernel_available,
+    DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables, HEAD_DIMS, kernel_available,
+    kernel_available_for,
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
@@ -379,6 +380,30 @@ fn every_format_pair() {
     }
 }
 
+/// Every pair at every head_dim it has a kernel for (80, 96, 112 and 192 included: rows whose
+/// per-lane chunks take 8-, 4- or 2-byte loads, odd k-step and INT4 group counts).
+#[test]
+fn every_head_dim() {
+    let Some(gpu) = require_gpu_or_skip("every_head_dim") else {
+        return;
+    };
+    let mut rng = rng("every_head_dim");
+    for (k, v) in pairs() {
+        for d in HEAD_DIMS {
+            if !kernel_available_for(k, v, d) || (quick() && rng.below(4) != 0) {
+                continue;
+            }
+            let lens = vec![2 + rng.below(40), 100 + rng.below(700)];
+            let mut c = Case::new(k, v, d, lens);
+            c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
+            c.group = rng.pick(&[1, 4, 6]);
+            c.q_len = 1 + rng.below(2);
+            c.splits = if rng.below(2) == 0 { Some(3) } else { None };
+            check(&gpu, &mut rng, &c);
+        }
+    }
+}
+
 #[test]
 fn random_shapes_from_the_grid() {
     let Some(gpu) = require_gpu_or_skip("random_shapes_from_the_grid") else {
@@ -389,7 +414,12 @@ fn random_shapes_from_the_grid() {
     let n = if quick() { 4 } else { 48 };
     for _ in 0..n {
         let (k, v) = rng.pick(&all);
-        let d = rng.pick(&[64, 128, 256]);
+        let dims: Vec<usize> = HEAD_DIMS
+            .iter()
+            .copied()
+            .filter(|&d| kernel_available_for(k, v, d))
+            .collect();
+        let d = rng.pick(&dims);
         let bs = rng.pick(&[16, 32, 64]);
         let batch = 1 + rng.below(4);
         let lens: Vec<usize> = (0..batch)
@@ -628,7 +658,7 @@ fn unsupported_and_bad_arguments_are_errors() {
     let layout = |k, v, d, bs| CacheConfig::new(2, d, bs, k, v).unwrap().layout();
     let (i4k, i4v) = (KvFormat::Int4Sym32, KvFormat::Int4Affine64);
     let unsupported = |r: Result<DecodePlan, Error>| matches!(r, Err(Error::Unsupported(_)));
-    let f16l = layout(KvFormat::F16, KvFormat::F16, 96, 16);
+    let f16l = layout(KvFormat::F16, KvFormat::F16, 72, 16);
     assert!(unsupported(DecodePlan::new(&gpu, &f16l, 1, 2, 1, 10)));
     assert!(unsupported(DecodePlan::new(
         &gpu,

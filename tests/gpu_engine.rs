@@ -222,6 +222,29 @@ fn continuous_batching_with_a_captured_graph() {
     };
     const CAP: usize = 6;
     const MAX_CTX: usize = 1024;
+    // Captured buffers must not carry cudarc's cross-stream events (see Gpu::check_capture);
+    // first, that case is refused with a typed error rather than a broken capture.
+    {
+        let s = gpu.stream();
+        let e = Engine::new(&gpu, KvFormat::F16, KvFormat::F16, 8, 1);
+        let plan = DecodePlan::new(&gpu, e.dev.layout(), 1, HEADS, 1, 16).unwrap();
+        let mut ws = DecodeWorkspace::new(&plan).unwrap();
+        let t = DeviceBlockTables::new(&e.dev, &BlockTables::from_rows(&[&[0]], &[4]).unwrap())
+            .unwrap();
+        let q = s.alloc_zeros::<f16>(HEADS * D).unwrap();
+        let mut out = s.alloc_zeros::<f16>(HEADS * D).unwrap();
+        if gpu.context().is_managing_stream_synchronization() {
+            gpu.synchronize().unwrap();
+            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+                .unwrap();
+            let r = plan.decode(&mut ws, &e.dev, &t, &q, &mut out, None);
+            let _ = s.end_capture(CUgraphInstantiate_flags(0));
+            assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        }
+    }
+    // SAFETY: from here on this process orders its streams itself (every test here queues each
+    // buffer's uses on one stream, or on streams kvq orders).
+    unsafe { gpu.context().disable_event_tracking() };
     let mut e = Engine::new(&gpu, KvFormat::Int4Sym32, KvFormat::Int4Affine64, 512, 11);
     let plan = DecodePlan::new(&gpu, e.dev.layout(), CAP, HEADS, 2, MAX_CTX).unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
@@ -805,4 +828,108 @@ fn reused_blocks_do_not_leak_old_tokens() {
     let q16: Vec<f32> = qh.iter().map(|x| x.to_f32()).collect();
     let (want, _) = e.reference(&[new], &q16, 1);
     assert_close("reused blocks", &to_f32(&gpu, &out), &want, half_ulp_f16);
+}
+
+/// KV heads sharded over the visible GPUs (two shards on one GPU when only one is there), one
+/// cache per shard, decoded concurrently: the gathered output equals the whole layer's decode
+/// bit for bit (same launch shape forced on every plan).
+#[test]
+fn tensor_parallel_shards_gather_to_the_whole() {
+    let Some(gpu0) = require_gpu_or_skip("tensor_parallel_shards_gather_to_the_whole") else {
+        return;
+    };
+    let mut devices = vec![gpu0.clone()];
+    while let Ok(g) = Gpu::new(devices.len()) {
+        devices.push(g);
+    }
+    let shards = devices.len().max(2);
+    eprintln!(
+        "tensor parallel: {shards} shards over {} device(s)",
+        devices.len()
+    );
+    let mut e = Engine::new(&gpu0, KvFormat::Int4Sym32, KvFormat::Fp8E4m3, 128, 23);
+    let seqs: Vec<SeqId> = (0..3).map(|_| e.alloc.create_sequence()).collect();
+    for (i, &sq) in seqs.iter().enumerate() {
+        e.append(sq, 400 + 250 * i);
+    }
+    let tables = e.alloc.block_tables(&seqs).unwrap();
+    let max = *tables.context_lens.iter().max().unwrap() as usize;
+    let pin = |p: DecodePlan| p.with_num_splits(2).with_launch(4, 3).unwrap();
+    let qh: Vec<f16> = e
+        .rng
+        .normals(seqs.len() * HEADS * D, 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let whole_plan = pin(DecodePlan::new(&gpu0, e.dev.layout(), 3, HEADS, 1, max).unwrap());
+    let mut ws = DecodeWorkspace::new(&whole_plan).unwrap();
+    let dt = DeviceBlockTables::new(&e.dev, &tables).unwrap();
+    let q = gpu0.stream().clone_htod(&qh).unwrap();
+    let mut out = gpu0.stream().alloc_zeros::<f16>(qh.len()).unwrap();
+    whole_plan
+        .decode(&mut ws, &e.dev, &dt, &q, &mut out, None)
+        .unwrap();
+    let want = gpu0.stream().clone_dtoh(&out).unwrap();
+
+    // Each shard: KV heads [i * per, (i + 1) * per) of the host cache, copied byte for byte out
+    // of its blocks into a cache of `per` heads (the layout keeps heads in sections).
+    let per = KV_HEADS / shards;
+    let whole_layout = *e.host.layout();
+    let mut outs = Vec::new();
+    for i in 0..shards {
+        let dev = &devices[i % devices.len()];
+        let gpu = Gpu::from_stream(dev.context().new_stream().unwrap()).unwrap();
+        let config = CacheConfig::new(
+            per,
+            D,
+            BS,
+            e.host.config().k_format,
+            e.host.config().v_format,
+        )
+        .unwrap();
+        let mut part = HostCache::new(config, e.host.num_blocks()).unwrap();
+        let pl = *part.layout();
+        for blk in 0..e.host.num_blocks() {
+            let src = blk * whole_layout.block_stride + i * per * whole_layout.head_stride;
+            let dst = blk * pl.block_stride;
+            let n = per * pl.head_stride;
+            part.pool_mut()[dst..dst + n].copy_from_slice(&e.host.pool()[src..src + n]);
+        }
+        let hk = &e.host.k_scales()[i * per..(i + 1) * per];
+        let hv = &e.host.v_scales()[i * per..(i + 1) * per];
+        part.set_scales(hk, hv).unwrap();
+        let cache = DeviceCache::from_host(&gpu, &part).unwrap();
+        let plan = pin(DecodePlan::new(&gpu, cache.layout(), 3, per * GROUP, 1, max).unwrap());
+        let ws = DecodeWorkspace::new(&plan).unwrap();
+        let t = DeviceBlockTables::new(&cache, &tables).unwrap();
+        let w = per * GROUP * D;
+        let qs: Vec<f16> = qh
+            .chunks(HEADS * D)
+            .flat_map(|row| row[i * w..(i + 1) * w].to_vec())
+            .collect();
+        let q = gpu.stream().clone_htod(&qs).unwrap();
+        let out = gpu.stream().alloc_zeros::<f16>(qs.len()).unwrap();
+        outs.push((gpu, cache, plan, ws, t, q, out));
+    }
+    for (_, cache, plan, ws, t, q, out) in outs.iter_mut() {
+        plan.decode(ws, cache, t, q, out, None).unwrap();
+    }
+    let mut gathered = vec![f16::ZERO; want.len()];
+    let w = per * GROUP * D;
+    for (i, (gpu, _, _, _, _, _, out)) in outs.iter().enumerate() {
+        let part = gpu.stream().clone_dtoh(out).unwrap();
+        for b in 0..seqs.len() {
+            gathered[b * HEADS * D + i * w..b * HEADS * D + (i + 1) * w]
+                .copy_from_slice(&part[b * w..(b + 1) * w]);
+        }
+    }
+    let differ = gathered
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(
+        differ, 0,
+        "{differ} gathered outputs differ from the one-GPU decode"
+    );
 }

@@ -252,6 +252,12 @@ pub(crate) unsafe fn decode_attention(args: &sys::kvq_decode_args, stream: Strea
     check_status(status, "kvq_decode_attention")
 }
 
+/// `kvq_decode_supported`: whether this build has a decode kernel for the pair at `head_dim`.
+pub(crate) fn decode_supported(k_format: i32, v_format: i32, head_dim: i32) -> bool {
+    // SAFETY: a pure host function of three ints.
+    unsafe { sys::kvq_decode_supported(k_format, v_format, head_dim) == 1 }
+}
+
 /// `kvq_decode_occupancy`: thread blocks per SM and bytes per stage of the decode kernel for a
 /// format pair (kvq_format ids), head_dim, warps per block and stages. The device's context
 /// must be current on this thread (it raises the kernel's shared-memory limit there).

@@ -220,6 +220,32 @@ impl Gpu {
             .map_err(driver_err("waiting for another stream"))
     }
 
+    /// [`Error::InvalidArgument`] instead of a broken capture when this stream is capturing a
+    /// CUDA graph while cudarc tracks buffer events on the context: cudarc then makes the
+    /// stream wait on events recorded before the capture, which invalidates it. Engines that
+    /// capture turn tracking off (`unsafe { ctx.disable_event_tracking() }`, before allocating
+    /// the buffers they capture) and order their streams themselves; kvq's own objects never
+    /// need it.
+    pub(crate) fn check_capture(&self) -> Result<()> {
+        if !self.ctx.is_managing_stream_synchronization() {
+            return Ok(());
+        }
+        let status = self
+            .stream
+            .capture_status()
+            .map_err(driver_err("reading the stream's capture status"))?;
+        if status == cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument(
+            "CUDA graph capture on a context with cudarc's event tracking on (cudarc would wait \
+             on events recorded outside the capture and break it): call \
+             `unsafe { gpu.context().disable_event_tracking() }` before allocating the buffers \
+             you capture"
+                .into(),
+        ))
+    }
+
     /// Run `launch` on this handle's stream, ordered after the work queued so far on the
     /// streams of `others`, and make those streams wait for it in turn (so that neither reads
     /// what the other has not finished writing). Objects of one stream cost nothing; objects of

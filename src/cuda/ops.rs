@@ -126,6 +126,7 @@ pub fn append<T: DeviceElement, S: SlotIndex>(
     }
     let gpu = cache.gpu().clone();
     gpu.bind()?;
+    gpu.check_capture()?;
     let s = gpu.stream();
     let raw = cache.as_raw();
     let num_blocks = cache.num_blocks();

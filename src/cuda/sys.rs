@@ -83,6 +83,17 @@ pub struct kvq_cache {
     pub layout: kvq_layout,
 }
 
+/// Tokens per decode copy chunk: a decodable block size is a multiple of it.
+pub const KVQ_DECODE_CHUNK_TOKENS: i32 = 16;
+/// Warps of a small decode thread block.
+pub const KVQ_DECODE_WARPS_SMALL: i32 = 4;
+/// Warps of a large decode thread block.
+pub const KVQ_DECODE_WARPS_LARGE: i32 = 8;
+/// Fewest copy stages per decode warp.
+pub const KVQ_DECODE_MIN_STAGES: i32 = 2;
+/// Most copy stages per decode warp.
+pub const KVQ_DECODE_MAX_STAGES: i32 = 8;
+
 /// Most split-KV splits one decode launch may use.
 pub const KVQ_DECODE_MAX_SPLITS: i32 = 256;
 
@@ -225,6 +236,9 @@ unsafe extern "C" {
 
     /// Enqueue the fused decode kernel (splits merged in the same launch) (kvq.h).
     pub fn kvq_decode_attention(args: *const kvq_decode_args, stream: *mut c_void) -> c_int;
+
+    /// 1 when a decode kernel exists for (K format, V format, head_dim) (kvq.h).
+    pub fn kvq_decode_supported(k_format: i32, v_format: i32, head_dim: i32) -> c_int;
 
     /// Decode thread blocks per SM and stage bytes for a format pair, head_dim, warps per block
     /// and stage count; raises the smem limit (kvq.h).

@@ -402,6 +402,11 @@ impl DeviceBlockTables {
     pub fn len(&self, row: usize) -> Option<usize> {
         (row < self.capacity).then(|| self.host[row] as usize)
     }
+    /// Blocks set in row `row` (None outside the capacity): where [`push_block`](Self::push_block)
+    /// appends.
+    pub fn row_blocks(&self, row: usize) -> Option<usize> {
+        self.held.get(row).copied()
+    }
     /// Whether no row takes part (`batch() == 0`).
     pub fn is_empty(&self) -> bool {
         self.batch == 0

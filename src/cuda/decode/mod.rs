@@ -45,10 +45,11 @@ use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
 /// Tokens per copy chunk of the kernel (one page segment): `block_size` must be a multiple of it.
-pub const STEP_TOKENS: usize = 16;
+pub const STEP_TOKENS: usize = sys::KVQ_DECODE_CHUNK_TOKENS as usize;
 
-/// Head dimensions the kernels are built for.
-pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Head dimensions the kernels are built for (INT4 keys need a multiple of 32, INT4 values of
+/// 64: [`kernel_available_for`] says which pair has which).
+pub const HEAD_DIMS: [usize; 7] = [64, 80, 96, 112, 128, 192, 256];
 
 /// Most splits one launch may use (`KVQ_DECODE_MAX_SPLITS`).
 pub const MAX_SPLITS: usize = sys::KVQ_DECODE_MAX_SPLITS as usize;
@@ -58,28 +59,31 @@ pub const MAX_SPLITS: usize = sys::KVQ_DECODE_MAX_SPLITS as usize;
 pub const TILE_ROWS: usize = sys::KVQ_DECODE_TILE_ROWS as usize;
 
 /// Warps per thread block the kernel is launched with (`warps` of [`DecodePlan`]).
-pub const WARPS: [usize; 2] = [4, 8];
+pub const WARPS: [usize; 2] = [
+    sys::KVQ_DECODE_WARPS_SMALL as usize,
+    sys::KVQ_DECODE_WARPS_LARGE as usize,
+];
 
-/// Copy stages per warp a plan may use (`kMinStages..=kMaxStages` in the kernel).
-pub const STAGES: std::ops::RangeInclusive<usize> = 2..=8;
+/// Copy stages per warp a plan may use.
+pub const STAGES: std::ops::RangeInclusive<usize> =
+    sys::KVQ_DECODE_MIN_STAGES as usize..=sys::KVQ_DECODE_MAX_STAGES as usize;
 
 /// Query element types of the decode kernels: f16 and bf16 (outputs may also be f32).
 pub trait DecodeElement: DeviceElement {}
 impl DecodeElement for half::f16 {}
 impl DecodeElement for half::bf16 {}
 
-/// Whether this build has a decode kernel for keys in `k` and values in `v`: f16, bf16,
-/// fp8-e4m3 and int4 (keys `int4-k32`, values `int4-v64`) mixed freely, or fp8-e5m2 for both.
+/// Whether this build has a decode kernel for keys in `k` and values in `v` at some head_dim:
+/// f16, bf16, fp8-e4m3 and int4 (keys `int4-k32`, values `int4-v64`) mixed freely, or
+/// fp8-e5m2 for both.
 pub fn kernel_available(k: KvFormat, v: KvFormat) -> bool {
-    use KvFormat::*;
-    matches!(
-        (k, v),
-        (Fp8E5m2, Fp8E5m2)
-            | (
-                F16 | Bf16 | Fp8E4m3 | Int4Sym32,
-                F16 | Bf16 | Fp8E4m3 | Int4Affine64
-            )
-    )
+    HEAD_DIMS.iter().any(|&d| kernel_available_for(k, v, d))
+}
+
+/// Whether this build has a decode kernel for keys in `k` and values in `v` at `head_dim`
+/// (the kernels' own dispatch answers: `kvq_decode_supported` in kvq.h).
+pub fn kernel_available_for(k: KvFormat, v: KvFormat, head_dim: usize) -> bool {
+    i32::try_from(head_dim).is_ok_and(|d| launch::decode_supported(k as i32, v as i32, d))
 }
 
 /// Where the rows of a query-shaped tensor (`q`, `out`, or `lse` with a width of 1) live, in
@@ -243,10 +247,11 @@ impl DecodePlan {
                 c.k_format, c.v_format
             )));
         }
-        if !HEAD_DIMS.contains(&c.head_dim) {
+        if !kernel_available_for(c.k_format, c.v_format, c.head_dim) {
             return Err(Error::Unsupported(format!(
-                "GPU decode with head_dim {} (kernels exist for {HEAD_DIMS:?})",
-                c.head_dim
+                "GPU decode of {} keys with {} values at head_dim {} (kernels exist for head \
+                 dims {HEAD_DIMS:?} whose INT4 groups divide them: 32 for keys, 64 for values)",
+                c.k_format, c.v_format, c.head_dim
             )));
         }
         if c.block_size % STEP_TOKENS != 0 {
@@ -677,6 +682,7 @@ impl DecodePlan {
         }
         let launch_gpu = &self.gpu;
         launch_gpu.bind()?;
+        launch_gpu.check_capture()?;
         let s = launch_gpu.stream();
         let (ctx_lens, block_tables) = tables.device_ptrs();
         let DecodeStep {
@@ -936,6 +942,20 @@ mod tests {
         assert!(kernel_available(KvFormat::Fp8E5m2, KvFormat::Fp8E5m2));
         assert!(!kernel_available(KvFormat::Int4Affine64, KvFormat::F16));
         assert!(!kernel_available(KvFormat::Fp8E5m2, KvFormat::F16));
+        use KvFormat::*;
+        for d in HEAD_DIMS {
+            assert!(kernel_available_for(F16, Fp8E4m3, d), "{d}");
+            assert!(kernel_available_for(Fp8E5m2, Fp8E5m2, d), "{d}");
+            assert_eq!(kernel_available_for(Int4Sym32, Bf16, d), d % 32 == 0, "{d}");
+            assert_eq!(
+                kernel_available_for(F16, Int4Affine64, d),
+                d % 64 == 0,
+                "{d}"
+            );
+        }
+        for d in [0, 16, 32, 72, 144, 160, 512] {
+            assert!(!kernel_available_for(F16, F16, d), "{d}");
+        }
     }
 
     #[test]

@@ -1,0 +1,489 @@
+//! An engine's decode loop on kvq, end to end: requests arrive with prompts and leave when
+//! their generation is done, prompts are appended in chunks (prefill), one request is forked
+//! (parallel sampling: its shared last block is copied on write), and every step runs one
+//! decode of the whole batch through a CUDA graph captured once at the capacity, with the free
+//! rows as padding. A host mirror of the cache receives the same appends and copies, and a few
+//! steps are checked against the CPU reference.
+//!
+//! Printed: decode tokens per second (GPU time of the graph), the host time per step of the
+//! table updates + upload and of the graph launch (kvq's per-step overhead), and, at the end,
+//! the capacity shape through the graph against a plan made for exactly that batch.
+//!
+//! ```sh
+//! cargo run --release --features cuda --example engine_step -- [--steps N] [--format int4|fp8|f16]
+//! ```
+
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use half::f16;
+use kvq::cache::{BlockAllocator, HostCache, SeqId};
+use kvq::cpu::{Accum, DecodeShape, decode_attention};
+use kvq::cuda::decode::{DecodeStep, RowStrides};
+use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops};
+use kvq::{CacheConfig, KvFormat, Result};
+use std::collections::HashSet;
+use std::time::Instant;
+
+// One Llama-3-8B attention layer: 32 query heads over 8 KV heads of 128, pages of 16.
+const KV_HEADS: usize = 8;
+const HEADS: usize = 32;
+const D: usize = 128;
+const BS: usize = 16;
+const CAPACITY: usize = 64;
+const MAX_CTX: usize = 4096;
+const NUM_BLOCKS: usize = CAPACITY * MAX_CTX / BS + 256;
+/// Prompt tokens appended per step, over all prefilling requests.
+const PREFILL_BUDGET: usize = 1024;
+const ROW: usize = KV_HEADS * D;
+
+struct Request {
+    seq: SeqId,
+    prompt: usize,
+    prefilled: usize,
+    to_generate: usize,
+    row: Option<usize>,
+}
+
+/// splitmix64, so runs repeat.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn normal(&mut self) -> f32 {
+        let s: f64 = (0..4)
+            .map(|_| (self.next() >> 11) as f64 / (1u64 << 53) as f64)
+            .sum();
+        ((s - 2.0) * 3f64.sqrt()) as f32
+    }
+}
+
+/// The engine's state: one layer's cache on the GPU and its host mirror, the allocator, the
+/// requests, and the batch rows.
+struct Engine {
+    gpu: Gpu,
+    dev: DeviceCache,
+    host: HostCache,
+    alloc: BlockAllocator,
+    tables: DeviceBlockTables,
+    requests: Vec<Request>,
+    free_rows: Vec<usize>,
+    /// Sequences whose table row must be rewritten (a new row, or a block replaced by a
+    /// copy-on-write copy), not just extended.
+    rewrite: HashSet<SeqId>,
+    rng: Rng,
+    // Per-step staging for appends (allocated once).
+    slots: Vec<i32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    slots_dev: cudarc::driver::CudaSlice<i32>,
+    k_dev: cudarc::driver::CudaSlice<f32>,
+    v_dev: cudarc::driver::CudaSlice<f32>,
+}
+
+impl Engine {
+    /// Queue `n` new tokens of `seq` for this step's append (copies applied at once).
+    fn reserve(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        let r = self.alloc.reserve(seq, n)?;
+        if !r.copies.is_empty() {
+            self.rewrite.insert(seq);
+        }
+        self.dev.copy_blocks(&r.copies)?;
+        self.host.apply_copies(&r.copies)?;
+        for &s in &r.slots {
+            self.slots.push(s as i32);
+            for i in 0..ROW {
+                let outlier = if i % 16 == 3 { 6.0 } else { 1.0 };
+                self.k.push(self.rng.normal() * outlier);
+                self.v.push(self.rng.normal());
+            }
+        }
+        Ok(())
+    }
+
+    /// Append everything reserved this step, on both caches.
+    fn flush_appends(&mut self) -> Result<()> {
+        let n = self.slots.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let s = self.gpu.stream();
+        let err = |e| kvq::Error::Cuda(format!("staging appends: {e}"));
+        s.memcpy_htod(&self.slots, &mut self.slots_dev.slice_mut(..n))
+            .map_err(err)?;
+        s.memcpy_htod(&self.k, &mut self.k_dev.slice_mut(..n * ROW))
+            .map_err(err)?;
+        s.memcpy_htod(&self.v, &mut self.v_dev.slice_mut(..n * ROW))
+            .map_err(err)?;
+        ops::append(&mut self.dev, &self.slots_dev, &self.k_dev, &self.v_dev, n)?;
+        let host_slots: Vec<usize> = self.slots.iter().map(|&x| x as usize).collect();
+        self.host.write(&host_slots, &self.k, &self.v)?;
+        self.slots.clear();
+        self.k.clear();
+        self.v.clear();
+        Ok(())
+    }
+
+    fn admit(&mut self) {
+        let prompt = 64 + self.rng.below(1500);
+        let to_generate = 32 + self.rng.below(400);
+        let seq = self.alloc.create_sequence();
+        self.requests.push(Request {
+            seq,
+            prompt,
+            prefilled: 0,
+            to_generate,
+            row: None,
+        });
+    }
+
+    /// Blocks a request may still need (so admission never runs the pool dry).
+    fn blocks_needed(&self) -> usize {
+        self.requests
+            .iter()
+            .map(|r| (r.prompt + r.to_generate).div_ceil(BS) + 1)
+            .sum()
+    }
+}
+
+fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
+    let gpu = Gpu::new(0)?;
+    println!("{}", gpu.summary());
+    // The decode is captured in a CUDA graph: cudarc must not make the captured stream wait on
+    // buffer events recorded outside the capture. This loop queues everything on one stream.
+    // SAFETY: every buffer below is used on `gpu`'s stream only.
+    unsafe { gpu.context().disable_event_tracking() };
+    let config = CacheConfig::new(KV_HEADS, D, BS, k, v)?;
+    let mut host = HostCache::new(config, NUM_BLOCKS)?;
+    if k.has_head_scale() || v.has_head_scale() {
+        host.set_scales(&[0.03; KV_HEADS], &[0.01; KV_HEADS])?;
+    }
+    let dev = DeviceCache::from_host(&gpu, &host)?;
+    let s = gpu.stream().clone();
+    let cuda = |e| kvq::Error::Cuda(format!("{e}"));
+    let max_step_tokens = PREFILL_BUDGET + 2 * CAPACITY;
+    let mut e = Engine {
+        tables: DeviceBlockTables::with_capacity(&dev, CAPACITY, MAX_CTX / BS)?,
+        gpu: gpu.clone(),
+        dev,
+        host,
+        alloc: BlockAllocator::new(NUM_BLOCKS, BS)?,
+        requests: Vec::new(),
+        free_rows: (0..CAPACITY).rev().collect(),
+        rewrite: HashSet::new(),
+        rng: Rng(2026),
+        slots: Vec::new(),
+        k: Vec::new(),
+        v: Vec::new(),
+        slots_dev: s.alloc_zeros(max_step_tokens).map_err(cuda)?,
+        k_dev: s.alloc_zeros(max_step_tokens * ROW).map_err(cuda)?,
+        v_dev: s.alloc_zeros(max_step_tokens * ROW).map_err(cuda)?,
+    };
+    e.tables.set_batch(CAPACITY)?;
+
+    // Made once: the plan for the capacity, its workspace, the step's buffers, the graph.
+    let plan = DecodePlan::new(&gpu, e.dev.layout(), CAPACITY, HEADS, 1, MAX_CTX)?;
+    let mut ws = DecodeWorkspace::new(&plan)?;
+    let rows = RowStrides::token_major(HEADS, 1, D);
+    let q_host: Vec<f16> = (0..CAPACITY * HEADS * D)
+        .map(|_| f16::from_f32(e.rng.normal()))
+        .collect();
+    let q = s.clone_htod(&q_host).map_err(cuda)?;
+    let mut out = s.alloc_zeros::<f16>(CAPACITY * HEADS * D).map_err(cuda)?;
+    e.tables.upload()?;
+    gpu.synchronize()?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        .map_err(cuda)?;
+    plan.decode_step(
+        &mut ws,
+        &e.dev,
+        &e.tables,
+        DecodeStep {
+            q_len: 1,
+            q: &q,
+            q_rows: rows,
+            out: &mut out,
+            out_rows: rows,
+            lse: None,
+        },
+    )?;
+    let graph = s
+        .end_capture(CUgraphInstantiate_flags(0))
+        .map_err(cuda)?
+        .ok_or_else(|| kvq::Error::Cuda("empty capture".into()))?;
+    graph.upload().map_err(cuda)?;
+
+    let ctx = gpu.context().clone();
+    let mut events = Vec::new();
+    let (mut host_tables_us, mut host_launch_us) = (Vec::new(), Vec::new());
+    let (mut decoded, mut checked, mut forked) = (0usize, 0usize, false);
+    let started = Instant::now();
+    for step in 0..steps {
+        // Arrivals, while the pool can hold every admitted request to its end.
+        while e.requests.len() < CAPACITY + 8
+            && e.blocks_needed() + 64 < NUM_BLOCKS
+            && e.rng.below(3) != 0
+        {
+            e.admit();
+        }
+        // A fork once the batch is busy: parallel sampling of a running request.
+        if !forked && step > 20 {
+            if let Some(i) = e.requests.iter().position(|r| r.row.is_some()) {
+                if let Some(row) = e.free_rows.pop() {
+                    let parent = &e.requests[i];
+                    let seq = e.alloc.fork(parent.seq)?;
+                    let (prompt, to_generate) = (parent.prompt, parent.to_generate);
+                    e.requests.push(Request {
+                        seq,
+                        prompt,
+                        prefilled: prompt,
+                        to_generate,
+                        row: Some(row),
+                    });
+                    e.rewrite.insert(seq);
+                    forked = true;
+                    println!("step {step}: request {i} forked into row {row} (copy-on-write)");
+                }
+            }
+        }
+        // Prefill chunks, then one new token per decoding request.
+        let mut budget = PREFILL_BUDGET;
+        for i in 0..e.requests.len() {
+            let r = &e.requests[i];
+            if r.prefilled < r.prompt && budget > 0 {
+                let n = (r.prompt - r.prefilled).min(budget);
+                let seq = r.seq;
+                e.reserve(seq, n)?;
+                e.requests[i].prefilled += n;
+                budget -= n;
+            }
+        }
+        for i in 0..e.requests.len() {
+            let r = &e.requests[i];
+            if r.prefilled == r.prompt && r.row.is_none() {
+                if let Some(row) = e.free_rows.pop() {
+                    e.requests[i].row = Some(row);
+                    let seq = e.requests[i].seq;
+                    e.rewrite.insert(seq);
+                }
+            }
+            if e.requests[i].row.is_some() {
+                let seq = e.requests[i].seq;
+                e.reserve(seq, 1)?;
+            }
+        }
+        e.flush_appends()?;
+
+        // kvq's per-step host work: the rows that changed, one upload, one graph launch.
+        let t0 = Instant::now();
+        for r in &e.requests {
+            if let Some(row) = r.row {
+                let blocks = e.alloc.block_table(r.seq)?;
+                let len = e.alloc.len(r.seq)?;
+                if e.rewrite.contains(&r.seq) {
+                    e.tables.set_row(row, blocks, len)?;
+                } else {
+                    // The common case: at most one new block, and a longer length.
+                    for &b in &blocks[e.tables.row_blocks(row).unwrap_or(0)..] {
+                        e.tables.push_block(row, b)?;
+                    }
+                    e.tables.set_len(row, len)?;
+                }
+            }
+        }
+        e.rewrite.clear();
+        e.tables.upload()?;
+        let t1 = Instant::now();
+        let (start, end) = (
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(cuda)?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(cuda)?,
+        );
+        start.record(&s).map_err(cuda)?;
+        let t2 = Instant::now();
+        graph.launch().map_err(cuda)?;
+        let t3 = Instant::now();
+        end.record(&s).map_err(cuda)?;
+        host_tables_us.push((t1 - t0).as_secs_f64() * 1e6);
+        host_launch_us.push((t3 - t2).as_secs_f64() * 1e6);
+        let live: Vec<(usize, SeqId)> = e
+            .requests
+            .iter()
+            .filter_map(|r| r.row.map(|row| (row, r.seq)))
+            .collect();
+        events.push((start, end, live.len()));
+        decoded += live.len();
+
+        // A few steps against the CPU reference (every live row).
+        if !live.is_empty() && (step == 5 || step == steps / 2 || step + 1 == steps || step == 25) {
+            let got = s.clone_dtoh(&out).map_err(cuda)?;
+            for &(row, seq) in &live {
+                let tables = e.alloc.block_tables(&[seq])?;
+                let qr: Vec<f32> = q_host[row * HEADS * D..(row + 1) * HEADS * D]
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect();
+                let want = decode_attention(
+                    &e.host,
+                    &tables,
+                    &qr,
+                    &DecodeShape::new(HEADS, 1, D),
+                    Accum::F64,
+                )?;
+                let g = &got[row * HEADS * D..(row + 1) * HEADS * D];
+                let (mut num, mut den) = (0f64, 0f64);
+                for (a, &b) in g.iter().zip(&want.out) {
+                    let d = a.to_f32() as f64 - b as f64;
+                    num += d * d;
+                    den += (b as f64) * (b as f64);
+                }
+                let rel = (num / den).sqrt();
+                if rel > 2e-3 {
+                    return Err(kvq::Error::InvalidArgument(format!(
+                        "step {step} row {row}: GPU differs from the CPU by {rel:.2e}"
+                    )));
+                }
+            }
+            checked += 1;
+            println!(
+                "step {step}: {} live rows match the CPU reference",
+                live.len()
+            );
+        }
+
+        // Finished requests free their blocks and rows (padding from the next step on).
+        let mut i = 0;
+        while i < e.requests.len() {
+            let r = &mut e.requests[i];
+            if r.row.is_some() {
+                r.to_generate -= 1;
+            }
+            if r.to_generate == 0 {
+                let r = e.requests.swap_remove(i);
+                e.alloc.free(r.seq)?;
+                if let Some(row) = r.row {
+                    e.tables.clear_row(row)?;
+                    e.free_rows.push(row);
+                }
+            } else {
+                i += 1;
+            }
+        }
+    }
+    gpu.synchronize()?;
+    let wall = started.elapsed().as_secs_f64();
+    let mut gpu_ms = 0f64;
+    for (a, b, _) in &events {
+        gpu_ms += a.elapsed_ms(b).map_err(cuda)? as f64;
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let avg_batch = decoded as f64 / steps as f64;
+    println!(
+        "\n{steps} steps ({k} keys, {v} values), capacity {CAPACITY}, mean batch {avg_batch:.1}, \
+         {checked} steps checked against the CPU"
+    );
+    println!(
+        "decode: {:.0} tokens/s of attention GPU time ({:.1} us per step); whole loop incl. \
+         host appends and CPU mirror: {:.1} s",
+        decoded as f64 / (gpu_ms / 1e3),
+        gpu_ms * 1e3 / steps as f64,
+        wall
+    );
+    println!(
+        "host per step (median): table updates + upload {:.1} us, graph launch {:.1} us",
+        median(&mut host_tables_us),
+        median(&mut host_launch_us)
+    );
+
+    // The capacity shape: every row a sequence of MAX_CTX / 2 tokens (over whatever the pool
+    // holds), through the graph, against a plan made for exactly this batch (no graph).
+    let fill = MAX_CTX / 2;
+    let per_row = fill.div_ceil(BS);
+    for row in 0..CAPACITY {
+        let blocks: Vec<i32> = (0..per_row).map(|i| (row * per_row + i) as i32).collect();
+        e.tables.set_row(row, &blocks, fill)?;
+    }
+    e.tables.upload()?;
+    let exact = DecodePlan::new(&gpu, e.dev.layout(), CAPACITY, HEADS, 1, fill)?;
+    let mut ws2 = DecodeWorkspace::new(&exact)?;
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        for _ in 0..5 {
+            f()?;
+        }
+        let (a, b) = (
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(cuda)?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(cuda)?,
+        );
+        a.record(&s).map_err(cuda)?;
+        for _ in 0..50 {
+            f()?;
+        }
+        b.record(&s).map_err(cuda)?;
+        b.synchronize().map_err(cuda)?;
+        Ok(a.elapsed_ms(&b).map_err(cuda)? as f64 * 1e3 / 50.0)
+    };
+    let via_graph = time(&mut || graph.launch().map_err(cuda))?;
+    let via_exact = time(&mut || {
+        exact.decode_step(
+            &mut ws2,
+            &e.dev,
+            &e.tables,
+            DecodeStep {
+                q_len: 1,
+                q: &q,
+                q_rows: rows,
+                out: &mut out,
+                out_rows: rows,
+                lse: None,
+            },
+        )
+    })?;
+    println!(
+        "capacity shape B={CAPACITY} L={fill} (L2 warm, back to back): capacity plan via graph \
+         {via_graph:.1} us, plan for exactly this shape {via_exact:.1} us ({:+.1} %)",
+        (via_graph / via_exact - 1.0) * 100.0
+    );
+    e.dev.check_appends()?;
+    Ok(())
+}
+
+fn main() {
+    let mut steps = 200;
+    let mut format = "int4".to_string();
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--steps" => steps = args.next().and_then(|s| s.parse().ok()).unwrap_or(steps),
+            "--format" => format = args.next().unwrap_or(format),
+            other => {
+                eprintln!("unknown argument {other}; use --steps N --format int4|fp8|f16");
+                std::process::exit(2);
+            }
+        }
+    }
+    let (k, v) = match format.as_str() {
+        "int4" => (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        "fp8" => (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        "f16" => (KvFormat::F16, KvFormat::F16),
+        other => {
+            eprintln!("unknown format {other}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(err) = run(steps, k, v) {
+        eprintln!("engine_step: {err}");
+        std::process::exit(1);
+    }
+}

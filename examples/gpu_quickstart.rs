@@ -1,0 +1,65 @@
+//! The README's GPU section, as a program that compiles and runs (tests/readme.rs checks that
+//! the README shows exactly the lines between the markers).
+//!
+//! ```sh
+//! cargo run --release --features cuda --example gpu_quickstart
+//! ```
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("gpu_quickstart: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> kvq::Result<()> {
+    // README:begin
+    use kvq::cache::BlockAllocator;
+    use kvq::cuda::decode::{DecodeStep, RowStrides};
+    use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops};
+    use kvq::{CacheConfig, KvFormat};
+
+    let cuda = |e| kvq::Error::Cuda(format!("{e}"));
+    // kvq's own stream here; Gpu::from_stream / Gpu::from_raw take the engine's.
+    let gpu = Gpu::new(0)?;
+    let s = gpu.stream().clone();
+    let (heads, kv_heads, d, block) = (32, 8, 128, 16);
+    let config = CacheConfig::new(kv_heads, d, block, KvFormat::Int4Sym32, KvFormat::Int4Affine64)?;
+    let num_blocks = 4096;
+    let mut cache = DeviceCache::new(&gpu, config, num_blocks)?; // one layer's pool
+    let mut alloc = BlockAllocator::new(num_blocks, block)?; // one allocator for every layer
+
+    // Once, for the capacity: the plan, its workspace and the block tables.
+    let (max_batch, max_q_len, max_context) = (64, 1, 8192);
+    let plan = DecodePlan::new(&gpu, cache.layout(), max_batch, heads, max_q_len, max_context)?;
+    let mut ws = DecodeWorkspace::new(&plan)?;
+    let mut tables = DeviceBlockTables::with_capacity(&cache, max_batch, max_context / block)?;
+    // The engine's tensors: K/V rows [tokens, kv_heads, d], q and out [tokens, heads, d].
+    let k_new = s.alloc_zeros::<half::f16>(max_batch * kv_heads * d).map_err(cuda)?;
+    let v_new = s.alloc_zeros::<half::f16>(max_batch * kv_heads * d).map_err(cuda)?;
+    let q = s.alloc_zeros::<half::f16>(max_batch * heads * d).map_err(cuda)?;
+    let mut out = s.alloc_zeros::<f32>(max_batch * heads * d).map_err(cuda)?; // any output type
+
+    // Every step, for each sequence (here one, in batch row 0): slots for its new token, the
+    // copy-on-write copies of a forked sequence, the append, the row; then one decode.
+    let seq = alloc.create_sequence();
+    let r = alloc.reserve(seq, 1)?;
+    cache.copy_blocks(&r.copies)?;
+    let slots: Vec<i32> = r.slots.iter().map(|&x| x as i32).collect();
+    let slots = s.clone_htod(&slots).map_err(cuda)?;
+    ops::append(&mut cache, &slots, &k_new, &v_new, 1)?;
+    tables.set_row(0, alloc.block_table(seq)?, alloc.len(seq)?)?;
+    tables.set_batch(1)?; // rows past the batch are ignored; rows of length 0 are padding
+    tables.upload()?; // one async copy of what changed, from pinned memory
+    let rows = RowStrides::token_major(heads, 1, d);
+    plan.decode_step(
+        &mut ws,
+        &cache,
+        &tables,
+        DecodeStep { q_len: 1, q: &q, q_rows: rows, out: &mut out, out_rows: rows, lse: None },
+    )?; // queued on the plan's stream: no allocation, no host sync, capturable in a graph
+    cache.check_appends()?; // now and then: slots or block ids outside the pool are errors
+    // README:end
+    println!("decoded one step: {} output values", out.len());
+    Ok(())
+}
