@@ -129,9 +129,16 @@ impl KvFormat {
         Ok(())
     }
 
-    /// Bytes of codes in one row.
+    /// Bytes of codes in one row: `head_dim × bits / 8`, computed without overflowing (it
+    /// saturates at `usize::MAX` for a `head_dim` no row can have; [`CacheConfig`] rejects
+    /// those with [`Error::Overflow`]).
+    ///
+    /// [`CacheConfig`]: crate::CacheConfig
     pub const fn code_bytes(self, head_dim: usize) -> usize {
-        head_dim * self.bits() as usize / 8
+        let bits = self.bits() as usize;
+        (head_dim / 8)
+            .saturating_mul(bits)
+            .saturating_add(head_dim % 8 * bits / 8)
     }
 
     /// Bytes of per-group metadata in one row (f16 scales; scale+zero pairs for affine INT4).
