@@ -495,7 +495,7 @@ fn fp8_scales<T: Element>(
             vec![s]
         }
         Fp8ScaleChoice::PerTensorAmax => vec![kind.scale_from_amax(sanitized_amax(data))],
-        Fp8ScaleChoice::PerHeadAmax => head_amax(data, geometry.heads, geometry.head_dim)
+        Fp8ScaleChoice::PerHeadAmax => head_amax(data, geometry.heads, geometry.head_dim)?
             .into_iter()
             .map(|a| kind.scale_from_amax(a))
             .collect(),

@@ -87,3 +87,22 @@ pub enum Error {
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An empty vector with room for `n` elements, or [`Error::Alloc`] when the memory is not
+/// there: a buffer of a valid size may still be more than the machine has, and running out must
+/// be an error, not an abort.
+pub(crate) fn reserved<T>(n: usize, what: &'static str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::Alloc {
+        what,
+        bytes: n.saturating_mul(size_of::<T>()),
+    })?;
+    Ok(v)
+}
+
+/// A vector of `n` copies of `value`, allocated as [`reserved`] does.
+pub(crate) fn filled<T: Clone>(n: usize, value: T, what: &'static str) -> Result<Vec<T>> {
+    let mut v = reserved(n, what)?;
+    v.resize(n, value);
+    Ok(v)
+}

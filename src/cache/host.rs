@@ -149,7 +149,7 @@ impl HostCache {
             let Some(kind) = format.fp8_kind() else {
                 continue;
             };
-            let mut amax = head_amax(x, c.num_kv_heads, c.head_dim);
+            let mut amax = head_amax(x, c.num_kv_heads, c.head_dim)?;
             if granularity == ScaleGranularity::PerTensor {
                 let all = amax.iter().copied().fold(0.0, f32::max);
                 amax.fill(all);
