@@ -18,7 +18,7 @@
 //! INT4 codes are packed two per byte, element `2i` in the low nibble. All multi-byte values are
 //! little-endian.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, filled};
 use crate::format::{Element, Fp8Kind, KvFormat, head_amax, int4, sanitize, sanitized_amax};
 use half::f16;
 use std::fmt;
@@ -263,7 +263,13 @@ impl QuantizedTensor {
         let Some((&code_dim, prefix)) = codes.shape.split_last() else {
             return Err(bad("codes have no axes".into()));
         };
-        let head_dim = code_dim * 8 / format.bits() as usize;
+        // With an empty axis before it, the last axis can be any size without any bytes.
+        let per_byte = 8 / format.bits() as usize; // 1 or 2 codes per byte
+        let head_dim = code_dim.checked_mul(per_byte).ok_or(Error::Overflow {
+            what: "head_dim of the codes (last axis × codes per byte)",
+            lhs: code_dim,
+            rhs: per_byte,
+        })?;
         let mut shape = prefix.to_vec();
         shape.push(head_dim);
         let geometry = Geometry::of(format, &shape)?;
@@ -306,6 +312,7 @@ impl QuantizedTensor {
             (_, None) => {}
         }
         check_scale_values(format, &scales, zeros.as_ref())?;
+        check_codes(format, &codes)?;
         Ok(QuantizedTensor {
             format,
             shape,
@@ -427,11 +434,15 @@ fn check_scale_values(
     zeros: Option<&StoredTensor>,
 ) -> Result<()> {
     // FP8 divides by its scale, so it must be positive; INT4 scales are 0 for all-zero groups.
+    // An f32 scale must also keep the largest code finite: FP8's max_finite, INT4's 8 (f16
+    // scales always do: 15 × 65504 + 65504 is far below f32's range).
     let fp8 = format.fp8_kind().is_some();
+    let max_code = format.fp8_kind().map_or(8.0, Fp8Kind::max_finite);
     for s in scales.floats().unwrap_or_default() {
-        if !s.is_finite() || s < 0.0 || (fp8 && s == 0.0) {
+        let zero_ok = !fp8 && s == 0.0;
+        if !(zero_ok || f32_scale_decodes_finite(s, max_code)) {
             return Err(Error::Scale {
-                what: "stored scale",
+                what: "stored scale (positive, or 0 for INT4; max code × scale finite)",
                 value: s,
             });
         }
@@ -444,6 +455,26 @@ fn check_scale_values(
         }
     }
     Ok(())
+}
+
+/// Whether an f32 scale is positive and finite and keeps the largest code (`max_code`) finite.
+fn f32_scale_decodes_finite(s: f32, max_code: f32) -> bool {
+    s.is_finite() && s > 0.0 && (max_code * s).is_finite()
+}
+
+/// Reject FP8 codes that are NaN or infinity (0x7F / 0xFF in E4M3, 0x7C..=0x7F and
+/// 0xFC..=0xFF in E5M2): the encoder never writes them, and they decode to non-finite values.
+fn check_codes(format: DenseFormat, codes: &StoredTensor) -> Result<()> {
+    let Some(kind) = format.fp8_kind() else {
+        return Ok(()); // every 4-bit code decodes to a finite value
+    };
+    match codes.data.iter().position(|&c| !kind.decode(c).is_finite()) {
+        Some(i) => Err(Error::InvalidArgument(format!(
+            "{format} tensor: code {i} is {:#04x}, which is not a finite {format} value",
+            codes.data[i]
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Quantize a dense tensor of `shape` (`[..., heads, head_dim]`, row-major) held in `data`.
@@ -486,9 +517,10 @@ fn fp8_scales<T: Element>(
 ) -> Result<Vec<f32>> {
     Ok(match choice {
         Fp8ScaleChoice::Fixed(s) => {
-            if !(s.is_finite() && s > 0.0) {
+            // The rule from_parts applies to stored scales, so a tensor always reads back.
+            if !f32_scale_decodes_finite(s, kind.max_finite()) {
                 return Err(Error::Scale {
-                    what: "fixed FP8 scale",
+                    what: "fixed FP8 scale (max_finite × scale must be finite too)",
                     value: s,
                 });
             }
@@ -515,9 +547,10 @@ fn quantize_rows<T: Element>(
         Some(kind) => fp8_scales(kind, data, geometry, choice)?,
         None => vec![1.0], // unused by INT4
     };
+    // Both fit: the codes and metadata of a row are no larger than its f32 elements.
     let (code_len, meta_len) = (kv.code_bytes(d), kv.meta_bytes(d));
-    let mut codes = vec![0u8; geometry.rows * code_len];
-    let mut meta = vec![0u8; geometry.rows * meta_len];
+    let mut codes = filled(geometry.rows * code_len, 0u8, "quantized codes")?;
+    let mut meta = filled(geometry.rows * meta_len, 0u8, "quantized scales")?;
     let mut non_finite = 0u64;
     for (r, (x, c)) in data
         .chunks_exact(d)
@@ -531,7 +564,7 @@ fn quantize_rows<T: Element>(
         } else {
             r % geometry.heads
         }];
-        non_finite += kv.encode_row(x, s, c, m);
+        non_finite += kv.try_encode_row(x, s, c, m)?;
     }
 
     let codes = StoredTensor::new(StoredDtype::U8, geometry.codes_shape(format), codes)?;
@@ -582,7 +615,7 @@ fn quantize_uniform<T: Element>(data: &[T], geometry: &Geometry) -> Result<Quant
         non_finite += bad as u64;
         int4::quantize_uniform(v, s) as u8
     });
-    let mut codes = vec![0u8; data.len() / 2];
+    let mut codes = filled(data.len() / 2, 0u8, "quantized codes")?;
     int4::pack_nibbles(codes_iter, &mut codes);
     Ok(QuantizedTensor {
         format,
