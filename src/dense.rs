@@ -25,22 +25,28 @@ use std::fmt;
 
 /// A dense-tensor quantization format: the four quantized cache formats plus a per-tensor INT4
 /// baseline that exists only to show what grouping buys.
+///
+/// [`KvFormat`] is the source of truth: a dense format is a quantized cache format
+/// ([`kv_format`](Self::kv_format)) with its name, element math and head_dim rule, or
+/// `int4-uniform`. The variants are spelled out (rather than wrapping a `KvFormat`) so callers
+/// can match on them exhaustively; [`TryFrom<KvFormat>`] and `kv_format` convert both ways.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DenseFormat {
-    /// FP8 E4M3 with an f32 scale per tensor or per head.
+    /// [`KvFormat::Fp8E4m3`], with an f32 scale per tensor or per head.
     Fp8E4m3,
-    /// FP8 E5M2 with an f32 scale per tensor or per head.
+    /// [`KvFormat::Fp8E5m2`], with an f32 scale per tensor or per head.
     Fp8E5m2,
-    /// Symmetric INT4, groups of 32 along `head_dim`, f16 scale per group.
+    /// [`KvFormat::Int4Sym32`]: symmetric INT4, groups of 32, f16 scale per group.
     Int4K32,
-    /// Affine INT4, groups of 64 along `head_dim`, f16 scale and zero per group.
+    /// [`KvFormat::Int4Affine64`]: affine INT4, groups of 64, f16 scale and zero per group.
     Int4V64,
     /// Symmetric INT4 with one f32 scale for the whole tensor (reference baseline only).
     Int4Uniform,
 }
 
 impl DenseFormat {
-    /// Every format, in a fixed order.
+    /// Every format, in a fixed order: the quantized [`KvFormat`]s in their order, then
+    /// `int4-uniform`.
     pub const ALL: [DenseFormat; 5] = [
         DenseFormat::Fp8E4m3,
         DenseFormat::Fp8E5m2,
@@ -49,31 +55,8 @@ impl DenseFormat {
         DenseFormat::Int4Uniform,
     ];
 
-    /// Name used by the CLI and in file metadata: `fp8-e4m3`, `fp8-e5m2`, `int4-k32`,
-    /// `int4-v64`, `int4-uniform`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            DenseFormat::Fp8E4m3 => "fp8-e4m3",
-            DenseFormat::Fp8E5m2 => "fp8-e5m2",
-            DenseFormat::Int4K32 => "int4-k32",
-            DenseFormat::Int4V64 => "int4-v64",
-            DenseFormat::Int4Uniform => "int4-uniform",
-        }
-    }
-
-    /// Parse a [`name`](Self::name).
-    pub fn from_name(name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.name() == name)
-            .ok_or_else(|| {
-                let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
-                Error::InvalidArgument(format!(
-                    "unknown format '{name}' (known: {})",
-                    known.join(", ")
-                ))
-            })
-    }
+    /// Name of the one format that is not a cache format.
+    const UNIFORM_NAME: &'static str = "int4-uniform";
 
     /// The cache format with the same element math, for all but `int4-uniform`.
     pub const fn kv_format(self) -> Option<KvFormat> {
@@ -84,6 +67,21 @@ impl DenseFormat {
             DenseFormat::Int4V64 => Some(KvFormat::Int4Affine64),
             DenseFormat::Int4Uniform => None,
         }
+    }
+
+    /// Name used by the CLI and in file metadata: the [`KvFormat::name`] of
+    /// [`kv_format`](Self::kv_format) (`fp8-e4m3`, `fp8-e5m2`, `int4-k32`, `int4-v64`), or
+    /// `int4-uniform`.
+    pub const fn name(self) -> &'static str {
+        match self.kv_format() {
+            Some(kv) => kv.name(),
+            None => Self::UNIFORM_NAME,
+        }
+    }
+
+    /// Parse a [`name`](Self::name) (the same as `str::parse`).
+    pub fn from_name(name: &str) -> Result<Self> {
+        name.parse()
     }
 
     /// The FP8 encoding, for FP8 formats.
@@ -116,9 +114,37 @@ impl DenseFormat {
         }
     }
 
-    /// Bytes of codes for one row of `head_dim` elements.
+    /// Bytes of codes for one row of `head_dim` elements (saturating, as
+    /// [`KvFormat::code_bytes`]).
     pub const fn code_bytes(self, head_dim: usize) -> usize {
-        head_dim * self.bits() as usize / 8
+        match self.kv_format() {
+            Some(kv) => kv.code_bytes(head_dim),
+            None => head_dim / 2,
+        }
+    }
+
+    fn unknown(name: &str) -> Error {
+        let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
+        Error::InvalidArgument(format!(
+            "unknown format '{name}' (known: {})",
+            known.join(", ")
+        ))
+    }
+}
+
+impl TryFrom<KvFormat> for DenseFormat {
+    type Error = Error;
+    /// The dense format of a quantized cache format; f16 and bf16 have none
+    /// ([`Error::Unsupported`]).
+    fn try_from(kv: KvFormat) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.kv_format() == Some(kv))
+            .ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "{kv} is stored as is: there is no dense quantized format for it"
+                ))
+            })
     }
 }
 
@@ -130,8 +156,15 @@ impl fmt::Display for DenseFormat {
 
 impl std::str::FromStr for DenseFormat {
     type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Self::from_name(s)
+    /// `int4-uniform`, or a [`KvFormat`] name that has a dense format.
+    fn from_str(name: &str) -> Result<Self> {
+        if name == Self::UNIFORM_NAME {
+            return Ok(DenseFormat::Int4Uniform);
+        }
+        name.parse::<KvFormat>()
+            .ok()
+            .and_then(|kv| Self::try_from(kv).ok())
+            .ok_or_else(|| Self::unknown(name))
     }
 }
 
