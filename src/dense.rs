@@ -18,29 +18,35 @@
 //! INT4 codes are packed two per byte, element `2i` in the low nibble. All multi-byte values are
 //! little-endian.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, filled};
 use crate::format::{Element, Fp8Kind, KvFormat, head_amax, int4, sanitize, sanitized_amax};
 use half::f16;
 use std::fmt;
 
 /// A dense-tensor quantization format: the four quantized cache formats plus a per-tensor INT4
 /// baseline that exists only to show what grouping buys.
+///
+/// [`KvFormat`] is the source of truth: a dense format is a quantized cache format
+/// ([`kv_format`](Self::kv_format)) with its name, element math and head_dim rule, or
+/// `int4-uniform`. The variants are spelled out (rather than wrapping a `KvFormat`) so callers
+/// can match on them exhaustively; [`TryFrom<KvFormat>`] and `kv_format` convert both ways.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DenseFormat {
-    /// FP8 E4M3 with an f32 scale per tensor or per head.
+    /// [`KvFormat::Fp8E4m3`], with an f32 scale per tensor or per head.
     Fp8E4m3,
-    /// FP8 E5M2 with an f32 scale per tensor or per head.
+    /// [`KvFormat::Fp8E5m2`], with an f32 scale per tensor or per head.
     Fp8E5m2,
-    /// Symmetric INT4, groups of 32 along `head_dim`, f16 scale per group.
+    /// [`KvFormat::Int4Sym32`]: symmetric INT4, groups of 32, f16 scale per group.
     Int4K32,
-    /// Affine INT4, groups of 64 along `head_dim`, f16 scale and zero per group.
+    /// [`KvFormat::Int4Affine64`]: affine INT4, groups of 64, f16 scale and zero per group.
     Int4V64,
     /// Symmetric INT4 with one f32 scale for the whole tensor (reference baseline only).
     Int4Uniform,
 }
 
 impl DenseFormat {
-    /// Every format, in a fixed order.
+    /// Every format, in a fixed order: the quantized [`KvFormat`]s in their order, then
+    /// `int4-uniform`.
     pub const ALL: [DenseFormat; 5] = [
         DenseFormat::Fp8E4m3,
         DenseFormat::Fp8E5m2,
@@ -49,31 +55,8 @@ impl DenseFormat {
         DenseFormat::Int4Uniform,
     ];
 
-    /// Name used by the CLI and in file metadata: `fp8-e4m3`, `fp8-e5m2`, `int4-k32`,
-    /// `int4-v64`, `int4-uniform`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            DenseFormat::Fp8E4m3 => "fp8-e4m3",
-            DenseFormat::Fp8E5m2 => "fp8-e5m2",
-            DenseFormat::Int4K32 => "int4-k32",
-            DenseFormat::Int4V64 => "int4-v64",
-            DenseFormat::Int4Uniform => "int4-uniform",
-        }
-    }
-
-    /// Parse a [`name`](Self::name).
-    pub fn from_name(name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.name() == name)
-            .ok_or_else(|| {
-                let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
-                Error::InvalidArgument(format!(
-                    "unknown format '{name}' (known: {})",
-                    known.join(", ")
-                ))
-            })
-    }
+    /// Name of the one format that is not a cache format.
+    const UNIFORM_NAME: &'static str = "int4-uniform";
 
     /// The cache format with the same element math, for all but `int4-uniform`.
     pub const fn kv_format(self) -> Option<KvFormat> {
@@ -84,6 +67,21 @@ impl DenseFormat {
             DenseFormat::Int4V64 => Some(KvFormat::Int4Affine64),
             DenseFormat::Int4Uniform => None,
         }
+    }
+
+    /// Name used by the CLI and in file metadata: the [`KvFormat::name`] of
+    /// [`kv_format`](Self::kv_format) (`fp8-e4m3`, `fp8-e5m2`, `int4-k32`, `int4-v64`), or
+    /// `int4-uniform`.
+    pub const fn name(self) -> &'static str {
+        match self.kv_format() {
+            Some(kv) => kv.name(),
+            None => Self::UNIFORM_NAME,
+        }
+    }
+
+    /// Parse a [`name`](Self::name) (the same as `str::parse`).
+    pub fn from_name(name: &str) -> Result<Self> {
+        name.parse()
     }
 
     /// The FP8 encoding, for FP8 formats.
@@ -116,9 +114,37 @@ impl DenseFormat {
         }
     }
 
-    /// Bytes of codes for one row of `head_dim` elements.
+    /// Bytes of codes for one row of `head_dim` elements (saturating, as
+    /// [`KvFormat::code_bytes`]).
     pub const fn code_bytes(self, head_dim: usize) -> usize {
-        head_dim * self.bits() as usize / 8
+        match self.kv_format() {
+            Some(kv) => kv.code_bytes(head_dim),
+            None => head_dim / 2,
+        }
+    }
+
+    fn unknown(name: &str) -> Error {
+        let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
+        Error::InvalidArgument(format!(
+            "unknown format '{name}' (known: {})",
+            known.join(", ")
+        ))
+    }
+}
+
+impl TryFrom<KvFormat> for DenseFormat {
+    type Error = Error;
+    /// The dense format of a quantized cache format; f16 and bf16 have none
+    /// ([`Error::Unsupported`]).
+    fn try_from(kv: KvFormat) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|f| f.kv_format() == Some(kv))
+            .ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "{kv} is stored as is: there is no dense quantized format for it"
+                ))
+            })
     }
 }
 
@@ -130,8 +156,15 @@ impl fmt::Display for DenseFormat {
 
 impl std::str::FromStr for DenseFormat {
     type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        Self::from_name(s)
+    /// `int4-uniform`, or a [`KvFormat`] name that has a dense format.
+    fn from_str(name: &str) -> Result<Self> {
+        if name == Self::UNIFORM_NAME {
+            return Ok(DenseFormat::Int4Uniform);
+        }
+        name.parse::<KvFormat>()
+            .ok()
+            .and_then(|kv| Self::try_from(kv).ok())
+            .ok_or_else(|| Self::unknown(name))
     }
 }
 
@@ -263,7 +296,13 @@ impl QuantizedTensor {
         let Some((&code_dim, prefix)) = codes.shape.split_last() else {
             return Err(bad("codes have no axes".into()));
         };
-        let head_dim = code_dim * 8 / format.bits() as usize;
+        // With an empty axis before it, the last axis can be any size without any bytes.
+        let per_byte = 8 / format.bits() as usize; // 1 or 2 codes per byte
+        let head_dim = code_dim.checked_mul(per_byte).ok_or(Error::Overflow {
+            what: "head_dim of the codes (last axis × codes per byte)",
+            lhs: code_dim,
+            rhs: per_byte,
+        })?;
         let mut shape = prefix.to_vec();
         shape.push(head_dim);
         let geometry = Geometry::of(format, &shape)?;
@@ -306,6 +345,7 @@ impl QuantizedTensor {
             (_, None) => {}
         }
         check_scale_values(format, &scales, zeros.as_ref())?;
+        check_codes(format, &codes)?;
         Ok(QuantizedTensor {
             format,
             shape,
@@ -427,11 +467,15 @@ fn check_scale_values(
     zeros: Option<&StoredTensor>,
 ) -> Result<()> {
     // FP8 divides by its scale, so it must be positive; INT4 scales are 0 for all-zero groups.
+    // An f32 scale must also keep the largest code finite: FP8's max_finite, INT4's 8 (f16
+    // scales always do: 15 × 65504 + 65504 is far below f32's range).
     let fp8 = format.fp8_kind().is_some();
+    let max_code = format.fp8_kind().map_or(8.0, Fp8Kind::max_finite);
     for s in scales.floats().unwrap_or_default() {
-        if !s.is_finite() || s < 0.0 || (fp8 && s == 0.0) {
+        let zero_ok = !fp8 && s == 0.0;
+        if !(zero_ok || f32_scale_decodes_finite(s, max_code)) {
             return Err(Error::Scale {
-                what: "stored scale",
+                what: "stored scale (positive, or 0 for INT4; max code × scale finite)",
                 value: s,
             });
         }
@@ -444,6 +488,26 @@ fn check_scale_values(
         }
     }
     Ok(())
+}
+
+/// Whether an f32 scale is positive and finite and keeps the largest code (`max_code`) finite.
+fn f32_scale_decodes_finite(s: f32, max_code: f32) -> bool {
+    s.is_finite() && s > 0.0 && (max_code * s).is_finite()
+}
+
+/// Reject FP8 codes that are NaN or infinity (0x7F / 0xFF in E4M3, 0x7C..=0x7F and
+/// 0xFC..=0xFF in E5M2): the encoder never writes them, and they decode to non-finite values.
+fn check_codes(format: DenseFormat, codes: &StoredTensor) -> Result<()> {
+    let Some(kind) = format.fp8_kind() else {
+        return Ok(()); // every 4-bit code decodes to a finite value
+    };
+    match codes.data.iter().position(|&c| !kind.decode(c).is_finite()) {
+        Some(i) => Err(Error::InvalidArgument(format!(
+            "{format} tensor: code {i} is {:#04x}, which is not a finite {format} value",
+            codes.data[i]
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Quantize a dense tensor of `shape` (`[..., heads, head_dim]`, row-major) held in `data`.
@@ -486,16 +550,17 @@ fn fp8_scales<T: Element>(
 ) -> Result<Vec<f32>> {
     Ok(match choice {
         Fp8ScaleChoice::Fixed(s) => {
-            if !(s.is_finite() && s > 0.0) {
+            // The rule from_parts applies to stored scales, so a tensor always reads back.
+            if !f32_scale_decodes_finite(s, kind.max_finite()) {
                 return Err(Error::Scale {
-                    what: "fixed FP8 scale",
+                    what: "fixed FP8 scale (max_finite × scale must be finite too)",
                     value: s,
                 });
             }
             vec![s]
         }
         Fp8ScaleChoice::PerTensorAmax => vec![kind.scale_from_amax(sanitized_amax(data))],
-        Fp8ScaleChoice::PerHeadAmax => head_amax(data, geometry.heads, geometry.head_dim)
+        Fp8ScaleChoice::PerHeadAmax => head_amax(data, geometry.heads, geometry.head_dim)?
             .into_iter()
             .map(|a| kind.scale_from_amax(a))
             .collect(),
@@ -515,9 +580,10 @@ fn quantize_rows<T: Element>(
         Some(kind) => fp8_scales(kind, data, geometry, choice)?,
         None => vec![1.0], // unused by INT4
     };
+    // Both fit: the codes and metadata of a row are no larger than its f32 elements.
     let (code_len, meta_len) = (kv.code_bytes(d), kv.meta_bytes(d));
-    let mut codes = vec![0u8; geometry.rows * code_len];
-    let mut meta = vec![0u8; geometry.rows * meta_len];
+    let mut codes = filled(geometry.rows * code_len, 0u8, "quantized codes")?;
+    let mut meta = filled(geometry.rows * meta_len, 0u8, "quantized scales")?;
     let mut non_finite = 0u64;
     for (r, (x, c)) in data
         .chunks_exact(d)
@@ -531,7 +597,7 @@ fn quantize_rows<T: Element>(
         } else {
             r % geometry.heads
         }];
-        non_finite += kv.encode_row(x, s, c, m);
+        non_finite += kv.try_encode_row(x, s, c, m)?;
     }
 
     let codes = StoredTensor::new(StoredDtype::U8, geometry.codes_shape(format), codes)?;
@@ -582,7 +648,7 @@ fn quantize_uniform<T: Element>(data: &[T], geometry: &Geometry) -> Result<Quant
         non_finite += bad as u64;
         int4::quantize_uniform(v, s) as u8
     });
-    let mut codes = vec![0u8; data.len() / 2];
+    let mut codes = filled(data.len() / 2, 0u8, "quantized codes")?;
     int4::pack_nibbles(codes_iter, &mut codes);
     Ok(QuantizedTensor {
         format,

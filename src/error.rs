@@ -49,6 +49,25 @@ pub enum Error {
     /// A block index outside the pool.
     #[error("block {block} is outside the pool of {num_blocks} blocks")]
     BlockIndex { block: usize, num_blocks: usize },
+    /// A size product computed from the arguments (such as `head_dim × bits` or
+    /// `tokens × (heads × head_dim)`) does not fit in `usize`, or exceeds the bytes one
+    /// allocation can hold (`isize::MAX`, less where a sum of such products must fit too).
+    #[error("{what}: {lhs} × {rhs} overflows the addressable size")]
+    Overflow {
+        what: &'static str,
+        lhs: usize,
+        rhs: usize,
+    },
+    /// Memory for a buffer of a valid size could not be allocated.
+    #[error("cannot allocate {bytes} bytes for {what}")]
+    Alloc { what: &'static str, bytes: usize },
+    /// An index argument of an accessor is out of range.
+    #[error("{what} {index} is out of range (there are {len})")]
+    Index {
+        what: &'static str,
+        index: usize,
+        len: usize,
+    },
     /// An argument combination that is valid in general but not supported by this path.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -68,3 +87,22 @@ pub enum Error {
 
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An empty vector with room for `n` elements, or [`Error::Alloc`] when the memory is not
+/// there: a buffer of a valid size may still be more than the machine has, and running out must
+/// be an error, not an abort.
+pub(crate) fn reserved<T>(n: usize, what: &'static str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| Error::Alloc {
+        what,
+        bytes: n.saturating_mul(size_of::<T>()),
+    })?;
+    Ok(v)
+}
+
+/// A vector of `n` copies of `value`, allocated as [`reserved`] does.
+pub(crate) fn filled<T: Clone>(n: usize, value: T, what: &'static str) -> Result<Vec<T>> {
+    let mut v = reserved(n, what)?;
+    v.resize(n, value);
+    Ok(v)
+}

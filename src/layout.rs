@@ -64,7 +64,9 @@ impl CacheConfig {
         Ok(c)
     }
 
-    /// Check every field (also for configs built as struct literals).
+    /// Check every field (also for configs built as struct literals), and that the block layout
+    /// it implies is addressable: `head_dim × bits` ([`Error::Overflow`]), each region's
+    /// `row bytes × block_size` and `head_stride × num_kv_heads` within `isize::MAX` bytes.
     pub fn validate(&self) -> Result<()> {
         if self.num_kv_heads == 0 {
             return Err(Error::Config {
@@ -82,13 +84,45 @@ impl CacheConfig {
         }
         self.k_format.check_head_dim(self.head_dim)?;
         self.v_format.check_head_dim(self.head_dim)?;
-        Ok(())
+        BlockLayout::build(self, checked_mul).map(|_| ())
     }
 
-    /// The byte layout of a block.
+    /// The byte layout of a block. For a config that fails [`validate`](Self::validate)
+    /// (possible only for a struct literal) sizes saturate at `usize::MAX` instead of wrapping,
+    /// so nothing built from them can address memory; use [`try_layout`](Self::try_layout) to
+    /// get the error instead.
     pub fn layout(&self) -> BlockLayout {
-        BlockLayout::new(self)
+        match self.try_layout() {
+            Ok(l) => l,
+            Err(_) => match BlockLayout::build(self, |a, b, _| {
+                Ok::<_, std::convert::Infallible>(a.saturating_mul(b))
+            }) {
+                Ok(l) => l,
+                Err(e) => match e {}, // saturating arithmetic cannot fail
+            },
+        }
     }
+
+    /// The byte layout of a block, after [`validate`](Self::validate).
+    pub fn try_layout(&self) -> Result<BlockLayout> {
+        self.validate()?;
+        BlockLayout::build(self, checked_mul)
+    }
+}
+
+/// Largest region of a head section, in bytes: four of them (plus 16-byte padding each) still
+/// add up to less than `isize::MAX`, so the sum needs no check of its own.
+const MAX_REGION_BYTES: usize = (isize::MAX as usize - 64) / 4;
+
+/// `a × b`, or [`Error::Overflow`] naming `what` when it exceeds `MAX_REGION_BYTES`.
+fn checked_mul(a: usize, b: usize, what: &'static str) -> Result<usize> {
+    a.checked_mul(b)
+        .filter(|&p| p <= MAX_REGION_BYTES)
+        .ok_or(Error::Overflow {
+            what,
+            lhs: a,
+            rhs: b,
+        })
 }
 
 /// One region of a head section: `block_size` rows of `row_bytes` at `offset`.
@@ -101,9 +135,11 @@ pub struct Region {
 }
 
 impl Region {
-    /// Byte offset of `token`'s row within the head section.
+    /// Byte offset of `token`'s row within the head section (saturating at `usize::MAX` for
+    /// tokens past any block).
     pub const fn row(&self, token: usize) -> usize {
-        self.offset + token * self.row_bytes
+        self.offset
+            .saturating_add(token.saturating_mul(self.row_bytes))
     }
 }
 
@@ -126,52 +162,95 @@ pub struct BlockLayout {
     pub block_stride: usize,
 }
 
-/// Round up to a multiple of 16 bytes.
+/// Round up to a multiple of 16 bytes (saturating: only an unvalidated config gets near it).
 const fn align16(n: usize) -> usize {
-    n.div_ceil(16) * 16
+    n.div_ceil(16).saturating_mul(16)
 }
 
 impl BlockLayout {
-    fn new(c: &CacheConfig) -> Self {
+    /// The layout of `c`, with every size product formed by `mul` (checked, or saturating for
+    /// [`CacheConfig::layout`] of an invalid config). Sums cannot overflow: `mul` keeps each
+    /// region below `MAX_REGION_BYTES` or saturates, and saturating adds are used throughout.
+    fn build<E>(
+        c: &CacheConfig,
+        mul: impl Fn(usize, usize, &'static str) -> Result<usize, E>,
+    ) -> Result<Self, E> {
         let (d, bs) = (c.head_dim, c.block_size);
+        let row_bytes = |f: KvFormat| -> Result<usize, E> {
+            // code_bytes saturates; the product names the overflow instead.
+            mul(d, f.bits() as usize, "row code bits (head_dim × bits)")?;
+            Ok(f.code_bytes(d))
+        };
+        let rows = [
+            row_bytes(c.k_format)?,
+            c.k_format.meta_bytes(d),
+            row_bytes(c.v_format)?,
+            c.v_format.meta_bytes(d),
+        ];
         let mut at = 0usize;
-        let mut region = |row_bytes: usize| {
-            let r = Region {
+        let mut regions = [Region::default(); 4];
+        for (r, row_bytes) in regions.iter_mut().zip(rows) {
+            *r = Region {
                 offset: at,
                 row_bytes,
             };
-            at += align16(row_bytes * bs);
-            r
-        };
-        let k_codes = region(c.k_format.code_bytes(d));
-        let k_meta = region(c.k_format.meta_bytes(d));
-        let v_codes = region(c.v_format.code_bytes(d));
-        let v_meta = region(c.v_format.meta_bytes(d));
+            let bytes = mul(row_bytes, bs, "region bytes (row bytes × block_size)")?;
+            at = at.saturating_add(align16(bytes));
+        }
+        let [k_codes, k_meta, v_codes, v_meta] = regions;
         let head_stride = at;
-        BlockLayout {
+        let block_stride = mul(
+            head_stride,
+            c.num_kv_heads,
+            "block bytes (head_stride × num_kv_heads)",
+        )?;
+        Ok(BlockLayout {
             config: *c,
             k_codes,
             k_meta,
             v_codes,
             v_meta,
             head_stride,
-            block_stride: head_stride * c.num_kv_heads,
-        }
+            block_stride,
+        })
     }
 
-    /// Byte offset in the pool of the head section of (`block`, `kv_head`).
+    /// Byte offset in the pool of the head section of (`block`, `kv_head`). Saturates at
+    /// `usize::MAX` for positions no pool can hold (a pool's own blocks never get there).
     pub const fn head_section(&self, block: usize, kv_head: usize) -> usize {
-        block * self.block_stride + kv_head * self.head_stride
+        block
+            .saturating_mul(self.block_stride)
+            .saturating_add(kv_head.saturating_mul(self.head_stride))
     }
 
-    /// Pool bytes for `num_blocks` blocks.
+    /// Pool bytes for `num_blocks` blocks (saturating at `usize::MAX`; see
+    /// [`try_pool_bytes`](Self::try_pool_bytes)).
     pub const fn pool_bytes(&self, num_blocks: usize) -> usize {
-        self.block_stride * num_blocks
+        self.block_stride.saturating_mul(num_blocks)
     }
 
-    /// Split a slot into (block, offset in block).
+    /// Pool bytes for `num_blocks` blocks, or [`Error::Overflow`] beyond `isize::MAX`.
+    pub fn try_pool_bytes(&self, num_blocks: usize) -> Result<usize> {
+        self.block_stride
+            .checked_mul(num_blocks)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(Error::Overflow {
+                what: "pool bytes (block_stride × num_blocks)",
+                lhs: self.block_stride,
+                rhs: num_blocks,
+            })
+    }
+
+    /// Split a slot into (block, offset in block). For a layout whose `block_size` is 0 (an
+    /// unvalidated config) every slot maps to block `usize::MAX`, which no pool holds.
     pub const fn split_slot(&self, slot: usize) -> (usize, usize) {
-        (slot / self.config.block_size, slot % self.config.block_size)
+        match (
+            slot.checked_div(self.config.block_size),
+            slot.checked_rem(self.config.block_size),
+        ) {
+            (Some(block), Some(off)) => (block, off),
+            _ => (usize::MAX, 0),
+        }
     }
 
     /// Bytes the pool spends per token and KV head, K and V together, padding included.
@@ -237,6 +316,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn size_products_that_overflow_are_errors() {
+        use KvFormat::*;
+        let err = |h, d, bs, k, v| CacheConfig::new(h, d, bs, k, v).unwrap_err();
+        let huge_d = usize::MAX / 64 * 64; // a multiple of every group and vector width
+        assert!(matches!(
+            err(1, huge_d, 16, F16, F16),
+            Error::Overflow { what, .. } if what.starts_with("row code bits")
+        ));
+        assert!(matches!(
+            err(1, 1 << 58, 1024, Int4Sym32, Int4Sym32),
+            Error::Overflow { what, .. } if what.starts_with("region bytes")
+        ));
+        assert!(matches!(
+            err(usize::MAX, 128, 16, Fp8E4m3, Fp8E4m3),
+            Error::Overflow { what, .. } if what.starts_with("block bytes")
+        ));
+        // An unvalidated literal still gets a layout, saturated rather than wrapped.
+        let c = CacheConfig {
+            num_kv_heads: usize::MAX,
+            head_dim: huge_d,
+            block_size: 16,
+            k_format: F16,
+            v_format: Int4Affine64,
+        };
+        let l = c.layout();
+        assert_eq!(l.block_stride, usize::MAX);
+        assert_eq!(l.head_section(3, 3), usize::MAX);
+        assert!(c.try_layout().is_err());
+        assert!(l.try_pool_bytes(2).is_err());
+        let l = CacheConfig { block_size: 0, ..c }.layout();
+        assert_eq!(l.split_slot(5), (usize::MAX, 0));
     }
 
     #[test]

@@ -16,6 +16,10 @@
 //! The format definitions are normative and bit-exact: `docs/FORMATS.md`. The GPU figures and
 //! how they were measured: `docs/PERFORMANCE.md`.
 
+// Every unsafe operation sits in its own `unsafe` block with a `// SAFETY:` line, also inside
+// `unsafe fn`s (whose bodies would otherwise be one implicit unsafe block).
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod cache;
 pub mod cpu;
 #[cfg(feature = "cuda")]

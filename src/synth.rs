@@ -21,15 +21,35 @@ impl Synth {
         }
     }
 
-    /// `n` values uniform in `[lo, hi)`.
+    /// `n` values uniform in `[lo, hi)`. Infinite bounds are taken as ±`f32::MAX`; an empty
+    /// range (`lo >= hi`, or a NaN bound) gives `n` copies of `lo`; a range too wide for f32
+    /// arithmetic (`hi - lo` infinite) is sampled as `lo + u × (hi - lo)` in f64.
     pub fn uniform(&mut self, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+        let (lo, hi) = (lo.clamp(f32::MIN, f32::MAX), hi.clamp(f32::MIN, f32::MAX));
+        if lo.partial_cmp(&hi) != Some(std::cmp::Ordering::Less) {
+            return vec![lo; n];
+        }
+        if !(hi - lo).is_finite() {
+            let (lo, hi) = (lo as f64, hi as f64);
+            return (0..n)
+                .map(|_| {
+                    let u: f64 = self.rng.random_range(0.0..1.0);
+                    // Below hi in f64; the cast can round up to hi only at f32's top.
+                    (lo + u * (hi - lo)) as f32
+                })
+                .collect();
+        }
         (0..n).map(|_| self.rng.random_range(lo..hi)).collect()
     }
 
     /// `n` values from a normal distribution with mean 0 and standard deviation `std`
     /// (Box–Muller).
+    ///
+    /// # Panics
+    ///
+    /// Like `Vec`, when `n` values cannot be allocated.
     pub fn normal(&mut self, n: usize, std: f32) -> Vec<f32> {
-        let mut out = Vec::with_capacity(n + 1);
+        let mut out = Vec::with_capacity(n.saturating_add(1));
         while out.len() < n {
             let u1: f32 = self.rng.random_range(f32::EPSILON..1.0);
             let u2: f32 = self.rng.random_range(0.0..1.0);
@@ -44,7 +64,12 @@ impl Synth {
 
     /// Activations `[tokens, heads, head_dim]` with standard deviation 1, where
     /// `outlier_channels` channels of every head (the same ones for every token, as in real
-    /// keys) are scaled by `outlier_scale`.
+    /// keys) are scaled by `outlier_scale`. Any size may be 0 (the result is then empty).
+    ///
+    /// # Panics
+    ///
+    /// Like `Vec`, when `tokens × heads × head_dim` values cannot be allocated (a product
+    /// beyond `usize` counts as such).
     pub fn with_outlier_channels(
         &mut self,
         tokens: usize,
@@ -56,7 +81,11 @@ impl Synth {
         let channels: Vec<usize> = (0..outlier_channels.min(head_dim))
             .map(|_| self.rng.random_range(0..head_dim))
             .collect();
-        let mut x = self.normal(tokens * heads * head_dim, 1.0);
+        let n = tokens.saturating_mul(heads).saturating_mul(head_dim);
+        let mut x = self.normal(n, 1.0);
+        if head_dim == 0 {
+            return x;
+        }
         for row in x.chunks_exact_mut(head_dim) {
             for &c in &channels {
                 row[c] *= outlier_scale;

@@ -502,3 +502,192 @@ fn reference_decoder_matches_expected_codes() {
             .all(|(a, b)| (a - b).abs() <= a.abs() / 8.0)
     );
 }
+
+/// Run `kvq` on a file that may be anything: it succeeds, or fails with exit code 1 and one
+/// `kvq: error:` line; it never panics (exit code 101) and never leaves a partial output.
+fn survives(args: &[&str], out_path: &Path) {
+    let _ = fs::remove_file(out_path);
+    let out = kvq(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    match out.status.code() {
+        Some(0) => {}
+        Some(1) => {
+            assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+            assert!(stderr.starts_with("kvq: error: "), "{args:?}: {stderr}");
+            assert!(!out_path.exists(), "{args:?} left an output");
+        }
+        code => panic!("{args:?}: exit {code:?}: {stderr}"),
+    }
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    let mut tmp = out_path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    assert!(!Path::new(&tmp).exists());
+}
+
+/// A safetensors file of `(name, dtype, shape)` tensors with arbitrary bytes.
+fn arbitrary_file(
+    rng: &mut Rng,
+    tensors: &[(String, Dtype, Vec<usize>)],
+    format: Option<&str>,
+) -> Vec<u8> {
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, dt, shape)| {
+            let n = shape.iter().product::<usize>() * dt.bitsize() / 8;
+            (0..n).map(|_| rng.next_u64() as u8).collect()
+        })
+        .collect();
+    let views: Vec<(&str, TensorView<'_>)> = tensors
+        .iter()
+        .zip(&data)
+        .map(|((name, dt, shape), d)| {
+            (
+                name.as_str(),
+                TensorView::new(*dt, shape.clone(), d).unwrap(),
+            )
+        })
+        .collect();
+    let meta = format.map(|f| HashMap::from([("kvq.format".to_string(), f.to_string())]));
+    safetensors::serialize(views, meta).unwrap()
+}
+
+/// Random, truncated and corrupted files through every command that reads one: plain inputs
+/// (`quantize`, `eval`), kvq files whose parts have any dtype and shape (`dequantize`), and
+/// each of those cut short or with bytes flipped. `KVQ_FUZZ_CASES / 8` files (default 32).
+#[test]
+fn random_and_truncated_files_never_panic() {
+    let files = std::env::var("KVQ_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.parse::<usize>().ok())
+        .unwrap_or(256)
+        / 8;
+    let dir = scratch("fuzz-files");
+    let out = dir.join("out.st");
+    let o = arg(&out);
+    let mut rng = Rng(0x5eed);
+    // A shape of 1 to 3 axes (or exactly `rank` when given).
+    let dims = |rng: &mut Rng, rank: Option<usize>| -> Vec<usize> {
+        let n = rank.unwrap_or_else(|| 1 + rng.below(3));
+        (0..n)
+            .map(|_| rng.pick(&[0, 1, 2, 3, 16, 32, 64, 128]))
+            .collect()
+    };
+    let float = [Dtype::F16, Dtype::BF16, Dtype::F32];
+    let parts = [Dtype::U8, Dtype::F16, Dtype::F32, Dtype::I32];
+    for i in 0..files.max(1) {
+        let bytes = match i % 3 {
+            // A plain input: tensors of any rank, a float or other dtype.
+            0 => {
+                let t: Vec<_> = (0..1 + rng.below(3))
+                    .map(|j| {
+                        let rank = rng.below(4);
+                        let dt = if rng.below(5) == 0 {
+                            Dtype::I32
+                        } else {
+                            rng.pick(&float)
+                        };
+                        (format!("t{j}"), dt, dims(&mut rng, Some(rank)))
+                    })
+                    .collect();
+                arbitrary_file(&mut rng, &t, None)
+            }
+            // Layers for eval: q.L, k.L, v.L of small, possibly inconsistent shapes.
+            1 => {
+                let t: Vec<_> = ["q.0", "k.0", "v.0"]
+                    .iter()
+                    .map(|n| {
+                        let shape = vec![
+                            rng.below(4),
+                            rng.pick(&[0, 1, 2, 4]),
+                            rng.pick(&[0, 8, 32, 64]),
+                        ];
+                        (n.to_string(), rng.pick(&float), shape)
+                    })
+                    .collect();
+                arbitrary_file(&mut rng, &t, None)
+            }
+            // A kvq file whose parts have any dtype and shape.
+            _ => {
+                let mut t = vec![
+                    (
+                        "x.codes".to_string(),
+                        rng.pick(&parts),
+                        dims(&mut rng, None),
+                    ),
+                    (
+                        "x.scales".to_string(),
+                        rng.pick(&parts),
+                        dims(&mut rng, None),
+                    ),
+                ];
+                if rng.below(2) == 0 {
+                    t.push((
+                        "x.zeros".to_string(),
+                        rng.pick(&parts),
+                        dims(&mut rng, None),
+                    ));
+                }
+                let format = rng.pick(&[
+                    "fp8-e4m3",
+                    "fp8-e5m2",
+                    "int4-k32",
+                    "int4-v64",
+                    "int4-uniform",
+                    "f16",
+                    "??",
+                ]);
+                arbitrary_file(&mut rng, &t, Some(format))
+            }
+        };
+        let cut = rng.below(bytes.len() + 1);
+        let mut flipped = bytes.clone();
+        for _ in 0..1 + rng.below(3) {
+            let at = rng.below(flipped.len());
+            flipped[at] ^= 1 << rng.below(8);
+        }
+        for (kind, b) in [
+            ("whole", &bytes[..]),
+            ("cut", &bytes[..cut]),
+            ("flipped", &flipped[..]),
+        ] {
+            let input = dir.join(format!("in-{i}-{kind}.st"));
+            fs::write(&input, b).unwrap();
+            let inp = arg(&input);
+            let format = rng.pick(&["fp8-e4m3", "int4-k32", "int4-uniform"]);
+            survives(&["quantize", "--format", format, inp, o], &out);
+            survives(&["dequantize", inp, o], &out);
+            survives(&["eval", inp, "--block-size", "4"], &out);
+        }
+    }
+    // Pure noise, and an eval that asks for impossible blocks.
+    let noise: Vec<u8> = (0..200).map(|_| rng.next_u64() as u8).collect();
+    let input = dir.join("noise.st");
+    fs::write(&input, &noise).unwrap();
+    survives(&["quantize", "--format", "int4-k32", arg(&input), o], &out);
+    let good = dir.join("good.st");
+    write_input(
+        &good,
+        &[
+            In {
+                name: "q.0",
+                dtype: Dtype::F32,
+                shape: vec![3, 2, 64],
+                values: vec![0.5; 384],
+            },
+            In {
+                name: "k.0",
+                dtype: Dtype::F32,
+                shape: vec![3, 2, 64],
+                values: vec![0.5; 384],
+            },
+            In {
+                name: "v.0",
+                dtype: Dtype::F32,
+                shape: vec![3, 2, 64],
+                values: vec![0.5; 384],
+            },
+        ],
+    );
+    survives(&["eval", arg(&good), "--block-size", "0"], &out);
+    survives(&["eval", arg(&good), "--block-size", "4096"], &out);
+}

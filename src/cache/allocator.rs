@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use super::tables::BlockTables;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, reserved};
 use crate::layout::MAX_BLOCK_SIZE;
 
 /// Identifies a sequence inside one [`BlockAllocator`]. Ids are never reused.
@@ -52,13 +52,18 @@ struct Sequence {
 }
 
 /// Hands out fixed-size blocks of a pool to sequences and tracks who shares what.
+///
+/// Allocation order: freed blocks are reused most-recently-freed first; when none is waiting,
+/// the lowest block never handed out goes next (block 0 first). Bookkeeping grows with the
+/// blocks handed out, not with the pool, so a pool of `i32::MAX` blocks costs nothing up front.
 #[derive(Debug, Clone)]
 pub struct BlockAllocator {
     block_size: usize,
-    /// References held on each block by sequences; 0 means free.
+    num_blocks: usize,
+    /// References held on each block handed out so far (`0..ref_counts.len()`); 0 means free.
+    /// Blocks from `ref_counts.len()` on were never handed out and are free.
     ref_counts: Vec<u32>,
-    /// Free block ids; allocation pops from the end, so block 0 goes first and freed blocks are
-    /// reused most-recently-freed first.
+    /// Blocks handed out and released since, reused from the end.
     free: Vec<usize>,
     sequences: HashMap<u64, Sequence>,
     next_id: u64,
@@ -93,8 +98,9 @@ impl BlockAllocator {
         }
         Ok(BlockAllocator {
             block_size,
-            ref_counts: vec![0; num_blocks],
-            free: (0..num_blocks).rev().collect(),
+            num_blocks,
+            ref_counts: Vec::new(),
+            free: Vec::new(),
             sequences: HashMap::new(),
             next_id: 0,
         })
@@ -107,12 +113,12 @@ impl BlockAllocator {
 
     /// Blocks in the pool.
     pub fn num_blocks(&self) -> usize {
-        self.ref_counts.len()
+        self.num_blocks
     }
 
     /// Blocks no sequence holds.
     pub fn num_free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.len() + (self.num_blocks - self.ref_counts.len())
     }
 
     /// Live sequences.
@@ -122,13 +128,13 @@ impl BlockAllocator {
 
     /// How many sequences hold `block` (0 when free).
     pub fn ref_count(&self, block: usize) -> Result<usize> {
-        self.ref_counts
-            .get(block)
-            .map(|&r| r as usize)
-            .ok_or(Error::BlockIndex {
+        if block >= self.num_blocks {
+            return Err(Error::BlockIndex {
                 block,
-                num_blocks: self.num_blocks(),
-            })
+                num_blocks: self.num_blocks,
+            });
+        }
+        Ok(self.ref_counts.get(block).map_or(0, |&r| r as usize))
     }
 
     /// Start an empty sequence.
@@ -175,6 +181,15 @@ impl BlockAllocator {
     /// A new sequence with the same tokens as `seq`, sharing its blocks until either writes.
     pub fn fork(&mut self, seq: SeqId) -> Result<SeqId> {
         let child = self.seq(seq)?.clone();
+        if let Some(&b) = child
+            .blocks
+            .iter()
+            .find(|&&b| self.ref_counts[b as usize] == u32::MAX)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "block {b} is already shared by u32::MAX sequences; free some before forking"
+            )));
+        }
         for &b in &child.blocks {
             self.ref_counts[b as usize] += 1;
         }
@@ -208,23 +223,21 @@ impl BlockAllocator {
         let last_shared_partial =
             len % bs != 0 && self.ref_counts[*s.blocks.last().expect("len > 0") as usize] > 1;
         let needed = new_len.div_ceil(bs) - len.div_ceil(bs) + last_shared_partial as usize;
-        if needed > self.free.len() {
+        let free = self.num_free_blocks();
+        if needed > free {
             return Err(Error::OutOfBlocks {
                 needed,
-                free: self.free.len(),
-                total: self.num_blocks(),
+                free,
+                total: self.num_blocks,
             });
         }
+        // The one buffer that grows with the request rather than the pool: reserve it before
+        // anything changes, so running out of memory leaves the allocator as it was.
+        let mut slots = reserved(n_new_tokens, "reservation slots")?;
 
-        // Checked above: every pop below succeeds.
+        // Checked above: `needed` blocks are free, so every take succeeds.
         let mut copies = Vec::new();
-        let mut fresh: Vec<i32> = (0..needed)
-            .map(|_| {
-                let b = self.free.pop().expect("enough free blocks");
-                self.ref_counts[b] = 1;
-                b as i32
-            })
-            .collect();
+        let mut fresh: Vec<i32> = (0..needed).filter_map(|_| self.take_free()).collect();
         let s = self.sequences.get_mut(&seq.0).expect("checked above");
         if last_shared_partial {
             let dst = fresh.remove(0);
@@ -238,9 +251,7 @@ impl BlockAllocator {
         }
         s.blocks.extend(fresh);
         s.len = new_len;
-        let slots = (len..new_len)
-            .map(|p| s.blocks[p / bs] as usize * bs + p % bs)
-            .collect();
+        slots.extend((len..new_len).map(|p| s.blocks[p / bs] as usize * bs + p % bs));
         Ok(Reservation { slots, copies })
     }
 
@@ -253,6 +264,22 @@ impl BlockAllocator {
         let blocks: Vec<&[i32]> = rows.iter().map(|s| s.blocks.as_slice()).collect();
         let lens: Vec<usize> = rows.iter().map(|s| s.len).collect();
         BlockTables::from_rows(&blocks, &lens)
+    }
+
+    /// A free block, now held once: the most recently freed one, else the lowest block never
+    /// handed out. `None` when the pool is full.
+    fn take_free(&mut self) -> Option<i32> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None if self.ref_counts.len() < self.num_blocks => {
+                self.ref_counts.push(0);
+                self.ref_counts.len() - 1
+            }
+            None => return None,
+        };
+        self.ref_counts[b] = 1;
+        // Block ids are below num_blocks <= i32::MAX (checked in `new`).
+        Some(b as i32)
     }
 
     /// Drop one reference to `block`, freeing it at zero.

@@ -3,7 +3,7 @@
 
 use super::allocator::CopyBlock;
 use super::tables::check_row;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, filled};
 use crate::format::{Element, KvFormat, ScaleGranularity, head_amax};
 use crate::layout::{BlockLayout, CacheConfig, Region};
 
@@ -31,9 +31,12 @@ pub struct HostCache {
 }
 
 impl HostCache {
-    /// An all-[`POISON`] pool of `num_blocks` blocks for `config`.
+    /// An all-[`POISON`] pool of `num_blocks` blocks for `config`. Errors: an invalid config
+    /// (including layouts whose sizes overflow), `num_blocks` outside `1..=i32::MAX`, slots
+    /// (`num_blocks × block_size`) or pool bytes beyond what can be addressed
+    /// ([`Error::Overflow`]), and a pool the system cannot allocate ([`Error::Alloc`]).
     pub fn new(config: CacheConfig, num_blocks: usize) -> Result<Self> {
-        config.validate()?;
+        let layout = config.try_layout()?;
         if num_blocks == 0 || num_blocks > i32::MAX as usize {
             return Err(Error::Config {
                 what: "num_blocks",
@@ -41,24 +44,20 @@ impl HostCache {
                 expected: "1..=i32::MAX",
             });
         }
-        let layout = config.layout();
-        // Slots (`num_blocks * block_size`) and pool bytes must both be addressable.
-        let bytes = layout
-            .block_stride
-            .checked_mul(num_blocks)
-            .filter(|&b| b <= isize::MAX as usize)
-            .filter(|_| num_blocks.checked_mul(config.block_size).is_some())
-            .ok_or(Error::Config {
-                what: "num_blocks",
-                value: num_blocks,
-                expected: "a pool size that fits in memory",
-            })?;
+        if num_blocks.checked_mul(config.block_size).is_none() {
+            return Err(Error::Overflow {
+                what: "slots (num_blocks × block_size)",
+                lhs: num_blocks,
+                rhs: config.block_size,
+            });
+        }
+        let bytes = layout.try_pool_bytes(num_blocks)?;
         Ok(HostCache {
             layout,
             num_blocks,
-            pool: vec![POISON; bytes],
-            k_scales: vec![1.0; config.num_kv_heads],
-            v_scales: vec![1.0; config.num_kv_heads],
+            pool: filled(bytes, POISON, "cache pool")?,
+            k_scales: filled(config.num_kv_heads, 1.0, "FP8 key scales")?,
+            v_scales: filled(config.num_kv_heads, 1.0, "FP8 value scales")?,
         })
     }
 
@@ -149,7 +148,7 @@ impl HostCache {
             let Some(kind) = format.fp8_kind() else {
                 continue;
             };
-            let mut amax = head_amax(x, c.num_kv_heads, c.head_dim);
+            let mut amax = head_amax(x, c.num_kv_heads, c.head_dim)?;
             if granularity == ScaleGranularity::PerTensor {
                 let all = amax.iter().copied().fold(0.0, f32::max);
                 amax.fill(all);
@@ -182,6 +181,17 @@ impl HostCache {
             )));
         }
         Ok(())
+    }
+
+    /// Elements of `tokens` dense `[tokens, num_kv_heads, head_dim]` rows, checked.
+    fn elements(&self, what: &'static str, tokens: usize) -> Result<usize> {
+        // num_kv_heads × head_dim fits: the validated layout holds that many codes per token.
+        let row = self.layout.config.num_kv_heads * self.layout.config.head_dim;
+        tokens.checked_mul(row).ok_or(Error::Overflow {
+            what,
+            lhs: tokens,
+            rhs: row,
+        })
     }
 
     fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
@@ -217,7 +227,7 @@ impl HostCache {
             for (side, x) in [(Side::K, k), (Side::V, v)] {
                 for h in 0..heads {
                     let row = &x[(t * heads + h) * d..][..d];
-                    non_finite += self.encode_row(side, block, off, h, row);
+                    non_finite += self.encode_row(side, block, off, h, row)?;
                 }
             }
         }
@@ -243,8 +253,7 @@ impl HostCache {
     }
 
     fn check_write<T>(&self, slots: &[usize], k: &[T], v: &[T]) -> Result<()> {
-        let c = &self.layout.config;
-        let expected = slots.len() * c.num_kv_heads * c.head_dim;
+        let expected = self.elements("k/v elements (tokens × kv_heads·head_dim)", slots.len())?;
         Self::check_len("k ([tokens, kv_heads, head_dim])", expected, k.len())?;
         Self::check_len("v ([tokens, kv_heads, head_dim])", expected, v.len())?;
         for &s in slots {
@@ -253,7 +262,8 @@ impl HostCache {
         Ok(())
     }
 
-    /// Quantize one row into (block, off, head); returns its non-finite count. Unchecked.
+    /// Quantize one row into (block, off, head); returns its non-finite count. The position
+    /// must be in the pool (checked by the caller); the row itself is checked by the format.
     fn encode_row<T: Element>(
         &mut self,
         side: Side,
@@ -261,7 +271,7 @@ impl HostCache {
         off: usize,
         head: usize,
         x: &[T],
-    ) -> u64 {
+    ) -> Result<u64> {
         let (format, codes_r, meta_r, scales) = self.side(side);
         let scale = scales[head];
         let section = self.layout.head_section(block, head);
@@ -271,7 +281,7 @@ impl HostCache {
         let (lo, hi) = self.pool.split_at_mut(meta_at);
         let codes = &mut lo[codes_at..][..codes_r.row_bytes];
         let meta = &mut hi[..meta_r.row_bytes];
-        format.encode_row(x, scale, codes, meta)
+        format.try_encode_row(x, scale, codes, meta)
     }
 
     /// Dequantize the key row of (block, off, head) into `out` (`head_dim` values). Unchecked
@@ -299,15 +309,19 @@ impl HostCache {
         self.check_head(head)?;
         Self::check_len("row (head_dim)", self.layout.config.head_dim, out.len())?;
         self.decode_at(side, block, off, head, out);
-        Ok(())
+        check_finite("cache row read back", out)
     }
 
     /// Dequantize the key row of (`slot`, `head`) into `out` (`head_dim` values), exactly.
+    /// A row that decodes to a non-finite value (bytes written through
+    /// [`pool_mut`](Self::pool_mut), or FP8 scales so large that `max_finite × scale`
+    /// overflows) is an [`Error::NonFinite`], with `out` already written.
     pub fn read_k(&self, slot: usize, head: usize, out: &mut [f32]) -> Result<()> {
         self.read(Side::K, slot, head, out)
     }
 
-    /// Dequantize the value row of (`slot`, `head`) into `out` (`head_dim` values), exactly.
+    /// Dequantize the value row of (`slot`, `head`) into `out` (`head_dim` values), exactly;
+    /// errors as for [`read_k`](Self::read_k).
     pub fn read_v(&self, slot: usize, head: usize, out: &mut [f32]) -> Result<()> {
         self.read(Side::V, slot, head, out)
     }
@@ -346,7 +360,8 @@ impl HostCache {
     }
 
     /// Dequantize the first `len` tokens of the sequence whose blocks are `block_table` into
-    /// dense `[len, num_kv_heads, head_dim]` keys and values.
+    /// dense `[len, num_kv_heads, head_dim]` keys and values. Non-finite values read back are
+    /// an error, as for [`read_k`](Self::read_k).
     pub fn gather(
         &self,
         block_table: &[i32],
@@ -356,7 +371,7 @@ impl HostCache {
     ) -> Result<()> {
         let c = &self.layout.config;
         let (heads, d, bs) = (c.num_kv_heads, c.head_dim, c.block_size);
-        let expected = len * heads * d;
+        let expected = self.elements("gathered elements (len × kv_heads·head_dim)", len)?;
         Self::check_len("out_k ([len, kv_heads, head_dim])", expected, out_k.len())?;
         Self::check_len("out_v ([len, kv_heads, head_dim])", expected, out_v.len())?;
         check_row(block_table, None, len, bs, self.num_blocks)?;
@@ -368,8 +383,19 @@ impl HostCache {
                 self.decode_v_at(block, p % bs, h, &mut out_v[at..at + d]);
             }
         }
-        Ok(())
+        check_finite("gathered k", out_k)?;
+        check_finite("gathered v", out_v)
     }
+}
+
+/// A cache never holds a non-finite value (FORMATS.md), so one read back means corrupt bytes
+/// or an overflowing FP8 scale: an error rather than data.
+fn check_finite(what: &'static str, x: &[f32]) -> Result<()> {
+    let count = x.iter().filter(|v| !v.is_finite()).count() as u64;
+    if count > 0 {
+        return Err(Error::NonFinite { what, count });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 use super::allocator::{BlockAllocator, SeqId};
 use super::host::HostCache;
 use super::tables::BlockTables;
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, reserved};
 use crate::format::Element;
 use crate::layout::CacheConfig;
 
@@ -26,9 +26,20 @@ impl PagedKvCache {
             });
         }
         let allocator = BlockAllocator::new(num_blocks, config.block_size)?;
-        let layers = (0..num_layers)
-            .map(|_| HostCache::new(config, num_blocks))
-            .collect::<Result<_>>()?;
+        // All layers' pools together must be addressable too (each is checked on its own).
+        let layer_bytes = config.try_layout()?.try_pool_bytes(num_blocks)?;
+        layer_bytes
+            .checked_mul(num_layers)
+            .filter(|&b| b <= isize::MAX as usize)
+            .ok_or(Error::Overflow {
+                what: "pool bytes of every layer (layer pool bytes × num_layers)",
+                lhs: layer_bytes,
+                rhs: num_layers,
+            })?;
+        let mut layers = reserved(num_layers, "layer list")?;
+        for _ in 0..num_layers {
+            layers.push(HostCache::new(config, num_blocks)?);
+        }
         Ok(PagedKvCache { allocator, layers })
     }
 
@@ -42,7 +53,9 @@ impl PagedKvCache {
         &self.layers
     }
 
-    /// Every layer's storage, writable (e.g. to set FP8 scales per layer).
+    /// Every layer's storage, writable (e.g. to set FP8 scales per layer). A layer replaced
+    /// through it must keep the configuration and block count: [`append`](Self::append)
+    /// refuses layers that differ.
     pub fn layers_mut(&mut self) -> &mut [HostCache] {
         &mut self.layers
     }
@@ -87,9 +100,24 @@ impl PagedKvCache {
                 });
             }
         }
-        let c = self.layers[0].config();
+        let c = *self.layers[0].config();
+        if let Some((i, l)) = self
+            .layers
+            .iter()
+            .enumerate()
+            .find(|(_, l)| *l.config() != c || l.num_blocks() != self.allocator.num_blocks())
+        {
+            return Err(Error::InvalidArgument(format!(
+                "layer {i} ({} blocks, {:?}) differs from the allocator's {} blocks of \
+                 layer 0's {c:?}",
+                l.num_blocks(),
+                l.config(),
+                self.allocator.num_blocks()
+            )));
+        }
+        // Fits: the validated layout holds num_kv_heads × head_dim codes per token.
         let row = c.num_kv_heads * c.head_dim;
-        let n = k[0].len() / row;
+        let n = k.first().map_or(0, |x| x.len() / row);
         for x in k.iter().chain(v) {
             if x.len() != n * row {
                 return Err(Error::Length {

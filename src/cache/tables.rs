@@ -1,6 +1,7 @@
 //! Block tables: the per-sequence lists of pool blocks that attention kernels read.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, filled};
+use crate::layout::MAX_BLOCK_SIZE;
 
 /// Block tables of a batch of sequences, laid out as the kernels take them.
 ///
@@ -39,7 +40,12 @@ impl BlockTables {
             });
         }
         let max_blocks = rows.iter().map(|r| r.len()).max().unwrap_or(0).max(1);
-        let mut data = vec![Self::UNUSED; rows.len() * max_blocks];
+        let entries = rows.len().checked_mul(max_blocks).ok_or(Error::Overflow {
+            what: "block table entries (batch × max_blocks)",
+            lhs: rows.len(),
+            rhs: max_blocks,
+        })?;
+        let mut data = filled(entries, Self::UNUSED, "block table")?;
         for (dst, src) in data.chunks_exact_mut(max_blocks).zip(rows) {
             dst[..src.len()].copy_from_slice(src);
         }
@@ -63,9 +69,31 @@ impl BlockTables {
         self.context_lens.len()
     }
 
-    /// Row `b` of `data` (all `max_blocks` entries).
+    /// Row `b` of `data` (all `max_blocks` entries), or [`Error::Index`] for a `b` past the
+    /// batch ([`Error::Length`] when `data` is shorter than `[batch, max_blocks]`).
+    pub fn try_row(&self, b: usize) -> Result<&[i32]> {
+        if b >= self.batch() {
+            return Err(Error::Index {
+                what: "block table row",
+                index: b,
+                len: self.batch(),
+            });
+        }
+        let start = b.saturating_mul(self.max_blocks);
+        self.data
+            .get(start..)
+            .and_then(|rest| rest.get(..self.max_blocks))
+            .ok_or(Error::Length {
+                what: "block table data ([batch, max_blocks])",
+                expected: self.batch().saturating_mul(self.max_blocks),
+                actual: self.data.len(),
+            })
+    }
+
+    /// Row `b` of `data` (all `max_blocks` entries); empty for a row the tables do not have
+    /// ([`try_row`](Self::try_row) says why).
     pub fn row(&self, b: usize) -> &[i32] {
-        &self.data[b * self.max_blocks..][..self.max_blocks]
+        self.try_row(b).unwrap_or(&[])
     }
 
     /// Longest context in the batch (0 for an empty batch or negative lengths).
@@ -81,6 +109,13 @@ impl BlockTables {
     /// non-negative lengths that fit in `max_blocks` rows, and every entry a kernel will read
     /// (`< ceil(len / block_size)` in its row) a valid block id.
     pub fn validate(&self, num_blocks: usize, block_size: usize) -> Result<()> {
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+            return Err(Error::Config {
+                what: "block_size",
+                value: block_size,
+                expected: "1..=1024 tokens",
+            });
+        }
         if self.max_blocks == 0 {
             return Err(Error::Config {
                 what: "max_blocks",
@@ -88,9 +123,14 @@ impl BlockTables {
                 expected: "at least 1",
             });
         }
-        let expected = self.batch().checked_mul(self.max_blocks).ok_or_else(|| {
-            Error::InvalidArgument("block table size overflows usize".to_string())
-        })?;
+        let expected = self
+            .batch()
+            .checked_mul(self.max_blocks)
+            .ok_or(Error::Overflow {
+                what: "block table entries (batch × max_blocks)",
+                lhs: self.batch(),
+                rhs: self.max_blocks,
+            })?;
         if self.data.len() != expected {
             return Err(Error::Length {
                 what: "block table data ([batch, max_blocks])",
@@ -110,7 +150,7 @@ impl BlockTables {
                     self.max_blocks
                 )));
             }
-            check_row(self.row(b), Some(b), len, block_size, num_blocks)?;
+            check_row(self.try_row(b)?, Some(b), len, block_size, num_blocks)?;
         }
         Ok(())
     }
@@ -128,6 +168,13 @@ pub(crate) fn check_row(
     block_size: usize,
     num_blocks: usize,
 ) -> Result<()> {
+    if block_size == 0 {
+        return Err(Error::Config {
+            what: "block_size",
+            value: 0,
+            expected: "at least 1",
+        });
+    }
     let used = len.div_ceil(block_size);
     if row.len() < used {
         return Err(Error::Length {

@@ -3,6 +3,8 @@
 
 use std::ops::{Add, Div, Mul, Sub};
 
+use crate::error::{Error, Result, reserved};
+
 /// Where the loop reads the K/V rows of one sequence from (a paged cache or dense slices).
 pub(crate) trait KvRows {
     /// Write the key row at `pos` of `kv_head` into `out` (`head_dim` values).
@@ -14,6 +16,7 @@ pub(crate) trait KvRows {
 /// The arithmetic type logits, softmax sums and outputs are accumulated in (f32 or f64).
 pub(crate) trait Acc:
     Copy
+    + Send
     + PartialOrd
     + Add<Output = Self>
     + Sub<Output = Self>
@@ -69,14 +72,27 @@ pub(crate) struct Scratch<A> {
 }
 
 impl<A: Acc> Scratch<A> {
-    pub(crate) fn new() -> Self {
-        Scratch {
-            q: Vec::new(),
-            logits: Vec::new(),
-            acc: Vec::new(),
-            k: Vec::new(),
-            v: Vec::new(),
-        }
+    /// Buffers for groups of up to `rows` query rows of `head_dim` over up to `context_len`
+    /// positions, reserved up front: [`attend_group`] never grows them, so the only place
+    /// memory can run out is here, as an [`Error`].
+    pub(crate) fn new(rows: usize, head_dim: usize, context_len: usize) -> Result<Self> {
+        let logits = rows.checked_mul(context_len).ok_or(Error::Overflow {
+            what: "attention logits (query rows × context_len)",
+            lhs: rows,
+            rhs: context_len,
+        })?;
+        let row_elems = rows.checked_mul(head_dim).ok_or(Error::Overflow {
+            what: "attention accumulators (query rows × head_dim)",
+            lhs: rows,
+            rhs: head_dim,
+        })?;
+        Ok(Scratch {
+            q: reserved(row_elems, "attention query scratch")?,
+            logits: reserved(logits, "attention logits")?,
+            acc: reserved(row_elems, "attention accumulators")?,
+            k: reserved(head_dim, "attention key row")?,
+            v: reserved(head_dim, "attention value row")?,
+        })
     }
 }
 

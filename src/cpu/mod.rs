@@ -175,7 +175,14 @@ pub fn attention_dense(
             });
         }
     }
-    let row = kv.num_kv_heads * kv.head_dim;
+    let row = kv
+        .num_kv_heads
+        .checked_mul(kv.head_dim)
+        .ok_or(Error::Overflow {
+            what: "dense k/v token row (num_kv_heads × head_dim)",
+            lhs: kv.num_kv_heads,
+            rhs: kv.head_dim,
+        })?;
     if kv.k.len() % row != 0 {
         return Err(Error::Length {
             what: "dense k ([len, kv_heads, head_dim])",
@@ -243,7 +250,18 @@ fn check_query(
             shape.q_len
         )));
     }
-    let expected = context_lens.len() * shape.num_q_heads * shape.q_len * head_dim;
+    let mut expected = context_lens.len();
+    for (what, n) in [
+        ("q elements (batch × num_q_heads)", shape.num_q_heads),
+        ("q elements (batch·num_q_heads × q_len)", shape.q_len),
+        ("q elements (batch·num_q_heads·q_len × head_dim)", head_dim),
+    ] {
+        expected = expected.checked_mul(n).ok_or(Error::Overflow {
+            what,
+            lhs: expected,
+            rhs: n,
+        })?;
+    }
     if q.len() != expected {
         return Err(Error::Length {
             what: "q ([batch, num_q_heads, q_len, head_dim])",
@@ -320,26 +338,31 @@ fn run_in<A: Acc, R: KvRows + Sync>(
         std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(work.len())
+            .max(1)
     };
+    // Every thread's buffers are allocated here, at the largest size an item needs, so that
+    // running out of memory is an error rather than an abort inside a worker.
+    let max_context = context_lens.iter().copied().max().unwrap_or(0);
+    let mut scratches = (0..threads)
+        .map(|_| Scratch::<A>::new(group * shape.q_len, head_dim, max_context))
+        .collect::<Result<Vec<_>>>()?;
     let queue = Mutex::new(work.into_iter());
-    let worker = || {
-        let mut scratch = Scratch::<A>::new();
+    let worker = |scratch: &mut Scratch<A>| {
         loop {
             let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
             let Some((rows, kv_head, g, q, out, lse)) = next else {
                 break;
             };
-            attend_group(rows, kv_head, &g, q, out, lse, &mut scratch);
+            attend_group(rows, kv_head, &g, q, out, lse, scratch);
         }
     };
-    if threads <= 1 {
-        worker();
-    } else {
-        std::thread::scope(|s| {
-            for _ in 0..threads {
-                s.spawn(worker);
+    match scratches.as_mut_slice() {
+        [one] => worker(one),
+        many => std::thread::scope(|s| {
+            for scratch in many {
+                s.spawn(|| worker(scratch));
             }
-        });
+        }),
     }
     let bad = out.iter().chain(&lse).filter(|x| !x.is_finite()).count() as u64;
     if bad > 0 {

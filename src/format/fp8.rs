@@ -122,13 +122,14 @@ impl Fp8Kind {
         self.decode(code) * scale
     }
 
-    /// Scale from calibration data: `amax / max_finite`, or 1.0 when `amax == 0`.
+    /// Scale from calibration data: `amax / max_finite`, or 1.0 when that quotient is 0
+    /// (amax 0, or an amax so small that the division underflows: FORMATS.md), so the scale is
+    /// always positive and finite. `amax` is sanitized first, like every quantizer input (NaN
+    /// counts as 0, beyond ±65504 clamps), and its sign is ignored.
     pub fn scale_from_amax(self, amax: f32) -> f32 {
-        if amax == 0.0 {
-            1.0
-        } else {
-            amax / self.max_finite()
-        }
+        let amax = super::sanitize(amax).0.abs();
+        let s = amax / self.max_finite();
+        if s == 0.0 { 1.0 } else { s }
     }
 }
 
@@ -147,6 +148,23 @@ mod tests {
                 let back = kind.encode(v);
                 // -0 and +0 are distinct codes with equal value.
                 assert_eq!(back, code, "{kind:?} code {code:#04x} value {v}");
+            }
+        }
+    }
+
+    #[test]
+    fn scale_from_amax_is_always_a_valid_scale() {
+        for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+            // Subnormal amaxes whose quotient underflows to 0 give 1.0, as amax 0 does.
+            for amax in [0.0, -0.0, f32::from_bits(1), f32::from_bits(100), f32::NAN] {
+                assert_eq!(kind.scale_from_amax(amax), 1.0, "{kind:?} {amax:e}");
+            }
+            // The smallest amax whose quotient does not underflow keeps it.
+            let tiny = f32::from_bits(1) * kind.max_finite();
+            assert_eq!(kind.scale_from_amax(tiny), f32::from_bits(1));
+            for amax in [f32::INFINITY, 1e30, -3.0, 65504.0] {
+                let s = kind.scale_from_amax(amax);
+                assert!(s.is_finite() && s > 0.0, "{kind:?} {amax:e} -> {s:e}");
             }
         }
     }

@@ -11,9 +11,10 @@ pub const SYM_GROUP: usize = 32;
 pub const AFFINE_GROUP: usize = 64;
 
 /// Quantize one symmetric group: `s = f16(amax / 7)`, `q = clamp(rne(x / s), -7, 7)`.
-/// Writes signed codes (−7..=7) to `codes` and returns the f16 scale.
+/// Writes signed codes (−7..=7) to `codes` and returns the f16 scale. The group is the first
+/// `min(x.len(), codes.len())` values (the two are the same length in every caller).
 pub fn quantize_sym_group(x: &[f32], codes: &mut [i8]) -> f16 {
-    debug_assert_eq!(x.len(), codes.len());
+    let x = &x[..x.len().min(codes.len())];
     let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     let s = f16::from_f32(amax / 7.0);
     let sf = s.to_f32();
@@ -35,8 +36,13 @@ pub fn dequantize_sym(q: i8, s: f16) -> f32 {
 
 /// Quantize one affine group: `s = f16((max - min) / 15)`, `z = f16(min)`,
 /// `q = clamp(rne((x - z) / s), 0, 15)`. Writes codes 0..=15 and returns `(scale, zero)`.
+/// The group is the first `min(x.len(), codes.len())` values, as for [`quantize_sym_group`];
+/// an empty group gets scale 0 and zero 0.
 pub fn quantize_affine_group(x: &[f32], codes: &mut [u8]) -> (f16, f16) {
-    debug_assert_eq!(x.len(), codes.len());
+    let x = &x[..x.len().min(codes.len())];
+    if x.is_empty() {
+        return (f16::ZERO, f16::ZERO);
+    }
     let (mn, mx) = x
         .iter()
         .fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| {
@@ -96,10 +102,12 @@ pub fn pack_nibbles(codes: impl IntoIterator<Item = u8>, out: &mut [u8]) {
     }
 }
 
-/// Unsigned nibble `i` of a packed buffer.
+/// Unsigned nibble `i` of a packed buffer. A buffer reads as if zero-padded: an `i` past its
+/// end gives 0, as [`pack_nibbles`] pads a short code sequence (check lengths with
+/// [`KvFormat::check_row`](crate::KvFormat::check_row) where that matters).
 #[inline]
 pub fn nibble(packed: &[u8], i: usize) -> u8 {
-    (packed[i / 2] >> ((i & 1) * 4)) & 0xF
+    packed.get(i / 2).map_or(0, |b| (b >> ((i & 1) * 4)) & 0xF)
 }
 
 /// Signed (two's-complement) nibble `i` of a packed buffer.

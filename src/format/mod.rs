@@ -13,7 +13,7 @@ pub mod sanitize;
 pub use fp8::Fp8Kind;
 pub use sanitize::{Element, sanitize};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, filled};
 use half::{bf16, f16};
 use std::fmt;
 
@@ -129,9 +129,16 @@ impl KvFormat {
         Ok(())
     }
 
-    /// Bytes of codes in one row.
+    /// Bytes of codes in one row: `head_dim × bits / 8`, computed without overflowing (it
+    /// saturates at `usize::MAX` for a `head_dim` no row can have; [`CacheConfig`] rejects
+    /// those with [`Error::Overflow`]).
+    ///
+    /// [`CacheConfig`]: crate::CacheConfig
     pub const fn code_bytes(self, head_dim: usize) -> usize {
-        head_dim * self.bits() as usize / 8
+        let bits = self.bits() as usize;
+        (head_dim / 8)
+            .saturating_mul(bits)
+            .saturating_add(head_dim % 8 * bits / 8)
     }
 
     /// Bytes of per-group metadata in one row (f16 scales; scale+zero pairs for affine INT4).
@@ -149,10 +156,66 @@ impl KvFormat {
         (self.code_bytes(d) + self.meta_bytes(d)) as f64 / d as f64
     }
 
-    /// Quantize one row. Inputs are sanitized first (FORMATS.md); the number of non-finite
-    /// inputs is returned. `head_scale` is the FP8 scale (ignored by other formats).
-    ///
-    /// `codes` must be `code_bytes(x.len())` long and `meta` `meta_bytes(x.len())`.
+    /// Check the arguments of one row of `head_dim` elements: `head_dim` suits the format
+    /// ([`Error::HeadDim`]), `codes` and `meta` hold [`code_bytes`](Self::code_bytes) and
+    /// [`meta_bytes`](Self::meta_bytes) bytes ([`Error::Length`]), and for FP8 the head scale
+    /// is positive and finite ([`Error::Scale`]; other formats ignore it).
+    pub fn check_row(
+        self,
+        head_dim: usize,
+        codes_len: usize,
+        meta_len: usize,
+        head_scale: f32,
+    ) -> Result<()> {
+        self.check_head_dim(head_dim)?;
+        for (what, expected, actual) in [
+            (
+                "row codes (code_bytes(head_dim))",
+                self.code_bytes(head_dim),
+                codes_len,
+            ),
+            (
+                "row metadata (meta_bytes(head_dim))",
+                self.meta_bytes(head_dim),
+                meta_len,
+            ),
+        ] {
+            if expected != actual {
+                return Err(Error::Length {
+                    what,
+                    expected,
+                    actual,
+                });
+            }
+        }
+        if self.has_head_scale() && !(head_scale.is_finite() && head_scale > 0.0) {
+            return Err(Error::Scale {
+                what: "FP8 head scale",
+                value: head_scale,
+            });
+        }
+        Ok(())
+    }
+
+    /// Quantize one row (`head_dim = x.len()`). Inputs are sanitized first (FORMATS.md); the
+    /// number of non-finite inputs is returned. `head_scale` is the FP8 scale (ignored by other
+    /// formats). `codes` must be `code_bytes(x.len())` long and `meta` `meta_bytes(x.len())`;
+    /// every argument is checked first ([`check_row`](Self::check_row)) and on an error nothing
+    /// is written.
+    pub fn try_encode_row<T: Element>(
+        self,
+        x: &[T],
+        head_scale: f32,
+        codes: &mut [u8],
+        meta: &mut [u8],
+    ) -> Result<u64> {
+        self.check_row(x.len(), codes.len(), meta.len(), head_scale)?;
+        Ok(self.encode_checked(x, head_scale, codes, meta))
+    }
+
+    /// [`try_encode_row`](Self::try_encode_row) for arguments the caller has already checked
+    /// (the row loops of the cache and of `dense`). Arguments it would reject write nothing and
+    /// return 0; this never panics.
     pub fn encode_row<T: Element>(
         self,
         x: &[T],
@@ -160,9 +223,17 @@ impl KvFormat {
         codes: &mut [u8],
         meta: &mut [u8],
     ) -> u64 {
-        let d = x.len();
-        debug_assert_eq!(codes.len(), self.code_bytes(d));
-        debug_assert_eq!(meta.len(), self.meta_bytes(d));
+        self.try_encode_row(x, head_scale, codes, meta).unwrap_or(0)
+    }
+
+    /// The encoder proper; the caller checked every argument.
+    fn encode_checked<T: Element>(
+        self,
+        x: &[T],
+        head_scale: f32,
+        codes: &mut [u8],
+        meta: &mut [u8],
+    ) -> u64 {
         // Sanitize element by element (or one group at a time into a stack buffer) so that
         // the per-row append / quantize paths never allocate.
         let mut non_finite = 0u64;
@@ -218,11 +289,31 @@ impl KvFormat {
         non_finite
     }
 
-    /// Dequantize one row into `out` (`head_dim` values), exactly as FORMATS.md defines.
+    /// Dequantize one row into `out` (`head_dim = out.len()` values), exactly as FORMATS.md
+    /// defines. The arguments are checked as for [`try_encode_row`](Self::try_encode_row).
+    pub fn try_decode_row(
+        self,
+        codes: &[u8],
+        meta: &[u8],
+        head_scale: f32,
+        out: &mut [f32],
+    ) -> Result<()> {
+        self.check_row(out.len(), codes.len(), meta.len(), head_scale)?;
+        self.decode_checked(codes, meta, head_scale, out);
+        Ok(())
+    }
+
+    /// [`try_decode_row`](Self::try_decode_row) for arguments the caller has already checked.
+    /// Arguments it would reject fill `out` with NaN, so a misuse cannot pass for data; this
+    /// never panics.
     pub fn decode_row(self, codes: &[u8], meta: &[u8], head_scale: f32, out: &mut [f32]) {
-        let d = out.len();
-        debug_assert_eq!(codes.len(), self.code_bytes(d));
-        debug_assert_eq!(meta.len(), self.meta_bytes(d));
+        if self.try_decode_row(codes, meta, head_scale, out).is_err() {
+            out.fill(f32::NAN);
+        }
+    }
+
+    /// The decoder proper; the caller checked every argument.
+    fn decode_checked(self, codes: &[u8], meta: &[u8], head_scale: f32, out: &mut [f32]) {
         match self {
             KvFormat::F16 => {
                 for (o, c) in out.iter_mut().zip(codes.chunks_exact(2)) {
@@ -279,15 +370,39 @@ pub fn sanitized_amax<T: Element>(x: &[T]) -> f32 {
 }
 
 /// [`sanitized_amax`] of each head of `x`, laid out `[tokens, heads, head_dim]` (row `r` of
-/// `head_dim` values belongs to head `r % heads`; a trailing partial row is ignored): the
-/// amaxes per-head FP8 scales are calibrated from.
-pub fn head_amax<T: Element>(x: &[T], heads: usize, head_dim: usize) -> Vec<f32> {
-    let mut amax = vec![0.0f32; heads];
+/// `head_dim` values belongs to head `r % heads`): the amaxes per-head FP8 scales are calibrated
+/// from. `x.len()` must be a multiple of `heads × head_dim`; `heads` and `head_dim` must be
+/// positive unless `x` is empty (then every amax is 0).
+pub fn head_amax<T: Element>(x: &[T], heads: usize, head_dim: usize) -> Result<Vec<f32>> {
+    let row = heads.checked_mul(head_dim).ok_or(Error::Overflow {
+        what: "head_amax token row (heads × head_dim)",
+        lhs: heads,
+        rhs: head_dim,
+    })?;
+    if row == 0 {
+        if !x.is_empty() {
+            return Err(Error::Config {
+                what: if heads == 0 { "heads" } else { "head_dim" },
+                value: 0,
+                expected: "at least 1 for non-empty data",
+            });
+        }
+    } else if x.len() % row != 0 {
+        return Err(Error::Length {
+            what: "head_amax data ([tokens, heads, head_dim])",
+            expected: x.len().div_ceil(row) * row,
+            actual: x.len(),
+        });
+    }
+    let mut amax = filled(heads, 0.0f32, "head_amax output")?;
+    if row == 0 {
+        return Ok(amax);
+    }
     for (r, row) in x.chunks_exact(head_dim).enumerate() {
         let a = &mut amax[r % heads];
         *a = a.max(sanitized_amax(row));
     }
-    amax
+    Ok(amax)
 }
 
 /// FP8 scale granularity.

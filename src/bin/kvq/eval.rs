@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use kvq::cache::{BlockAllocator, HostCache};
 use kvq::cpu::{self, Accum, DecodeShape, DenseKv};
 use kvq::dense::{self, DenseFormat, Fp8ScaleChoice};
+use kvq::layout::MAX_BLOCK_SIZE;
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
 use safetensors::SafeTensors;
 
@@ -214,10 +215,17 @@ fn load_layer(st: &SafeTensors<'_>, index: usize, pair_heads: usize) -> Result<L
     let (q, qs) = load3(st, &format!("q.{index}"))?;
     let (k, ks) = load3(st, &format!("k.{index}"))?;
     let (v, vs) = load3(st, &format!("v.{index}"))?;
-    if ks != vs || qs[0] != ks[0] || qs[2] != ks[2] || qs[1] % ks[1] != 0 || qs[0] == 0 {
+    if ks != vs
+        || qs[0] != ks[0]
+        || qs[2] != ks[2]
+        || ks[1] == 0
+        || qs[1] % ks[1] != 0
+        || qs[0] == 0
+    {
         return Err(CliError::new(format!(
             "layer {index}: shapes q {qs:?}, k {ks:?}, v {vs:?} do not fit together \
-             (need the same tokens > 0 and head_dim, k and v equal, q heads a multiple of kv heads)"
+             (need the same tokens > 0 and head_dim, k and v equal, q heads a multiple of \
+             kv heads > 0)"
         )));
     }
     if ks[1] % pair_heads != 0 || qs[1] % pair_heads != 0 {
@@ -372,6 +380,12 @@ fn row(label: &str, pair: &Pair, e: Option<&ErrorSums>) -> String {
 pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     if args.pair_heads == 0 {
         return Err(CliError::new("--pair-heads must be at least 1"));
+    }
+    if args.block_size == 0 || args.block_size > MAX_BLOCK_SIZE {
+        return Err(CliError::new(format!(
+            "--block-size {} is not in 1..={MAX_BLOCK_SIZE}",
+            args.block_size
+        )));
     }
     let file = InputFile::read(&args.input)?;
     let st = file.parse()?;
