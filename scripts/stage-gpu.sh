@@ -36,4 +36,4 @@ tar -cJf .gpu-stage/bin.tar.xz -C .gpu-stage bin && rm -rf .gpu-stage/bin
 cp scripts/gpu-check.sh .gpu-stage/
 data=../shared/data/minilm_kv.safetensors
 [ -f "$data" ] && cp "$data" .gpu-stage/data/
-ls .gpu-stage/bin; du -sh .gpu-stage
+tar -tJf .gpu-stage/bin.tar.xz; du -sh .gpu-stage
