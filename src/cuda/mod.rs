@@ -13,6 +13,7 @@ pub mod bench;
 pub mod decode;
 pub mod device;
 pub mod ops;
+pub mod probe;
 pub mod sys;
 
 pub use device::{AppendCounters, DeviceCache};
