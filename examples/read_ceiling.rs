@@ -69,31 +69,18 @@ fn run(args: &Args) -> Result<bool, String> {
     let mut timer = bench::EventTimer::new(&gpu).map_err(|e| e.to_string())?;
     let ceiling = bench::read_ceiling_with(&gpu, &mut timer, o).map_err(|e| e.to_string())?;
 
-    println!("\n| variant | median GB/s | slowest | fastest | % of best | note |");
-    println!("|---|---:|---:|---:|---:|---|");
-    let mut bad = false;
-    for v in &ceiling.variants {
-        let note = v.note.as_deref().unwrap_or("");
-        bad |= note.starts_with("wrong checksum");
-        match (v.gbps, v.range_gbps) {
-            (Some(g), Some((lo, hi))) => println!(
-                "| {} | {g:.0} | {lo:.0} | {hi:.0} | {:.1} | {note} |",
-                v.name,
-                100.0 * g / ceiling.gbps
-            ),
-            _ => println!("| {} | - | - | - | - | {note} |", v.name),
-        }
-    }
+    println!("\n{}", ceiling.markdown());
+    let bad = ceiling.any_wrong_checksum();
     if gpu.props().compute_capability.0 >= 9
         && ceiling
             .variants
             .iter()
             .any(|v| v.name.starts_with("bulk") && v.gbps.is_none())
     {
-        println!("\nnote: a bulk-copy variant did not run on an sm_90+ device (see its note)");
+        println!("note: a bulk-copy variant did not run on an sm_90+ device (see its note)");
     }
     if bad {
-        println!("\nCHECK FAILED: a variant read the wrong bytes (left out of the ceiling)");
+        println!("CHECK FAILED: a variant read the wrong bytes (left out of the ceiling)");
     }
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&ceiling).expect("ceiling serializes");

@@ -29,7 +29,7 @@ for line in open(".gpu-stage/build.json"):
 PY
 rm .gpu-stage/build.json
 strip .gpu-stage/bin/*
-cp scripts/gpu-check.sh .gpu-stage/
+cp scripts/gpu-check.sh scripts/read_ceiling.py .gpu-stage/
 data=../shared/data/minilm_kv.safetensors
 [ -f "$data" ] && cp "$data" .gpu-stage/data/
 ls .gpu-stage/bin; du -sh .gpu-stage

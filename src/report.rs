@@ -156,6 +156,39 @@ impl ReadCeiling {
     }
 }
 
+impl ReadCeiling {
+    /// A markdown table of every variant: median, slowest and fastest read, % of the best, and
+    /// why a variant did not count.
+    pub fn markdown(&self) -> String {
+        let mut s = String::from(
+            "| variant | median GB/s | slowest | fastest | % of best | note |\n\
+             |---|---:|---:|---:|---:|---|\n",
+        );
+        for v in &self.variants {
+            let note = v.note.as_deref().unwrap_or("");
+            let _ = match (v.gbps, v.range_gbps) {
+                (Some(g), Some((lo, hi))) => writeln!(
+                    s,
+                    "| {} | {g:.0} | {lo:.0} | {hi:.0} | {:.1} | {note} |",
+                    v.name,
+                    100.0 * g / self.gbps
+                ),
+                _ => writeln!(s, "| {} | - | - | - | - | {note} |", v.name),
+            };
+        }
+        s
+    }
+
+    /// Whether some variant read the wrong bytes (it is left out of the ceiling).
+    pub fn any_wrong_checksum(&self) -> bool {
+        self.variants.iter().any(|v| {
+            v.note
+                .as_deref()
+                .is_some_and(|n| n.starts_with("wrong checksum"))
+        })
+    }
+}
+
 impl std::fmt::Display for ReadCeiling {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.summary())
@@ -370,5 +403,12 @@ mod tests {
         r.ceiling_probe = Some(probe);
         assert_eq!(DecodeBenchReport::from_json(&r.to_json()).unwrap(), r);
         assert!(r.markdown().contains("read ceiling: 4607 GB/s (variant b;"));
+        let table = r.ceiling_probe.as_ref().unwrap().markdown();
+        assert!(
+            table.contains("| a | 4340 | 4330 | 4345 | 94.2 |  |"),
+            "{table}"
+        );
+        assert!(table.contains("| c | - | - | - | - | unavailable: needs sm_90 |"));
+        assert!(!r.ceiling_probe.as_ref().unwrap().any_wrong_checksum());
     }
 }
