@@ -8,8 +8,9 @@
 //!
 //! Bandwidth counts the bytes the kernel must read: K/V codes and metadata of every context
 //! token, the used block-table entries, and q. The same run measures the streaming-read ceiling
-//! (`kvq_stream_read` over 4 GiB) and prints each decode as a fraction of it, plus the
-//! fp8 / int4 speed-up over bf16 at B=64, L=16384.
+//! (`bench::read_ceiling`: the fastest of the reads in `cuda/bandwidth.cu`, over 4 GiB) and
+//! prints each decode as a fraction of it, plus the fp8 / int4 speed-up over bf16 at B=64,
+//! L=16384.
 //!
 //! Run: `cargo bench --features cuda --bench gpu_decode` (`KVQ_BENCH_QUICK=1`: fewer shapes).
 
@@ -280,7 +281,8 @@ fn bench(c: &mut Criterion) {
     let mut timer = bench::EventTimer::new(&gpu).expect("timer");
     eprintln!("{}", gpu.summary());
     // Streaming-read ceiling of this device, this run (the crate's own probe and timer).
-    let ceiling = bench::read_ceiling_gbps(&gpu, &mut timer).expect("read ceiling");
+    let probe = bench::read_ceiling(&gpu, &mut timer).expect("read ceiling");
+    let ceiling = probe.gbps;
 
     let (mut rows, mut sweep) = (Vec::new(), Vec::new());
     for (name, kf, vf, q_bf16) in FORMATS {
@@ -292,7 +294,7 @@ fn bench(c: &mut Criterion) {
     }
 
     eprintln!("\n== gpu_decode summary: Llama-3-8B shape (32 q / 8 kv heads, d 128, block 16) ==");
-    eprintln!("streaming-read ceiling (4 GiB): {ceiling:.0} GB/s");
+    eprintln!("{probe} (4 GiB reads)");
     let print = |title: &str, rows: &[Row]| {
         eprintln!("{title}");
         eprintln!(

@@ -239,11 +239,33 @@ int kvq_decode_attention(const kvq_decode_args *args, void *stream);
 int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim, int32_t warps,
                          int32_t stages, int32_t *ctas_per_sm, int32_t *stage_bytes);
 
-/* Streaming-read probe for bandwidth ceilings (cuda/bandwidth.cu): read `bytes` (a multiple of
- * 16, `src` 16-byte aligned) once with 16-byte loads and write one checksum per thread block to
- * `sink` (at least 4096 floats), so nothing is optimised away. */
+/* ---- streaming-read probes for bandwidth ceilings (cuda/bandwidth.cu) ---- */
+
+/* Every probe reads a buffer once and adds the sum (mod 2^32) of the 32-bit words it read into
+ * the words of a sink (uint32[KVQ_STREAM_SINK_WORDS], some words each): so nothing is optimised
+ * away, and after zeroing the sink and one launch the sink's words sum to the buffer's. */
+#define KVQ_STREAM_SINK_WORDS 4096
+/* kvq_stream_fill writes 32-bit word i of a buffer as seed + i * KVQ_STREAM_FILL_STEP
+ * (mod 2^32). */
+#define KVQ_STREAM_FILL_STEP 0x9E3779B9
+
+/* Number of read variants (load flavour, loads in flight, grid shape, bulk copies), and the
+ * stable name of one ("nc-x16-t256-k3-tiles"; a static string), or null out of range. */
+int32_t kvq_stream_read_variants(void);
+const char *kvq_stream_read_variant_name(int32_t variant);
+
+/* Read `bytes` (a multiple of 16, `src` 16-byte aligned) once with `variant`, checksum into
+ * `sink` as above. KVQ_ERR_UNSUPPORTED: the variant cannot run on this device with this build
+ * (bulk copies need sm_90+ code), or its blocks do not fit on an SM. */
+int kvq_stream_read_variant(int32_t variant, const void *src, int64_t bytes, uint32_t *sink,
+                            void *stream);
+
+/* The default variant (the benchmark timer's L2 flush). `sink` holds at least
+ * KVQ_STREAM_SINK_WORDS floats, used as raw uint32 checksum words. */
 int kvq_stream_read(const void *src, int64_t bytes, float *sink, void *stream);
 
+/* Fill `bytes` (a multiple of 16, 16-byte aligned) with the KVQ_STREAM_FILL_STEP sequence. */
+int kvq_stream_fill(void *dst, int64_t bytes, uint32_t seed, void *stream);
 
 #ifdef __cplusplus
 }

@@ -4,11 +4,15 @@
 //! cargo run --release --features cuda,plot --example decode_bench -- [--out DIR] [--iters N]
 //!     [--case NAME]... [--quick]
 //! cargo run --release --features plot --example decode_bench -- --plot DIR/decode_bench.json
+//! cargo run --release --features cuda --example decode_bench -- --ceiling-only
 //! ```
 //! Prints a markdown table (µs median, bytes, GB/s, % of ceiling, speedup vs bf16) and writes
 //! `decode_bench.{md,csv,json}` plus, with feature `plot`, `decode_bench.png` (% of ceiling vs
 //! B·L per format) into DIR (default `bench-out`). `--plot` re-renders the tables and the PNG
-//! from a JSON report, beside it, on any machine (no GPU needed). Method: `kvq::cuda::bench`.
+//! from a JSON report, beside it, on any machine (no GPU needed). `--ceiling-only` measures just
+//! the read ceiling and prints every probe variant, ending with `BEST <variant> <GB/s>` as
+//! `examples/read_ceiling.rs` does (exit status 3 if a variant read the wrong bytes). Method:
+//! `kvq::cuda::bench`.
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +22,7 @@ struct Args {
     cases: Vec<String>,
     quick: bool,
     plot_only: Option<PathBuf>,
+    ceiling_only: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -27,6 +32,7 @@ fn parse_args() -> Result<Args, String> {
         cases: Vec::new(),
         quick: false,
         plot_only: None,
+        ceiling_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -41,6 +47,7 @@ fn parse_args() -> Result<Args, String> {
             "--case" => a.cases.push(value("--case")?),
             "--quick" => a.quick = true,
             "--plot" => a.plot_only = Some(value("--plot")?.into()),
+            "--ceiling-only" => a.ceiling_only = true,
             // Cargo's bench harness flag, when run through `cargo bench`.
             "--bench" => {}
             other => return Err(format!("unknown argument '{other}'")),
@@ -85,7 +92,7 @@ fn measure(args: &Args) -> Result<kvq::report::DecodeBenchReport, String> {
             .expect("static template"),
     );
     let report = bench::run_grid(&gpu, &cases, &pairs, args.iters, |msg| {
-        if msg.starts_with("skipped") {
+        if msg.starts_with("read ceiling") || msg.starts_with("skipped") {
             bar.println(msg);
         } else {
             bar.inc(1);
@@ -102,8 +109,32 @@ fn measure(_: &Args) -> Result<kvq::report::DecodeBenchReport, String> {
     Err("built without feature `cuda`: only --plot REPORT.json is available".into())
 }
 
+/// The read ceiling alone; false when a variant read the wrong bytes.
+#[cfg(feature = "cuda")]
+fn ceiling_only() -> Result<bool, String> {
+    use kvq::cuda::{Gpu, bench};
+    let gpu = Gpu::new(0).map_err(|e| e.to_string())?;
+    println!("{}", gpu.summary());
+    let mut timer = bench::EventTimer::new(&gpu).map_err(|e| e.to_string())?;
+    let ceiling = bench::read_ceiling(&gpu, &mut timer).map_err(|e| e.to_string())?;
+    println!("\n{}\n{ceiling}", ceiling.markdown());
+    println!("BEST {} {:.1}", ceiling.variant, ceiling.gbps);
+    Ok(!ceiling.any_wrong_checksum())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn ceiling_only() -> Result<bool, String> {
+    Err("built without feature `cuda`: --ceiling-only needs a GPU build".into())
+}
+
 fn main() {
     let result = parse_args().and_then(|args| {
+        if args.ceiling_only {
+            if !ceiling_only()? {
+                std::process::exit(3);
+            }
+            return Ok(());
+        }
         let report = match &args.plot_only {
             Some(json) => {
                 let text = std::fs::read_to_string(json)

@@ -89,8 +89,9 @@ fn run(args: &Args) -> kvq::Result<()> {
     let gpu = Gpu::new(0)?;
     eprintln!("{}", gpu.summary());
     let mut timer = bench::EventTimer::new(&gpu)?;
-    let ceiling = bench::read_ceiling_gbps(&gpu, &mut timer)?;
-    println!("read ceiling {ceiling:.0} GB/s\n");
+    let probe = bench::read_ceiling(&gpu, &mut timer)?;
+    println!("{probe}\n");
+    let ceiling = probe.gbps;
     println!("| case | B | L | K | V | splits | warps | stages | blocks/SM | µs | % ceiling |");
     println!("|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|");
     let cases = bench::select(bench::standard_grid(), &args.cases, false)

@@ -21,7 +21,9 @@ fn run(iters: usize) -> kvq::Result<()> {
     let gpu = Gpu::new(0)?;
     eprintln!("{}", gpu.summary());
     let mut timer = bench::EventTimer::new(&gpu)?;
-    let ceiling = bench::read_ceiling_gbps(&gpu, &mut timer)?;
+    let probe = bench::read_ceiling(&gpu, &mut timer)?;
+    eprintln!("{probe}");
+    let ceiling = probe.gbps;
     let case = bench::DecodeCase::moe_8x22b_tp8(BATCH, CONTEXT);
     let rows = [
         ("f16", (KvFormat::F16, KvFormat::F16), 15.2),
@@ -34,7 +36,8 @@ fn run(iters: usize) -> kvq::Result<()> {
     ];
     println!(
         "8x22B decode step, per GPU (1 KV head, 6 q heads, d=128), B={BATCH}, L={CONTEXT}, \
-         {LAYERS} layers; read ceiling {ceiling:.0} GB/s on {}\n",
+         {LAYERS} layers; read ceiling {ceiling:.0} GB/s ({}) on {}\n",
+        probe.variant,
         gpu.props().name
     );
     println!(

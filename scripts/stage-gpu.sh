@@ -33,7 +33,7 @@ rm .gpu-stage/build.json
 strip .gpu-stage/bin/*
 # The kernels' code compresses about 9x: the device tool's transfer limit is 64 MiB.
 tar -cJf .gpu-stage/bin.tar.xz -C .gpu-stage bin && rm -rf .gpu-stage/bin
-cp scripts/gpu-check.sh .gpu-stage/
+cp scripts/gpu-check.sh scripts/read_ceiling.py .gpu-stage/
 data=../shared/data/minilm_kv.safetensors
 [ -f "$data" ] && cp "$data" .gpu-stage/data/
 tar -tJf .gpu-stage/bin.tar.xz; du -sh .gpu-stage

@@ -104,6 +104,97 @@ pub struct DecodeBenchRow {
     pub speedup_vs_bf16: Option<f64>,
 }
 
+/// One variant of the streaming-read probe (`cuda/bandwidth.cu`), as measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProbeVariant {
+    /// Variant name, e.g. `nc-x16-t256-k3-tiles`.
+    pub name: String,
+    /// Median GB/s (1e9) of the timed reads; `None` when the variant does not count (`note`).
+    pub gbps: Option<f64>,
+    /// Slowest and fastest timed read, GB/s.
+    pub range_gbps: Option<(f64, f64)>,
+    /// Why the variant does not count: unavailable on this device, or a wrong checksum.
+    pub note: Option<String>,
+}
+
+/// The streaming-read ceiling of one run: the median of the fastest probe variant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReadCeiling {
+    /// GB/s (1e9) of the winning variant.
+    pub gbps: f64,
+    /// Name of the winning variant.
+    pub variant: String,
+    /// Bytes each timed read covered.
+    pub bytes: u64,
+    /// Every variant, in probe order.
+    pub variants: Vec<ProbeVariant>,
+}
+
+impl ReadCeiling {
+    /// `read ceiling: 4607 GB/s (variant NAME; others: NAME 4512, ..., NAME unavailable)`.
+    pub fn summary(&self) -> String {
+        let others: Vec<String> = self
+            .variants
+            .iter()
+            .filter(|v| v.name != self.variant)
+            .map(|v| match (v.gbps, &v.note) {
+                (Some(g), _) => format!("{} {g:.0}", v.name),
+                (None, Some(n)) => format!("{} {}", v.name, n.split(':').next().unwrap_or(n)),
+                (None, None) => format!("{} -", v.name),
+            })
+            .collect();
+        format!(
+            "read ceiling: {:.0} GB/s (variant {}; others: {})",
+            self.gbps,
+            self.variant,
+            if others.is_empty() {
+                "none".to_string()
+            } else {
+                others.join(", ")
+            }
+        )
+    }
+}
+
+impl ReadCeiling {
+    /// A markdown table of every variant: median, slowest and fastest read, % of the best, and
+    /// why a variant did not count.
+    pub fn markdown(&self) -> String {
+        let mut s = String::from(
+            "| variant | median GB/s | slowest | fastest | % of best | note |\n\
+             |---|---:|---:|---:|---:|---|\n",
+        );
+        for v in &self.variants {
+            let note = v.note.as_deref().unwrap_or("");
+            let _ = match (v.gbps, v.range_gbps) {
+                (Some(g), Some((lo, hi))) => writeln!(
+                    s,
+                    "| {} | {g:.0} | {lo:.0} | {hi:.0} | {:.1} | {note} |",
+                    v.name,
+                    100.0 * g / self.gbps
+                ),
+                _ => writeln!(s, "| {} | - | - | - | - | {note} |", v.name),
+            };
+        }
+        s
+    }
+
+    /// Whether some variant read the wrong bytes (it is left out of the ceiling).
+    pub fn any_wrong_checksum(&self) -> bool {
+        self.variants.iter().any(|v| {
+            v.note
+                .as_deref()
+                .is_some_and(|n| n.starts_with("wrong checksum"))
+        })
+    }
+}
+
+impl std::fmt::Display for ReadCeiling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.summary())
+    }
+}
+
 /// A whole benchmark run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct DecodeBenchReport {
@@ -111,6 +202,9 @@ pub struct DecodeBenchReport {
     pub device: String,
     /// Streaming-read bandwidth measured in the same run, GB/s.
     pub ceiling_gbps: f64,
+    /// How `ceiling_gbps` was found (absent in reports from before the probe had variants).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ceiling_probe: Option<ReadCeiling>,
     /// kvq version that produced it.
     pub kvq_version: String,
     pub rows: Vec<DecodeBenchRow>,
@@ -122,6 +216,7 @@ impl DecodeBenchReport {
         DecodeBenchReport {
             device: device.into(),
             ceiling_gbps,
+            ceiling_probe: None,
             kvq_version: env!("CARGO_PKG_VERSION").to_string(),
             rows: Vec::new(),
         }
@@ -145,10 +240,13 @@ impl DecodeBenchReport {
 
     /// A markdown table, one row per measurement.
     pub fn markdown(&self) -> String {
-        let mut s = format!(
-            "Device: {} — read ceiling {:.0} GB/s (measured in this run)\n\n",
-            self.device, self.ceiling_gbps
-        );
+        let mut s = match &self.ceiling_probe {
+            Some(p) => format!("Device: {} — {} — measured in this run\n\n", self.device, p),
+            None => format!(
+                "Device: {} — read ceiling {:.0} GB/s (measured in this run)\n\n",
+                self.device, self.ceiling_gbps
+            ),
+        };
         s.push_str("| case | B | L | q/kv heads | d | K | V | splits | µs (median) | MB read | GB/s | % ceiling | × bf16 |\n");
         s.push_str("|---|---:|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|\n");
         for r in &self.rows {
@@ -274,5 +372,43 @@ mod tests {
         assert_eq!(DecodeBenchReport::from_json(&r.to_json()).unwrap(), r);
         assert!(r.markdown().contains("| x | 1 | 4096 |"));
         assert_eq!(r.csv().lines().count(), 2);
+    }
+
+    #[test]
+    fn ceiling_probe_is_summarised_and_optional_in_json() {
+        let v = |name: &str, gbps: Option<f64>, note: Option<&str>| ProbeVariant {
+            name: name.into(),
+            gbps,
+            range_gbps: gbps.map(|g| (g - 10.0, g + 5.0)),
+            note: note.map(Into::into),
+        };
+        let probe = ReadCeiling {
+            gbps: 4607.4,
+            variant: "b".into(),
+            bytes: 4 << 30,
+            variants: vec![
+                v("a", Some(4340.2), None),
+                v("b", Some(4607.4), None),
+                v("c", None, Some("unavailable: needs sm_90")),
+            ],
+        };
+        assert_eq!(
+            probe.summary(),
+            "read ceiling: 4607 GB/s (variant b; others: a 4340, c unavailable)"
+        );
+        let mut r = DecodeBenchReport::new("test", probe.gbps);
+        let old_json = r.to_json();
+        assert!(!old_json.contains("ceiling_probe"));
+        assert_eq!(DecodeBenchReport::from_json(&old_json).unwrap(), r);
+        r.ceiling_probe = Some(probe);
+        assert_eq!(DecodeBenchReport::from_json(&r.to_json()).unwrap(), r);
+        assert!(r.markdown().contains("read ceiling: 4607 GB/s (variant b;"));
+        let table = r.ceiling_probe.as_ref().unwrap().markdown();
+        assert!(
+            table.contains("| a | 4340 | 4330 | 4345 | 94.2 |  |"),
+            "{table}"
+        );
+        assert!(table.contains("| c | - | - | - | - | unavailable: needs sm_90 |"));
+        assert!(!r.ceiling_probe.as_ref().unwrap().any_wrong_checksum());
     }
 }

@@ -9,21 +9,22 @@
 //! reads rather than writes: a write would leave the L2 full of dirty lines whose write-back
 //! would then be charged to the timed kernel (about 13 µs for 60 MB at 4.5 TB/s). Time is
 //! the median over runs of the CUDA-event interval around the decode (main and merge kernels).
-//! Bandwidth counts [`decode_bytes_to_read`] over that time; the ceiling is the median of a
-//! streaming read of a 4 GiB buffer by `cuda/bandwidth.cu`, in the same process.
+//! Bandwidth counts [`decode_bytes_to_read`] over that time. The ceiling ([`read_ceiling`]) is
+//! the fastest of the streaming-read variants of `cuda/bandwidth.cu` over a 4 GiB buffer, each
+//! checked to read every byte, timed the same way, in the same process.
 
 use super::decode::{DecodePlan, DecodeWorkspace, DeviceBlockTables, stream_read};
 use super::ops::append;
-use super::{DeviceCache, Gpu, driver_err};
+use super::{DeviceCache, Gpu, driver_err, probe};
 use crate::cache::BlockTables;
 use crate::error::{Error, Result};
 use crate::format::KvFormat;
 use crate::layout::CacheConfig;
-pub use crate::report::DecodeCase;
 use crate::report::{DecodeBenchReport, DecodeBenchRow, decode_bytes_to_read};
+pub use crate::report::{DecodeCase, ProbeVariant, ReadCeiling};
 use crate::synth::Synth;
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice, DevicePtrMut};
+use cudarc::driver::{CudaEvent, CudaSlice};
 use half::{bf16, f16};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
@@ -154,8 +155,21 @@ impl EventTimer {
         warmup: usize,
         iters: usize,
         flush_l2: bool,
-        mut run: impl FnMut() -> Result<()>,
+        run: impl FnMut() -> Result<()>,
     ) -> Result<f64> {
+        let times = self.times_us(warmup, iters, flush_l2, run)?;
+        Ok(times[times.len() / 2])
+    }
+
+    /// GPU times in µs of `run`, as [`median_us`](Self::median_us) measures them, sorted
+    /// (at least one).
+    pub fn times_us(
+        &mut self,
+        warmup: usize,
+        iters: usize,
+        flush_l2: bool,
+        mut run: impl FnMut() -> Result<()>,
+    ) -> Result<Vec<f64>> {
         let iters = iters.max(1);
         self.events(iters)?;
         let s = self.gpu.stream().clone();
@@ -184,7 +198,7 @@ impl EventTimer {
             })
             .collect::<Result<Vec<f64>>>()?;
         times.sort_by(f64::total_cmp);
-        Ok(times[times.len() / 2])
+        Ok(times)
     }
 }
 
@@ -210,26 +224,126 @@ impl EventTimer {
     }
 }
 
-/// The streaming-read ceiling in GB/s: median time of reading a 4 GiB buffer once.
-pub fn read_ceiling_gbps(gpu: &Gpu, timer: &mut EventTimer) -> Result<f64> {
-    let bytes = 4usize << 30;
+/// How [`read_ceiling_with`] measures.
+#[derive(Debug, Clone)]
+pub struct CeilingOptions {
+    /// Bytes each read covers: many times any L2, so that every read comes from DRAM.
+    pub bytes: usize,
+    /// Rounds over all variants; each round times every variant `reps` times. Interleaving the
+    /// variants spreads slow drift (clocks, temperature) over all of them.
+    pub rounds: usize,
+    /// Timed reads per variant and round (after one untimed), each after an L2 flush.
+    pub reps: usize,
+    /// Only the variants with these names (all when empty).
+    pub only: Vec<String>,
+}
+
+impl Default for CeilingOptions {
+    fn default() -> Self {
+        CeilingOptions {
+            bytes: 4 << 30,
+            rounds: 3,
+            reps: 11,
+            only: Vec::new(),
+        }
+    }
+}
+
+/// The streaming-read ceiling: every read variant of `cuda/bandwidth.cu` that this device runs
+/// reads a 4 GiB buffer of varied non-zero words, is checked to have read every byte once (its
+/// word sum), and is timed ([`CeilingOptions::default`]); the ceiling is the best median.
+pub fn read_ceiling(gpu: &Gpu, timer: &mut EventTimer) -> Result<ReadCeiling> {
+    read_ceiling_with(gpu, timer, &CeilingOptions::default())
+}
+
+/// [`read_ceiling`] with explicit options.
+pub fn read_ceiling_with(
+    gpu: &Gpu,
+    timer: &mut EventTimer,
+    opts: &CeilingOptions,
+) -> Result<ReadCeiling> {
+    const SEED: u32 = 0x6B76_7121;
+    let bytes = opts.bytes.next_multiple_of(16).max(16);
     gpu.bind()?;
     let s = gpu.stream();
     let mut src = s
         .alloc_zeros::<u8>(bytes)
         .map_err(driver_err("allocating the read-ceiling buffer"))?;
-    {
-        // Time reads of ordinary data, not zeros.
-        let (p, _guard) = src.device_ptr_mut(s);
-        // SAFETY: `p` is a live allocation of `bytes` bytes, filled in order on this stream.
-        unsafe { cudarc::driver::result::memset_d8_async(p, 0xA5, bytes, s.cu_stream()) }
-            .map_err(driver_err("filling the read-ceiling buffer"))?;
-    }
+    probe::stream_fill(gpu, &mut src, bytes, SEED)?;
+    let expected = probe::fill_word_sum(bytes, SEED);
     let mut sink = s
-        .alloc_zeros::<f32>(4096)
+        .alloc_zeros::<u32>(probe::SINK_WORDS)
         .map_err(driver_err("allocating the read-ceiling sink"))?;
-    let us = timer.median_us(3, 15, false, || stream_read(gpu, &src, bytes, &mut sink))?;
-    Ok(bytes as f64 / us / 1e3)
+
+    let mut variants = Vec::new();
+    let mut timed: Vec<(usize, usize)> = Vec::new(); // (variant index, position in `variants`)
+    for (i, name) in probe::variant_names().into_iter().enumerate() {
+        if !opts.only.is_empty() && !opts.only.iter().any(|o| o == name) {
+            continue;
+        }
+        s.memset_zeros(&mut sink)
+            .map_err(driver_err("zeroing the read-ceiling sink"))?;
+        let note = match probe::stream_read_variant(gpu, i, &src, bytes, &mut sink) {
+            Err(Error::Unsupported(why)) => Some(format!("unavailable: {why}")),
+            Err(e) => return Err(e),
+            Ok(()) => {
+                let words = s
+                    .clone_dtoh(&sink)
+                    .map_err(driver_err("reading the read-ceiling sink"))?;
+                let got = probe::sink_sum(&words);
+                (got != expected)
+                    .then(|| format!("wrong checksum: {got:#010x}, expected {expected:#010x}"))
+            }
+        };
+        if note.is_none() {
+            timed.push((i, variants.len()));
+        }
+        variants.push(ProbeVariant {
+            name: name.to_string(),
+            gbps: None,
+            range_gbps: None,
+            note,
+        });
+    }
+
+    let mut times = vec![Vec::new(); variants.len()];
+    for _ in 0..opts.rounds.max(1) {
+        for &(i, at) in &timed {
+            let t = timer.times_us(1, opts.reps.max(1), true, || {
+                probe::stream_read_variant(gpu, i, &src, bytes, &mut sink)
+            })?;
+            times[at].extend(t);
+        }
+    }
+    let gbps = |us: f64| bytes as f64 / us / 1e3;
+    for (v, t) in variants.iter_mut().zip(&mut times) {
+        if t.is_empty() {
+            continue;
+        }
+        t.sort_by(f64::total_cmp);
+        v.gbps = Some(gbps(t[t.len() / 2]));
+        v.range_gbps = Some((gbps(t[t.len() - 1]), gbps(t[0])));
+    }
+    let (best_gbps, best_name) = variants
+        .iter()
+        .filter_map(|v| v.gbps.map(|g| (g, v.name.clone())))
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .ok_or_else(|| {
+            Error::Cuda(format!(
+                "no streaming-read variant measured: {}",
+                variants
+                    .iter()
+                    .map(|v| format!("{}: {}", v.name, v.note.as_deref().unwrap_or("not run")))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ))
+        })?;
+    Ok(ReadCeiling {
+        gbps: best_gbps,
+        variant: best_name,
+        bytes: bytes as u64,
+        variants,
+    })
 }
 
 /// A cache filled with synthetic data and everything one decode call of a case needs.
@@ -384,7 +498,8 @@ pub fn measure(
     })
 }
 
-/// Measure the read ceiling, then every case × pair; `progress` hears about each step.
+/// Measure the read ceiling, then every case × pair; `progress` hears about each step (the
+/// ceiling's own line starts with `read ceiling:`).
 pub fn run_grid(
     gpu: &Gpu,
     cases: &[DecodeCase],
@@ -394,8 +509,11 @@ pub fn run_grid(
 ) -> Result<DecodeBenchReport> {
     let mut timer = EventTimer::new(gpu)?;
     progress("measuring the streaming-read ceiling");
-    let ceiling = read_ceiling_gbps(gpu, &mut timer)?;
+    let probe = read_ceiling(gpu, &mut timer)?;
+    progress(&probe.summary());
+    let ceiling = probe.gbps;
     let mut report = DecodeBenchReport::new(gpu.props().name.clone(), ceiling);
+    report.ceiling_probe = Some(probe);
     for case in cases {
         for &pair in pairs {
             progress(&format!(

@@ -15,6 +15,7 @@ pub mod decode;
 pub mod device;
 pub(crate) mod launch;
 pub mod ops;
+pub mod probe;
 pub mod sys;
 mod tables;
 

@@ -252,14 +252,40 @@ unsafe extern "C" {
         stage_bytes: *mut i32,
     ) -> c_int;
 
-    /// Streaming-read bandwidth probe (kvq.h, cuda/bandwidth.cu).
+    // ---- streaming-read probes (cuda/bandwidth.cu) ----
+
+    /// Number of streaming-read variants (kvq.h).
+    pub fn kvq_stream_read_variants() -> i32;
+
+    /// Static name of a read variant, null out of range (kvq.h).
+    pub fn kvq_stream_read_variant_name(variant: i32) -> *const c_char;
+
+    /// Read a buffer once with one variant, checksum into `sink` (kvq.h).
+    pub fn kvq_stream_read_variant(
+        variant: i32,
+        src: *const c_void,
+        bytes: i64,
+        sink: *mut u32,
+        stream: *mut c_void,
+    ) -> c_int;
+
+    /// Streaming read with the default variant (the timer's L2 flush) (kvq.h).
     pub fn kvq_stream_read(
         src: *const c_void,
         bytes: i64,
         sink: *mut f32,
         stream: *mut c_void,
     ) -> c_int;
+
+    /// Fill a buffer with the `KVQ_STREAM_FILL_STEP` sequence (kvq.h).
+    pub fn kvq_stream_fill(dst: *mut c_void, bytes: i64, seed: u32, stream: *mut c_void) -> c_int;
 }
+
+/// Checksum words of a streaming-read sink.
+pub const KVQ_STREAM_SINK_WORDS: usize = 4096;
+
+/// Word i of a `kvq_stream_fill` buffer is `seed + i * KVQ_STREAM_FILL_STEP` (mod 2^32).
+pub const KVQ_STREAM_FILL_STEP: u32 = 0x9E3779B9;
 
 #[cfg(test)]
 mod tests {
