@@ -1,6 +1,6 @@
-// blocks.cu: whole-block copies inside one pool (kvq_copy_blocks in kvq.h), the device side of
-// copy-on-write after a fork. A block is an opaque run of block_stride bytes (codes and
-// metadata of every KV head), so one kernel serves every format.
+// blocks.cu: cache maintenance that knows nothing of formats: whole-block copies inside one pool
+// (kvq_copy_blocks, the device side of copy-on-write after a fork: a block is an opaque run of
+// block_stride bytes) and the scatter that updates block tables in place (kvq_scatter_i32).
 #include <cuda_runtime.h>
 
 #include "common.cuh"
@@ -39,7 +39,23 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
+__global__ void scatter_i32_kernel(int32_t *__restrict__ dst, const int32_t *__restrict__ pairs,
+                                   int64_t n) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) dst[pairs[2 * i]] = pairs[2 * i + 1];
+}
+
 }  // namespace
+
+extern "C" int kvq_scatter_i32(int32_t *dst, const int32_t *pairs, int64_t num_pairs,
+                               void *stream) {
+  if (dst == nullptr || num_pairs < 0 || (num_pairs > 0 && pairs == nullptr))
+    return KVQ_ERR_INVALID;
+  if (num_pairs == 0) return KVQ_OK;
+  scatter_i32_kernel<<<kvq::blocks_for(num_pairs), kvq::kThreadsPerBlock, 0,
+                       (cudaStream_t)stream>>>(dst, pairs, num_pairs);
+  return kvq::launch_status();
+}
 
 extern "C" int kvq_copy_blocks(const kvq_cache *cache, int64_t num_blocks, const int32_t *pairs,
                                int64_t num_pairs, unsigned long long *counters, void *stream) {

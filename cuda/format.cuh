@@ -99,9 +99,11 @@ template <int F> __device__ __forceinline__ __half2 fp8x2_to_half2(uint16_t code
   return __half2(__nv_cvt_fp8x2_to_halfraw2(codes, Fp8Traits<F>::kind));
 }
 
-// Calibration scale: amax / max_finite, or 1 when amax == 0.
+// Calibration scale: amax / max_finite, or 1 when that quotient is 0 (amax == 0, or so small
+// that the division underflows: FORMATS.md).
 template <int F> __device__ __forceinline__ float fp8_scale_from_amax(float amax) {
-  return amax == 0.0f ? 1.0f : __fdiv_rn(amax, Fp8Traits<F>::max_finite);
+  const float s = __fdiv_rn(amax, Fp8Traits<F>::max_finite);
+  return s == 0.0f ? 1.0f : s;
 }
 
 // ---- INT4 (FORMATS.md "INT4 K", "INT4 V", "Uniform INT4", "Packing") -----------------------

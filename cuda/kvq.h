@@ -104,6 +104,11 @@ int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks, const int3
 int kvq_copy_blocks(const kvq_cache *cache, int64_t num_blocks, const int32_t *pairs,
                     int64_t num_pairs, unsigned long long *counters, void *stream);
 
+/* Scatter int32 values in place: dst[pairs[2i]] = pairs[2i + 1] for i < num_pairs (indices in
+ * elements, distinct). The in-place update of device block tables: the few entries that changed
+ * in a step arrive in one copy from pinned memory, and this applies them. */
+int kvq_scatter_i32(int32_t *dst, const int32_t *pairs, int64_t num_pairs, void *stream);
+
 /* Calibration scales of a dense tensor x ([rows, head_dim], rows cycling through `heads` heads,
  * so row r belongs to head r % heads) for `format` (FP8, or KVQ_DENSE_INT4_UNIFORM): FP8
  * amax / max_finite (1 when amax is 0), one per head when per_head != 0, else one for the tensor;

@@ -24,20 +24,39 @@ fn run() -> kvq::Result<()> {
     let gpu = Gpu::new(0)?;
     let s = gpu.stream().clone();
     let (heads, kv_heads, d, block) = (32, 8, 128, 16);
-    let config = CacheConfig::new(kv_heads, d, block, KvFormat::Int4Sym32, KvFormat::Int4Affine64)?;
+    let config = CacheConfig::new(
+        kv_heads,
+        d,
+        block,
+        KvFormat::Int4Sym32,
+        KvFormat::Int4Affine64,
+    )?;
     let num_blocks = 4096;
     let mut cache = DeviceCache::new(&gpu, config, num_blocks)?; // one layer's pool
     let mut alloc = BlockAllocator::new(num_blocks, block)?; // one allocator for every layer
 
     // Once, for the capacity: the plan, its workspace and the block tables.
     let (max_batch, max_q_len, max_context) = (64, 1, 8192);
-    let plan = DecodePlan::new(&gpu, cache.layout(), max_batch, heads, max_q_len, max_context)?;
+    let plan = DecodePlan::new(
+        &gpu,
+        cache.layout(),
+        max_batch,
+        heads,
+        max_q_len,
+        max_context,
+    )?;
     let mut ws = DecodeWorkspace::new(&plan)?;
     let mut tables = DeviceBlockTables::with_capacity(&cache, max_batch, max_context / block)?;
     // The engine's tensors: K/V rows [tokens, kv_heads, d], q and out [tokens, heads, d].
-    let k_new = s.alloc_zeros::<half::f16>(max_batch * kv_heads * d).map_err(cuda)?;
-    let v_new = s.alloc_zeros::<half::f16>(max_batch * kv_heads * d).map_err(cuda)?;
-    let q = s.alloc_zeros::<half::f16>(max_batch * heads * d).map_err(cuda)?;
+    let k_new = s
+        .alloc_zeros::<half::f16>(max_batch * kv_heads * d)
+        .map_err(cuda)?;
+    let v_new = s
+        .alloc_zeros::<half::f16>(max_batch * kv_heads * d)
+        .map_err(cuda)?;
+    let q = s
+        .alloc_zeros::<half::f16>(max_batch * heads * d)
+        .map_err(cuda)?;
     let mut out = s.alloc_zeros::<f32>(max_batch * heads * d).map_err(cuda)?; // any output type
 
     // Every step, for each sequence (here one, in batch row 0): slots for its new token, the
@@ -56,7 +75,14 @@ fn run() -> kvq::Result<()> {
         &mut ws,
         &cache,
         &tables,
-        DecodeStep { q_len: 1, q: &q, q_rows: rows, out: &mut out, out_rows: rows, lse: None },
+        DecodeStep {
+            q_len: 1,
+            q: &q,
+            q_rows: rows,
+            out: &mut out,
+            out_rows: rows,
+            lse: None,
+        },
     )?; // queued on the plan's stream: no allocation, no host sync, capturable in a graph
     cache.check_appends()?; // now and then: slots or block ids outside the pool are errors
     // README:end

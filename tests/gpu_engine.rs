@@ -933,3 +933,95 @@ fn tensor_parallel_shards_gather_to_the_whole() {
         "{differ} gathered outputs differ from the one-GPU decode"
     );
 }
+
+/// Appends and decodes of different sequences of one pool, queued on two streams at once, give
+/// the pool bytes and outputs the same work gives queued on one stream.
+#[test]
+fn two_streams_on_one_pool_match_one_stream() {
+    let Some(gpu) = require_gpu_or_skip("two_streams_on_one_pool_match_one_stream") else {
+        return;
+    };
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Gpu>();
+    assert_send_sync::<DeviceCache>();
+    assert_send_sync::<DecodePlan>();
+    assert_send_sync::<DecodeWorkspace>();
+    assert_send_sync::<DeviceBlockTables>();
+    assert_send_sync::<SwapSpace>();
+
+    let (k, v) = (KvFormat::Int4Sym32, KvFormat::Fp8E4m3);
+    let config = CacheConfig::new(KV_HEADS, D, BS, k, v).unwrap();
+    let mut rng = Rng(29);
+    let lens = [900usize, 700];
+    let data: Vec<(Vec<f32>, Vec<f32>)> = lens
+        .iter()
+        .map(|&n| (rng.normals(n * KV_HEADS * D, 1.0), rng.normals(n * KV_HEADS * D, 1.0)))
+        .collect();
+    let qh: Vec<f16> = rng.normals(HEADS * D, 1.0).iter().map(|&x| f16::from_f32(x)).collect();
+    // Sequence i owns blocks [i * 64, (i + 1) * 64).
+    let rows: Vec<Vec<i32>> = (0..2).map(|i| (i * 64..i * 64 + 64).collect()).collect();
+    let run = |streams: [&Gpu; 2]| -> (Vec<u8>, Vec<Vec<f16>>) {
+        let mut host = HostCache::new(config, 128).unwrap();
+        host.set_scales(&[0.02, 0.03], &[0.01, 0.015]).unwrap();
+        let cache = DeviceCache::from_host(&gpu, &host).unwrap();
+        gpu.synchronize().unwrap();
+        let mut outs = Vec::new();
+        let mut keep = Vec::new();
+        for i in 0..2 {
+            let g = streams[i];
+            let s = g.stream();
+            let slots: Vec<i32> = (0..lens[i])
+                .map(|t| rows[i][t / BS] * BS as i32 + (t % BS) as i32)
+                .collect();
+            let slots = s.clone_htod(&slots).unwrap();
+            let (kd, vd) = (s.clone_htod(&data[i].0).unwrap(), s.clone_htod(&data[i].1).unwrap());
+            let row = KV_HEADS * D;
+            // SAFETY: the pool is alive for the whole closure; the slots of the two streams are
+            // in disjoint blocks; k, v and slots live on stream `s` until it is synchronized.
+            unsafe {
+                ops::append_raw(
+                    &cache.as_raw(),
+                    cache.num_blocks(),
+                    slots.device_ptr(s).0,
+                    false,
+                    lens[i],
+                    kd.device_ptr(s).0,
+                    vd.device_ptr(s).0,
+                    Dtype::F32,
+                    row,
+                    row,
+                    cache.counters_raw(),
+                    s.cu_stream(),
+                )
+            }
+            .unwrap();
+            keep.push((slots, kd, vd));
+        }
+        for i in 0..2 {
+            // Each decode on the stream that appended its sequence.
+            let g = streams[i];
+            let plan = DecodePlan::new(g, cache.layout(), 1, HEADS, 1, lens[i]).unwrap();
+            let mut ws = DecodeWorkspace::new(&plan).unwrap();
+            let tables = BlockTables::from_rows(&[&rows[i]], &[lens[i]]).unwrap();
+            let mut t = DeviceBlockTables::with_capacity_on(g, &cache, 1, 64).unwrap();
+            t.update(&tables).unwrap();
+            let q = g.stream().clone_htod(&qh).unwrap();
+            let mut out = g.stream().alloc_zeros::<f16>(qh.len()).unwrap();
+            // The cache is on `gpu`'s stream; for the decode only the appends on `g` matter,
+            // and they are on g's own stream.
+            let r = plan.decode(&mut ws, &cache, &t, &q, &mut out, None);
+            r.unwrap();
+            outs.push(g.stream().clone_dtoh(&out).unwrap());
+        }
+        for g in streams {
+            g.synchronize().unwrap();
+        }
+        let bytes = cache.to_host().unwrap().pool().to_vec();
+        (bytes, outs)
+    };
+    let other = Gpu::from_stream(gpu.context().new_stream().unwrap()).unwrap();
+    let serial = run([&gpu, &gpu]);
+    let concurrent = run([&gpu, &other]);
+    assert!(serial.0 == concurrent.0, "pool bytes differ between one and two streams");
+    assert_eq!(serial.1, concurrent.1, "outputs differ between one and two streams");
+}

@@ -15,7 +15,9 @@ fn readme_gpu_snippet_is_the_compiled_example() {
         .collect();
     let section = &readme[readme.find("## Using the GPU path").expect("GPU section")..];
     let code = &section[section.find("```rust\n").expect("rust block") + 8..];
-    let got: Vec<&str> = code[..code.find("```").expect("block end")].lines().collect();
+    let got: Vec<&str> = code[..code.find("```").expect("block end")]
+        .lines()
+        .collect();
     assert_eq!(
         got, want,
         "README's GPU snippet differs from examples/gpu_quickstart.rs (copy it over)"

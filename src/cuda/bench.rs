@@ -13,8 +13,9 @@
 //! the fastest of the streaming-read variants of `cuda/bandwidth.cu` over a 4 GiB buffer, each
 //! checked to read every byte, timed the same way, in the same process.
 
-use super::decode::{DecodePlan, DecodeWorkspace, DeviceBlockTables, stream_read};
+use super::decode::{DecodePlan, DecodeWorkspace, DeviceBlockTables};
 use super::ops::append;
+use super::probe::stream_read;
 use super::{DeviceCache, Gpu, driver_err, probe};
 use crate::cache::BlockTables;
 use crate::error::{Error, Result};

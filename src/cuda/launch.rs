@@ -127,6 +127,21 @@ pub(crate) unsafe fn copy_blocks(
     check_status(status, "kvq_copy_blocks")
 }
 
+/// `kvq_scatter_i32`.
+///
+/// # Safety
+/// `dst` holds every index named in the `2 * num_pairs` device int32 at `pairs`, each once.
+pub(crate) unsafe fn scatter_i32(
+    dst: *mut i32,
+    pairs: *const i32,
+    num_pairs: i64,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe { sys::kvq_scatter_i32(dst, pairs, num_pairs, stream.cast()) };
+    check_status(status, "kvq_scatter_i32")
+}
+
 /// `kvq_dense_scales`.
 ///
 /// # Safety
@@ -298,4 +313,53 @@ pub(crate) unsafe fn stream_read(
     // SAFETY: the caller's contract.
     let status = unsafe { sys::kvq_stream_read(src, bytes, sink, stream.cast()) };
     check_status(status, "kvq_stream_read")
+}
+
+/// `kvq_stream_read_variants`: how many read variants the probe has.
+pub(crate) fn stream_read_variants() -> usize {
+    // SAFETY: a query of a static table.
+    unsafe { sys::kvq_stream_read_variants() }.max(0) as usize
+}
+
+/// `kvq_stream_read_variant_name` of variant `i` (below [`stream_read_variants`]).
+pub(crate) fn stream_read_variant_name(i: usize) -> &'static str {
+    if i >= stream_read_variants() {
+        return "?";
+    }
+    // SAFETY: i is in range, so the launcher returns a static NUL-terminated string.
+    let name = unsafe { std::ffi::CStr::from_ptr(sys::kvq_stream_read_variant_name(i as i32)) };
+    name.to_str().unwrap_or("?")
+}
+
+/// `kvq_stream_read_variant`.
+///
+/// # Safety
+/// kvq.h's contract: `bytes` readable at `src` (16-byte aligned), `KVQ_STREAM_SINK_WORDS`
+/// words at `sink`.
+pub(crate) unsafe fn stream_read_variant(
+    variant: usize,
+    src: *const c_void,
+    bytes: i64,
+    sink: *mut u32,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status =
+        unsafe { sys::kvq_stream_read_variant(variant as i32, src, bytes, sink, stream.cast()) };
+    check_status(status, "kvq_stream_read_variant")
+}
+
+/// `kvq_stream_fill`.
+///
+/// # Safety
+/// kvq.h's contract: `bytes` writable at `dst` (16-byte aligned).
+pub(crate) unsafe fn stream_fill(
+    dst: *mut c_void,
+    bytes: i64,
+    seed: u32,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe { sys::kvq_stream_fill(dst, bytes, seed, stream.cast()) };
+    check_status(status, "kvq_stream_fill")
 }

@@ -249,6 +249,7 @@ pub fn gather_dequantize<T: DeviceElement>(
     }
     // SAFETY: every element is written by the launch below before it can be read.
     let mut k_out = unsafe { s.alloc::<T>(n) }.map_err(driver_err("allocating k_out"))?;
+    // SAFETY: as k_out.
     let mut v_out = unsafe { s.alloc::<T>(n) }.map_err(driver_err("allocating v_out"))?;
     let table = s
         .clone_htod(&block_table[..used])
@@ -424,10 +425,12 @@ pub fn quantize_dense<T: DeviceElement>(
             "{format} derives its scales from the data; a {scale:?} scale applies only to FP8"
         )));
     }
-    if let Fp8ScaleChoice::Fixed(s) = scale {
-        if !(s.is_finite() && s > 0.0) {
+    if let (Fp8ScaleChoice::Fixed(s), Some(kind)) = (scale, format.fp8_kind()) {
+        // The host rule (crate::dense): a stored scale keeps the largest code finite, so the
+        // tensor reads back.
+        if !(s.is_finite() && s > 0.0 && (kind.max_finite() * s).is_finite()) {
             return Err(Error::Scale {
-                what: "fixed FP8 scale",
+                what: "fixed FP8 scale (max_finite × scale must be finite too)",
                 value: s,
             });
         }

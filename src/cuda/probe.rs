@@ -5,10 +5,10 @@
 //! read every byte exactly once.
 
 use super::ops::need_len;
-use super::{Gpu, check_status, sys};
+use super::{Gpu, launch, sys};
 use crate::error::{Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use std::ffi::{CStr, c_void};
+use std::ffi::c_void;
 
 /// `u32` words a checksum sink must hold.
 pub const SINK_WORDS: usize = sys::KVQ_STREAM_SINK_WORDS;
@@ -16,14 +16,8 @@ pub const SINK_WORDS: usize = sys::KVQ_STREAM_SINK_WORDS;
 /// Names of the read variants, in launcher order (the index is what [`stream_read_variant`]
 /// takes), e.g. `nc-x16-t256-k3-tiles`.
 pub fn variant_names() -> Vec<&'static str> {
-    // SAFETY: plain queries of static tables.
-    let n = unsafe { sys::kvq_stream_read_variants() };
-    (0..n)
-        .map(|i| {
-            // SAFETY: i is in range, so the launcher returns a static NUL-terminated string.
-            let name = unsafe { CStr::from_ptr(sys::kvq_stream_read_variant_name(i)) };
-            name.to_str().unwrap_or("?")
-        })
+    (0..launch::stream_read_variants())
+        .map(launch::stream_read_variant_name)
         .collect()
 }
 
@@ -49,27 +43,24 @@ pub fn stream_read_variant(
 ) -> Result<()> {
     check_buffer("stream_read_variant source", bytes, src.len())?;
     need_len("stream_read_variant sink", SINK_WORDS, sink.len())?;
-    let v = i32::try_from(variant)
-        .ok()
-        // SAFETY: plain query of a static table.
-        .filter(|&v| v < unsafe { sys::kvq_stream_read_variants() })
-        .ok_or_else(|| Error::InvalidArgument(format!("no read variant {variant}")))?;
+    if variant >= launch::stream_read_variants() {
+        return Err(Error::InvalidArgument(format!("no read variant {variant}")));
+    }
     gpu.bind()?;
     let s = gpu.stream();
     let (src_p, _g1) = src.device_ptr(s);
     let (sink_p, _g2) = sink.device_ptr_mut(s);
     // SAFETY: src holds `bytes` bytes and sink SINK_WORDS words (checked); cudaMalloc'd memory
     // is 256-byte aligned.
-    let status = unsafe {
-        sys::kvq_stream_read_variant(
-            v,
+    unsafe {
+        launch::stream_read_variant(
+            variant,
             src_p as *const c_void,
             bytes as i64,
             sink_p as *mut u32,
-            gpu.raw_stream(),
+            s.cu_stream(),
         )
-    };
-    check_status(status, "kvq_stream_read_variant")
+    }
 }
 
 /// Enqueue a fill of the first `bytes` of `dst`: 32-bit word i becomes
@@ -80,9 +71,33 @@ pub fn stream_fill(gpu: &Gpu, dst: &mut CudaSlice<u8>, bytes: usize, seed: u32) 
     let s = gpu.stream();
     let (p, _g) = dst.device_ptr_mut(s);
     // SAFETY: dst holds `bytes` bytes (checked) and is 256-byte aligned.
-    let status =
-        unsafe { sys::kvq_stream_fill(p as *mut c_void, bytes as i64, seed, gpu.raw_stream()) };
-    check_status(status, "kvq_stream_fill")
+    unsafe { launch::stream_fill(p as *mut c_void, bytes as i64, seed, s.cu_stream()) }
+}
+
+/// Stream-read `bytes` of `src` once with the default variant (what the benches' L2 flush
+/// uses). `sink` must hold at least [`SINK_WORDS`] f32. Enqueued on `gpu`'s stream.
+pub fn stream_read(
+    gpu: &Gpu,
+    src: &CudaSlice<u8>,
+    bytes: usize,
+    sink: &mut CudaSlice<f32>,
+) -> Result<()> {
+    check_buffer("stream_read source", bytes, src.len())?;
+    need_len("stream_read sink", SINK_WORDS, sink.len())?;
+    gpu.bind()?;
+    let s = gpu.stream();
+    let (src_p, _g1) = src.device_ptr(s);
+    let (sink_p, _g2) = sink.device_ptr_mut(s);
+    // SAFETY: src holds `bytes` bytes (checked), sink SINK_WORDS floats; cudaMalloc'd memory is
+    // 256-byte aligned.
+    unsafe {
+        launch::stream_read(
+            src_p as *const c_void,
+            bytes as i64,
+            sink_p as *mut f32,
+            s.cu_stream(),
+        )
+    }
 }
 
 /// Sum (mod 2^32) of the 32-bit words of `bytes` filled by [`stream_fill`] with `seed`: the

@@ -229,6 +229,14 @@ unsafe extern "C" {
         stream: *mut c_void,
     ) -> c_int;
 
+    /// dst[pairs[2i]] = pairs[2i + 1] for i < num_pairs (kvq.h, cuda/blocks.cu).
+    pub fn kvq_scatter_i32(
+        dst: *mut i32,
+        pairs: *const i32,
+        num_pairs: i64,
+        stream: *mut c_void,
+    ) -> c_int;
+
     /// Message of the last failed launch on this thread (kvq.h).
     pub fn kvq_last_error() -> *const c_char;
 

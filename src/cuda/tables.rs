@@ -1,16 +1,20 @@
 //! [`DeviceBlockTables`]: the block tables and context lengths a decode reads, in device memory,
 //! sized once for a capacity (most sequences, most blocks per sequence) and updated in place
 //! every step: rows change on the host (checked against the pool as they change), then one
-//! asynchronous copy from pinned memory moves what changed. No allocation and no host
-//! synchronization per step, and the device addresses never change, so a decode captured in a
-//! CUDA graph reads the current tables on every replay.
+//! asynchronous copy from pinned memory moves the lengths and the changed block-table entries,
+//! and one small kernel puts the entries in place. No allocation and no host synchronization
+//! per step, and the device addresses never change, so a decode captured in a CUDA graph reads
+//! the current tables on every replay.
 
-use super::{DeviceCache, Gpu, driver_err};
+use super::{DeviceCache, Gpu, driver_err, launch};
 use crate::cache::{BlockTables, check_row};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
-use std::ops::Range;
+
+/// Changed block-table entries one upload sends as (index, value) pairs at most; more go as
+/// one span of the table.
+const MAX_PAIRS: usize = 4096;
 
 /// One pinned host buffer the uploads copy from, and the event of its last copy.
 #[derive(Debug)]
@@ -48,16 +52,21 @@ impl Drop for Staging {
 #[derive(Debug)]
 pub struct DeviceBlockTables {
     gpu: Gpu,
-    /// `[capacity]` context lengths, then `[capacity, max_blocks]` block ids; held for its
-    /// memory, used through `dev_ptr` (see [`owned_ptr`](super::owned_ptr)).
+    /// `[capacity]` context lengths, `[2 * MAX_PAIRS]` changed entries (index, value), then
+    /// `[capacity, max_blocks]` block ids; held for its memory, used through `dev_ptr` (see
+    /// [`owned_ptr`](super::owned_ptr)).
     _dev: CudaSlice<i32>,
     dev_ptr: CUdeviceptr,
-    /// The same layout on the host: the truth the device copy follows.
+    /// The same layout on the host (the pairs area unused): the truth the device follows.
     host: Vec<i32>,
     staging: [Staging; 2],
     next_staging: usize,
-    /// Element ranges of `host` changed since the last upload: lengths, block ids.
-    dirty: [Option<Range<usize>>; 2],
+    /// Whether the lengths changed since the last upload.
+    lens_dirty: bool,
+    /// Block-table entries (indices into `host`) changed since the last upload, each once.
+    pending: Vec<u32>,
+    /// `marked[i - table_start]`: entry i is in `pending`.
+    marked: Vec<bool>,
     capacity: usize,
     max_blocks: usize,
     block_size: usize,
@@ -68,13 +77,6 @@ pub struct DeviceBlockTables {
     /// Longest and shortest non-zero context among the first `batch` rows, as uploaded.
     max_len: usize,
     min_nonzero_len: usize,
-}
-
-fn widen(r: &mut Option<Range<usize>>, add: Range<usize>) {
-    *r = Some(match r.take() {
-        None => add,
-        Some(x) => x.start.min(add.start)..x.end.max(add.end),
-    });
 }
 
 impl DeviceBlockTables {
@@ -110,8 +112,8 @@ impl DeviceBlockTables {
         }
         let total = capacity
             .checked_mul(max_blocks)
-            .and_then(|n| n.checked_add(capacity))
-            .filter(|&n| n <= isize::MAX as usize / 4)
+            .and_then(|n| n.checked_add(capacity + 2 * MAX_PAIRS))
+            .filter(|&n| n <= i32::MAX as usize)
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
                     "block tables of {capacity} rows x {max_blocks} blocks are too large"
@@ -127,6 +129,7 @@ impl DeviceBlockTables {
         let s = gpu.stream();
         let mut host = vec![BlockTables::UNUSED; total];
         host[..capacity].fill(0);
+        let table_entries = capacity * max_blocks;
         let dev = s
             .clone_htod(&host)
             .map_err(driver_err("uploading block tables"))?;
@@ -144,7 +147,9 @@ impl DeviceBlockTables {
             host,
             staging: [pinned()?, pinned()?],
             next_staging: 0,
-            dirty: [None, None],
+            lens_dirty: false,
+            pending: Vec::with_capacity(MAX_PAIRS),
+            marked: vec![false; table_entries],
             capacity,
             max_blocks,
             block_size,
@@ -256,9 +261,8 @@ impl DeviceBlockTables {
             )));
         }
         check_row(&[block], Some(row), 1, 1, self.num_blocks)?;
-        let i = self.capacity + row * self.max_blocks + at;
-        self.host[i] = block;
-        widen(&mut self.dirty[1], i..i + 1);
+        let i = self.table_start() + row * self.max_blocks + at;
+        self.set_entry(i, block);
         self.held[row] = at + 1;
         Ok(())
     }
@@ -268,7 +272,7 @@ impl DeviceBlockTables {
         self.check_index(row)?;
         self.check_len(row, len, self.held[row])?;
         self.host[row] = len as i32;
-        widen(&mut self.dirty[0], row..row + 1);
+        self.lens_dirty = true;
         Ok(())
     }
 
@@ -279,43 +283,53 @@ impl DeviceBlockTables {
         Ok(())
     }
 
-    /// Write a checked row into the host mirror and mark it for upload.
-    fn write_row(&mut self, row: usize, blocks: &[i32], len: usize) {
-        let start = self.capacity + row * self.max_blocks;
-        let old = self.held[row];
-        self.host[start..start + blocks.len()].copy_from_slice(blocks);
-        if old > blocks.len() {
-            self.host[start + blocks.len()..start + old].fill(BlockTables::UNUSED);
+    /// Index in `host` (and on the device) of the first block-table entry.
+    fn table_start(&self) -> usize {
+        self.capacity + 2 * MAX_PAIRS
+    }
+
+    /// Set block-table entry `i` (an index into `host`) and mark it for upload if it changed.
+    fn set_entry(&mut self, i: usize, value: i32) {
+        if self.host[i] == value {
+            return;
         }
-        let end = start + blocks.len().max(old);
-        if end > start {
-            widen(&mut self.dirty[1], start..end);
+        self.host[i] = value;
+        let m = &mut self.marked[i - self.capacity - 2 * MAX_PAIRS];
+        if !*m {
+            *m = true;
+            self.pending.push(i as u32);
+        }
+    }
+
+    /// Write a checked row into the host mirror and mark what changed for upload.
+    fn write_row(&mut self, row: usize, blocks: &[i32], len: usize) {
+        let start = self.table_start() + row * self.max_blocks;
+        let old = self.held[row];
+        for (k, &b) in blocks.iter().enumerate() {
+            self.set_entry(start + k, b);
+        }
+        for k in blocks.len()..old {
+            self.set_entry(start + k, BlockTables::UNUSED);
         }
         self.held[row] = blocks.len();
         self.host[row] = len as i32;
-        widen(&mut self.dirty[0], row..row + 1);
+        self.lens_dirty = true;
     }
 
-    /// Copy what changed since the last upload to the device, asynchronously on the tables'
-    /// stream (the span of changed lengths and the span of changed block ids: one copy when
-    /// they are close, else two). Waits on the host only if the pinned buffer it writes was
-    /// last copied from two uploads ago and that copy has not run yet.
+    /// Send what changed since the last upload to the device, asynchronously on the tables'
+    /// stream: one copy of the lengths and of the changed block-table entries as (index, value)
+    /// pairs, and one small kernel that puts them in place (when more than 4096 entries
+    /// changed, a second copy of the span they cover instead). Waits on the host only if the
+    /// pinned buffer it writes was last copied from two uploads ago and that copy has not run
+    /// yet.
     pub fn upload(&mut self) -> Result<()> {
         self.refresh_lengths();
-        let spans = match &self.dirty {
-            [None, None] => return Ok(()),
-            [Some(a), None] | [None, Some(a)] => [Some(a.clone()), None],
-            [Some(a), Some(b)] => {
-                // Lengths come first in memory: one copy unless the gap is large.
-                if b.start - a.end <= 16 << 10 {
-                    [Some(a.start..b.end), None]
-                } else {
-                    [Some(a.clone()), Some(b.clone())]
-                }
-            }
-        };
+        if !self.lens_dirty && self.pending.is_empty() {
+            return Ok(());
+        }
         self.gpu.bind()?;
         let stream = self.gpu.stream().clone();
+        let cu = stream.cu_stream();
         let st = &mut self.staging[self.next_staging];
         self.next_staging ^= 1;
         if let Some(e) = &st.done {
@@ -326,15 +340,44 @@ impl DeviceBlockTables {
             .buf
             .as_mut_slice()
             .map_err(driver_err("mapping pinned staging"))?;
-        for span in spans.into_iter().flatten() {
-            buf[span.clone()].copy_from_slice(&self.host[span.clone()]);
-            // SAFETY: `dev` holds `host.len()` i32 and `span` lies inside it; the source is
-            // pinned memory that is not written again before `done` (recorded below) completes.
+        let cap = self.capacity;
+        let table_start = cap + 2 * MAX_PAIRS;
+        let pairs = if self.pending.len() <= MAX_PAIRS {
+            self.pending.len()
+        } else {
+            0
+        };
+        // Lengths and pairs: one contiguous copy.
+        buf[..cap].copy_from_slice(&self.host[..cap]);
+        for (k, &i) in self.pending[..pairs].iter().enumerate() {
+            buf[cap + 2 * k] = (i as usize - table_start) as i32;
+            buf[cap + 2 * k + 1] = self.host[i as usize];
+        }
+        let head = cap + 2 * pairs;
+        // SAFETY: `dev` holds `host.len()` i32 and `..head` lies inside it; the source is pinned
+        // memory not written again before `done` (recorded below) completes.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.dev_ptr, &buf[..head], cu) }
+            .map_err(driver_err("uploading block tables"))?;
+        if pairs > 0 {
+            // SAFETY: the pairs just copied name distinct entries of the table region.
+            unsafe {
+                launch::scatter_i32(
+                    (self.dev_ptr + (table_start * 4) as CUdeviceptr) as *mut i32,
+                    (self.dev_ptr + (cap * 4) as CUdeviceptr) as *const i32,
+                    pairs as i64,
+                    cu,
+                )?;
+            }
+        } else if !self.pending.is_empty() {
+            let lo = *self.pending.iter().min().expect("not empty") as usize;
+            let hi = *self.pending.iter().max().expect("not empty") as usize + 1;
+            buf[lo..hi].copy_from_slice(&self.host[lo..hi]);
+            // SAFETY: as above, for the span lo..hi of the table region.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
-                    self.dev_ptr + (span.start * 4) as CUdeviceptr,
-                    &buf[span],
-                    stream.cu_stream(),
+                    self.dev_ptr + (lo * 4) as CUdeviceptr,
+                    &buf[lo..hi],
+                    cu,
                 )
             }
             .map_err(driver_err("uploading block tables"))?;
@@ -350,7 +393,11 @@ impl DeviceBlockTables {
         done.record(&stream)
             .map_err(driver_err("recording an upload event"))?;
         st.done = Some(done);
-        self.dirty = [None, None];
+        for &i in &self.pending {
+            self.marked[i as usize - table_start] = false;
+        }
+        self.pending.clear();
+        self.lens_dirty = false;
         Ok(())
     }
 
@@ -367,7 +414,7 @@ impl DeviceBlockTables {
 
     /// Whether every change has been uploaded.
     pub fn is_uploaded(&self) -> bool {
-        self.dirty.iter().all(Option::is_none)
+        !self.lens_dirty && self.pending.is_empty()
     }
 
     /// The handle whose stream the uploads go to.
@@ -416,7 +463,7 @@ impl DeviceBlockTables {
     pub(crate) fn device_ptrs(&self) -> (CUdeviceptr, CUdeviceptr) {
         (
             self.dev_ptr,
-            self.dev_ptr + (self.capacity * 4) as CUdeviceptr,
+            self.dev_ptr + (self.table_start() * 4) as CUdeviceptr,
         )
     }
 }

@@ -899,38 +899,6 @@ pub struct RawDecodeArgs {
     pub counters: CUdeviceptr,
 }
 
-/// Stream-read `bytes` of `src` once (the bandwidth probe of `cuda/bandwidth.cu`), for benches
-/// that need the device's streaming-read ceiling measured in the same run. `sink` must hold at
-/// least 4096 f32. Enqueued on `gpu`'s stream.
-pub fn stream_read(
-    gpu: &Gpu,
-    src: &CudaSlice<u8>,
-    bytes: usize,
-    sink: &mut CudaSlice<f32>,
-) -> Result<()> {
-    need_len("stream_read source", bytes, src.len())?;
-    need_len("stream_read sink", 4096, sink.len())?;
-    if bytes == 0 || bytes % 16 != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "stream_read: {bytes} bytes is not a positive multiple of 16"
-        )));
-    }
-    gpu.bind()?;
-    let s = gpu.stream();
-    let (src_p, _g1) = src.device_ptr(s);
-    let (sink_p, _g2) = sink.device_ptr_mut(s);
-    // SAFETY: src holds `bytes` bytes (checked), sink 4096 floats; cudaMalloc'd memory is
-    // 256-byte aligned.
-    unsafe {
-        launch::stream_read(
-            src_p as *const c_void,
-            bytes as i64,
-            sink_p as *mut f32,
-            s.cu_stream(),
-        )
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
