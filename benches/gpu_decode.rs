@@ -11,7 +11,7 @@
 //! (`kvq_stream_read` over 4 GiB) and prints each decode as a fraction of it, plus the
 //! fp8 / int4 speed-up over bf16 at B=64, L=16384.
 //!
-//! Run: `cargo bench --features cuda --bench gpu_decode` (`KVQ_BENCH_QUICK=1`: fewer shapes).
+//! Run: `cargo bench --features cuda,bench --bench gpu_decode` (`KVQ_BENCH_QUICK=1`: fewer shapes).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};

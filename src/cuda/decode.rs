@@ -867,6 +867,7 @@ fn min_len(tables: &BlockTables) -> usize {
 /// Stream-read `bytes` of `src` once (the bandwidth probe of `cuda/bandwidth.cu`), for benches
 /// that need the device's streaming-read ceiling measured in the same run. `sink` must hold at
 /// least 4096 f32. Enqueued on `gpu`'s stream.
+#[cfg(feature = "bench")]
 pub fn stream_read(
     gpu: &Gpu,
     src: &CudaSlice<u8>,

@@ -9,6 +9,7 @@
 //! The CUDA driver is loaded at run time: a binary built with `cuda` starts on a machine without
 //! a GPU or driver, [`is_available`] says `false` and [`Gpu::new`] returns [`Error::NoDevice`].
 
+#[cfg(feature = "bench")]
 pub mod bench;
 pub mod decode;
 pub mod device;
