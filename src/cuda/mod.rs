@@ -18,6 +18,11 @@ pub mod sys;
 
 pub use device::{AppendCounters, DeviceCache};
 
+/// The cudarc kvq is built on. Name cudarc's types (`CudaSlice`, `CudaStream`, ...) through
+/// `kvq::cuda::cudarc` and they are always the ones kvq's API takes, whatever cudarc version
+/// the engine itself depends on.
+pub use cudarc;
+
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaContext, CudaStream, DriverError};
