@@ -1,7 +1,7 @@
 //! GPU path (feature `cuda`): device cache, append / dequantize / fused decode kernels.
 //!
 //! - [`Gpu`]: one device, its context and the stream every kvq launch goes to.
-//! - [`DeviceCache`](device::DeviceCache): one layer's pool in device memory, the same bytes as a
+//! - [`DeviceCache`]: one layer's pool in device memory, the same bytes as a
 //!   [`HostCache`](crate::cache::HostCache).
 //! - [`ops`]: safe launches (validate, then call the C ABI in [`sys`]), plus `unsafe`
 //!   raw-pointer entry points for engines that own their memory.
