@@ -18,6 +18,6 @@ start=$SECONDS
 cargo clippy --release --all-targets --features cuda,cli -- -D warnings
 echo "cargo clippy --release --all-targets --features cuda,cli: $((SECONDS - start))s"
 
-# The sys.rs ⇄ kvq.h consistency tests and the no-GPU behaviour tests need no device.
+# The format-id and no-GPU behaviour tests need no device.
 cargo test --release --features cuda,cli --lib cuda::
 cargo test --release --features cuda,cli --test gpu_append probing_never_panics
