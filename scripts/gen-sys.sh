@@ -38,7 +38,8 @@ fi
 target="${CARGO_TARGET_DIR:-$root/target}/gen-sys"
 "${CARGO:-cargo}" build --quiet --locked --manifest-path tools/gen-sys/Cargo.toml \
     --target-dir "$target"
-tmp=$(mktemp)
+# Beside sys.rs, so rustfmt finds the same configuration as `cargo fmt`.
+tmp=$(mktemp --suffix=.tmp src/cuda/.sys.rs.XXXXXX)
 trap 'rm -f "$tmp"' EXIT
 "$target/debug/kvq-gen-sys" cuda/kvq.h >"$tmp"
 rustfmt --edition 2024 "$tmp"
