@@ -2,6 +2,9 @@
 //! otherwise (no CUDA tool is needed for a CPU-only build).
 //!
 //! Environment:
+//! - `DOCS_RS` (set by docs.rs, whose builders have no nvcc) or `KVQ_CHECK_ONLY=1`: skip the
+//!   kernels and emit nothing to link, for builds that link nothing (`cargo doc`, `check`,
+//!   `clippy`); a binary built this way fails to link.
 //! - `NVCC`: the nvcc to use (else `nvcc` on `PATH`, else `$CUDA_HOME/bin/nvcc`).
 //! - `CUDA_HOME` / `CUDA_PATH`: toolkit root, for `lib/` or `lib64/` (`libcudart_static.a`).
 //! - `KVQ_CUDA_ARCHS`: comma list of targets, e.g. `90a` or `80,90a,compute_90`. A number builds
@@ -16,7 +19,13 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=CARGO_FEATURE_CUDA");
+    println!("cargo:rerun-if-env-changed=DOCS_RS");
+    println!("cargo:rerun-if-env-changed=KVQ_CHECK_ONLY");
     if env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    if env::var_os("DOCS_RS").is_some() || env::var("KVQ_CHECK_ONLY").is_ok_and(|v| v == "1") {
+        println!("cargo:rustc-env=KVQ_CUDA_ARCHS_BUILT=none (a check-only build: no kernels)");
         return;
     }
     cuda::build();
@@ -35,7 +44,8 @@ mod cuda {
 
     const HELP: &str = "the `cuda` feature needs nvcc (CUDA 13.0). Install it with \
         `scripts/install-cuda-toolkit.sh` and export what it prints, or set NVCC=/path/to/nvcc \
-        (or CUDA_HOME=/path/to/cuda), or build without `--features cuda`";
+        (or CUDA_HOME=/path/to/cuda), or build without `--features cuda` (KVQ_CHECK_ONLY=1 skips \
+        the kernels for `cargo doc` / `check` / `clippy`, which link nothing)";
 
     pub fn build() {
         for var in [

@@ -5,7 +5,7 @@
 //! K/V read + slot mapping read + codes and metadata written. The same run measures a 2 GiB
 //! device-to-device copy (read + write bytes) and prints each append as a fraction of it.
 //!
-//! Run: `cargo bench --features cuda --bench gpu_append` (prints `SKIPPED: no GPU` without one).
+//! Run: `cargo bench --features cuda,bench --bench gpu_append` (prints `SKIPPED: no GPU` without one).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::CudaSlice;

@@ -12,7 +12,7 @@
 //! prints each decode as a fraction of it, plus the fp8 / int4 speed-up over bf16 at B=64,
 //! L=16384.
 //!
-//! Run: `cargo bench --features cuda --bench gpu_decode` (`KVQ_BENCH_QUICK=1`: fewer shapes).
+//! Run: `cargo bench --features cuda,bench --bench gpu_decode` (`KVQ_BENCH_QUICK=1`: fewer shapes).
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};

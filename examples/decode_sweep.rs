@@ -4,7 +4,7 @@
 //! data behind `DecodePlan`'s launch model (src/cuda/decode.rs, docs/PERFORMANCE.md).
 //!
 //! ```sh
-//! cargo run --release --features cuda --example decode_sweep -- \
+//! cargo run --release --features cuda,bench --example decode_sweep -- \
 //!     [--case NAME]... [--shape B:L]... [--format bf16|fp8|int4|int4-fp8]... [--splits 1,2,3]
 //!     [--iters N]
 //! ```

@@ -7,7 +7,7 @@
 //! The published column is the figure this answers (attention per token on 8×H100).
 //!
 //! ```sh
-//! cargo run --release --features cuda --example moe_decode_budget -- [--iters N]
+//! cargo run --release --features cuda,bench --example moe_decode_budget -- [--iters N]
 //! ```
 
 const LAYERS: usize = 56;

@@ -11,8 +11,9 @@
 //! | GPU | `cuda` (feature `cuda`) | device cache, append / dequantize / fused decode kernels |
 //!
 //! Beside the pipeline: [`dense`] quantizes whole tensors in the file layout of `kvq quantize`;
-//! [`report`] holds benchmark results and the bytes a decode must read; [`synth`] makes seeded
-//! synthetic activations with outlier channels; `plot` (feature `plot`) draws bench charts.
+//! [`synth`] makes seeded synthetic activations with outlier channels; `report` (feature
+//! `bench`) holds benchmark results and the bytes a decode must read; `plot` (feature `plot`)
+//! draws bench charts.
 //! The format definitions are normative and bit-exact: `docs/FORMATS.md`. The GPU figures and
 //! how they were measured: `docs/PERFORMANCE.md`.
 
@@ -30,6 +31,7 @@ pub mod format;
 pub mod layout;
 #[cfg(feature = "plot")]
 pub mod plot;
+#[cfg(feature = "bench")]
 pub mod report;
 pub mod synth;
 

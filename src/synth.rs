@@ -3,22 +3,40 @@
 //! Real keys carry a few channels whose magnitude is many times the rest (outlier channels);
 //! they are what makes per-tensor quantization fail and grouped quantization necessary, so the
 //! generator can plant them. Everything is seeded: a failure reproduces from its seed.
-
-use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+//!
+//! The generator is SplitMix64, written out here so that synthetic data costs the library no
+//! dependency; its stream for a seed is fixed, so a seed names the same data in every build.
 
 /// A seeded generator of synthetic K/V/Q data.
 #[derive(Debug, Clone)]
 pub struct Synth {
-    rng: SmallRng,
+    state: u64,
 }
 
 impl Synth {
     /// A generator with a fixed seed.
     pub fn new(seed: u64) -> Self {
-        Synth {
-            rng: SmallRng::seed_from_u64(seed),
-        }
+        Synth { state: seed }
+    }
+
+    /// The next 64 random bits (SplitMix64).
+    fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`: the top 24 bits, so every value is exact in f32.
+    fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 * (1.0 / (1u32 << 24) as f32)
+    }
+
+    /// Uniform in `0..n` (`n > 0`), by the high half of a 64x64-bit product; the bias, below
+    /// `n / 2^64`, is far under anything a test could see.
+    fn below(&mut self, n: usize) -> usize {
+        ((self.next_u64() as u128 * n as u128) >> 64) as usize
     }
 
     /// `n` values uniform in `[lo, hi)`. Infinite bounds are taken as ±`f32::MAX`; an empty
@@ -33,13 +51,23 @@ impl Synth {
             let (lo, hi) = (lo as f64, hi as f64);
             return (0..n)
                 .map(|_| {
-                    let u: f64 = self.rng.random_range(0.0..1.0);
+                    let u = self.unit() as f64;
                     // Below hi in f64; the cast can round up to hi only at f32's top.
                     (lo + u * (hi - lo)) as f32
                 })
                 .collect();
         }
-        (0..n).map(|_| self.rng.random_range(lo..hi)).collect()
+        (0..n)
+            .map(|_| {
+                loop {
+                    // `lo + (hi - lo) * u` can round up to `hi`; draw again then.
+                    let x = lo + (hi - lo) * self.unit();
+                    if x < hi {
+                        break x;
+                    }
+                }
+            })
+            .collect()
     }
 
     /// `n` values from a normal distribution with mean 0 and standard deviation `std`
@@ -51,8 +79,9 @@ impl Synth {
     pub fn normal(&mut self, n: usize, std: f32) -> Vec<f32> {
         let mut out = Vec::with_capacity(n.saturating_add(1));
         while out.len() < n {
-            let u1: f32 = self.rng.random_range(f32::EPSILON..1.0);
-            let u2: f32 = self.rng.random_range(0.0..1.0);
+            // In (0, 1], so the logarithm is finite.
+            let u1 = 1.0 - self.unit();
+            let u2 = self.unit();
             let r = (-2.0 * u1.ln()).sqrt() * std;
             let t = std::f32::consts::TAU * u2;
             out.push(r * t.cos());
@@ -60,6 +89,14 @@ impl Synth {
         }
         out.truncate(n);
         out
+    }
+
+    /// Put `items` in a random order (Fisher–Yates), e.g. to scatter a sequence's blocks over
+    /// a pool as a long-running allocator would.
+    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+        for i in (1..items.len()).rev() {
+            items.swap(i, self.below(i + 1));
+        }
     }
 
     /// Activations `[tokens, heads, head_dim]` with standard deviation 1, where
@@ -79,7 +116,7 @@ impl Synth {
         outlier_scale: f32,
     ) -> Vec<f32> {
         let channels: Vec<usize> = (0..outlier_channels.min(head_dim))
-            .map(|_| self.rng.random_range(0..head_dim))
+            .map(|_| self.below(head_dim))
             .collect();
         let n = tokens.saturating_mul(heads).saturating_mul(head_dim);
         let mut x = self.normal(n, 1.0);
@@ -104,9 +141,33 @@ mod tests {
         let a = Synth::new(7).with_outlier_channels(4, 2, 64, 3, 20.0);
         let b = Synth::new(7).with_outlier_channels(4, 2, 64, 3, 20.0);
         assert_eq!(a, b);
+        assert_ne!(a, Synth::new(8).with_outlier_channels(4, 2, 64, 3, 20.0));
         assert_eq!(a.len(), 4 * 2 * 64);
         let n = Synth::new(1).normal(10_000, 2.0);
+        let mean = n.iter().sum::<f32>() / n.len() as f32;
         let var = n.iter().map(|x| x * x).sum::<f32>() / n.len() as f32;
+        assert!(mean.abs() < 0.1, "mean {mean}");
         assert!((var - 4.0).abs() < 0.3, "variance {var}");
+    }
+
+    #[test]
+    fn uniform_stays_in_range_and_covers_it() {
+        let u = Synth::new(3).uniform(10_000, -1.0, 1.0);
+        assert!(u.iter().all(|x| (-1.0..1.0).contains(x)));
+        let mean = u.iter().sum::<f32>() / u.len() as f32;
+        assert!(mean.abs() < 0.05, "mean {mean}");
+        assert!(u.iter().any(|&x| x < -0.99) && u.iter().any(|&x| x > 0.99));
+    }
+
+    #[test]
+    fn shuffle_is_a_seeded_permutation() {
+        let mut a: Vec<u32> = (0..1000).collect();
+        let mut b = a.clone();
+        Synth::new(5).shuffle(&mut a);
+        Synth::new(5).shuffle(&mut b);
+        assert_eq!(a, b);
+        assert_ne!(a, (0..1000).collect::<Vec<_>>());
+        b.sort_unstable();
+        assert_eq!(b, (0..1000).collect::<Vec<_>>());
     }
 }

@@ -955,9 +955,18 @@ fn two_streams_on_one_pool_match_one_stream() {
     let lens = [900usize, 700];
     let data: Vec<(Vec<f32>, Vec<f32>)> = lens
         .iter()
-        .map(|&n| (rng.normals(n * KV_HEADS * D, 1.0), rng.normals(n * KV_HEADS * D, 1.0)))
+        .map(|&n| {
+            (
+                rng.normals(n * KV_HEADS * D, 1.0),
+                rng.normals(n * KV_HEADS * D, 1.0),
+            )
+        })
         .collect();
-    let qh: Vec<f16> = rng.normals(HEADS * D, 1.0).iter().map(|&x| f16::from_f32(x)).collect();
+    let qh: Vec<f16> = rng
+        .normals(HEADS * D, 1.0)
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
     // Sequence i owns blocks [i * 64, (i + 1) * 64).
     let rows: Vec<Vec<i32>> = (0..2).map(|i| (i * 64..i * 64 + 64).collect()).collect();
     let run = |streams: [&Gpu; 2]| -> (Vec<u8>, Vec<Vec<f16>>) {
@@ -974,7 +983,10 @@ fn two_streams_on_one_pool_match_one_stream() {
                 .map(|t| rows[i][t / BS] * BS as i32 + (t % BS) as i32)
                 .collect();
             let slots = s.clone_htod(&slots).unwrap();
-            let (kd, vd) = (s.clone_htod(&data[i].0).unwrap(), s.clone_htod(&data[i].1).unwrap());
+            let (kd, vd) = (
+                s.clone_htod(&data[i].0).unwrap(),
+                s.clone_htod(&data[i].1).unwrap(),
+            );
             let row = KV_HEADS * D;
             // SAFETY: the pool is alive for the whole closure; the slots of the two streams are
             // in disjoint blocks; k, v and slots live on stream `s` until it is synchronized.
@@ -1022,6 +1034,12 @@ fn two_streams_on_one_pool_match_one_stream() {
     let other = Gpu::from_stream(gpu.context().new_stream().unwrap()).unwrap();
     let serial = run([&gpu, &gpu]);
     let concurrent = run([&gpu, &other]);
-    assert!(serial.0 == concurrent.0, "pool bytes differ between one and two streams");
-    assert_eq!(serial.1, concurrent.1, "outputs differ between one and two streams");
+    assert!(
+        serial.0 == concurrent.0,
+        "pool bytes differ between one and two streams"
+    );
+    assert_eq!(
+        serial.1, concurrent.1,
+        "outputs differ between one and two streams"
+    );
 }

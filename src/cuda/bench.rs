@@ -27,8 +27,6 @@ use crate::synth::Synth;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice};
 use half::{bf16, f16};
-use rand::SeedableRng;
-use rand::seq::SliceRandom;
 use std::time::Duration;
 
 /// The grid of issue 5: Llama-3-8B over (B, L), the 8x22B per-GPU shape, MHA, and head_dim
@@ -411,7 +409,7 @@ impl PreparedDecode {
         gpu.synchronize()?;
 
         let mut blocks: Vec<i32> = (0..num_blocks as i32).collect();
-        blocks.shuffle(&mut rand::rngs::SmallRng::seed_from_u64(seed ^ 0x9E37));
+        Synth::new(seed ^ 0x9E37).shuffle(&mut blocks);
         let rows: Vec<&[i32]> = blocks.chunks(blocks_per_seq).collect();
         let host_tables = BlockTables::from_rows(&rows, &vec![case.context_len; case.batch])?;
         let tables = DeviceBlockTables::new(&cache, &host_tables)?;

@@ -300,6 +300,7 @@ pub(crate) fn decode_occupancy(
     Ok((ctas.max(0) as usize, stage_bytes.max(0) as usize))
 }
 
+#[cfg(feature = "bench")]
 /// `kvq_stream_read`.
 ///
 /// # Safety
@@ -315,12 +316,14 @@ pub(crate) unsafe fn stream_read(
     check_status(status, "kvq_stream_read")
 }
 
+#[cfg(feature = "bench")]
 /// `kvq_stream_read_variants`: how many read variants the probe has.
 pub(crate) fn stream_read_variants() -> usize {
     // SAFETY: a query of a static table.
     unsafe { sys::kvq_stream_read_variants() }.max(0) as usize
 }
 
+#[cfg(feature = "bench")]
 /// `kvq_stream_read_variant_name` of variant `i` (below [`stream_read_variants`]).
 pub(crate) fn stream_read_variant_name(i: usize) -> &'static str {
     if i >= stream_read_variants() {
@@ -331,6 +334,7 @@ pub(crate) fn stream_read_variant_name(i: usize) -> &'static str {
     name.to_str().unwrap_or("?")
 }
 
+#[cfg(feature = "bench")]
 /// `kvq_stream_read_variant`.
 ///
 /// # Safety
@@ -349,6 +353,7 @@ pub(crate) unsafe fn stream_read_variant(
     check_status(status, "kvq_stream_read_variant")
 }
 
+#[cfg(feature = "bench")]
 /// `kvq_stream_fill`.
 ///
 /// # Safety

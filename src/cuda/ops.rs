@@ -27,13 +27,13 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    /// The `KVQ_DTYPE_*` code of kvq.h.
+    /// The `KVQ_DTYPE_*` code of kvq.h, as the launchers' `int32_t dtype` parameters take it.
     pub(crate) fn raw(self) -> i32 {
-        match self {
+        (match self {
             Dtype::F32 => sys::KVQ_DTYPE_F32,
             Dtype::F16 => sys::KVQ_DTYPE_F16,
             Dtype::Bf16 => sys::KVQ_DTYPE_BF16,
-        }
+        }) as i32
     }
 
     /// Bytes per element.
