@@ -1,6 +1,7 @@
 // blocks.cu: cache maintenance that knows nothing of formats: whole-block copies inside one pool
 // (kvq_copy_blocks, the device side of copy-on-write after a fork: a block is an opaque run of
-// block_stride bytes) and the scatter that updates block tables in place (kvq_scatter_i32).
+// block_stride bytes) and the in-place update of block tables from mapped host memory
+// (kvq_tables_update).
 #include <cuda_runtime.h>
 
 #include "common.cuh"
@@ -39,21 +40,44 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
-__global__ void scatter_i32_kernel(int32_t *__restrict__ dst, const int32_t *__restrict__ pairs,
-                                   int64_t n) {
+// Thread i < num_lens copies a length, thread num_lens + j applies pair j; the last block to
+// finish publishes `generation` to the host (the reads of src are done by then).
+__global__ void tables_update_kernel(const int32_t *__restrict__ src, int32_t num_lens,
+                                     int32_t *__restrict__ lens_dst,
+                                     int32_t *__restrict__ table_dst, int64_t num_pairs,
+                                     unsigned int *blocks_finished, unsigned int *done,
+                                     unsigned int generation) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) dst[pairs[2 * i]] = pairs[2 * i + 1];
+  if (i < num_lens) {
+    lens_dst[i] = src[i];
+  } else if (i < num_lens + num_pairs) {
+    const int64_t j = i - num_lens;
+    table_dst[src[num_lens + 2 * j]] = src[num_lens + 2 * j + 1];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(blocks_finished, 1u) == gridDim.x - 1) {
+      *blocks_finished = 0u;
+      __threadfence_system();
+      *reinterpret_cast<volatile unsigned int *>(done) = generation;
+    }
+  }
 }
 
 }  // namespace
 
-extern "C" int kvq_scatter_i32(int32_t *dst, const int32_t *pairs, int64_t num_pairs,
-                               void *stream) {
-  if (dst == nullptr || num_pairs < 0 || (num_pairs > 0 && pairs == nullptr))
+extern "C" int kvq_tables_update(const int32_t *src, int32_t num_lens, int32_t *lens_dst,
+                                 int32_t *table_dst, int64_t num_pairs,
+                                 unsigned int *blocks_finished, unsigned int *done,
+                                 unsigned int generation, void *stream) {
+  if (src == nullptr || lens_dst == nullptr || table_dst == nullptr || blocks_finished == nullptr ||
+      done == nullptr || num_lens < 0 || num_pairs < 0)
     return KVQ_ERR_INVALID;
-  if (num_pairs == 0) return KVQ_OK;
-  scatter_i32_kernel<<<kvq::blocks_for(num_pairs), kvq::kThreadsPerBlock, 0,
-                       (cudaStream_t)stream>>>(dst, pairs, num_pairs);
+  const int64_t n = (int64_t)num_lens + num_pairs;
+  tables_update_kernel<<<n > 0 ? kvq::blocks_for(n) : 1, kvq::kThreadsPerBlock, 0,
+                         (cudaStream_t)stream>>>(src, num_lens, lens_dst, table_dst, num_pairs,
+                                                 blocks_finished, done, generation);
   return kvq::launch_status();
 }
 

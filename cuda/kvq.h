@@ -104,10 +104,16 @@ int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks, const int3
 int kvq_copy_blocks(const kvq_cache *cache, int64_t num_blocks, const int32_t *pairs,
                     int64_t num_pairs, unsigned long long *counters, void *stream);
 
-/* Scatter int32 values in place: dst[pairs[2i]] = pairs[2i + 1] for i < num_pairs (indices in
- * elements, distinct). The in-place update of device block tables: the few entries that changed
- * in a step arrive in one copy from pinned memory, and this applies them. */
-int kvq_scatter_i32(int32_t *dst, const int32_t *pairs, int64_t num_pairs, void *stream);
+/* Update device block tables in place from host memory the device reads directly (pinned and
+ * mapped: CU_MEMHOSTALLOC_DEVICEMAP; `src` is its device address): lens_dst[i] = src[i] for
+ * i < num_lens, then table_dst[src[num_lens + 2j]] = src[num_lens + 2j + 1] for j < num_pairs
+ * (distinct indices, in elements). When every thread block has read its part, *done (mapped
+ * host memory too) becomes `generation`, so the host knows when it may write `src` again.
+ * `blocks_finished` is one device uint32, zero before the first launch (each launch leaves it
+ * zero). One launch, no copy: the per-step update of kvq::cuda::DeviceBlockTables. */
+int kvq_tables_update(const int32_t *src, int32_t num_lens, int32_t *lens_dst, int32_t *table_dst,
+                      int64_t num_pairs, unsigned int *blocks_finished, unsigned int *done,
+                      unsigned int generation, void *stream);
 
 /* Calibration scales of a dense tensor x ([rows, head_dim], rows cycling through `heads` heads,
  * so row r belongs to head r % heads) for `format` (FP8, or KVQ_DENSE_INT4_UNIFORM): FP8

@@ -127,19 +127,40 @@ pub(crate) unsafe fn copy_blocks(
     check_status(status, "kvq_copy_blocks")
 }
 
-/// `kvq_scatter_i32`.
+/// `kvq_tables_update`.
 ///
 /// # Safety
-/// `dst` holds every index named in the `2 * num_pairs` device int32 at `pairs`, each once.
-pub(crate) unsafe fn scatter_i32(
-    dst: *mut i32,
-    pairs: *const i32,
+/// kvq.h's contract: `src` (a device address of mapped pinned host memory) holds `num_lens +
+/// 2 * num_pairs` int32 naming distinct entries of `table_dst`; `lens_dst` holds `num_lens`;
+/// `blocks_finished` is a device uint32 left zero by the previous launch; `done` is a device
+/// address of mapped pinned host memory.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn tables_update(
+    src: *const i32,
+    num_lens: i32,
+    lens_dst: *mut i32,
+    table_dst: *mut i32,
     num_pairs: i64,
+    blocks_finished: *mut u32,
+    done: *mut u32,
+    generation: u32,
     stream: Stream,
 ) -> Result<()> {
     // SAFETY: the caller's contract.
-    let status = unsafe { sys::kvq_scatter_i32(dst, pairs, num_pairs, stream.cast()) };
-    check_status(status, "kvq_scatter_i32")
+    let status = unsafe {
+        sys::kvq_tables_update(
+            src,
+            num_lens,
+            lens_dst,
+            table_dst,
+            num_pairs,
+            blocks_finished,
+            done,
+            generation,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_tables_update")
 }
 
 /// `kvq_dense_scales`.

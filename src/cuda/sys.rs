@@ -161,11 +161,16 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Scatter int32 values in place: dst\\[pairs\\[2i\\]\\] = pairs\\[2i + 1\\] for i \\< num_pairs (indices in\n elements, distinct). The in-place update of device block tables: the few entries that changed\n in a step arrive in one copy from pinned memory, and this applies them."]
-    pub fn kvq_scatter_i32(
-        dst: *mut i32,
-        pairs: *const i32,
+    #[doc = " Update device block tables in place from host memory the device reads directly (pinned and\n mapped: CU_MEMHOSTALLOC_DEVICEMAP; `src` is its device address): lens_dst\\[i\\] = src\\[i\\] for\n i \\< num_lens, then table_dst\\[src\\[num_lens + 2j\\]\\] = src\\[num_lens + 2j + 1\\] for j \\< num_pairs\n (distinct indices, in elements). When every thread block has read its part, \\*done (mapped\n host memory too) becomes `generation`, so the host knows when it may write `src` again.\n `blocks_finished` is one device uint32, zero before the first launch (each launch leaves it\n zero). One launch, no copy: the per-step update of kvq::cuda::DeviceBlockTables."]
+    pub fn kvq_tables_update(
+        src: *const i32,
+        num_lens: i32,
+        lens_dst: *mut i32,
+        table_dst: *mut i32,
         num_pairs: i64,
+        blocks_finished: *mut ::std::os::raw::c_uint,
+        done: *mut ::std::os::raw::c_uint,
+        generation: ::std::os::raw::c_uint,
         stream: *mut ::std::os::raw::c_void,
     ) -> ::std::os::raw::c_int;
 }

@@ -1,35 +1,103 @@
 //! [`DeviceBlockTables`]: the block tables and context lengths a decode reads, in device memory,
 //! sized once for a capacity (most sequences, most blocks per sequence) and updated in place
-//! every step: rows change on the host (checked against the pool as they change), then one
-//! asynchronous copy from pinned memory moves the lengths and the changed block-table entries,
-//! and one small kernel puts the entries in place. No allocation and no host synchronization
-//! per step, and the device addresses never change, so a decode captured in a CUDA graph reads
-//! the current tables on every replay.
+//! every step: rows change on the host (checked against the pool as they change), the lengths
+//! and the changed block-table entries go into pinned host memory the GPU reads directly, and
+//! one small kernel puts them in place. One launch, no copy, no allocation and no host
+//! synchronization per step; the device addresses never change, so a decode captured in a CUDA
+//! graph reads the current tables on every replay.
 
 use super::{DeviceCache, Gpu, driver_err, launch};
 use crate::cache::{BlockTables, check_row};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
+use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
+use std::sync::Arc;
 
 /// Changed block-table entries one upload sends as (index, value) pairs at most; more go as
-/// one span of the table.
+/// one copy of the span they cover.
 const MAX_PAIRS: usize = 4096;
 
-/// One pinned host buffer the uploads copy from, and the event of its last copy.
+/// Pinned host memory mapped into the device, allocated whole: `len` elements, with their host
+/// and device addresses.
+#[derive(Debug)]
+struct Mapped<T> {
+    /// Held for its memory (freed on drop), used through `host` and `dev`.
+    _buf: PinnedHostSlice<T>,
+    host: *mut T,
+    dev: CUdeviceptr,
+}
+
+// SAFETY: the pointers address `buf`, owned here; the host side is written only through
+// `&mut DeviceBlockTables` and read by the device only between a launch and its `done` word.
+unsafe impl<T> Send for Mapped<T> {}
+// SAFETY: as above; `&Mapped` gives no access to the memory.
+unsafe impl<T> Sync for Mapped<T> {}
+
+impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> Mapped<T> {
+    fn new(gpu: &Gpu, len: usize) -> Result<Self> {
+        // SAFETY: every element is written before the device reads it (the update kernel
+        // reads only what the host wrote for that launch; `done` words start at zero below).
+        let mut buf = unsafe {
+            gpu.context()
+                .alloc_pinned_with_flags::<T>(len, cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        }
+        .map_err(driver_err(
+            "allocating mapped pinned memory for block tables",
+        ))?;
+        let host = buf
+            .as_mut_ptr()
+            .map_err(driver_err("mapping pinned memory"))?;
+        // SAFETY: `host` starts `len` elements of owned pinned memory; zero is valid for T.
+        unsafe { std::ptr::write_bytes(host, 0, len) };
+        let mut dev: CUdeviceptr = 0;
+        // SAFETY: `host` is a mapped pinned allocation of this context.
+        unsafe {
+            cudarc::driver::sys::cuMemHostGetDevicePointer_v2(&mut dev, host.cast(), 0)
+                .result()
+                .map_err(driver_err("mapping pinned memory into the device"))?;
+        }
+        Ok(Mapped {
+            _buf: buf,
+            host,
+            dev,
+        })
+    }
+}
+
+/// The two halves of the upload path: lengths + pairs for the kernel to read, twice (the host
+/// fills one while the device may still read the other), and the words the kernel sets to a
+/// launch's generation once it has read its buffer.
 #[derive(Debug)]
 struct Staging {
-    buf: PinnedHostSlice<i32>,
-    /// Recorded after the last copy out of `buf` (None before the first).
-    done: Option<CudaEvent>,
+    stream: Arc<CudaStream>,
+    bufs: [Mapped<i32>; 2],
+    done: Mapped<u32>,
+    /// Generation of the last launch that read buffer i (0: none yet).
+    issued: [u32; 2],
+    next_gen: u32,
+    next: usize,
+}
+
+impl Staging {
+    /// Buffer `i` once no launch still reads it: a read of the word the kernel sets, rarely a
+    /// wait (only when the device is two uploads behind).
+    fn claim(&mut self, i: usize) -> Result<*mut i32> {
+        let want = self.issued[i];
+        // SAFETY: `done.host` holds two u32 the device writes with volatile stores.
+        let seen = || unsafe { std::ptr::read_volatile(self.done.host.add(i)) };
+        if want != 0 && seen() != want {
+            self.stream
+                .synchronize()
+                .map_err(driver_err("waiting for an earlier table upload"))?;
+        }
+        Ok(self.bufs[i].host)
+    }
 }
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        // The pinned memory is freed right after: a copy still reading it must finish first.
-        if let Some(e) = &self.done {
-            let _ = e.synchronize();
-        }
+        // The pinned memory is freed right after: a launch still reading it must finish first.
+        let _ = self.stream.synchronize();
     }
 }
 
@@ -43,8 +111,9 @@ impl Drop for Staging {
 ///
 /// Per step an engine changes rows ([`set_row`](Self::set_row), [`push_block`](Self::push_block),
 /// [`set_len`](Self::set_len), [`clear_row`](Self::clear_row), [`set_batch`](Self::set_batch))
-/// and calls [`upload`](Self::upload) once: it copies the changed span of the host mirror into
-/// one of two pinned buffers and from there to the device, asynchronously on the tables' stream.
+/// and calls [`upload`](Self::upload) once: it writes the lengths and the changed entries into
+/// pinned memory the device reads and launches one kernel that puts them in place,
+/// asynchronously on the tables' stream.
 /// Call it outside a CUDA graph capture (it is host work); the graph's decode then reads the
 /// uploaded tables at their fixed addresses. A decode refuses tables with changes not uploaded.
 ///
@@ -52,15 +121,14 @@ impl Drop for Staging {
 #[derive(Debug)]
 pub struct DeviceBlockTables {
     gpu: Gpu,
-    /// `[capacity]` context lengths, `[2 * MAX_PAIRS]` changed entries (index, value), then
+    /// `[capacity]` context lengths, one word the update kernel counts its blocks in, then
     /// `[capacity, max_blocks]` block ids; held for its memory, used through `dev_ptr` (see
     /// [`owned_ptr`](super::owned_ptr)).
     _dev: CudaSlice<i32>,
     dev_ptr: CUdeviceptr,
-    /// The same layout on the host (the pairs area unused): the truth the device follows.
+    /// The same layout on the host (the counter word unused): the truth the device follows.
     host: Vec<i32>,
-    staging: [Staging; 2],
-    next_staging: usize,
+    staging: Staging,
     /// Whether the lengths changed since the last upload.
     lens_dirty: bool,
     /// Block-table entries (indices into `host`) changed since the last upload, each once.
@@ -112,7 +180,7 @@ impl DeviceBlockTables {
         }
         let total = capacity
             .checked_mul(max_blocks)
-            .and_then(|n| n.checked_add(capacity + 2 * MAX_PAIRS))
+            .and_then(|n| n.checked_add(capacity + 1))
             .filter(|&n| n <= i32::MAX as usize)
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
@@ -128,25 +196,30 @@ impl DeviceBlockTables {
         gpu.bind()?;
         let s = gpu.stream();
         let mut host = vec![BlockTables::UNUSED; total];
-        host[..capacity].fill(0);
+        host[..=capacity].fill(0); // lengths 0 and the update kernel's block counter
         let table_entries = capacity * max_blocks;
         let dev = s
             .clone_htod(&host)
             .map_err(driver_err("uploading block tables"))?;
         let dev_ptr = super::owned_ptr(&dev);
-        let pinned = || -> Result<Staging> {
-            // SAFETY: written (the copied span) before every copy out of it.
-            let buf = unsafe { gpu.context().alloc_pinned::<i32>(total) }
-                .map_err(driver_err("allocating pinned staging for block tables"))?;
-            Ok(Staging { buf, done: None })
+        let staging_len = capacity + 2 * MAX_PAIRS;
+        let staging = Staging {
+            stream: s.clone(),
+            bufs: [
+                Mapped::new(gpu, staging_len)?,
+                Mapped::new(gpu, staging_len)?,
+            ],
+            done: Mapped::new(gpu, 2)?,
+            issued: [0, 0],
+            next_gen: 1,
+            next: 0,
         };
         Ok(DeviceBlockTables {
             gpu: gpu.clone(),
             _dev: dev,
             dev_ptr,
             host,
-            staging: [pinned()?, pinned()?],
-            next_staging: 0,
+            staging,
             lens_dirty: false,
             pending: Vec::with_capacity(MAX_PAIRS),
             marked: vec![false; table_entries],
@@ -267,6 +340,26 @@ impl DeviceBlockTables {
         Ok(())
     }
 
+    /// Replace entry `index` of row `row` (one of its blocks, or the next one, which appends):
+    /// a block swapped for its copy-on-write copy, for instance.
+    pub fn set_block(&mut self, row: usize, index: usize, block: i32) -> Result<()> {
+        self.check_index(row)?;
+        let held = self.held[row];
+        if index >= held {
+            return if index == held {
+                self.push_block(row, block)
+            } else {
+                Err(Error::InvalidArgument(format!(
+                    "row {row} holds {held} blocks; entry {index} is past its end"
+                )))
+            };
+        }
+        check_row(&[block], Some(row), 1, 1, self.num_blocks)?;
+        let i = self.table_start() + row * self.max_blocks + index;
+        self.set_entry(i, block);
+        Ok(())
+    }
+
     /// Row `row`'s length in tokens (new ones included; at most what its blocks hold).
     pub fn set_len(&mut self, row: usize, len: usize) -> Result<()> {
         self.check_index(row)?;
@@ -285,7 +378,7 @@ impl DeviceBlockTables {
 
     /// Index in `host` (and on the device) of the first block-table entry.
     fn table_start(&self) -> usize {
-        self.capacity + 2 * MAX_PAIRS
+        self.capacity + 1
     }
 
     /// Set block-table entry `i` (an index into `host`) and mark it for upload if it changed.
@@ -294,7 +387,7 @@ impl DeviceBlockTables {
             return;
         }
         self.host[i] = value;
-        let m = &mut self.marked[i - self.capacity - 2 * MAX_PAIRS];
+        let m = &mut self.marked[i - self.capacity - 1];
         if !*m {
             *m = true;
             self.pending.push(i as u32);
@@ -317,84 +410,69 @@ impl DeviceBlockTables {
     }
 
     /// Send what changed since the last upload to the device, asynchronously on the tables'
-    /// stream: one copy of the lengths and of the changed block-table entries as (index, value)
-    /// pairs, and one small kernel that puts them in place (when more than 4096 entries
-    /// changed, a second copy of the span they cover instead). Waits on the host only if the
-    /// pinned buffer it writes was last copied from two uploads ago and that copy has not run
-    /// yet.
+    /// stream: the lengths and the changed block-table entries, as (index, value) pairs, go
+    /// into mapped pinned memory, and one kernel reads them from there and puts them in place
+    /// (when more than 4096 entries changed, the span they cover is copied instead). Waits on
+    /// the host only if the device is two uploads behind.
     pub fn upload(&mut self) -> Result<()> {
         self.refresh_lengths();
         if !self.lens_dirty && self.pending.is_empty() {
             return Ok(());
         }
         self.gpu.bind()?;
-        let stream = self.gpu.stream().clone();
-        let cu = stream.cu_stream();
-        let st = &mut self.staging[self.next_staging];
-        self.next_staging ^= 1;
-        if let Some(e) = &st.done {
-            e.synchronize()
-                .map_err(driver_err("waiting for an earlier table upload"))?;
-        }
-        let buf = st
-            .buf
-            .as_mut_slice()
-            .map_err(driver_err("mapping pinned staging"))?;
+        let cu = self.gpu.stream().cu_stream();
         let cap = self.capacity;
-        let table_start = cap + 2 * MAX_PAIRS;
+        let table_start = self.table_start();
         let pairs = if self.pending.len() <= MAX_PAIRS {
             self.pending.len()
         } else {
-            0
-        };
-        // Lengths and pairs: one contiguous copy.
-        buf[..cap].copy_from_slice(&self.host[..cap]);
-        for (k, &i) in self.pending[..pairs].iter().enumerate() {
-            buf[cap + 2 * k] = (i as usize - table_start) as i32;
-            buf[cap + 2 * k + 1] = self.host[i as usize];
-        }
-        let head = cap + 2 * pairs;
-        // SAFETY: `dev` holds `host.len()` i32 and `..head` lies inside it; the source is pinned
-        // memory not written again before `done` (recorded below) completes.
-        unsafe { cudarc::driver::result::memcpy_htod_async(self.dev_ptr, &buf[..head], cu) }
-            .map_err(driver_err("uploading block tables"))?;
-        if pairs > 0 {
-            // SAFETY: the pairs just copied name distinct entries of the table region.
-            unsafe {
-                launch::scatter_i32(
-                    (self.dev_ptr + (table_start * 4) as CUdeviceptr) as *mut i32,
-                    (self.dev_ptr + (cap * 4) as CUdeviceptr) as *const i32,
-                    pairs as i64,
-                    cu,
-                )?;
-            }
-        } else if !self.pending.is_empty() {
+            // Many changes (a whole new batch): the span they cover, from the host mirror. A
+            // pageable source is staged by the driver before the call returns.
             let lo = *self.pending.iter().min().expect("not empty") as usize;
             let hi = *self.pending.iter().max().expect("not empty") as usize + 1;
-            buf[lo..hi].copy_from_slice(&self.host[lo..hi]);
-            // SAFETY: as above, for the span lo..hi of the table region.
+            // SAFETY: `dev` holds `host.len()` i32 and lo..hi lies inside it.
             unsafe {
                 cudarc::driver::result::memcpy_htod_async(
                     self.dev_ptr + (lo * 4) as CUdeviceptr,
-                    &buf[lo..hi],
+                    &self.host[lo..hi],
                     cu,
                 )
             }
             .map_err(driver_err("uploading block tables"))?;
-        }
-        let done = match st.done.take() {
-            Some(e) => e,
-            None => self
-                .gpu
-                .context()
-                .new_event(None)
-                .map_err(driver_err("creating an upload event"))?,
+            0
         };
-        done.record(&stream)
-            .map_err(driver_err("recording an upload event"))?;
-        st.done = Some(done);
-        for &i in &self.pending {
-            self.marked[i as usize - table_start] = false;
+        let st = &mut self.staging;
+        let i = st.next;
+        st.next ^= 1;
+        let buf = st.claim(i)?;
+        // SAFETY: `buf` holds capacity + 2 * MAX_PAIRS i32 that no launch reads now (claim).
+        let buf = unsafe { std::slice::from_raw_parts_mut(buf, cap + 2 * MAX_PAIRS) };
+        buf[..cap].copy_from_slice(&self.host[..cap]);
+        for (k, &e) in self.pending[..pairs].iter().enumerate() {
+            buf[cap + 2 * k] = (e as usize - table_start) as i32;
+            buf[cap + 2 * k + 1] = self.host[e as usize];
+        }
+        let generation = st.next_gen;
+        st.next_gen = st.next_gen.wrapping_add(1).max(1);
+        st.issued[i] = generation;
+        // SAFETY: the staging buffer (mapped) holds cap lengths and `pairs` pairs of distinct
+        // table indices; the lengths, counter and table live in `dev` (layout above), the
+        // counter left zero by every launch; `done` is mapped memory of two words.
+        unsafe {
+            launch::tables_update(
+                st.bufs[i].dev as *const i32,
+                cap as i32,
+                self.dev_ptr as *mut i32,
+                (self.dev_ptr + (table_start * 4) as CUdeviceptr) as *mut i32,
+                pairs as i64,
+                (self.dev_ptr + (cap * 4) as CUdeviceptr) as *mut u32,
+                (st.done.dev + (i * 4) as CUdeviceptr) as *mut u32,
+                generation,
+                cu,
+            )?;
+        }
+        for &e in &self.pending {
+            self.marked[e as usize - table_start] = false;
         }
         self.pending.clear();
         self.lens_dirty = false;
