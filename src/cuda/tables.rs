@@ -76,6 +76,9 @@ struct Staging {
     issued: [u32; 2],
     next_gen: u32,
     next: usize,
+    /// Uploads so far, and how many of them waited for the device.
+    uploads: u64,
+    waits: u64,
 }
 
 impl Staging {
@@ -85,7 +88,9 @@ impl Staging {
         let want = self.issued[i];
         // SAFETY: `done.host` holds two u32 the device writes with volatile stores.
         let seen = || unsafe { std::ptr::read_volatile(self.done.host.add(i)) };
+        self.uploads += 1;
         if want != 0 && seen() != want {
+            self.waits += 1;
             self.stream
                 .synchronize()
                 .map_err(driver_err("waiting for an earlier table upload"))?;
@@ -213,6 +218,8 @@ impl DeviceBlockTables {
             issued: [0, 0],
             next_gen: 1,
             next: 0,
+            uploads: 0,
+            waits: 0,
         };
         Ok(DeviceBlockTables {
             gpu: gpu.clone(),
@@ -488,6 +495,12 @@ impl DeviceBlockTables {
             .filter(|&l| l > 0)
             .min()
             .unwrap_or(0);
+    }
+
+    /// Uploads so far that sent something, and how many of them had to wait for the device to
+    /// finish reading a pinned buffer (a device two uploads behind the host).
+    pub fn upload_stats(&self) -> (u64, u64) {
+        (self.staging.uploads, self.staging.waits)
     }
 
     /// Whether every change has been uploaded.
