@@ -79,7 +79,9 @@ mod cuda {
             .ok()
             .and_then(|n| n.parse().ok())
             .unwrap_or(2);
-        let nvcc_threads = (jobs / sources.len()).max(1);
+        // Every file gets all the jobs: the long one (decode.cu, ~100 instances) then builds
+        // its targets in parallel once the short ones are done.
+        let nvcc_threads = jobs.max(1);
         let verbose_ptxas = env::var("KVQ_PTXAS_VERBOSE").is_ok_and(|v| v == "1");
         let objects: Vec<PathBuf> = std::thread::scope(|s| {
             let handles: Vec<_> = sources
