@@ -23,3 +23,10 @@ echo "cargo clippy --release --all-targets --features cuda,cli: $((SECONDS - sta
 # The format-id and no-GPU behaviour tests need no device.
 cargo test --release --features cuda,cli --lib cuda::
 cargo test --release --features cuda,cli --test gpu_append probing_never_panics
+
+# The candle integration: candle-core's build compiles its kernels with nvcc (for sm_90 here),
+# and its cudarc links the CUDA libraries, which this machine does not have: lint only (nothing
+# links). scripts/stage-candle.sh builds the example where it is run.
+start=$SECONDS
+CUDA_COMPUTE_CAP=90 KVQ_CHECK_ONLY=1 cargo clippy --release --all-targets --features candle -- -D warnings
+echo "cargo clippy --release --all-targets --features candle: $((SECONDS - start))s"

@@ -22,6 +22,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 
 pub mod cache;
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

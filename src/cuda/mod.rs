@@ -94,6 +94,9 @@ pub(crate) fn driver_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
 /// Number of CUDA devices, or why there is none. Never panics: the driver library is probed
 /// before cudarc touches it (cudarc panics when libcuda is absent).
 fn device_count() -> std::result::Result<usize, String> {
+    // With `candle`, cudarc links libcuda (candle-core asks for it): the process could not have
+    // started without it, and cudarc has no probe then.
+    #[cfg(not(feature = "candle"))]
     // SAFETY: only tries to dlopen the driver library.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return Err("the CUDA driver library (libcuda) was not found".into());

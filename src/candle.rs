@@ -1,0 +1,290 @@
+//! candle integration (feature `candle`): kvq's quantize-on-append and fused decode as operations
+//! on candle [`Tensor`]s of a CUDA [`Device`]. candle-core 0.11 is built on the cudarc kvq uses,
+//! so both share the device's context and stream: kvq's launches are queued on the stream
+//! candle's own kernels use, in order with them, with no synchronization.
+//!
+//! ```ignore
+//! let gpu = kvq::candle::gpu(&device)?;                  // candle's stream
+//! let mut cache = DeviceCache::new(&gpu, config, num_blocks)?;
+//! let plan = DecodePlan::new(&gpu, cache.layout(), max_batch, heads, 1, max_context)?;
+//! // per step and layer, k / v / q from candle's projections ([tokens, heads, head_dim]):
+//! kvq::candle::append(&mut cache, &slots, &k, &v)?;
+//! let out = kvq::candle::decode(&plan, &mut ws, &cache, &tables, &q, 1, DType::F32)?;
+//! ```
+
+use crate::cuda::decode::{DecodeElement, DecodeStep, RowStrides};
+use crate::cuda::ops::{self, DeviceElement, Dtype};
+use crate::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu};
+use crate::error::{Error, Result};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::{CudaDType, CudaDevice};
+use candle_core::{
+    CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor,
+};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, ValidAsZeroBits};
+use std::cell::RefCell;
+
+/// The kvq handle of a candle CUDA device: its context and the stream candle queues on.
+pub fn gpu(device: &Device) -> Result<Gpu> {
+    match device {
+        Device::Cuda(d) => Gpu::from_stream(d.cuda_stream()),
+        other => Err(Error::InvalidArgument(format!(
+            "kvq runs on CUDA devices, not {other:?}"
+        ))),
+    }
+}
+
+/// Rows of a `[tokens, heads, width]` tensor view: the token and head strides (elements) and the
+/// offset of its first element; the last axis must be contiguous.
+fn rows_of(
+    what: &str,
+    layout: &Layout,
+    heads: usize,
+    width: usize,
+) -> Result<(usize, usize, usize)> {
+    let (dims, stride) = (layout.dims(), layout.stride());
+    if dims.len() != 3 || dims[1] != heads || dims[2] != width {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: shape {dims:?}, expected [tokens, {heads}, {width}]"
+        )));
+    }
+    if stride[2] != 1 && width > 1 {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: the last axis must be contiguous (strides {stride:?})"
+        )));
+    }
+    Ok((stride[0], stride[1], layout.start_offset()))
+}
+
+fn cuda_storage<'a>(what: &str, storage: &'a Storage) -> Result<&'a CudaStorage> {
+    match storage {
+        Storage::Cuda(s) => Ok(s),
+        _ => Err(Error::InvalidArgument(format!(
+            "{what} is not on a CUDA device"
+        ))),
+    }
+}
+
+fn candle_err(e: candle_core::Error) -> Error {
+    Error::InvalidArgument(format!("candle: {e}"))
+}
+
+/// A view of `storage` from element `offset` on, as `T` (its dtype must be `T`'s).
+fn view<'a, T: CudaDType>(s: &'a CudaStorage, offset: usize) -> Result<CudaView<'a, T>> {
+    let slice = s.as_cuda_slice::<T>().map_err(candle_err)?;
+    if offset > slice.len() {
+        return Err(Error::InvalidArgument(format!(
+            "a tensor view starts at {offset}, past its storage of {}",
+            slice.len()
+        )));
+    }
+    Ok(slice.slice(offset..))
+}
+
+/// Quantize the tokens of `k` and `v` (`[tokens, kv_heads, head_dim]`, f32 / f16 / bf16, both
+/// of one type; token rows may be strided, e.g. views of a fused QKV projection) into the pool
+/// slots `slots` (`[tokens]`, i64 or i32; negative skips the token) of `cache`, on the cache's
+/// stream (make the cache with [`gpu`] of the tensors' device to queue it in order with
+/// candle's work).
+pub fn append(cache: &mut DeviceCache, slots: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+    let c = *cache.config();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (ss, sl) = slots.storage_and_layout();
+    let (kt, kh, k0) = rows_of("k", kl, c.num_kv_heads, c.head_dim)?;
+    let (vt, vh, v0) = rows_of("v", vl, c.num_kv_heads, c.head_dim)?;
+    if kh != c.head_dim || vh != c.head_dim {
+        return Err(Error::InvalidArgument(
+            "k and v: heads of one token must be adjacent ([tokens, kv_heads, head_dim] rows)"
+                .into(),
+        ));
+    }
+    let n = kl.dims()[0];
+    if vl.dims()[0] != n || sl.dims() != [n] || (sl.stride() != [1] && n > 1) {
+        return Err(Error::InvalidArgument(format!(
+            "append: {n} tokens of k, {} of v, slots of shape {:?} (one contiguous slot per \
+             token expected)",
+            vl.dims()[0],
+            sl.dims()
+        )));
+    }
+    if k.dtype() != v.dtype() {
+        return Err(Error::InvalidArgument(format!(
+            "append: k is {:?}, v is {:?}",
+            k.dtype(),
+            v.dtype()
+        )));
+    }
+    let (ks, vs, ss) = (
+        cuda_storage("k", &ks)?,
+        cuda_storage("v", &vs)?,
+        cuda_storage("slots", &ss)?,
+    );
+    let gpu = cache.gpu().clone();
+    let s = gpu.stream();
+    macro_rules! ptr {
+        ($st:expr, $t:ty, $off:expr) => {{
+            let v = view::<$t>($st, $off)?;
+            let (p, _g) = v.device_ptr(s);
+            p
+        }};
+    }
+    let (kp, vp, dtype) = match k.dtype() {
+        DType::F32 => (ptr!(ks, f32, k0), ptr!(vs, f32, v0), Dtype::F32),
+        DType::F16 => (ptr!(ks, half::f16, k0), ptr!(vs, half::f16, v0), Dtype::F16),
+        DType::BF16 => (
+            ptr!(ks, half::bf16, k0),
+            ptr!(vs, half::bf16, v0),
+            Dtype::Bf16,
+        ),
+        other => {
+            return Err(Error::Unsupported(format!(
+                "append of {other:?} K/V (f32, f16 or bf16)"
+            )));
+        }
+    };
+    let (sp, i64_slots) = match slots.dtype() {
+        DType::I64 => (ptr!(ss, i64, sl.start_offset()), true),
+        DType::I32 => (ptr!(ss, i32, sl.start_offset()), false),
+        other => return Err(Error::Unsupported(format!("{other:?} slots (i64 or i32)"))),
+    };
+    // The tensors' last element each (offset included) lies inside their storage, which
+    // candle guarantees for a valid layout; the kernel reads rows [0, n) at these strides.
+    gpu.bind()?;
+    // SAFETY: k, v and slots are live candle storages on this context (their guards above
+    // ordered them with the cache's stream, candle's own when the cache was made from its
+    // device); rows at token strides kt / vt hold kv_heads * head_dim elements each (checked
+    // shape, contiguous heads); the cache view is a live DeviceCache.
+    unsafe {
+        ops::append_raw(
+            &cache.as_raw(),
+            cache.num_blocks(),
+            sp,
+            i64_slots,
+            n,
+            kp,
+            vp,
+            dtype,
+            kt,
+            vt,
+            cache.counters_raw(),
+            s.cu_stream(),
+        )
+    }
+}
+
+/// One decode step as a candle op: attention of `q` (`[tokens, heads, head_dim]`, f16 or bf16,
+/// `tokens = batch * q_len` in sequence order, token and head strides free) over `cache` for the
+/// first [`batch`](DeviceBlockTables::batch) rows of `tables`, returned as a new
+/// `[tokens, heads, head_dim]` tensor of `out_dtype` (f16, bf16 or f32). See
+/// [`DecodePlan::decode_step`] for the checks and semantics.
+pub fn decode(
+    plan: &DecodePlan,
+    ws: &mut DecodeWorkspace,
+    cache: &DeviceCache,
+    tables: &DeviceBlockTables,
+    q: &Tensor,
+    q_len: usize,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    let op = DecodeOp {
+        plan,
+        ws: RefCell::new(ws),
+        cache,
+        tables,
+        q_len,
+        out_dtype,
+    };
+    q.apply_op1_no_bwd(&op).map_err(candle_err)
+}
+
+/// [`decode`] as a [`CustomOp1`] (the query is its input).
+struct DecodeOp<'a> {
+    plan: &'a DecodePlan,
+    ws: RefCell<&'a mut DecodeWorkspace>,
+    cache: &'a DeviceCache,
+    tables: &'a DeviceBlockTables,
+    q_len: usize,
+    out_dtype: DType,
+}
+
+impl DecodeOp<'_> {
+    fn run<Q: DecodeElement + CudaDType, O: DeviceElement + CudaDType + ValidAsZeroBits>(
+        &self,
+        storage: &CudaStorage,
+        layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let heads = self.plan.num_q_heads();
+        let d = self.plan.layout().config.head_dim;
+        let (qt, qh, q0) = rows_of("q", layout, heads, d)?;
+        let tokens = layout.dims()[0];
+        if self.q_len == 0 || tokens != self.tables.batch() * self.q_len {
+            return Err(Error::InvalidArgument(format!(
+                "q has {tokens} tokens, the step has {} sequences of q_len {}",
+                self.tables.batch(),
+                self.q_len
+            )));
+        }
+        let q = view::<Q>(storage, q0)?;
+        let device: &CudaDevice = storage.device();
+        let mut out: CudaSlice<O> = device
+            .alloc_zeros::<O>(tokens * heads * d)
+            .map_err(candle_err)?;
+        let q_rows = RowStrides {
+            seq: self.q_len * qt,
+            token: qt,
+            head: qh,
+        };
+        let out_rows = RowStrides::token_major(heads, self.q_len, d);
+        let mut ws = self.ws.borrow_mut();
+        self.plan.decode_step(
+            &mut ws,
+            self.cache,
+            self.tables,
+            DecodeStep {
+                q_len: self.q_len,
+                q: &q,
+                q_rows,
+                out: &mut out,
+                out_rows,
+                lse: None,
+            },
+        )?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, device.clone()),
+            Shape::from((tokens, heads, d)),
+        ))
+    }
+}
+
+impl CustomOp1 for DecodeOp<'_> {
+    fn name(&self) -> &'static str {
+        "kvq-decode"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!(
+            "kvq-decode runs on CUDA devices (the CPU reference is kvq::cpu::decode_attention)"
+        )
+    }
+
+    fn cuda_fwd(
+        &self,
+        storage: &CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use half::{bf16, f16};
+        let r = match (storage.dtype(), self.out_dtype) {
+            (DType::F16, DType::F16) => self.run::<f16, f16>(storage, layout),
+            (DType::F16, DType::BF16) => self.run::<f16, bf16>(storage, layout),
+            (DType::F16, DType::F32) => self.run::<f16, f32>(storage, layout),
+            (DType::BF16, DType::F16) => self.run::<bf16, f16>(storage, layout),
+            (DType::BF16, DType::BF16) => self.run::<bf16, bf16>(storage, layout),
+            (DType::BF16, DType::F32) => self.run::<bf16, f32>(storage, layout),
+            (q, o) => Err(Error::Unsupported(format!(
+                "kvq decode of {q:?} queries into {o:?} (q: f16 / bf16, out: f16 / bf16 / f32)"
+            ))),
+        };
+        r.map_err(candle_core::Error::wrap)
+    }
+}
