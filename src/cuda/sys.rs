@@ -107,6 +107,8 @@ const _: () = {
 impl Default for kvq_cache {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this C struct (integers, floats
+        // and null pointers).
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()
@@ -333,6 +335,8 @@ const _: () = {
 impl Default for kvq_decode_args {
     fn default() -> Self {
         let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this C struct (integers, floats
+        // and null pointers).
         unsafe {
             ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
             s.assume_init()

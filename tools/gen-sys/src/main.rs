@@ -81,5 +81,13 @@ fn main() {
             eprintln!("kvq-gen-sys: bindgen failed: {e}");
             std::process::exit(1);
         });
-    print!("{bindings}");
+    // bindgen's `Default` for structs holding pointers zero-fills through MaybeUninit; every
+    // unsafe block of kvq carries its reason.
+    let text = bindings.to_string().replace(
+        "        unsafe {\n            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);",
+        "        // SAFETY: all-zero bytes are a valid value of this C struct (integers, floats\n\
+         \x20       // and null pointers).\n        unsafe {\n            \
+         ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);",
+    );
+    print!("{text}");
 }
