@@ -30,28 +30,6 @@ const MAX_CTX: usize = 1024;
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
-/// splitmix64 → roughly normal values, so both devices get the same weights.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn normals(&mut self, n: usize, std: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                let s: f64 = (0..4)
-                    .map(|_| (self.next() >> 11) as f64 / (1u64 << 53) as f64)
-                    .sum();
-                ((s - 2.0) * 3f64.sqrt()) as f32 * std
-            })
-            .collect()
-    }
-}
-
 /// The weights, on one device.
 struct Weights {
     embed: Tensor,
@@ -73,10 +51,11 @@ struct Layer {
 }
 
 fn weights(dev: &Device) -> Res<Weights> {
-    let mut rng = Rng(2026);
+    // Seeded: both devices get the same weights.
+    let mut rng = kvq::synth::Synth::new(2026);
     let mut mat = |rows: usize, cols: usize, std: f32| -> Res<Tensor> {
         Ok(Tensor::from_vec(
-            rng.normals(rows * cols, std),
+            rng.normal(rows * cols, std),
             (rows, cols),
             dev,
         )?)

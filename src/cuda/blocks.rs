@@ -110,59 +110,45 @@ impl DeviceCache {
     /// stream: the blocks of a preempted sequence. The blocks may be reused as soon as this
     /// returns (later work on the stream runs after the copies).
     pub fn swap_out(&self, moves: &[(usize, usize)], space: &mut SwapSpace) -> Result<()> {
-        space.check(self, moves.iter().map(|&(b, s)| (b, s)))?;
-        let gpu = self.gpu().clone();
-        gpu.bind()?;
-        let stream = gpu.stream();
-        // A swap-in from these slots on another stream must have read them first.
-        gpu.wait_for(&space.gpu)?;
-        let bytes = space.block_bytes;
-        let host = space
-            .buf
-            .as_mut_slice()
-            .map_err(driver_err("mapping swap space"))?;
-        for &(block, slot) in moves {
-            let src = self.block_ptr(block);
-            // SAFETY: `src` is `bytes` bytes of a live pool block (checked); the destination
-            // is pinned memory that stays alive until `done` (recorded below) completes.
-            unsafe {
-                cudarc::driver::result::memcpy_dtoh_async(
-                    &mut host[slot * bytes..(slot + 1) * bytes],
-                    src,
-                    stream.cu_stream(),
-                )
-            }
-            .map_err(driver_err("swapping a block out"))?;
-        }
-        space.record(&gpu)
+        self.swap(moves.iter().copied(), space, Swap::Out)
     }
 
     /// Copy slots of `space` back into blocks (pairs `(slot, block)`), asynchronously on the
     /// cache's stream, after any swap-out into those slots queued earlier.
     pub fn swap_in(&mut self, moves: &[(usize, usize)], space: &mut SwapSpace) -> Result<()> {
-        space.check(self, moves.iter().map(|&(s, b)| (b, s)))?;
+        self.swap(moves.iter().map(|&(s, b)| (b, s)), space, Swap::In)
+    }
+
+    /// One swap: `(block, slot)` pairs, checked first, then one async copy each, ordered after
+    /// the space's last copies on another stream.
+    fn swap(
+        &self,
+        moves: impl Iterator<Item = (usize, usize)> + Clone,
+        space: &mut SwapSpace,
+        dir: Swap,
+    ) -> Result<()> {
+        space.check(self, moves.clone())?;
         let gpu = self.gpu().clone();
         gpu.bind()?;
-        let stream = gpu.stream();
-        // A swap-out into these slots on another stream must land first.
+        let stream = gpu.stream().cu_stream();
         gpu.wait_for(&space.gpu)?;
         let bytes = space.block_bytes;
         let host = space
             .buf
             .as_mut_slice()
             .map_err(driver_err("mapping swap space"))?;
-        for &(slot, block) in moves {
-            let dst = self.block_ptr(block);
-            // SAFETY: `dst` is `bytes` bytes of a live pool block (checked); the source is
-            // pinned memory that stays alive until `done` (recorded below) completes.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    dst,
-                    &host[slot * bytes..(slot + 1) * bytes],
-                    stream.cu_stream(),
-                )
-            }
-            .map_err(driver_err("swapping a block in"))?;
+        for (block, slot) in moves {
+            let dev = self.block_ptr(block);
+            let host = &mut host[slot * bytes..(slot + 1) * bytes];
+            // SAFETY: `dev` is `bytes` bytes of a live pool block (checked); `host` is pinned
+            // memory that stays alive until `done` (recorded below) completes.
+            let copied = unsafe {
+                match dir {
+                    Swap::Out => cudarc::driver::result::memcpy_dtoh_async(host, dev, stream),
+                    Swap::In => cudarc::driver::result::memcpy_htod_async(dev, host, stream),
+                }
+            };
+            copied.map_err(driver_err("swapping a block"))?;
         }
         space.record(&gpu)
     }
@@ -171,6 +157,15 @@ impl DeviceCache {
     fn block_ptr(&self, block: usize) -> CUdeviceptr {
         self.as_raw().pool as CUdeviceptr + (block * self.layout().block_stride) as CUdeviceptr
     }
+}
+
+/// Which way a swap copies.
+#[derive(Debug, Clone, Copy)]
+enum Swap {
+    /// Device blocks to host slots.
+    Out,
+    /// Host slots to device blocks.
+    In,
 }
 
 /// Pinned host memory holding swapped-out blocks of caches of one layout: `slots` blocks of
