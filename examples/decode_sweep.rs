@@ -6,11 +6,13 @@
 //! ```sh
 //! cargo run --release --features cuda,bench --example decode_sweep -- \
 //!     [--case NAME]... [--shape B:L]... [--format bf16|fp8|int4|int4-fp8]... [--splits 1,2,3]
-//!     [--iters N]
+//!     [--iters N] [--ceiling GBPS] [--plan-only]
 //! ```
 //! `--case` names a shape family of the grid (`llama3-8b`, `8x22b-tp8`, `mha-32`, ...),
 //! `--shape` a batch and context length in it. Prints one markdown row per launch, `*` marking
-//! the plan's choice.
+//! the plan's choice. `--ceiling` takes the read ceiling as given instead of measuring it, and
+//! `--plan-only` times the plan's choice alone: together they make a short run for a profiler
+//! (`ncu --kernel-name regex:decode_kernel --launch-count 1 ...`).
 
 use kvq::KvFormat;
 use kvq::cuda::decode::{DecodeWorkspace, STAGES, WARPS};
@@ -22,6 +24,8 @@ struct Args {
     formats: Vec<(KvFormat, KvFormat)>,
     splits: Vec<usize>,
     iters: usize,
+    ceiling: Option<f64>,
+    plan_only: bool,
 }
 
 fn parse_format(name: &str) -> Result<(KvFormat, KvFormat), String> {
@@ -45,6 +49,8 @@ fn parse_args() -> Result<Args, String> {
         formats: Vec::new(),
         splits: vec![1, 2, 3, 4],
         iters: 20,
+        ceiling: None,
+        plan_only: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -66,6 +72,15 @@ fn parse_args() -> Result<Args, String> {
                     .map(|s| s.trim().parse().map_err(|e| format!("--splits: {e}")))
                     .collect::<Result<_, _>>()?
             }
+            "--ceiling" => {
+                let v = value("--ceiling")?;
+                let gbps: f64 = v.parse().map_err(|e| format!("--ceiling {v}: {e}"))?;
+                if !(gbps.is_finite() && gbps > 0.0) {
+                    return Err(format!("--ceiling {v}: expected GB/s > 0"));
+                }
+                a.ceiling = Some(gbps);
+            }
+            "--plan-only" => a.plan_only = true,
             "--iters" => {
                 a.iters = value("--iters")?
                     .parse()
@@ -89,9 +104,17 @@ fn run(args: &Args) -> kvq::Result<()> {
     let gpu = Gpu::new(0)?;
     eprintln!("{}", gpu.summary());
     let mut timer = bench::EventTimer::new(&gpu)?;
-    let probe = bench::read_ceiling(&gpu, &mut timer)?;
-    println!("{probe}\n");
-    let ceiling = probe.gbps;
+    let ceiling = match args.ceiling {
+        Some(gbps) => {
+            println!("read ceiling: {gbps:.0} GB/s (given, not measured)\n");
+            gbps
+        }
+        None => {
+            let probe = bench::read_ceiling(&gpu, &mut timer)?;
+            println!("{probe}\n");
+            probe.gbps
+        }
+    };
     println!("| case | B | L | K | V | splits | warps | stages | blocks/SM | µs | % ceiling |");
     println!("|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|");
     let cases = bench::select(bench::standard_grid(), &args.cases, false)
@@ -103,7 +126,8 @@ fn run(args: &Args) -> kvq::Result<()> {
             let bytes = p.bytes_to_read() as f64;
             let default = p.plan.clone();
             let mut shapes = vec![(default.clone(), true)];
-            for &n in &args.splits {
+            let splits: &[usize] = if args.plan_only { &[] } else { &args.splits };
+            for &n in splits {
                 for w in WARPS {
                     for s in STAGES {
                         if let Ok(plan) = default.clone().with_num_splits(n).with_launch(w, s) {
