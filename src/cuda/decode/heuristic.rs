@@ -13,13 +13,22 @@ pub(super) const SPLIT_MULTIPLE: usize = 32;
 /// A split shorter than this costs more in setup and merge than it gains in parallelism.
 const MIN_SPLIT_TOKENS: usize = 256;
 
-/// Fixed cost of one thread block in the launch model, in tokens of streaming (query setup,
-/// pipeline fill, warp merge); fitted with the rate model (see `RateModel`).
-const CTA_OVERHEAD_TOKENS: usize = 512;
+/// Fixed cost of one thread block in the launch model, in tokens of a 16-bit cache (query
+/// setup, pipeline fill, warp merge); fitted with the rate model (see `RateModel`).
+const CTA_OVERHEAD_TOKENS: f64 = 512.0;
 
-/// Cost of each split in the launch model, in tokens of streaming: partial write and merge,
-/// measured on an H200 at ~0.44 us per split (docs/PERFORMANCE.md, v3).
-const SPLIT_COST_TOKENS: usize = 32;
+/// Cost of each split in the launch model, in tokens (of any cache): partial write and merge,
+/// measured on an H200 at ~0.44 us per split (docs/PERFORMANCE.md, v3). Not weighted like the
+/// block overhead: with few blocks (B=1), more splits also buy parallelism the model does not
+/// see, and the weighted cost cut INT4 at B=1 L=4k to 5 splits, 21 % slower than 11 (v11).
+const SPLIT_COST_TOKENS: f64 = 32.0;
+
+/// Tokens of a `k` / `v` cache that stream in the time of one token of a 16-bit cache: a
+/// block's fixed cost takes about the same time whatever the format, so a narrower cache pays
+/// it in more of its own tokens (INT4 K + V: ~3.6).
+fn tokens_per_16bit_token(k: KvFormat, v: KvFormat) -> f64 {
+    4.0 / (k.bytes_per_element() + v.bytes_per_element())
+}
 
 /// Split length for `num_splits` splits of `max_len` tokens (a multiple of [`SPLIT_MULTIPLE`]),
 /// and the split count that length really gives.
@@ -61,11 +70,11 @@ pub(super) fn occupancy(
 }
 
 /// What an SM needs to run the decode at its full rate: enough copies in flight and enough
-/// resident warps to hide the dependency chains of a step. Fitted to an H200 sweep of every
-/// launch shape (`examples/decode_sweep.rs`, docs/PERFORMANCE.md): 16-bit caches want about
-/// 128 KB in flight and 8 warps; FP8 and INT4 caches are bound by their warps' latency long
-/// before their copies (INT4 ran the same at 61 KB as at 123 KB in flight, 12 % faster at 12
-/// warps per SM than at 8).
+/// resident warps to hide the dependency chains of a step. Fitted to H200 sweeps of every
+/// launch shape (`examples/decode_sweep.rs`, docs/PERFORMANCE.md v7 and v11): 16-bit caches
+/// want about 128 KB in flight and 8 warps; FP8 and INT4 caches are bound by their warps'
+/// latency long before their copies (INT4 ran the same at 61 KB as at 123 KB in flight) and
+/// INT4 wants about 10 warps per SM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RateModel {
     /// Bytes of copies each block keeps in flight.
@@ -87,7 +96,7 @@ impl RateModel {
             inflight: warps * (stages - 1) * stage_bytes,
             warps,
             inflight_target: if narrowest >= 16 { 128 << 10 } else { 32 << 10 },
-            full_rate_warps: if narrowest == 4 { 12 } else { 8 },
+            full_rate_warps: if narrowest == 4 { 10 } else { 8 },
         }
     }
 
@@ -128,8 +137,9 @@ pub(super) fn split_range(max_len: usize, cap: usize) -> std::ops::RangeInclusiv
 /// per stage)` and `base` blocks per split (batch x KV heads x query tiles) on `sms` SMs, for
 /// contexts up to `max_len` tokens of caches in `formats` (K, V). Model: [`wave_time`] x
 /// (tokens per split + a fixed cost per block) + a cost per split; among the launches within
-/// 2 % of the best, the fewest splits, then the fewest stages, then the fewest warps. Split
-/// counts come from `splits` (see [`split_range`]). An error only if nothing fits.
+/// 2 % of the best, the fewest splits, then the fewest warps per block (more, smaller blocks
+/// per SM hide each other's fixed costs), then the fewest stages. Split counts come from
+/// `splits` (see [`split_range`]). An error only if nothing fits.
 pub(super) fn choose_launch(
     base: usize,
     sms: usize,
@@ -139,6 +149,7 @@ pub(super) fn choose_launch(
     mut occ: impl FnMut(usize, usize) -> Result<(usize, usize)>,
 ) -> Result<LaunchChoice> {
     let mut cands = Vec::new(); // (cost, splits, stages, warps, ctas)
+    let weight = tokens_per_16bit_token(k, v);
     for warps in WARPS {
         for stages in STAGES {
             let (ctas, stage_bytes) = occ(warps, stages)?;
@@ -149,8 +160,8 @@ pub(super) fn choose_launch(
             for splits in splits.clone() {
                 let (n, len) = split_len(max_len, splits);
                 let waves = wave_time(base * n, sms, ctas, model);
-                let cost =
-                    waves * (len + CTA_OVERHEAD_TOKENS) as f64 + (n * SPLIT_COST_TOKENS) as f64;
+                let cost = waves * (len as f64 + CTA_OVERHEAD_TOKENS * weight)
+                    + n as f64 * SPLIT_COST_TOKENS;
                 cands.push((cost, n, stages, warps, ctas));
             }
         }
@@ -159,7 +170,7 @@ pub(super) fn choose_launch(
     let &(_, n, stages, warps, ctas) = cands
         .iter()
         .filter(|c| c.0 <= best * 1.02)
-        .min_by_key(|c| (c.1, c.2, c.3))
+        .min_by_key(|c| (c.1, c.3, c.2))
         .ok_or_else(|| {
             Error::Unsupported("GPU decode: no stage count fits this device's shared memory".into())
         })?;
@@ -194,7 +205,7 @@ mod tests {
         use KvFormat::*;
         let bf16 = ((Bf16, Bf16), 8960); // bytes per stage at head_dim 128: 16 tokens, padded
         let fp8 = ((Fp8E4m3, Fp8E4m3), 4608);
-        let int4 = ((Int4Sym32, Int4Affine64), 5120); // 32 tokens
+        let int4 = ((Int4Sym32, Int4Affine64), 5632); // 32 tokens
         // (warps, stages, blocks per SM, splits, split length); `regs`: 4-warp blocks per SM
         // that registers allow.
         let pick = |base, len, (formats, stage), regs| {
@@ -223,6 +234,13 @@ mod tests {
             );
             assert_eq!(len % SPLIT_MULTIPLE, 0);
         }
+        // INT4 at 16 x 4k (128 blocks per split): its fixed costs are ~3.6x as many of its own
+        // tokens, so one long split per (sequence, KV head) in blocks of 8 warps beats three
+        // short ones; at 64 x 4k, one split in two blocks of 4 warps per SM beats 8-warp
+        // blocks (H200 sweeps, docs/PERFORMANCE.md v11).
+        assert_eq!(pick(128, 4096, int4, 3), (8, 2, 1, 1, 4096));
+        let (w, _, ctas, n, _) = pick(512, 4096, int4, 3);
+        assert_eq!((w, ctas, n), (4, 2, 1));
         // Short contexts are never cut below MIN_SPLIT_TOKENS.
         let (.., n, len) = pick(1, 300, bf16, 3);
         assert!(n <= 2 && n * len >= 300);
