@@ -38,7 +38,12 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "prim/bits.cuh"
+#include "prim/mma.cuh"
+
 namespace kvq_decode {
+
+using namespace kvq;
 
 /// Cache element formats the decode kernel is instantiated for (K INT4 means groups of 32,
 /// symmetric; V INT4 means groups of 64, affine).
@@ -74,69 +79,6 @@ __device__ __forceinline__ float fp8_unit() {
   return F == Fmt::E4M3 ? kE4m3Unit : 1.0f;
 }
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  return __byte_perm(a, b, sel);
-}
-
-__device__ __forceinline__ uint32_t h2_bits(__half2 h) {
-  return *reinterpret_cast<uint32_t *>(&h);
-}
-__device__ __forceinline__ __half2 bits_h2(uint32_t u) {
-  return *reinterpret_cast<__half2 *>(&u);
-}
-
-/// Two f32 → one packed register of the mma operand type (low half = `lo`).
-template <bool BF16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (BF16) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t *>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return h2_bits(v);
-  }
-}
-
-/// d += a * b, m16n8k16, f32 accumulate; `a` holds the four A registers.
-template <bool BF16>
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint4 &a, uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (BF16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
-        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-  } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, "
-        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-  }
-}
-
-/// The transpose of an 8x8 matrix of 16-bit elements held as an mma C fragment (lane g*4 + t
-/// holds row g, columns 2t and 2t+1), in the same layout.
-__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
-  uint32_t y;
-  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
-  return y;
-}
-
-/// Four 8x8 matrices of 16-bit elements from shared memory: lanes 8i..8i+7 give the row
-/// addresses (16 bytes each) of matrix i; lane g*4 + t gets word t of row g of matrix i in d[i].
-__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&d)[4]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-               : "r"(addr));
-}
-
-/// Two 8x8 matrices (lanes 0..15 give the row addresses), as ldmatrix_x4's first two.
-__device__ __forceinline__ void ldmatrix_x2(uint32_t addr, uint32_t (&d)[2]) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];"
-               : "=r"(d[0]), "=r"(d[1])
-               : "r"(addr));
-}
-
 /// Two E4M3 codes (bytes 0 and 1 of `w`) and (bytes 2 and 3) → two f16x2.
 __device__ __forceinline__ void e4m3x4_cvt(uint32_t w, uint32_t &lo, uint32_t &hi) {
 #if KVQ_E4M3_CVT
@@ -155,15 +97,6 @@ __device__ __forceinline__ void e4m3x4_bits(uint32_t w, uint32_t &a, uint32_t &b
   a = ((w << 8) & 0x80008000u) | ((w << 7) & 0x3F803F80u);
   b = (w & 0x80008000u) | ((w >> 1) & 0x3F803F80u);
 }
-
-/// (x & M) ^ C in one LOP3.
-template <uint32_t M>
-__device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
-  uint32_t d;
-  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(x), "n"(M), "r"(c));
-  return d;
-}
-
 
 // ---------------------------------------------------------------------------------------------
 // Geometry of one format at one head_dim, and the K / V fragment builders.

@@ -17,6 +17,9 @@
 
 #include "decode_frag.cuh"
 #include "kvq.h"
+#include "prim/cp_async.cuh"
+#include "prim/fast_math.cuh"
+#include "prim/vec_io.cuh"
 
 namespace kvq_decode {
 
@@ -54,66 +57,6 @@ struct Params {
 /// Shared-memory stages per warp a launch may use.
 constexpr int kMinStages = KVQ_DECODE_MIN_STAGES, kMaxStages = KVQ_DECODE_MAX_STAGES;
 
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-/// Wait until at most `n` (0..6) of this thread's copy groups are pending.
-__device__ __forceinline__ void cp_async_wait_at_most(int n) {
-  switch (n) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    default: cp_async_wait<6>(); break;
-  }
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-/// Load a metadata row of BYTES (a multiple of 2) as 32-bit words, element i of the row in bits
-/// 16 (i % 2) of word i / 2: word loads when BYTES is a multiple of 4 (rows aligned to 4), else
-/// 2-byte loads (rows of 6 bytes: INT4 keys at head_dim 96).
-template <int BYTES>
-__device__ __forceinline__ void lds_meta(const uint8_t *p, uint32_t (&w)[(BYTES + 3) / 4]);
-
-/// Load BYTES (16, 8, 12, 4 or 2) from shared memory aligned to the widest of those that
-/// divides BYTES, as 32-bit words (2 bytes: the low half of one word).
-template <int BYTES>
-__device__ __forceinline__ void lds(const uint8_t *p, uint32_t (&w)[BYTES >= 4 ? BYTES / 4 : 1]) {
-  if constexpr (BYTES == 16) {
-    const uint4 v = *reinterpret_cast<const uint4 *>(p);
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (BYTES == 8) {
-    const uint2 v = *reinterpret_cast<const uint2 *>(p);
-    w[0] = v.x, w[1] = v.y;
-  } else if constexpr (BYTES == 2) {
-    w[0] = *reinterpret_cast<const uint16_t *>(p);
-  } else {
-    static_assert(BYTES % 4 == 0, "load width");
-#pragma unroll
-    for (int i = 0; i < BYTES / 4; ++i) w[i] = reinterpret_cast<const uint32_t *>(p)[i];
-  }
-}
-
 __device__ __forceinline__ float load_elem(const void *p, int64_t i, bool bf16) {
   return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(p)[i])
               : __half2float(reinterpret_cast<const __half *>(p)[i]);
@@ -130,19 +73,6 @@ __device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t d
 /// Offset (elements) of query row `b, h, i` in a tensor whose rows are at `r` (kvq_rows).
 __device__ __forceinline__ int64_t row_at(const kvq_rows &r, int b, int h, int i) {
   return (int64_t)b * r.seq + (int64_t)i * r.token + (int64_t)h * r.head;
-}
-
-template <int BYTES>
-__device__ __forceinline__ void lds_meta(const uint8_t *p, uint32_t (&w)[(BYTES + 3) / 4]) {
-  if constexpr (BYTES % 4 == 0) {
-    lds<BYTES>(p, w);
-  } else {
-#pragma unroll
-    for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = 0;
-#pragma unroll
-    for (int i = 0; i < BYTES / 2; ++i)
-      w[i / 2] |= (uint32_t)reinterpret_cast<const uint16_t *>(p)[i] << (16 * (i % 2));
-  }
 }
 
 /// Row (of 32 / PER_ROW per pass) whose piece lane % PER_ROW lane copies. A quarter-warp's eight
