@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "format.cuh"
 #include "kvq.h"
 #include "prim/fast_div.cuh"
 #include "prim/vec_io.cuh"

@@ -312,8 +312,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // overflows nor loses precision (exact for bf16 inputs), then packed into B fragments in the
   // K-side head_dim order (decode_frag.cuh).
   float k_factor = 1.f;
-  if constexpr (KF == Fmt::E4M3 || KF == Fmt::E5M2) k_factor = p.k_scales[kvh] * fp8_unit<KF>();
-  // INT4 K scores come out of the MMAs in units of 2^-20 (decode_frag.cuh, k_codes_i4).
+  if constexpr (KF == Fmt::E4M3 || KF == Fmt::E5M2) k_factor = p.k_scales[kvh] * F::KC::unit();
+  // INT4 K scores come out of the MMAs in units of 2^-20 (codec/int4_sym.cuh, k_codes).
   if constexpr (KF == Fmt::I4) k_factor = 1048576.f;
   for (int r = warp; r < kRows; r += nw) {
     const bool valid = row0 + r < rows;
@@ -450,8 +450,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         // Group G from word t of its tokens g (lo_w) and g + 8 (hi_w).
         auto group = [&](int G, uint32_t lo_w, uint32_t hi_w) {
           uint32_t lo[4], hi[4];
-          F::k_codes_i4(lo_w, lo);
-          F::k_codes_i4(hi_w, hi);
+          F::KC::k_codes(lo_w, lo);
+          F::KC::k_codes(hi_w, hi);
           const float4 z = kz_lane[4 * G];
           const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
           float r[4] = {z.x, z.y, z.z, z.w};
@@ -499,7 +499,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
               for (int x = 0; x < F::KWU; ++x) {
                 uint32_t r[F::KPPW];
-                F::k_unpack(w[h][u + x], r);
+                F::KC::k_unpack(w[h][u + x], r);
 #pragma unroll
                 for (int y = 0; y < F::KPPW; ++y) kb[h][x * F::KPPW + y] = r[y];
               }
@@ -621,8 +621,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           const uint32_t w8 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 2) * F::VPITCH);
           const uint32_t w9 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 3) * F::VPITCH);
           uint32_t b01[8], b89[8];
-          F::v_codes_i4(w0, w1, b01);
-          F::v_codes_i4(w8, w9, b89);
+          F::VC::v_codes(w0, w1, b01);
+          F::VC::v_codes(w8, w9, b89);
 #pragma unroll
           for (int c = 0; c < 8; c += 2)
             mma16816<false>(o[4 * G + c / 2], make_uint4(b01[c], b01[c + 1], b89[c], b89[c + 1]),
@@ -641,8 +641,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
           for (int i = 0; i < F::VWORDS; ++i) {
             uint32_t b01[F::VCPW], b89[F::VCPW];
-            F::v_unpack(w0[i], w1[i], b01);
-            F::v_unpack(w8[i], w9[i], b89);
+            F::VC::v_unpack(w0[i], w1[i], b01);
+            F::VC::v_unpack(w8[i], w9[i], b89);
             if (n_valid < STEP) {
 #pragma unroll
               for (int c = 0; c < F::VCOLS; ++c) b01[c] &= mask01, b89[c] &= mask89;
@@ -680,8 +680,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         // O_j = unit * O_raw_j + sum_n P_n z_{n,G}: 1/4 because P carried 4s, the unit undoes
         // the subnormal code weight (decode_frag.cuh). Group G's sums for rows r0, r1 sit in
         // lane 4G + t, elements 0 and 1.
-        const float ua = F::v_col_unit_inv((2 * i) % 8) * 0.25f;
-        const float ub = F::v_col_unit_inv((2 * i + 1) % 8) * 0.25f;
+        const float ua = F::VC::v_col_unit_inv((2 * i) % 8) * 0.25f;
+        const float ub = F::VC::v_col_unit_inv((2 * i + 1) % 8) * 0.25f;
         const int src = 4 * ((2 * i) / 8) + t;
         const float z0 = __shfl_sync(kFull, zsum[0], src);
         const float z1 = __shfl_sync(kFull, zsum[1], src);
@@ -716,7 +716,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   }
   __syncthreads();
   float v_factor = 1.f;
-  if constexpr (VF == Fmt::E4M3 || VF == Fmt::E5M2) v_factor = p.v_scales[kvh] * fp8_unit<VF>();
+  if constexpr (VF == Fmt::E4M3 || VF == Fmt::E5M2) v_factor = p.v_scales[kvh] * F::VC::unit();
   const int nvalid = min(kRows, rows - row0);
   const int64_t rq = (int64_t)p.num_q_heads * p.q_len;  // rows of one sequence
   const int64_t seq_row = row_base - (int64_t)b * rq;   // this tile's first row in its sequence
