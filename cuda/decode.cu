@@ -1,11 +1,11 @@
 // decode.cu: the C launchers of the fused paged decode attention (kvq.h) and the one place
-// that maps runtime (k_format, v_format, head_dim) to a template instance of decode_kernel.cuh.
+// that maps runtime (k_format, v_format, head_dim) to a template instance of decode/kernel.cuh.
 #include <cuda_runtime.h>
 
 #include <atomic>
 
 #include "common.cuh"
-#include "decode_kernel.cuh"
+#include "decode/kernel.cuh"
 #include "kvq.h"
 
 namespace kvq_decode {

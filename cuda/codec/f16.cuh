@@ -44,7 +44,7 @@ template <int F> struct Float16Codec : UngroupedRows<8, 16> {
     }
   }
 
-  // ---- decode-kernel fragment roles (decode_frag.cuh): codes are the MMA operands ----
+  // ---- decode-kernel fragment roles (decode/frag.cuh): codes are the MMA operands ----
 
   static constexpr bool kBf16Operands = F == kBf16;
   static constexpr bool kGroupFrags = false;

@@ -25,7 +25,7 @@ enum Format : int {
 //              kPackedExtremes (packed_extremes exists);
 //   row role   extremes, group_extremes, [packed_extremes,] encode, decode: the exact
 //              FORMATS.md math of one thread's chunk of a row (append, gather, dense);
-//   K / V role the decode kernel's fragments (decode_frag.cuh): kBf16Operands, kGroupFrags
+//   K / V role the decode kernel's fragments (decode/frag.cuh): kBf16Operands, kGroupFrags
 //              (which fragment kind), unit() with kHeadScale, q_scale, then per kind either
 //              k_pair_elem, k_unpack / v_unpack (codes unpacked word by word into operands) or
 //              k_dim, k_codes, kScoreUnit, k_zero_term / v_dim, v_codes, v_col_unit_inv

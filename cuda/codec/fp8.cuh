@@ -154,7 +154,7 @@ template <int F> struct Fp8Codec : UngroupedRows<16, 8> {
     return fp8_scale_from_amax<F>(amax);
   }
 
-  // ---- decode-kernel fragment roles (decode_frag.cuh): codes become f16, exactly ----
+  // ---- decode-kernel fragment roles (decode/frag.cuh): codes become f16, exactly ----
 
   static constexpr bool kBf16Operands = false;
   static constexpr bool kGroupFrags = false;

@@ -125,7 +125,7 @@ template <> struct Codec<kInt4Affine64> {
       v[i] = __fmaf_rn(small_uint_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf, zf);
   }
 
-  // ---- decode-kernel V role (decode_frag.cuh): raw codes, scale and zero on the P side ----
+  // ---- decode-kernel V role (decode/frag.cuh): raw codes, scale and zero on the P side ----
 
   static constexpr bool kBf16Operands = false;
   static constexpr bool kGroupFrags = true;

@@ -114,7 +114,7 @@ template <> struct Codec<kInt4Sym32> {
       v[i] = __fmul_rn(nibble_s_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf);
   }
 
-  // ---- decode-kernel K role (decode_frag.cuh): raw codes, the group's scale on the result ----
+  // ---- decode-kernel K role (decode/frag.cuh): raw codes, the group's scale on the result ----
 
   static constexpr bool kBf16Operands = false;
   static constexpr bool kGroupFrags = true;

@@ -1,4 +1,4 @@
-// decode_frag.cuh: the fragment geometry of the fused decode kernel (decode_kernel.cuh): which
+// decode/frag.cuh: the fragment geometry of the fused decode kernel (decode/kernel.cuh): which
 // head-dim elements each lane's tensor-core fragments hold, the shared-memory row pitches, and
 // which codec (codec/) unpacks the K and V codes into them. Nothing here knows about pages or
 // softmax.
@@ -7,7 +7,7 @@
 // that the few query rows of a KV head are the N = 8 side:
 //   S^T = K * q^T : M = 16 tokens, N = 8 query rows, K = head_dim.
 //   O^T += V^T * P^T : M = 16 head-dim columns per m-tile, N = 8 query rows, K = 16 tokens.
-// The builders below describe K and V in terms of the untransposed product, where K^T and V
+// The geometry below describes K and V in terms of the untransposed product, where K^T and V
 // are B operands: lane (g = lane / 4, t = lane % 4) holds column n = g and k indices {2t, 2t+1}
 // (register b0) and {2t+8, 2t+9} (register b1) of an "n-tile" of 8 columns. Two such n-tiles
 // side by side are exactly one A fragment of the transposed product (a0 = b0 of the first,
@@ -124,6 +124,10 @@ struct Frag {
     }
   }
 
+  /// k-steps of q^T fragments a lane keeps in registers: all, except with grouped K codes,
+  /// whose loop needs the registers more (it reads them from shared memory, group by group).
+  static constexpr int QREGS = KC::kGroupFrags ? 1 : D / 16;
+
   /// Fragment registers one 32-bit word of K codes unpacks into.
   static constexpr int KPPW = 32 / KBITS / 2;
   /// Words unpacked together: enough for at least one k-step (two registers).
@@ -157,6 +161,10 @@ struct Frag {
       return g * (D / 8) + v_vec(g, j / VEV) * VEV + j % VEV;
     }
   }
+
+  /// Bytes between the row chunks of lanes g and g + 1: VCH, or one word of each group for
+  /// grouped V codes (lane g reads word g of every group).
+  static constexpr int V_LANE = VC::kGroupFrags ? 4 : VCH;
 
   /// Grouped V: groups per row.
   static constexpr int VG = VC::kGroupFrags ? D / VC::kGroup : 0;
