@@ -5,6 +5,8 @@
 #
 #   scripts/ptx-diff.sh [REV] [ARCH...]     REV defaults to HEAD; ARCH like 80 89 90a 90
 #
+# WORK_REV=<rev> compares that revision instead of the working tree (e.g. each commit of a
+# series against its parent).
 # Environment: FILES (the .cu files to compare, e.g. "append.cu"; default all), NVCC (default
 # nvcc on PATH), JOBS (parallel nvcc runs, default nproc),
 # KVQ_PTX_DIR (cache of generated PTX, default /tmp/kvq-ptx; a revision's PTX is kept by its
@@ -54,21 +56,28 @@ gen() {
 ref=$cache/$sha
 work=$cache/work
 tree=$cache/tree
-echo "ptx-diff: reference $sha, working tree $root, archs ${archs[*]}" >&2
+echo "ptx-diff: reference $sha, ${WORK_REV:-working tree} ($root), archs ${archs[*]}" >&2
 rm -rf "$tree" "$work"
 mkdir -p "$tree" "$work"
 git archive "$sha" cuda | tar -x -C "$tree"
-gen "$ref/ptx"
+gen "$ref/ptx" || echo "ptx-diff: the reference did not compile in full" >&2
 rm -rf "$tree"
 mkdir -p "$tree"
-cp -r "$root/cuda" "$tree/"
-gen "$work/ptx"
+if [ -n "${WORK_REV:-}" ]; then
+    git archive "$(git rev-parse --verify "$WORK_REV^{commit}")" cuda | tar -x -C "$tree"
+else
+    cp -r "$root/cuda" "$tree/"
+fi
+gen "$work/ptx" || echo "ptx-diff: the working tree did not compile in full" >&2
 
 strip() { grep -v '^[[:space:]]*//' "$1"; }
 status=0
 for ptx in "$ref"/ptx/*.ptx; do
     name=$(basename "$ptx")
     [ -z "${FILES:-}" ] || [[ " $FILES " == *" ${name%%.cu.*}.cu "* ]] || continue
+    arch=${name%.ptx}
+    arch=${arch##*.}
+    [[ " ${archs[*]} " == *" $arch "* ]] || continue
     if [ ! -f "$work/ptx/$name" ]; then
         echo "MISSING  $name"
         status=1
