@@ -1,14 +1,15 @@
 // append.cu: quantize-on-append into the paged pool, gather-dequantize of a sequence's pages,
 // and dense quantize / dequantize (the layout of src/dense.rs). Bit-exact with the CPU path.
 //
-// Work split of the row kernels: one thread per E consecutive elements of a row, E depending on
-// the format (kEpt: 32 for INT4 — one thread writes one 16-byte vector of codes and owns a whole
+// The element math is the formats' codecs (codec/). Work split of the row kernels: one thread
+// per E consecutive elements of a row, E depending on the format (Codec::kEpt: 32 for INT4 — one thread writes one 16-byte vector of codes and owns a whole
 // K group, 8 for f16 / bf16, 16 for FP8), so a row takes head_dim / E consecutive lanes and an
 // INT4 V group 2 lanes, reduced with warp shuffles. A thread block holds whole rows (RowShape).
-// Per-thread work is sized so that quantizing stays under the memory time (the fast exact paths
-// of format.cuh avoid per-element division).
+// Per-thread work is sized so that quantizing stays under the memory time (the codecs' fast
+// exact paths avoid per-element division).
 #include <type_traits>
 
+#include "codec/codec.cuh"
 #include "common.cuh"
 
 namespace kvq {
@@ -20,33 +21,10 @@ void set_last_error(cudaError_t e) { g_last_error = e; }
 
 namespace {
 
-// Elements per thread of the row kernels, per format.
-template <int F> constexpr int kEpt = (F == kInt4Sym32 || F == kInt4Affine64) ? 32
-                                      : (F == kFp8E4m3 || F == kFp8E5m2)   ? 16
-                                                                           : 8;
-
 // Largest head_dim the row kernels serve: a row's lanes must fit in one thread block.
 constexpr int kMaxHeadDim = kThreadsPerBlock * kChunk;
 
-// ---- one row's quantized storage ---------------------------------------------------------
-
-// Where one row's codes and metadata live: in a paged head section or in dense arrays. Group g's
-// f16 scale (zero) is at scales[g * meta_step] (zeros[...]): the paged affine layout interleaves
-// scale and zero (step 2), everything else is contiguous (step 1).
-struct RowRef {
-  uint8_t *codes;
-  uint16_t *scales;
-  uint16_t *zeros;
-  int meta_step;
-  float head_scale;  // FP8
-};
-
-// E input elements as loaded: raw 16-byte vectors, converted later, so that several rows'
-// loads can be in flight before any of them is needed.
-template <typename In, int E> struct RawChunk {
-  static constexpr int kVectors = E * (int)sizeof(In) / 16;
-  uint4 q[kVectors];
-};
+// ---- one thread's input chunk ------------------------------------------------------------
 
 // Issue the loads of E consecutive elements at `p` (16-byte aligned). The input is read once, so
 // the loads are streaming (evict-first) to spare L2 for the cache pool.
@@ -90,95 +68,6 @@ __device__ __forceinline__ uint32_t load_sanitized(const In *p, float (&v)[E]) {
   return sanitize_raw<In, E>(raw, v);
 }
 
-// The extremes of one thread's sanitized values that the INT4 quantizers need: the largest
-// magnitude in `hi` (K), or the smallest and largest value (V). Idle lanes hold zeros.
-struct Extremes {
-  float lo, hi;
-};
-
-template <int F, int E> __device__ __forceinline__ Extremes extremes_of(const float (&v)[E]) {
-  Extremes ex = {0.0f, 0.0f};
-  if constexpr (F == kInt4Sym32) {
-#pragma unroll
-    for (int i = 0; i < E; ++i) ex.hi = fmaxf(ex.hi, fabsf(v[i]));
-  } else if constexpr (F == kInt4Affine64) {
-    ex.lo = ex.hi = v[0];
-#pragma unroll
-    for (int i = 1; i < E; ++i) {
-      ex.lo = fminf(ex.lo, v[i]);
-      ex.hi = fmaxf(ex.hi, v[i]);
-    }
-  }
-  return ex;
-}
-
-// The extremes of a whole quantization group from each lane's own. Every lane of the warp must
-// call it (the V group spans lanes: shuffles). A zero extreme of a V group is +0.0 (FORMATS.md),
-// whichever zero the reductions kept.
-template <int F, int E> __device__ __forceinline__ Extremes group_extremes(const Extremes &own) {
-  if constexpr (F == kInt4Affine64) {
-    constexpr int lanes = kAffineGroup / E;
-    return {__fadd_rn(group_min<lanes>(own.lo), 0.0f), __fadd_rn(group_max<lanes>(own.hi), 0.0f)};
-  } else {
-    return own;
-  }
-}
-
-template <typename In> struct PairOf;
-template <> struct PairOf<__half> {
-  using type = __half2;
-};
-template <> struct PairOf<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-};
-
-// Reduce N packed pairs with `op`, as a tree (independent instructions), into p[0].
-template <typename P, int N, typename Op>
-__device__ __forceinline__ P tree_reduce(P (&p)[N], Op op) {
-#pragma unroll
-  for (int step = 1; step < N; step *= 2) {
-#pragma unroll
-    for (int i = 0; i + step < N; i += 2 * step) p[i] = op(p[i], p[i + step]);
-  }
-  return p[0];
-}
-
-// Extremes (as extremes_of) of a chunk of f16 / bf16 input, found on packed pairs (HMNMX2,
-// NaN-propagating), before sanitizing; returns false when the chunk holds a NaN or ±Inf. Exact:
-// the extremes of 16-bit values are 16-bit values.
-template <typename In, int F, int E>
-__device__ __forceinline__ bool packed_extremes(const RawChunk<In, E> &raw, Extremes &ex) {
-  using P = typename PairOf<In>::type;
-  constexpr int kPairs = E / 2;
-  const uint32_t *w = reinterpret_cast<const uint32_t *>(raw.q);
-  if constexpr (F == kInt4Sym32) {
-    P a[kPairs];
-#pragma unroll
-    for (int j = 0; j < kPairs; ++j) {
-      const uint32_t mag = w[j] & 0x7FFF7FFFu;  // |x| of both halves
-      a[j] = *reinterpret_cast<const P *>(&mag);
-    }
-    const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(x, y); });
-    const float m0 = __low2float(m), m1 = __high2float(m);
-    ex.lo = 0.0f;
-    ex.hi = fmaxf(m0, m1);
-    return m0 <= 0x1.fffffep127f && m1 <= 0x1.fffffep127f;  // false for NaN
-  } else {
-    static_assert(F == kInt4Affine64, "INT4 formats only");
-    P a[kPairs], b[kPairs];
-#pragma unroll
-    for (int j = 0; j < kPairs; ++j) a[j] = b[j] = *reinterpret_cast<const P *>(w + j);
-    const P mn = tree_reduce(a, [](P x, P y) { return __hmin2_nan(x, y); });
-    const P mx = tree_reduce(b, [](P x, P y) { return __hmax2_nan(x, y); });
-    const float n0 = __low2float(mn), n1 = __high2float(mn);
-    const float x0 = __low2float(mx), x1 = __high2float(mx);
-    ex.lo = fminf(n0, n1);
-    ex.hi = fmaxf(x0, x1);
-    return n0 >= -0x1.fffffep127f && n1 >= -0x1.fffffep127f && x0 <= 0x1.fffffep127f &&
-           x1 <= 0x1.fffffep127f;
-  }
-}
-
 // Rewrite the non-finite elements of a 16-bit chunk in place so that widening (plus, for bf16,
 // the clamp to ±65504) gives the sanitized values: NaN → +0, and for f16 ±Inf → ±65504 (an f16
 // value; bf16 infinities are left to the clamp). Returns how many were non-finite.
@@ -206,185 +95,6 @@ template <typename In, int E, bool Clamp> struct RawValues {
     return Clamp ? fminf(fmaxf(x, -kF16Max), kF16Max) : x;
   }
 };
-
-// Pack E INT4 nibbles (element 2i low) into E / 8 words via the fast exact path; returns false
-// (and leaves garbage) when some element must be recomputed exactly. `num(i)` is element i's
-// numerator, [num_min, num_max] bounds them all (it lets typical groups skip the clamp). Codes
-// lie in [lo, hi], within [-Bias, 15 - Bias]: Bias 8 for symmetric codes, 0 for affine ones.
-template <int E, int Bias, typename Num>
-__device__ __forceinline__ bool int4_pack_fast(uint32_t (&w)[E / 8], float rc, float lo, float hi,
-                                               float num_min, float num_max, Num num) {
-  static_assert(Bias == 0 || Bias == 8, "codes are -8..7 or 0..15");
-  bool ambiguous = false;
-  if (int4_fits_unclamped(num_min, num_max, rc, lo, hi)) {
-    // Biased codes are 0..15 with zeros up to bit 21, so four of them shifted into place and
-    // added give 16 clean bits; a byte permute joins two such halves, and xor-ing the bias
-    // out of every nibble turns code + 8 into the two's-complement nibble.
-#pragma unroll
-    for (int j = 0; j < E / 8; ++j) {
-      uint32_t half[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t acc = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          acc += int4_round_biased<Bias>(num(8 * j + 4 * h + i), rc, ambiguous) << (4 * i);
-        half[h] = acc;
-      }
-      w[j] = __byte_perm(half[0], half[1], 0x5410) ^ (Bias == 8 ? 0x88888888u : 0u);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < E / 8; ++j) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        word |= int4_nibble_clamped(num(8 * j + i), rc, lo, hi, ambiguous) << (4 * i);
-      w[j] = word;
-    }
-  }
-  return !ambiguous;
-}
-
-// Quantize this thread's E sanitized values, chunk `chunk` (elements chunk*E ..) of the row, into
-// `r`; only `active` lanes store.
-// The fast paths are exact (format.cuh, "fast exact quantization"); anything they cannot decide
-// is recomputed with the reference formulas.
-//
-// `v(i)` is sanitized element i; `own` holds this thread's extremes (extremes_of) and `group` its
-// group's (group_extremes), so that no shuffle happens here and callers may branch around it.
-template <int F, int E, typename Values>
-__device__ __forceinline__ void encode_chunk(const Values &v, const Extremes &own,
-                                             const Extremes &group, int chunk, const RowRef &r,
-                                             bool active) {
-  static_assert(E * (F == kF16 || F == kBf16 ? 2 : F == kFp8E4m3 || F == kFp8E5m2 ? 1 : 0) == 16 ||
-                    E == 32,
-                "each thread stores one 16-byte vector of codes");
-  if constexpr (F == kF16 || F == kBf16) {
-    uint4 raw;
-    uint32_t *w = reinterpret_cast<uint32_t *>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint32_t lo = F == kF16 ? half_bits(v(2 * i)) : bf16_bits(v(2 * i));
-      const uint32_t hi = F == kF16 ? half_bits(v(2 * i + 1)) : bf16_bits(v(2 * i + 1));
-      w[i] = lo | (hi << 16);
-    }
-    if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
-  } else if constexpr (F == kFp8E4m3 || F == kFp8E5m2) {
-    const float s = active ? r.head_scale : 1.0f;  // idle lanes: any valid scale
-    const Fp8Bracket bracket(s);
-    // Bit i: pair i needs the exact division. Redone pair by pair, not all 16 elements: inputs
-    // that sit on a rounding tie of x / s (data on a grid commensurate with the scale, e.g.
-    // 3.75 / (10 / 448) = 168, an E4M3 midpoint) leave a few undecided pairs in most warps, and
-    // a divergent branch costs the warp only the pairs some lane needs.
-    uint32_t undecided = bracket.valid() ? 0u : 0xFFu;
-    uint4 raw;
-    uint16_t *h = reinterpret_cast<uint16_t *>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      uint32_t mismatch = 0;
-      h[i] = fp8x2_quantize_fast<F>(v(2 * i), v(2 * i + 1), bracket, mismatch);
-      undecided |= (mismatch != 0 ? 1u : 0u) << i;
-    }
-    if (__builtin_expect(undecided != 0, 0)) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (undecided & (1u << i))
-          h[i] =
-              fp8x2_encode<F>(make_float2(__fdiv_rn(v(2 * i), s), __fdiv_rn(v(2 * i + 1), s)));
-      }
-    }
-    if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
-  } else if constexpr (F == kInt4Sym32) {
-    static_assert(E == kSymGroup, "a thread owns one K group");
-    const float amax = own.hi;
-    const __half s = int4_sym_scale(amax);
-    const float sf = __half2float(s);
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
-    if (sf != 0.0f && !int4_pack_fast<E, 8>(w, __frcp_rn(sf), -7.0f, 7.0f, -amax, amax,
-                                            [&](int i) { return v(i); })) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        w[j] = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          w[j] |= (uint32_t)(int4_sym_code(v(8 * j + i), sf) & 0xF) << (4 * i);
-      }
-    }
-    if (active) {
-      reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
-      r.scales[chunk * r.meta_step] = __half_as_ushort(s);
-    }
-  } else {
-    static_assert(F == kInt4Affine64, "unknown format");
-    constexpr int lanes = kAffineGroup / E;
-    const float mn = group.lo, mx = group.hi;
-    const float own_mn = own.lo, own_mx = own.hi;  // this thread's extremes bound its numerators
-    const __half s = int4_affine_scale(mn, mx);
-    const __half z = int4_affine_zero(mn);
-    const float sf = __half2float(s), zf = __half2float(z);
-    uint4 raw = make_uint4(0, 0, 0, 0);
-    uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
-    if (sf != 0.0f &&
-        !int4_pack_fast<E, 0>(w, __frcp_rn(sf), 0.0f, 15.0f, __fsub_rn(own_mn, zf),
-                              __fsub_rn(own_mx, zf), [&](int i) { return __fsub_rn(v(i), zf); })) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        w[j] = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          w[j] |= (uint32_t)int4_affine_code(v(8 * j + i), sf, zf) << (4 * i);
-      }
-    }
-    if (active) {
-      reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
-      if (chunk % lanes == 0) {
-        const int g = (chunk / lanes) * r.meta_step;
-        r.scales[g] = __half_as_ushort(s);
-        r.zeros[g] = __half_as_ushort(z);
-      }
-    }
-  }
-}
-
-// Dequantize chunk `chunk` (E elements) of the row at `r` into f32 values, exactly as
-// FORMATS.md decodes.
-template <int F, int E>
-__device__ __forceinline__ void decode_chunk(const RowRef &r, int chunk, float (&v)[E]) {
-  const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
-  if constexpr (F == kF16 || F == kBf16) {
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint16_t lo = w[i] & 0xFFFF, hi = w[i] >> 16;
-      v[2 * i] = F == kF16 ? half_from_bits(lo) : bf16_from_bits(lo);
-      v[2 * i + 1] = F == kF16 ? half_from_bits(hi) : bf16_from_bits(hi);
-    }
-  } else if constexpr (F == kFp8E4m3 || F == kFp8E5m2) {
-    const uint16_t *c = reinterpret_cast<const uint16_t *>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float2 f = __half22float2(fp8x2_to_half2<F>(c[i]));
-      v[2 * i] = __fmul_rn(f.x, r.head_scale);
-      v[2 * i + 1] = __fmul_rn(f.y, r.head_scale);
-    }
-  } else if constexpr (F == kInt4Sym32) {
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
-    const float sf = half_from_bits(r.scales[chunk * r.meta_step]);
-#pragma unroll
-    for (int i = 0; i < E; ++i)
-      v[i] = __fmul_rn(nibble_s_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf);
-  } else {
-    static_assert(F == kInt4Affine64, "unknown format");
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
-    const int g = (chunk * E / kAffineGroup) * r.meta_step;
-    const float sf = half_from_bits(r.scales[g]), zf = half_from_bits(r.zeros[g]);
-#pragma unroll
-    for (int i = 0; i < E; ++i)
-      v[i] = __fmaf_rn(small_uint_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf, zf);
-  }
-}
 
 // ---- geometry ---------------------------------------------------------------------------
 
@@ -474,13 +184,13 @@ struct DenseRows {
 
 // ---- kernels --------------------------------------------------------------------------
 
+// Whether append quantizes straight from the packed 16-bit input (INT4 formats, f16 / bf16).
+template <typename In, int F>
+constexpr bool kPackedInt4 = sizeof(In) == 2 && Codec<F>::kPackedExtremes;
+
 // Rows each append thread handles: their loads are issued together, so more bytes are in flight
 // per thread (latency hiding at the occupancy the quantizers' registers allow), and the
 // per-thread setup is shared. f32 input already loads twice the bytes per row.
-// Whether append quantizes straight from the packed 16-bit input (INT4 formats, f16 / bf16).
-template <typename In, int F>
-constexpr bool kPackedInt4 = sizeof(In) == 2 && (F == kInt4Sym32 || F == kInt4Affine64);
-
 template <typename In> constexpr int kAppendRows = sizeof(In) == 4 ? 1 : 2;
 
 // Three blocks per SM: the INT4 quantizers then get about 80 registers, and with two rows per
@@ -491,7 +201,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
                   uint32_t num_tokens, const void *__restrict__ slots, int slots_i64,
                   int64_t num_slots, PagedSide side, int count_out_of_range,
                   unsigned long long *counters) {
-  constexpr int E = kEpt<F>;
+  using C = Codec<F>;
+  constexpr int E = C::kEpt;
   constexpr int R = kAppendRows<In>;
   const RowGrid g = row_grid(shape, blockIdx.x * R);
   const int chunk = g.chunk;
@@ -531,9 +242,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
       Extremes own = {0.0f, 0.0f};
       bool needs_clamp = false;
       if (active) {
-        if (!packed_extremes<In, F, E>(raw[k], own)) {
+        if (!C::packed_extremes(raw[k], own)) {
           non_finite += scrub_raw<In, E>(raw[k]);
-          packed_extremes<In, F, E>(raw[k], own);
+          C::packed_extremes(raw[k], own);
         }
         // Only bf16 can exceed ±65504 once scrubbed; the clamp is monotonic, so it commutes
         // with taking extremes.
@@ -543,16 +254,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, 3)
       } else {
         raw[k] = {};
       }
-      const Extremes group = group_extremes<F, E>(own);
+      const Extremes group = C::group_extremes(own);
       if (__builtin_expect(needs_clamp, 0))
-        encode_chunk<F, E>(RawValues<In, E, true>{raw[k]}, own, group, chunk, r, active);
+        C::encode(RawValues<In, E, true>{raw[k]}, own, group, chunk, r, active);
       else
-        encode_chunk<F, E>(RawValues<In, E, false>{raw[k]}, own, group, chunk, r, active);
+        C::encode(RawValues<In, E, false>{raw[k]}, own, group, chunk, r, active);
     } else {
       float v[E] = {};
       if (active) non_finite += sanitize_raw<In, E>(raw[k], v);
-      const Extremes own = extremes_of<F, E>(v);
-      encode_chunk<F, E>([&](int i) { return v[i]; }, own, group_extremes<F, E>(own), chunk, r,
+      const Extremes own = C::extremes(v);
+      C::encode([&](int i) { return v[i]; }, own, C::group_extremes(own), chunk, r,
                          active);
     }
   }
@@ -566,7 +277,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     gather_kernel(RowShape shape, PagedSide side, const int32_t *__restrict__ block_table,
                   uint32_t num_tokens, int64_t num_blocks, Out *__restrict__ out,
                   unsigned long long *counters) {
-  constexpr int E = kEpt<F>;
+  using C = Codec<F>;
+  constexpr int E = C::kEpt;
   const RowGrid g = row_grid(shape, blockIdx.x);
   const uint32_t token = side.by_heads.div(g.row);
   const uint32_t head = g.row - token * side.num_heads;
@@ -575,7 +287,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const int64_t block = block_table[page];
   float v[E] = {};
   if (block >= 0 && block < num_blocks) {
-    decode_chunk<F, E>(side.row((uint32_t)block, token - page * side.block_size, head), g.chunk,
+    C::decode(side.row((uint32_t)block, token - page * side.block_size, head), g.chunk,
                        v);
   } else if (counters != nullptr && head == 0 && g.chunk == 0) {
     atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
@@ -590,7 +302,8 @@ template <typename In, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     quantize_dense_kernel(RowShape shape, const In *__restrict__ x, uint32_t rows, DenseRows dst,
                           unsigned long long *counters) {
-  constexpr int E = kEpt<F>;
+  using C = Codec<F>;
+  constexpr int E = C::kEpt;
   const RowGrid g = row_grid(shape, blockIdx.x);
   const bool active = g.in_block && g.row < rows;
   float v[E] = {};
@@ -600,8 +313,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     non_finite = load_sanitized<In, E>(x + (int64_t)g.row * shape.head_dim + g.chunk * E, v);
     r = dst.row(g.row);
   }
-  const Extremes own = extremes_of<F, E>(v);
-  encode_chunk<F, E>([&](int i) { return v[i]; }, own, group_extremes<F, E>(own), g.chunk, r,
+  const Extremes own = C::extremes(v);
+  C::encode([&](int i) { return v[i]; }, own, C::group_extremes(own), g.chunk, r,
                      active);
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
 }
@@ -609,11 +322,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 template <typename Out, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     dequantize_dense_kernel(RowShape shape, DenseRows src, uint32_t rows, Out *__restrict__ out) {
-  constexpr int E = kEpt<F>;
+  using C = Codec<F>;
+  constexpr int E = C::kEpt;
   const RowGrid g = row_grid(shape, blockIdx.x);
   if (!g.in_block || g.row >= rows) return;
   float v[E];
-  decode_chunk<F, E>(src.row(g.row), g.chunk, v);
+  C::decode(src.row(g.row), g.chunk, v);
   Out *o = out + (int64_t)g.row * shape.head_dim + g.chunk * E;
 #pragma unroll
   for (int j = 0; j < E / kChunk; ++j)
@@ -666,9 +380,9 @@ __global__ void scales_from_amax_kernel(const uint32_t *amax, int n, float *scal
   if (i >= n) return;
   const float a = __uint_as_float(amax[i]);
   if constexpr (F == KVQ_DENSE_INT4_UNIFORM)
-    scales[i] = int4_uniform_scale(a);
+    scales[i] = Int4Uniform::scale_from_amax(a);
   else
-    scales[i] = fp8_scale_from_amax<F>(a);
+    scales[i] = Codec<F>::scale_from_amax(a);
 }
 
 template <typename In>
@@ -683,7 +397,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     const float s = *scale;
     int q[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = int4_sym_code(v[i], s);
+    for (int i = 0; i < 8; ++i) q[i] = Int4Uniform::code(v[i], s);
     const uint32_t w = pack8_nibbles(q);
     if (count == kChunk) {
       reinterpret_cast<uint32_t *>(codes)[c] = w;
@@ -705,7 +419,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   for (int b = 0; b < count / 2; ++b) w |= (uint32_t)codes[c * 4 + b] << (8 * b);
   float v[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = int4_sym_dequantize(nibble_s(w, i), s);
+  for (int i = 0; i < 8; ++i) v[i] = Int4Uniform::value(nibble_s(w, i), s);
   if (count == kChunk) {
     store8(out + c * kChunk, v);
   } else {
@@ -718,7 +432,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 template <typename T> struct Tag {
   using type = T;
 };
-template <int F> using FormatTag = std::integral_constant<int, F>;
 
 // Call fn(Tag<T>) for a kvq_dtype; KVQ_ERR_INVALID for an unknown one.
 template <typename Fn> int with_dtype(int32_t dtype, Fn &&fn) {
@@ -730,46 +443,16 @@ template <typename Fn> int with_dtype(int32_t dtype, Fn &&fn) {
   }
 }
 
-// Call fn(FormatTag<F>) for a kvq_format; Dense excludes f16/bf16 (not dense formats).
-template <bool Dense, typename Fn> int with_format(int32_t format, Fn &&fn) {
-  switch (format) {
-  case kF16:
-    if constexpr (Dense) return KVQ_ERR_INVALID; else return fn(FormatTag<kF16>{});
-  case kBf16:
-    if constexpr (Dense) return KVQ_ERR_INVALID; else return fn(FormatTag<kBf16>{});
-  case kFp8E4m3: return fn(FormatTag<kFp8E4m3>{});
-  case kFp8E5m2: return fn(FormatTag<kFp8E5m2>{});
-  case kInt4Sym32: return fn(FormatTag<kInt4Sym32>{});
-  case kInt4Affine64: return fn(FormatTag<kInt4Affine64>{});
-  default: return KVQ_ERR_INVALID;
-  }
-}
-
-bool is_fp8(int32_t f) { return f == kFp8E4m3 || f == kFp8E5m2; }
-
 // head_dim rule of a format (mirrors KvFormat::head_dim_multiple) plus the kernels' own limit.
-bool head_dim_ok(int32_t format, int head_dim) {
-  int multiple = 8;
-  if (is_fp8(format)) multiple = 16;
-  if (format == kInt4Sym32) multiple = kSymGroup;
-  if (format == kInt4Affine64) multiple = kAffineGroup;
-  return head_dim > 0 && head_dim % multiple == 0 && head_dim <= kMaxHeadDim;
-}
-
-int code_bytes(int32_t format, int head_dim) {
-  if (format == kF16 || format == kBf16) return head_dim * 2;
-  if (is_fp8(format)) return head_dim;
-  return head_dim / 2;
-}
-
-int group_size(int32_t format) {
-  return format == kInt4Sym32 ? kSymGroup : format == kInt4Affine64 ? kAffineGroup : 0;
+bool head_dim_ok(const FormatInfo &f, int head_dim) {
+  return head_dim > 0 && head_dim % f.head_dim_multiple == 0 && head_dim <= kMaxHeadDim;
 }
 
 // A side of the cache, or false when the layout's fields are inconsistent.
 bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
   const kvq_layout &l = c.layout;
-  const int32_t f = k ? l.k_format : l.v_format;
+  FormatInfo f;
+  if (!format_info(k ? l.k_format : l.v_format, f)) return false;
   s.pool = c.pool;
   s.head_stride = l.head_stride;
   s.block_stride = l.block_stride;
@@ -780,14 +463,14 @@ bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
   s.codes_row = k ? l.k_codes_row : l.v_codes_row;
   s.meta_offset = k ? l.k_meta_offset : l.v_meta_offset;
   s.meta_row = k ? l.k_meta_row : l.v_meta_row;
-  s.meta_step = f == kInt4Affine64 ? 2 : 1;
-  s.head_scales = is_fp8(f) ? (k ? c.k_scales : c.v_scales) : nullptr;
+  s.meta_step = f.group_entries > 1 ? f.group_entries : 1;  // scale and zero interleaved
+  s.head_scales = f.head_scale ? (k ? c.k_scales : c.v_scales) : nullptr;
   if (l.num_kv_heads <= 0 || l.block_size <= 0) return false;
   s.by_heads = FastDiv((uint32_t)l.num_kv_heads);
   s.by_block_size = FastDiv((uint32_t)l.block_size);
-  return c.pool != nullptr && aligned16(c.pool) && head_dim_ok(f, l.head_dim) && s.codes_row == code_bytes(f, l.head_dim) &&
+  return c.pool != nullptr && aligned16(c.pool) && head_dim_ok(f, l.head_dim) && s.codes_row == f.code_bytes(l.head_dim) &&
          s.codes_offset % 16 == 0 && s.meta_offset % 16 == 0 &&
-         (!is_fp8(f) || s.head_scales != nullptr);
+         (!f.head_scale || s.head_scales != nullptr);
 }
 
 }  // namespace
@@ -817,7 +500,7 @@ extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void
     return with_dtype(dtype, [&](auto in) {
       using In = typename decltype(in)::type;
       return with_format<false>(format, [&](auto f) {
-        const RowShape shape(side.head_dim, kEpt<decltype(f)::value>);
+        const RowShape shape(side.head_dim, Codec<decltype(f)::value>::kEpt);
         const unsigned grid = shape.blocks(num_tokens * side.num_heads, kAppendRows<In>);
         append_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
             shape, static_cast<const In *>(x), stride, (uint32_t)num_tokens, slots,
@@ -854,7 +537,7 @@ extern "C" int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks,
     return with_dtype(out_dtype, [&](auto o) {
       using Out = typename decltype(o)::type;
       return with_format<false>(format, [&](auto f) {
-        const RowShape shape(side.head_dim, kEpt<decltype(f)::value>);
+        const RowShape shape(side.head_dim, Codec<decltype(f)::value>::kEpt);
         const unsigned grid = shape.blocks(num_tokens * side.num_heads);
         gather_kernel<Out, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
             shape, side, block_table, (uint32_t)num_tokens, num_blocks, static_cast<Out *>(out),
@@ -872,9 +555,11 @@ extern "C" int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, in
                                 int32_t heads, int32_t head_dim, int32_t per_head,
                                 float *scales_out, uint32_t *amax_scratch, void *stream) {
   const bool uniform = format == KVQ_DENSE_INT4_UNIFORM;
-  if (!(uniform || is_fp8(format)) || x == nullptr || !aligned16(x) || scales_out == nullptr ||
+  FormatInfo f = {};
+  const bool head_scaled = format_info(format, f) && f.head_scale;
+  if (!(uniform || head_scaled) || x == nullptr || !aligned16(x) || scales_out == nullptr ||
       amax_scratch == nullptr || rows < 0 || heads <= 0 || head_dim <= 0 ||
-      (uniform && (per_head || head_dim % 2 != 0)) || (!uniform && !head_dim_ok(format, head_dim)))
+      (uniform && (per_head || head_dim % 2 != 0)) || (!uniform && !head_dim_ok(f, head_dim)))
     return KVQ_ERR_INVALID;
   const int n_scales = per_head ? heads : 1;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
@@ -920,21 +605,22 @@ int uniform_elems(int64_t rows, int32_t head_dim, const float *head_scales,
 int dense_rows(int32_t format, uint8_t *codes, const float *head_scales, int32_t num_head_scales,
                uint16_t *group_scales, uint16_t *group_zeros, int64_t rows, int32_t heads,
                int32_t head_dim, DenseRows &out) {
-  if (!head_dim_ok(format, head_dim)) return KVQ_ERR_INVALID;
-  const int g = group_size(format);
-  if (is_fp8(format) && (head_scales == nullptr || (num_head_scales != 1 && num_head_scales != heads)))
+  FormatInfo f;
+  if (!format_info(format, f) || !head_dim_ok(f, head_dim)) return KVQ_ERR_INVALID;
+  const int g = f.group;
+  if (f.head_scale && (head_scales == nullptr || (num_head_scales != 1 && num_head_scales != heads)))
     return KVQ_ERR_INVALID;
-  if (g != 0 && (group_scales == nullptr || (format == kInt4Affine64 && group_zeros == nullptr)))
+  if (g != 0 && (group_scales == nullptr || (f.group_entries > 1 && group_zeros == nullptr)))
     return KVQ_ERR_INVALID;
   if (rows > kMaxRows) return KVQ_ERR_UNSUPPORTED;
   out = {codes,
          group_scales,
          group_zeros,
-         code_bytes(format, head_dim),
+         f.code_bytes(head_dim),
          g != 0 ? head_dim / g : 0,
          heads,
          num_head_scales,
-         is_fp8(format) ? head_scales : nullptr,
+         f.head_scale ? head_scales : nullptr,
          FastDiv((uint32_t)heads)};
   return KVQ_OK;
 }
@@ -968,7 +654,7 @@ extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, 
   return with_dtype(dtype, [&](auto in) {
     using In = typename decltype(in)::type;
     return with_format<true>(format, [&](auto f) {
-      const RowShape shape(head_dim, kEpt<decltype(f)::value>);
+      const RowShape shape(head_dim, Codec<decltype(f)::value>::kEpt);
       const unsigned grid = shape.blocks(rows);
       quantize_dense_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
           shape, static_cast<const In *>(x), (uint32_t)rows, dst, counters);
@@ -1006,7 +692,7 @@ extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
   return with_dtype(out_dtype, [&](auto o) {
     using Out = typename decltype(o)::type;
     return with_format<true>(format, [&](auto f) {
-      const RowShape shape(head_dim, kEpt<decltype(f)::value>);
+      const RowShape shape(head_dim, Codec<decltype(f)::value>::kEpt);
       const unsigned grid = shape.blocks(rows);
       dequantize_dense_kernel<Out, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
           shape, src, (uint32_t)rows, static_cast<Out *>(out));

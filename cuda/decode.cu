@@ -1,11 +1,11 @@
 // decode.cu: the C launchers of the fused paged decode attention (kvq.h) and the one place
-// that maps runtime (k_format, v_format, head_dim) to a template instance of decode_kernel.cuh.
+// that maps runtime (k_format, v_format, head_dim) to a template instance of decode/kernel.cuh.
 #include <cuda_runtime.h>
 
 #include <atomic>
 
 #include "common.cuh"
-#include "decode_kernel.cuh"
+#include "decode/kernel.cuh"
 #include "kvq.h"
 
 namespace kvq_decode {
@@ -206,7 +206,7 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
     return KVQ_ERR_UNSUPPORTED;
   Fmt k, v;
   if (!formats(l, a->q_dtype, k, v)) return KVQ_ERR_UNSUPPORTED;
-  if (l.block_size <= 0 || l.block_size % kChunk != 0) return KVQ_ERR_UNSUPPORTED;
+  if (l.block_size <= 0 || l.block_size % kvq_decode::kChunk != 0) return KVQ_ERR_UNSUPPORTED;
   if (a->batch <= 0 || a->num_q_heads <= 0 || l.num_kv_heads <= 0 ||
       a->num_q_heads % l.num_kv_heads != 0 || a->q_len <= 0 || a->max_blocks <= 0 ||
       a->num_splits <= 0 || a->num_splits > KVQ_DECODE_MAX_SPLITS || a->split_tokens <= 0 ||

@@ -4,7 +4,7 @@
 //! `code_bytes(head_dim)` bytes of codes plus `meta_bytes(head_dim)` bytes of per-group metadata
 //! (f16 scales, and zeros for affine INT4). FP8 formats additionally take one f32 scale per KV
 //! head (or per tensor) that lives outside the rows. The normative definition is FORMATS.md; the
-//! CUDA kernels implement the same functions in `cuda/format.cuh`, bit for bit.
+//! CUDA kernels implement the same functions in `cuda/codec/` (one codec per format), bit for bit.
 
 pub mod fp8;
 pub mod int4;

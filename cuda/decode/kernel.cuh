@@ -1,4 +1,4 @@
-// decode_kernel.cuh: the fused paged decode-attention kernel family.
+// decode/kernel.cuh: the fused paged decode-attention kernel family.
 //
 // Grid (splits, num_kv_heads * m_tiles, batch); 4 or 8 warps per CTA (a launch parameter). A
 // CTA serves one KV head's tile of up to 8 query rows (G query heads x q_len tokens, rows
@@ -13,256 +13,29 @@
 // sequence cut into several splits writes normalized partials + log2-sum-exp to the workspace;
 // the CTA that finishes a (sequence, KV head, tile) last (an atomic counter, reset by it) merges
 // them, so one launch does everything.
+//
+// Layout of the code: the copy pipeline's steps are decode/pipeline.cuh, the fragment geometry
+// and the codecs' roles decode/frag.cuh. The sections below (query tile, main loop with S = K q,
+// online softmax and O += V P, warp merge, split merge) stay in this one function body on
+// purpose: with nvcc 13.0, moving any of them into a function of its own, even a force-inlined
+// one or a lambda, changes the generated code (a callee is optimized on its own before it is
+// inlined), and the kernel's PTX must not change with its layout (scripts/ptx-diff.sh). What
+// differs by format goes through the codecs and branches only on the fragment kind
+// (KC::kGroupFrags, VC::kGroupFrags), not on a format.
 #pragma once
 
-#include "decode_frag.cuh"
+#include <stdint.h>
+
+#include "decode/frag.cuh"
+#include "decode/pipeline.cuh"
+#include "decode/plan.cuh"
 #include "kvq.h"
+#include "prim/cp_async.cuh"
+#include "prim/fast_math.cuh"
+#include "prim/mma.cuh"
+#include "prim/vec_io.cuh"
 
 namespace kvq_decode {
-
-constexpr int kMaxWarps = KVQ_DECODE_WARPS_LARGE;  // warps per CTA: 4 or 8 (blockDim.x / 32)
-constexpr int kChunk = KVQ_DECODE_CHUNK_TOKENS;  // tokens per copy chunk: one page segment, one MMA M / k-step
-static_assert(kChunk == 16, "the MMA's M is 16 tokens");
-constexpr int kRows = KVQ_DECODE_TILE_ROWS;  // query rows per CTA: the MMA N (8)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr unsigned kFull = 0xffffffffu;
-
-/// Everything a decode launch needs; built by the launcher from kvq_decode_args.
-struct Params {
-  const uint8_t *pool;
-  const float *k_scales, *v_scales;
-  int64_t head_stride, block_stride, num_blocks;
-  int32_t k_codes_off, k_meta_off, v_codes_off, v_meta_off;
-  int32_t block_size;
-  const void *q;
-  void *out;
-  float *lse;
-  kvq_rows q_rows, out_rows, lse_rows;  // element strides (kvq.h)
-  const int32_t *block_tables, *context_lens;
-  float *ws_o, *ws_lse;
-  uint32_t *ws_counters;
-  unsigned long long *counters;  // may be null: faults met (kvq.h)
-  int32_t q_bf16;     // q element type: 1 = bf16, 0 = f16
-  int32_t out_dtype;  // kvq_dtype of out
-  int32_t num_q_heads, num_kv_heads, group, q_len, m_tiles;
-  int32_t max_blocks, num_splits, split_tokens;
-  int32_t stages;       // copy stages per warp, 2..8
-  float sm_scale_log2;  // softmax_scale * log2(e)
-};
-
-/// Shared-memory stages per warp a launch may use.
-constexpr int kMinStages = KVQ_DECODE_MIN_STAGES, kMaxStages = KVQ_DECODE_MAX_STAGES;
-
-__device__ __forceinline__ uint32_t smem_u32(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-/// Wait until at most `n` (0..6) of this thread's copy groups are pending.
-__device__ __forceinline__ void cp_async_wait_at_most(int n) {
-  switch (n) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    default: cp_async_wait<6>(); break;
-  }
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-/// Load a metadata row of BYTES (a multiple of 2) as 32-bit words, element i of the row in bits
-/// 16 (i % 2) of word i / 2: word loads when BYTES is a multiple of 4 (rows aligned to 4), else
-/// 2-byte loads (rows of 6 bytes: INT4 keys at head_dim 96).
-template <int BYTES>
-__device__ __forceinline__ void lds_meta(const uint8_t *p, uint32_t (&w)[(BYTES + 3) / 4]);
-
-/// Load BYTES (16, 8, 12, 4 or 2) from shared memory aligned to the widest of those that
-/// divides BYTES, as 32-bit words (2 bytes: the low half of one word).
-template <int BYTES>
-__device__ __forceinline__ void lds(const uint8_t *p, uint32_t (&w)[BYTES >= 4 ? BYTES / 4 : 1]) {
-  if constexpr (BYTES == 16) {
-    const uint4 v = *reinterpret_cast<const uint4 *>(p);
-    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
-  } else if constexpr (BYTES == 8) {
-    const uint2 v = *reinterpret_cast<const uint2 *>(p);
-    w[0] = v.x, w[1] = v.y;
-  } else if constexpr (BYTES == 2) {
-    w[0] = *reinterpret_cast<const uint16_t *>(p);
-  } else {
-    static_assert(BYTES % 4 == 0, "load width");
-#pragma unroll
-    for (int i = 0; i < BYTES / 4; ++i) w[i] = reinterpret_cast<const uint32_t *>(p)[i];
-  }
-}
-
-__device__ __forceinline__ float load_elem(const void *p, int64_t i, bool bf16) {
-  return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(p)[i])
-              : __half2float(reinterpret_cast<const __half *>(p)[i]);
-}
-__device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t dtype) {
-  if (dtype == KVQ_DTYPE_BF16)
-    reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
-  else if (dtype == KVQ_DTYPE_F16)
-    reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
-  else
-    reinterpret_cast<float *>(p)[i] = x;
-}
-
-/// Offset (elements) of query row `b, h, i` in a tensor whose rows are at `r` (kvq_rows).
-__device__ __forceinline__ int64_t row_at(const kvq_rows &r, int b, int h, int i) {
-  return (int64_t)b * r.seq + (int64_t)i * r.token + (int64_t)h * r.head;
-}
-
-template <int BYTES>
-__device__ __forceinline__ void lds_meta(const uint8_t *p, uint32_t (&w)[(BYTES + 3) / 4]) {
-  if constexpr (BYTES % 4 == 0) {
-    lds<BYTES>(p, w);
-  } else {
-#pragma unroll
-    for (int i = 0; i < (BYTES + 3) / 4; ++i) w[i] = 0;
-#pragma unroll
-    for (int i = 0; i < BYTES / 2; ++i)
-      w[i / 2] |= (uint32_t)reinterpret_cast<const uint16_t *>(p)[i] << (16 * (i % 2));
-  }
-}
-
-/// Row (of 32 / PER_ROW per pass) whose piece lane % PER_ROW lane copies. A quarter-warp's eight
-/// 16-byte stores are one shared-memory wavefront when they hit eight distinct 16-byte bank
-/// groups; with padded rows (pitch = 16 * (PER_ROW + 1)) consecutive rows would put two of
-/// them in one group, so a quarter-warp takes rows {q, q + 4} (4 pieces a row) or rows
-/// {a, a + 2, a + 4, a + 6} (2 pieces a row) instead. Rows of 8+ pieces fill a quarter alone.
-template <int PER_ROW>
-__device__ __forceinline__ int copy_row_of(int lane) {
-  if constexpr (PER_ROW == 4) {
-    return (lane >> 3) + ((lane >> 2) & 1) * 4;
-  } else if constexpr (PER_ROW == 2) {
-    return ((lane >> 3) & 1) + ((lane >> 4) << 3) + ((lane >> 1) & 3) * 2;
-  } else {
-    return lane / PER_ROW;
-  }
-}
-
-/// Queue the copy of 16 rows of ROW bytes starting at `src` (global) into shared-memory rows of
-/// PITCH bytes starting at `dst` (rows shorter than 16 bytes are packed: PITCH == ROW).
-/// `src_bytes` is 16, or 0 to zero-fill without reading. Each pass of the warp copies 512
-/// contiguous bytes (32 pieces of 16).
-template <int ROW, int PITCH>
-__device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint32_t src_bytes,
-                                          int lane) {
-  constexpr int PIECES = ROW;  // 16 rows * ROW bytes / 16 bytes
-  static_assert(PITCH == ROW || (ROW >= 16 && ROW % 16 == 0 && PITCH % 16 == 0),
-                "padded rows are whole 16-byte pieces");
-  if constexpr (PIECES > 0) {
-    if constexpr (PITCH == ROW) {
-#pragma unroll
-      for (int i = 0; i < (PIECES + 31) / 32; ++i)
-        if (PIECES % 32 == 0 || lane + 32 * i < PIECES)
-          cp_async16(dst + lane * 16 + 512 * i, src + lane * 16 + 512 * i, src_bytes);
-    } else if constexpr (PIECES % 32 != 0 || 32 % (ROW / 16) != 0) {
-      // Rows whose pieces do not tile a warp pass (head dims like 96, 160-byte rows): piece
-      // p of the chunk is piece p % PER_ROW of row p / PER_ROW (a division by a constant).
-      constexpr int PER_ROW = ROW / 16;
-#pragma unroll
-      for (int i = 0; i < (PIECES + 31) / 32; ++i) {
-        const int p = lane + 32 * i;
-        if (PIECES % 32 == 0 || p < PIECES) {
-          const int row = p / PER_ROW, piece = p - row * PER_ROW;
-          cp_async16(dst + row * PITCH + piece * 16, src + p * 16, src_bytes);
-        }
-      }
-    } else {
-      constexpr int PER_ROW = ROW / 16;  // pieces per row (divides 32)
-      constexpr int ROWS = 32 / PER_ROW;  // rows per pass
-      const int row = copy_row_of<PER_ROW>(lane), piece = lane % PER_ROW;
-      const uint32_t d0 = row * PITCH + piece * 16;
-      src += row * ROW + piece * 16;
-#pragma unroll
-      for (int i = 0; i < PIECES / 32; ++i)
-        cp_async16(dst + d0 + ROWS * PITCH * i, src + 512 * i, src_bytes);
-    }
-  }
-}
-
-/// Tokens of sequence b the kernel may touch: its length clamped to what its table row maps
-/// and to what the launch's splits cover (both hold for valid input); `*bad` is set when the
-/// length had to be clamped.
-__device__ __forceinline__ int seq_len(const Params &p, int b, bool *bad) {
-  const long long cap = min((long long)p.max_blocks * p.block_size,
-                            (long long)p.num_splits * p.split_tokens);
-  const int len = p.context_lens[b];
-  *bad = len < 0 || len > cap;
-  return len < 0 ? 0 : (len > cap ? (int)cap : len);
-}
-
-/// Compile-time plan of one instance: step size, stage layout, shared memory.
-template <Fmt KF, Fmt VF, int D>
-struct Cfg {
-  using F = Frag<KF, VF, D>;
-  static constexpr int r128(int n) { return (n + 127) / 128 * 128; }
-  // The most compact formats (issue-bound, small stages) take two 16-token chunks per step,
-  // halving per-step overheads.
-  static constexpr int CHUNK_RAW = kChunk * (F::KC_ROW + F::KM_ROW + F::VC_ROW + F::VM_ROW);
-  static constexpr int CH = CHUNK_RAW <= 2560 ? 2 : 1;
-  static constexpr int STEP = kChunk * CH;
-  // One stage: STEP rows of each region (code rows padded to their pitch), 128-byte aligned.
-  static constexpr int KC = r128(STEP * F::KPITCH);
-  static constexpr int KM = r128(STEP * F::KM_ROW);
-  static constexpr int VC = r128(STEP * F::VPITCH);
-  static constexpr int VM = r128(STEP * F::VM_ROW);
-  static constexpr int KC_OFF = 0, KM_OFF = KC, VC_OFF = KM_OFF + KM, VM_OFF = VC_OFF + VC;
-  static constexpr int STAGE = VM_OFF + VM;
-  // Shared memory: Q fragments and per-row values first, then the warps' rings of `stages`
-  // stages each. After the main loop the ring area holds each warp's O tile and (m, l) per
-  // row, then the split merge's weights and partial sums.
-  // B fragments of q^T, two registers a lane per k-step, stored in pairs of k-steps.
-  static constexpr int QFRAG = (D / 32 + D % 32 / 16) * 64 * 8;
-  // Per row: q / out / lse offsets (int64), then factor, q scale, limit, L, M; INT4-K zero
-  // terms (D / 32 groups x 16); a flag.
-  static constexpr int SMALL = kRows * 8 * 3 + kRows * 4 * 5 + (D / 32) * 16 * 4 + 16;
-  static constexpr int PRE = r128(QFRAG + SMALL);
-  // Per-warp O tiles are stored at a pitch of D + 1 floats: the lanes of one store (rows 2t,
-  // columns 8g + c) then spread over 16 banks instead of 4.
-  static constexpr int OPITCH = D + 1;
-  static constexpr int combine(int warps) {
-    return warps * kRows * OPITCH * 4 + 2 * warps * kRows * 4;
-  }
-  static constexpr int merge(int warps) {
-    return KVQ_DECODE_MAX_SPLITS * kRows * 4 + warps * 32 * 16;
-  }
-  static constexpr int cmax(int a, int b) { return a > b ? a : b; }
-  /// Dynamic shared memory of a launch with `warps` warps of `stages` stages each.
-  static constexpr int bytes(int warps, int stages) {
-    return PRE + cmax(warps * stages * STAGE, cmax(combine(warps), merge(warps)));
-  }
-  // Register budget: 4 CTAs of 4 warps (2 of 8) per SM up to head_dim 64, and up to 128 when
-  // either side is FP8: those pairs mostly wait on memory and gain from 16 warps per SM. Other
-  // pairs at 65..128 get 3 CTAs of 4 warps (1 of 8): INT4 is issue-bound and the tighter budget
-  // costs it instructions, 16-bit pairs do not gain (docs/PERFORMANCE.md, v11). No spills at
-  // these bounds.
-  static constexpr bool FP8_SIDE =
-      KF == Fmt::E4M3 || KF == Fmt::E5M2 || VF == Fmt::E4M3 || VF == Fmt::E5M2;
-  static constexpr int MAX_REGS =
-      (D <= 64 || (D <= 128 && FP8_SIDE)) ? 128 : (D <= 128 ? 168 : 255);
-};
 
 template <Fmt KF, Fmt VF, int D>
 __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Params p) {
@@ -325,72 +98,22 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   int f_tok = t0 + warp * STEP;
   int f_blk = (f_tok / kChunk) / bs16, f_cib = f_tok / kChunk - f_blk * bs16;
   const int adv_blk = nw * CH / bs16, adv_cib = nw * CH - adv_blk * bs16;
-  // One fetched step: per chunk the table entry (or -1: past the split, nothing to read), the
-  // chunk's index within its block, and whether the chunk lies inside the split (bit c).
-  struct Fetch {
-    int page[CH], cib[CH];
-    uint32_t live;
-  };
   int fetched = 0;     // steps fetched so far
   bool fault = false;  // a live chunk's table entry was outside the pool (warp-uniform)
-  auto fetch = [&]() {
-    Fetch f;
-    f.live = 0;
-    int blk = f_blk, cib = f_cib;
-#pragma unroll
-    for (int c = 0; c < CH; ++c) {
-      if (c > 0 && ++cib == bs16) cib = 0, ++blk;
-      const bool live = fetched < my_steps && f_tok + c * kChunk < t1;
-      // The table entry is loaded here and first used a step later (in issue), so the load's
-      // latency hides behind a step of math.
-      f.page[c] = live ? table[blk] : -1;
-      f.live |= (uint32_t)live << c;
-      f.cib[c] = cib;
-    }
-    ++fetched;
-    f_tok += nw * STEP;
-    f_blk += adv_blk, f_cib += adv_cib;
-    if (f_cib >= bs16) f_cib -= bs16, ++f_blk;
-    return f;
-  };
+  const StepFetch<CH, STEP> fetch{f_blk, f_cib, bs16, fetched, my_steps, f_tok, t1, table, nw,
+                                  adv_blk, adv_cib};
   uint32_t page_ok = 0;  // bit (slot * CH + c): chunk c of the step in `slot` has a valid page
-  auto issue = [&](int k, int slot, const Fetch &f) {
-    if (k < my_steps) {
-      const uint32_t dst = ring_u32 + slot * C::STAGE;
-#pragma unroll
-      for (int c = 0; c < CH; ++c) {
-        const bool ok = (uint32_t)f.page[c] < num_blocks;
-        fault |= ((f.live >> c) & 1u) && !ok;
-        const uint32_t bit = 1u << (slot * CH + c);
-        page_ok = ok ? (page_ok | bit) : (page_ok & ~bit);
-        // A bad page id reads block 0's address range with a zero-fill copy (nothing is read,
-        // the address stays inside the pool).
-        const int off = f.cib[c] * kChunk;  // token offset in the block
-        const uint8_t *base = head + (int64_t)(ok ? f.page[c] : 0) * p.block_stride;
-        const uint32_t bytes = ok ? 16u : 0u;
-        copy_rows<F::KC_ROW, F::KPITCH>(dst + C::KC_OFF + c * kChunk * F::KPITCH,
-                                        base + p.k_codes_off + off * F::KC_ROW, bytes, lane);
-        copy_rows<F::KM_ROW, F::KM_ROW>(dst + C::KM_OFF + c * kChunk * F::KM_ROW,
-                                        base + p.k_meta_off + off * F::KM_ROW, bytes, lane);
-        copy_rows<F::VC_ROW, F::VPITCH>(dst + C::VC_OFF + c * kChunk * F::VPITCH,
-                                        base + p.v_codes_off + off * F::VC_ROW, bytes, lane);
-        copy_rows<F::VM_ROW, F::VM_ROW>(dst + C::VM_OFF + c * kChunk * F::VM_ROW,
-                                        base + p.v_meta_off + off * F::VM_ROW, bytes, lane);
-      }
-    }
-    cp_async_commit();
-  };
+  const StepIssue<F, C> issue{my_steps, ring_u32, num_blocks, fault, page_ok, head, p, lane};
 #pragma unroll 1
   for (int k = 0; k < NS - 1; ++k) issue(k, k, fetch());
-  Fetch next = fetch();  // step NS - 1
+  Fetch<CH> next = fetch();  // step NS - 1
 
   // ---- 2. Query tile: each row scaled by a power of two so that the f16 operand neither
   // overflows nor loses precision (exact for bf16 inputs), then packed into B fragments in the
-  // K-side head_dim order (decode_frag.cuh).
+  // K-side head_dim order (decode/frag.cuh).
   float k_factor = 1.f;
-  if constexpr (KF == Fmt::E4M3 || KF == Fmt::E5M2) k_factor = p.k_scales[kvh] * fp8_unit<KF>();
-  // INT4 K scores come out of the MMAs in units of 2^-20 (decode_frag.cuh, k_codes_i4).
-  if constexpr (KF == Fmt::I4) k_factor = 1048576.f;
+  if constexpr (F::KC::kHeadScale) k_factor = p.k_scales[kvh] * F::KC::unit();
+  if constexpr (F::KC::kGroupFrags) k_factor = F::KC::kScoreUnit;
   for (int r = warp; r < kRows; r += nw) {
     const bool valid = row0 + r < rows;
     float mx = 0.f;
@@ -410,7 +133,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   }
   __syncthreads();
   // B fragments of q^T for k-step j: lane (g, t) holds row g at the K-side dims of registers
-  // 2j and 2j + 1 of decode_frag.cuh's order.
+  // 2j and 2j + 1 of decode/frag.cuh's order.
   for (int i = tid; i < (D / 16) * 32; i += nthreads) {
     const int j = i / 32, ln = i % 32, gg = ln / 4, tt = ln % 4;
     const int dd[4] = {F::k_dim(tt, 2 * j, 0), F::k_dim(tt, 2 * j, 1),
@@ -418,7 +141,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     const bool valid = row0 + gg < rows;
     // INT4 K: k-steps 2G hold codes in units of 2^-24, 2G + 1 in 2^-20; the query carries the
     // 16 that brings both to 2^-20.
-    const float sc = row_qs[gg] * (KF == Fmt::I4 && j % 2 == 0 ? 16.f : 1.f);
+    const float sc = row_qs[gg] * F::KC::q_scale(j);
     float v[4];
 #pragma unroll
     for (int x = 0; x < 4; ++x)
@@ -427,20 +150,14 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     qfrag[(j / 2) * 64 + ln * 2 + j % 2] =
         make_uint2(pack2<F::K_BF16>(v[0], v[1]), pack2<F::K_BF16>(v[2], v[3]));
   }
-  if constexpr (KF == Fmt::I4) {
-    // The codes enter the MMAs as q + 8: start each group's accumulator at -8 * sum(q) over
-    // the group, summing the query values exactly as the fragments hold them (in 2^-20 units).
-    for (int i = tid; i < kRows * (D / 32); i += nthreads) {
-      const int r = i / (D / 32), G = i % (D / 32);
-      float sum = 0.f;
-      if (row0 + r < rows) {
-        for (int d = 32 * G; d < 32 * G + 32; ++d) {
-          const float x = load_elem(p.q, row_q[r] + d, p.q_bf16) * row_qs[r];
-          sum += d % 2 == 0 ? __half2float(__float2half_rn(16.f * x)) * 0.0625f
-                            : __half2float(__float2half_rn(x));
-        }
-      }
-      const float z = -8.f / 1048576.f * sum;
+  if constexpr (F::KC::kGroupFrags) {
+    // Each group's accumulator starts at the codec's zero term (KC::k_zero_term).
+    constexpr int NG = D / F::KC::kGroup;
+    for (int i = tid; i < kRows * NG; i += nthreads) {
+      const int r = i / NG, G = i % NG;
+      const float z = F::KC::k_zero_term(G, row0 + r < rows, [&](int d) {
+        return load_elem(p.q, row_q[r] + d, p.q_bf16) * row_qs[r];
+      });
       row_z[G * 16 + (r / 2) * 4 + r % 2] = z;
       row_z[G * 16 + (r / 2) * 4 + r % 2 + 2] = z;
     }
@@ -448,9 +165,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   __syncthreads();
   // This lane's q^T fragments: in registers for the whole loop, except with INT4 keys, whose
   // loop needs the registers more (it reads them from shared memory, group by group).
-  uint32_t qb[KF == Fmt::I4 ? 1 : D / 16][2];
+  uint32_t qb[F::QREGS][2];
   const uint4 *q_lane = reinterpret_cast<const uint4 *>(qfrag) + lane;
-  if constexpr (KF != Fmt::I4) {
+  if constexpr (!F::KC::kGroupFrags) {
 #pragma unroll
     for (int m = 0; 2 * m < D / 16; ++m) {
       const uint4 x = q_lane[32 * m];
@@ -477,14 +194,14 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // first (m < 2) or second 16-byte group of a pair.
   const uint32_t k_ldsm_lane =
       C::KC_OFF + (((lane >> 3) & 1) * 8 + (lane & 7)) * F::KPITCH + (lane >> 4) * 16;
-  // INT4 V: lane g reads word g of each 64-group (decode_frag.cuh), and whole meta rows.
-  const uint32_t v_lane = C::VC_OFF + 2 * t * F::VPITCH + g * (VF == Fmt::I4 ? 4 : F::VCH);
+  // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh), and whole meta rows.
+  const uint32_t v_lane = C::VC_OFF + 2 * t * F::VPITCH + g * F::V_LANE;
   const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW;
   // Row (within the step) of V register e of k-step ks: tokens 2t, 2t+1, 2t+8, 2t+9.
   auto v_row = [](int ks, int e) { return ks * kChunk + (e & 1) + 8 * (e >> 1); };
 
   // ---- 3. Main loop: this warp's steps w, w+4, ... of [t0, t1).
-  // O^T accumulators: m-tile i covers the V columns of decode_frag.cuh's n-tiles 2i (rows g) and
+  // O^T accumulators: m-tile i covers the V columns of decode/frag.cuh's n-tiles 2i (rows g) and
   // 2i + 1 (rows g + 8); C columns are this lane's query rows r0, r1.
   float o[D / 16][4];
 #pragma unroll
@@ -514,7 +231,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     for (int ch = 0; ch < CH; ++ch)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[ch][e] = s2nd[ch][e] = 0.f;
-    if constexpr (KF == Fmt::I4) {
+    if constexpr (F::KC::kGroupFrags) {
       // Per group G: two MMAs of raw codes (k-steps 2G, 2G + 1) from the zero term, then the
       // scores += scale(token, G) * that, in f32. C rows are tokens g and g + 8.
 #pragma unroll
@@ -526,8 +243,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         // Group G from word t of its tokens g (lo_w) and g + 8 (hi_w).
         auto group = [&](int G, uint32_t lo_w, uint32_t hi_w) {
           uint32_t lo[4], hi[4];
-          F::k_codes_i4(lo_w, lo);
-          F::k_codes_i4(hi_w, hi);
+          F::KC::k_codes(lo_w, lo);
+          F::KC::k_codes(hi_w, hi);
           const float4 z = kz_lane[4 * G];
           const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
           float r[4] = {z.x, z.y, z.z, z.w};
@@ -575,7 +292,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
               for (int x = 0; x < F::KWU; ++x) {
                 uint32_t r[F::KPPW];
-                F::k_unpack(w[h][u + x], r);
+                F::KC::k_unpack(w[h][u + x], r);
 #pragma unroll
                 for (int y = 0; y < F::KPPW; ++y) kb[h][x * F::KPPW + y] = r[y];
               }
@@ -643,7 +360,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         o[i][0] *= al_r0, o[i][1] *= al_r1;
         o[i][2] *= al_r0, o[i][3] *= al_r1;
       }
-      if constexpr (VF == Fmt::I4) zsum[0] *= al_r0, zsum[1] *= al_r1;
+      if constexpr (F::VC::kGroupFrags) zsum[0] *= al_r0, zsum[1] *= al_r1;
     }
     // A row that has seen nothing yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
     const float sub_r0 = m_r0 == -INFINITY ? 0.f : m_r0;
@@ -674,7 +391,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         mask01 = (2 * t < n ? 0x0000ffffu : 0u) | (2 * t + 1 < n ? 0xffff0000u : 0u);
         mask89 = (2 * t + 8 < n ? 0x0000ffffu : 0u) | (2 * t + 9 < n ? 0xffff0000u : 0u);
       }
-      if constexpr (VF == Fmt::I4) {
+      if constexpr (F::VC::kGroupFrags) {
         // O_j += n * (P * 4s)_G (A: raw nibbles as subnormals, n-tile j in group G = j / 8);
         // zsum += z * P (A row g = group g). P is 0 at masked tokens, and the codes are finite,
         // so only the metadata of rows past the split (maybe stale: NaN, inf) needs masking.
@@ -697,8 +414,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           const uint32_t w8 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 2) * F::VPITCH);
           const uint32_t w9 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 3) * F::VPITCH);
           uint32_t b01[8], b89[8];
-          F::v_codes_i4(w0, w1, b01);
-          F::v_codes_i4(w8, w9, b89);
+          F::VC::v_codes(w0, w1, b01);
+          F::VC::v_codes(w8, w9, b89);
 #pragma unroll
           for (int c = 0; c < 8; c += 2)
             mma16816<false>(o[4 * G + c / 2], make_uint4(b01[c], b01[c + 1], b89[c], b89[c + 1]),
@@ -717,8 +434,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
           for (int i = 0; i < F::VWORDS; ++i) {
             uint32_t b01[F::VCPW], b89[F::VCPW];
-            F::v_unpack(w0[i], w1[i], b01);
-            F::v_unpack(w8[i], w9[i], b89);
+            F::VC::v_unpack(w0[i], w1[i], b01);
+            F::VC::v_unpack(w8[i], w9[i], b89);
             if (n_valid < STEP) {
 #pragma unroll
               for (int c = 0; c < F::VCOLS; ++c) b01[c] &= mask01, b89[c] &= mask89;
@@ -752,12 +469,12 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     for (int i = 0; i < D / 16; ++i) {
       // m-tile i rows g / g + 8 are the columns lane g supplied to n-tiles 2i / 2i + 1.
       const int da = F::v_dim(g, 2 * i), db = F::v_dim(g, 2 * i + 1);
-      if constexpr (VF == Fmt::I4) {
+      if constexpr (F::VC::kGroupFrags) {
         // O_j = unit * O_raw_j + sum_n P_n z_{n,G}: 1/4 because P carried 4s, the unit undoes
-        // the subnormal code weight (decode_frag.cuh). Group G's sums for rows r0, r1 sit in
+        // the subnormal code weight (decode/frag.cuh). Group G's sums for rows r0, r1 sit in
         // lane 4G + t, elements 0 and 1.
-        const float ua = F::v_col_unit_inv((2 * i) % 8) * 0.25f;
-        const float ub = F::v_col_unit_inv((2 * i + 1) % 8) * 0.25f;
+        const float ua = F::VC::v_col_unit_inv((2 * i) % 8) * 0.25f;
+        const float ub = F::VC::v_col_unit_inv((2 * i + 1) % 8) * 0.25f;
         const int src = 4 * ((2 * i) / 8) + t;
         const float z0 = __shfl_sync(kFull, zsum[0], src);
         const float z1 = __shfl_sync(kFull, zsum[1], src);
@@ -792,7 +509,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   }
   __syncthreads();
   float v_factor = 1.f;
-  if constexpr (VF == Fmt::E4M3 || VF == Fmt::E5M2) v_factor = p.v_scales[kvh] * fp8_unit<VF>();
+  if constexpr (F::VC::kHeadScale) v_factor = p.v_scales[kvh] * F::VC::unit();
   const int nvalid = min(kRows, rows - row0);
   const int64_t rq = (int64_t)p.num_q_heads * p.q_len;  // rows of one sequence
   const int64_t seq_row = row_base - (int64_t)b * rq;   // this tile's first row in its sequence

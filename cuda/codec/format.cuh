@@ -1,0 +1,75 @@
+// codec/format.cuh: the stored formats' ids and the codec template each one specialises
+// (codec/<family>.cuh), plus the types a codec's row interface speaks: where a row's codes and
+// metadata live, a thread's input chunk, and the extremes a quantizer needs.
+#pragma once
+
+#include <stdint.h>
+
+namespace kvq {
+
+// Discriminants of kvq_format (cuda/kvq.h) and kvq::KvFormat, usable as template arguments.
+enum Format : int {
+  kF16 = 0,
+  kBf16 = 1,
+  kFp8E4m3 = 2,
+  kFp8E5m2 = 3,
+  kInt4Sym32 = 4,
+  kInt4Affine64 = 5,
+};
+
+// One stored format's device math, the counterpart of its src/format/ module. A codec holds:
+//   constants  kBits (per code), kGroup (elements per group along head_dim, 0: none),
+//              kGroupMeta (metadata bytes per group), kEpt (elements one thread of the row
+//              kernels handles: one 16-byte vector of codes), kDense (served by the dense
+//              quantize / dequantize), kHeadScale (an f32 scale per head, outside the rows),
+//              kPackedExtremes (packed_extremes exists);
+//   row role   extremes, group_extremes, [packed_extremes,] encode, decode: the exact
+//              FORMATS.md math of one thread's chunk of a row (append, gather, dense);
+//   K / V role the decode kernel's fragments (decode/frag.cuh): kBf16Operands, kGroupFrags
+//              (which fragment kind), unit() with kHeadScale, q_scale, then per kind either
+//              k_pair_elem, k_unpack / v_unpack (codes unpacked word by word into operands) or
+//              k_dim, k_codes, kScoreUnit, k_zero_term / v_dim, v_codes, v_col_unit_inv
+//              (grouped codes that enter the MMAs raw, their metadata applied around them).
+template <int F> struct Codec;
+
+// Where one row's codes and metadata live: in a paged head section or in dense arrays. Group g's
+// f16 scale (zero) is at scales[g * meta_step] (zeros[...]): the paged affine layout interleaves
+// scale and zero (step 2), everything else is contiguous (step 1).
+struct RowRef {
+  uint8_t *codes;
+  uint16_t *scales;
+  uint16_t *zeros;
+  int meta_step;
+  float head_scale;  // FP8
+};
+
+// E input elements as loaded: raw 16-byte vectors, converted later, so that several rows'
+// loads can be in flight before any of them is needed.
+template <typename In, int E> struct RawChunk {
+  static constexpr int kVectors = E * (int)sizeof(In) / 16;
+  uint4 q[kVectors];
+};
+
+// The extremes of one thread's sanitized values that the INT4 quantizers need: the largest
+// magnitude in `hi` (K), or the smallest and largest value (V). Idle lanes hold zeros.
+struct Extremes {
+  float lo, hi;
+};
+
+// The row role of the formats without groups (16-bit, FP8): no metadata in the rows, no extremes
+// to find; EPT elements a thread, one 16-byte vector of BITS-bit codes.
+template <int EPT, int BITS> struct UngroupedRows {
+  static constexpr int kBits = BITS;
+  static constexpr int kGroup = 0;
+  static constexpr int kGroupMeta = 0;
+  static constexpr int kEpt = EPT;
+  static constexpr bool kPackedExtremes = false;
+  static_assert(kEpt * kBits / 8 == 16, "each thread stores one 16-byte vector of codes");
+
+  static __device__ __forceinline__ Extremes extremes(const float (&)[EPT]) {
+    return {0.0f, 0.0f};
+  }
+  static __device__ __forceinline__ Extremes group_extremes(const Extremes &own) { return own; }
+};
+
+}  // namespace kvq

@@ -1,0 +1,178 @@
+// decode/frag.cuh: the fragment geometry of the fused decode kernel (decode/kernel.cuh): which
+// head-dim elements each lane's tensor-core fragments hold, the shared-memory row pitches, and
+// which codec (codec/) unpacks the K and V codes into them. Nothing here knows about pages or
+// softmax.
+//
+// The kernel uses mma.sync.m16n8k16 (f32 accumulate) twice per 16-token chunk, transposed so
+// that the few query rows of a KV head are the N = 8 side:
+//   S^T = K * q^T : M = 16 tokens, N = 8 query rows, K = head_dim.
+//   O^T += V^T * P^T : M = 16 head-dim columns per m-tile, N = 8 query rows, K = 16 tokens.
+// The geometry below describes K and V in terms of the untransposed product, where K^T and V
+// are B operands: lane (g = lane / 4, t = lane % 4) holds column n = g and k indices {2t, 2t+1}
+// (register b0) and {2t+8, 2t+9} (register b1) of an "n-tile" of 8 columns. Two such n-tiles
+// side by side are exactly one A fragment of the transposed product (a0 = b0 of the first,
+// a1 = b0 of the second, a2 = b1 of the first, a3 = b1 of the second): for K the two n-tiles
+// are tokens g and g + 8 of the chunk, for V the column pairs n-tile 2i / 2i + 1 of m-tile i.
+//
+// Because Q*K^T sums over head_dim, any permutation of head_dim applied to both Q and K is free.
+// We choose it so that lane t's K elements of one token are one contiguous chunk of the row
+// (bytes [t*R/4, (t+1)*R/4) of an R-byte row): for INT4 at head_dim 128 that is exactly one
+// 32-element group and one scale. The pairing of elements inside a 32-bit fragment register is
+// whatever the format's cheapest unpacking produces; the codec's `k_pair_elem` says which
+// elements those are, and the q fragments are built with the same function.
+//
+// For V the kernel picks lane g's columns as the contiguous chunk [g*D/8, (g+1)*D/8) of the
+// row, n-tile j being column g*D/8 + j; k index (token) kk of the chunk is simply token kk, so
+// lane t reads tokens {2t, 2t+1, 2t+8, 2t+9}. A V register pairs two tokens at one column, so
+// the unpacking interleaves two rows with byte permutes. INT4 V differs (see the codec's
+// v_dim / v_codes): n-tile 8G + c is element c of word g of group G, so that each n-tile lies in
+// one group; V codes stay raw integers and the group's scale rides on P (P' = P * s per token,
+// f16), its zero on a separate accumulator sum_n P_n z_n.
+//
+// Arithmetic types: K codes of FP8 caches and FP8 V codes become f16 (exact); f16 / bf16 caches
+// are used as stored. INT4 codes of either side go in raw (f16 subnormals, exact), their group
+// scales applied in f32 to the K MMA's result and on P for V.
+// FP8's per-head scale is uniform over a head, so it is applied to S and to O in f32 instead of
+// to every element.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "codec/codec.cuh"
+#include "prim/bits.cuh"
+#include "prim/mma.cuh"
+
+namespace kvq_decode {
+
+using namespace kvq;
+
+/// Cache element formats the decode kernel is instantiated for (K INT4 means groups of 32,
+/// symmetric; V INT4 means groups of 64, affine).
+enum class Fmt : int { F16, BF16, E4M3, E5M2, I4 };
+
+/// The stored format (codec) of a kernel format in the K (V = false) or V role.
+template <Fmt F, bool V>
+constexpr int format_of() {
+  return F == Fmt::F16    ? kF16
+         : F == Fmt::BF16 ? kBf16
+         : F == Fmt::E4M3 ? kFp8E4m3
+         : F == Fmt::E5M2 ? kFp8E5m2
+         : V              ? kInt4Affine64
+                          : kInt4Sym32;
+}
+
+constexpr int cmin(int a, int b) { return a < b ? a : b; }
+
+/// The widest shared-memory load (16, 8, 4 or 2 bytes) that divides a lane's `bytes`: rows of
+/// head dims like 80 or 112 split into per-lane chunks that 16-byte loads do not fit.
+constexpr int load_width(int bytes) {
+  return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : 2;
+}
+
+/// Metadata bytes of one row of `d` elements.
+template <class C>
+constexpr int meta_row(int d) {
+  return C::kGroup != 0 ? d / C::kGroup * C::kGroupMeta : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Geometry of one format pair at one head_dim, and the K / V fragment builders (the codecs'
+// fragment roles: k_unpack / k_codes, v_unpack / v_codes).
+
+template <Fmt KF, Fmt VF, int D>
+struct Frag {
+  using KC = Codec<format_of<KF, false>()>;
+  using VC = Codec<format_of<VF, true>()>;
+  static constexpr bool K_BF16 = KC::kBf16Operands;  // S = Q K^T operand type
+  static constexpr bool V_BF16 = VC::kBf16Operands;  // O = P V operand type
+
+  // ---- K: lane t owns bytes [t*KCH, (t+1)*KCH) of a token's code row.
+  static constexpr int KBITS = KC::kBits;
+  static constexpr int KC_ROW = D * KBITS / 8;
+  static constexpr int KM_ROW = meta_row<KC>(D);
+  static constexpr int KCH = KC_ROW / 4;
+  static constexpr int KVEC = load_width(KCH);   // bytes per shared-memory load
+  static constexpr int KNV = KCH / KVEC;         // loads per token
+  static constexpr int KEV = KVEC * 8 / KBITS;   // elements per load
+  static constexpr int KPAIRS = KEV / 2;         // fragment registers per load
+  static constexpr int KWORDS = KVEC / 4;
+
+  // Shared memory holds K code rows at a pitch of KPITCH bytes, padded so that the 8 lanes of a
+  // quarter-warp (rows g, g+1; t = 0..3) hit distinct 16-byte bank groups. With 4 or 8 loads
+  // per lane, lanes t of one row would still collide: lane t then reads its loads in an order
+  // rotated by k_rot(t). Any such order is free, since Q fragments follow the same mapping.
+  // INT4 rows are read by ldmatrix (8 rows x 16 bytes per matrix): one 16-byte pad makes the 8
+  // rows of a matrix distinct bank groups.
+  static constexpr int KPITCH =
+      KC_ROW + (KC::kGroupFrags ? 16 : KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
+  static __host__ __device__ constexpr int k_rot(int t) {
+    return KNV == 4 ? (t >> 1) : KNV == 8 ? 2 * t : 0;
+  }
+  /// Which load of its chunk lane t issues as its v-th.
+  static __host__ __device__ constexpr int k_vec(int t, int v) { return (v + k_rot(t)) % KNV; }
+
+  /// Head-dim index of half `e` of lane t's fragment register `p` (0..D/8) of a token:
+  /// registers 2j and 2j + 1 are b0 and b1 of k-step j. Grouped K codecs (INT4) place each
+  /// k-step inside one group instead (their k_dim).
+  static __device__ __forceinline__ int k_dim(int t, int p, int e) {
+    if constexpr (KC::kGroupFrags) {
+      return KC::k_dim(t, p, e);
+    } else {
+      return t * (D / 4) + k_vec(t, p / KPAIRS) * KEV + KC::k_pair_elem(p % KPAIRS, e);
+    }
+  }
+
+  /// k-steps of q^T fragments a lane keeps in registers: all, except with grouped K codes,
+  /// whose loop needs the registers more (it reads them from shared memory, group by group).
+  static constexpr int QREGS = KC::kGroupFrags ? 1 : D / 16;
+
+  /// Fragment registers one 32-bit word of K codes unpacks into.
+  static constexpr int KPPW = 32 / KBITS / 2;
+  /// Words unpacked together: enough for at least one k-step (two registers).
+  static constexpr int KWU = KPPW >= 2 ? 1 : 2;
+
+  // ---- V: lane g owns bytes [g*VCH, (g+1)*VCH) of each of its four tokens' rows.
+  static constexpr int VBITS = VC::kBits;
+  static constexpr int VC_ROW = D * VBITS / 8;
+  static constexpr int VM_ROW = meta_row<VC>(D);
+  static constexpr int VCH = VC_ROW / 8;
+  static constexpr int VVEC = VC::kGroupFrags ? 8 : load_width(VCH);
+  static constexpr int VNV = VCH / VVEC;
+  static constexpr int VEV = VVEC * 8 / VBITS;   // elements (= n-tiles) per load
+  // 32-bit words per load (a 2-byte FP8 load is one word whose upper half is not used).
+  static constexpr int VWORDS = VVEC >= 4 ? VVEC / 4 : 1;
+
+  // V code rows at a pitch of VPITCH bytes: one 16-byte pad separates the rows 2t of lanes t;
+  // with several 16-byte loads per lane, odd lanes g read theirs in the other order.
+  static constexpr int VPITCH = VC_ROW + 16;
+  static __host__ __device__ constexpr int v_rot(int g) {
+    return (VVEC == 16 && VNV >= 2) ? (g & 1) : 0;
+  }
+  /// Which load of its chunk lane g issues as its v-th.
+  static __host__ __device__ constexpr int v_vec(int g, int v) { return (v + v_rot(g)) % VNV; }
+  /// Head-dim index of the column that lane g supplies to n-tile j (= v * VEV + c); grouped V
+  /// codecs (INT4) keep each n-tile inside one group instead (their v_dim).
+  static __device__ __forceinline__ int v_dim(int g, int j) {
+    if constexpr (VC::kGroupFrags) {
+      return VC::v_dim(g, j);
+    } else {
+      return g * (D / 8) + v_vec(g, j / VEV) * VEV + j % VEV;
+    }
+  }
+
+  /// Bytes between the row chunks of lanes g and g + 1: VCH, or one word of each group for
+  /// grouped V codes (lane g reads word g of every group).
+  static constexpr int V_LANE = VC::kGroupFrags ? 4 : VCH;
+
+  /// Grouped V: groups per row.
+  static constexpr int VG = VC::kGroupFrags ? D / VC::kGroup : 0;
+
+  /// B-fragment registers (columns) one 32-bit word of each of two V rows unpacks into.
+  static constexpr int VCPW = 32 / VBITS;
+  /// Of those, the ones a load really holds (fewer for a 2-byte load).
+  static constexpr int VCOLS = cmin(VCPW, VEV);
+};
+
+}  // namespace kvq_decode
