@@ -18,6 +18,7 @@ bin=$here/bin
 export KVQ_REQUIRE_GPU=1 KVQ_REQUIRE_DATA=1 KVQ_DATA_DIR=$here/data KVQ_MINILM=$here/data/minilm_kv.safetensors
 mode=${1:-full}; shift || true
 summary=()
+failed=0
 # KVQ_STEP_TIMEOUT (seconds, default none) bounds each step; the logs so far are packed after
 # every step, so a run cut short still returns them.
 step() {  # step NAME LOG CMD...: run, keep the log, record pass/fail and time
@@ -28,7 +29,7 @@ step() {  # step NAME LOG CMD...: run, keep the log, record pass/fail and time
     "$@" > "$out/$log" 2>&1
   fi
   local rc=$? verdict=ok
-  [ $rc = 0 ] || verdict=FAIL
+  [ $rc = 0 ] || verdict=FAIL failed=1
   [ $rc = 124 ] && verdict=TIME
   summary+=("$(printf '%-40s %-5s %4ss  %s' "$name" "$verdict" $((SECONDS - t0)) "$log")")
   printf '%s\n' "${summary[@]}" > "$out/summary.txt"
@@ -84,3 +85,5 @@ tar -czf "$dest/logs.tar.gz" -C "$out" .
 for f in decode_bench.md decode_bench.json decode_bench.png moe.md read_ceiling_triton.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$dest/"
 done
+# The exit status says whether every step passed (a missing report above is not a failure).
+exit $failed
