@@ -17,11 +17,13 @@ const MIN_SPLIT_TOKENS: usize = 256;
 /// setup, pipeline fill, warp merge); fitted with the rate model (see `RateModel`).
 const CTA_OVERHEAD_TOKENS: f64 = 512.0;
 
-/// Cost of each split in the launch model, in tokens (of any cache): partial write and merge,
-/// measured on an H200 at ~0.44 us per split (docs/PERFORMANCE.md, v3). Not weighted like the
-/// block overhead: with few blocks (B=1), more splits also buy parallelism the model does not
-/// see, and the weighted cost cut INT4 at B=1 L=4k to 5 splits, 21 % slower than 11 (v11).
-const SPLIT_COST_TOKENS: f64 = 32.0;
+/// Cost of each split in the launch model, in tokens (of any cache): partial write and merge.
+/// The v11 sweeps at B=1 L=4k (H200) ran faster with every split up to one block per SM, and
+/// 8 tokens puts the model's pick within 0.2 % of the best launch on all 15 swept shapes (32,
+/// from v3's ~0.44 us per split, under-split B=1 by 4-9 %; docs/PERFORMANCE.md v11). Not
+/// weighted like the block overhead: weighted, it cut INT4 at B=1 L=4k to 5 splits, 21 %
+/// slower than 11.
+const SPLIT_COST_TOKENS: f64 = 8.0;
 
 /// Tokens of a `k` / `v` cache that stream in the time of one token of a 16-bit cache: a
 /// block's fixed cost takes about the same time whatever the format, so a narrower cache pays
