@@ -79,6 +79,15 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     row_q[tid] = row_at(p.q_rows, b, h, i);
     row_o[tid] = row_at(p.out_rows, b, h, i);
     row_l[tid] = row_at(p.lse_rows, b, h, i);
+    // The query tile is read below while this block's copies fly; fetched from HBM behind them
+    // it waited for the queue (6-7 % of the samples of short INT4 launches, PERFORMANCE.md v11),
+    // so its lines are requested first.
+    if (gr < p.group * p.q_len) {
+      const uint16_t *row = static_cast<const uint16_t *>(p.q) + row_q[tid];
+#pragma unroll
+      for (int d = 0; d < D; d += 64) prefetch_l1(row + d);
+      prefetch_l1(row + D - 1);  // a row that does not start on a line ends on one more
+    }
   }
   __syncthreads();
 

@@ -124,4 +124,10 @@ __device__ __forceinline__ void lds_meta(const uint8_t *p, uint32_t (&w)[(BYTES 
   }
 }
 
+/// Start fetching the 128-byte line holding `p` into this SM's L1 (a hint: nothing waits for it,
+/// and it cannot fault on a valid address).
+__device__ __forceinline__ void prefetch_l1(const void *p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 }  // namespace kvq
