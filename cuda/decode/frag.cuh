@@ -99,19 +99,33 @@ struct Frag {
   static constexpr int KPAIRS = KEV / 2;         // fragment registers per load
   static constexpr int KWORDS = KVEC / 4;
 
-  // Shared memory holds K code rows at a pitch of KPITCH bytes, padded so that the 8 lanes of a
-  // quarter-warp (rows g, g+1; t = 0..3) hit distinct 16-byte bank groups. With 4 or 8 loads
-  // per lane, lanes t of one row would still collide: lane t then reads its loads in an order
-  // rotated by k_rot(t). Any such order is free, since Q fragments follow the same mapping.
-  // INT4 rows are read by ldmatrix (8 rows x 16 bytes per matrix): one 16-byte pad makes the 8
-  // rows of a matrix distinct bank groups.
+  // Shared memory holds K code rows at a pitch of KPITCH bytes. A copy moves whole 32-byte
+  // sectors only when every row starts on a 32-byte boundary, so rows are never padded by 16:
+  // the 8 lanes of a quarter-warp (rows g, g + 1; t = 0..3) reach distinct 16-byte bank groups
+  // either through the rotated order k_rot(t) in which lane t issues its loads, or through a
+  // 32-byte pad (4 loads a lane), or through an XOR of the row's 32-byte units by its parity
+  // (KSWZ: 2 or 8 loads a lane, rows of whole 128-byte lines; k_swz). Any load order is free,
+  // since Q fragments follow the same mapping. INT4 rows are read by ldmatrix (8 rows x 16
+  // bytes per matrix): one 16-byte pad makes the 8 rows of a matrix distinct bank groups.
+  static constexpr bool KSWZ =
+      !KC::kGroupFrags && KVEC == 16 && KC_ROW % 128 == 0 && (KNV == 2 || KNV == 8);
   static constexpr int KPITCH =
-      KC_ROW + (KC::kGroupFrags ? 16 : KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
+      KC_ROW + (KC::kGroupFrags ? 16 : KSWZ ? 0 : KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
   static __host__ __device__ constexpr int k_rot(int t) {
-    return KNV == 4 ? (t >> 1) : KNV == 8 ? 2 * t : 0;
+    return KSWZ ? (KNV == 2 ? (t & 1) : t) : KNV == 4 ? (t >> 1) : KNV == 8 ? 2 * t : 0;
   }
   /// Which load of its chunk lane t issues as its v-th.
   static __host__ __device__ constexpr int k_vec(int t, int v) { return (v + k_rot(t)) % KNV; }
+  /// The XOR on byte offsets within K row r as stored (touches 32-byte units only, so every
+  /// sector a copy reads lands whole): the row's parity flips one 32-byte (KNV 2) or 64-byte
+  /// (KNV 8) unit bit.
+  static __host__ __device__ constexpr int k_swz(int r) {
+    return KSWZ ? (r & 1) << (KNV == 2 ? 5 : 6) : 0;
+  }
+  /// Offset in its row of lane (g, t)'s v-th load: lane g reads rows of g's parity only.
+  static __host__ __device__ constexpr int k_col(int g, int t, int v) {
+    return (t * KCH + k_vec(t, v) * KVEC) ^ k_swz(g);
+  }
 
   /// Head-dim index of half `e` of lane t's fragment register `p` (0..D/8) of a token:
   /// registers 2j and 2j + 1 are b0 and b1 of k-step j. Grouped K codecs (INT4) place each
@@ -144,14 +158,22 @@ struct Frag {
   // 32-bit words per load (a 2-byte FP8 load is one word whose upper half is not used).
   static constexpr int VWORDS = VVEC >= 4 ? VVEC / 4 : 1;
 
-  // V code rows at a pitch of VPITCH bytes: one 16-byte pad separates the rows 2t of lanes t;
-  // with several 16-byte loads per lane, odd lanes g read theirs in the other order.
-  static constexpr int VPITCH = VC_ROW + 16;
+  // V code rows: lane t reads rows 2t, 2t + 1, 2t + 8, 2t + 9 (+ 16 per chunk), lanes g of a
+  // quarter-warp the same 16-byte columns of them. Rows of whole 128-byte lines are stored
+  // unpadded with their 32-byte units XORed by (row / 2) % 4 (VSWZ; v_swz), which puts rows 2t
+  // of lanes t on distinct bank groups while every copied sector lands whole; other rows are
+  // padded by 16 bytes. With several 16-byte loads per lane, odd lanes g read theirs in the
+  // other order.
+  static constexpr bool VSWZ = !VC::kGroupFrags && VVEC == 16 && VC_ROW % 128 == 0;
+  static constexpr int VPITCH = VSWZ ? VC_ROW : VC_ROW + 16;
   static __host__ __device__ constexpr int v_rot(int g) {
     return (VVEC == 16 && VNV >= 2) ? (g & 1) : 0;
   }
   /// Which load of its chunk lane g issues as its v-th.
   static __host__ __device__ constexpr int v_vec(int g, int v) { return (v + v_rot(g)) % VNV; }
+  /// The XOR on byte offsets within V row r as stored (32-byte units only).
+  static __host__ __device__ constexpr int v_swz(int r) { return VSWZ ? ((r >> 1) & 3) << 5 : 0; }
+
   /// Head-dim index of the column that lane g supplies to n-tile j (= v * VEV + c); grouped V
   /// codecs (INT4) keep each n-tile inside one group instead (their v_dim).
   static __device__ __forceinline__ int v_dim(int g, int j) {
@@ -165,6 +187,10 @@ struct Frag {
   /// Bytes between the row chunks of lanes g and g + 1: VCH, or one word of each group for
   /// grouped V codes (lane g reads word g of every group).
   static constexpr int V_LANE = VC::kGroupFrags ? 4 : VCH;
+  /// Offset in its rows of lane (g, t)'s v-th load (the XOR of rows 2t is that of all its rows).
+  static __host__ __device__ constexpr int v_col(int g, int t, int v) {
+    return (g * V_LANE + v_vec(g, v) * VVEC) ^ v_swz(2 * t);
+  }
 
   /// Grouped V: groups per row.
   static constexpr int VG = VC::kGroupFrags ? D / VC::kGroup : 0;

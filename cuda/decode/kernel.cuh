@@ -196,15 +196,17 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const float4 *kz_lane = reinterpret_cast<const float4 *>(row_z) + t;
 
   // Lane offsets inside a stage (loop invariant): K row g, chunk t; V rows 2t.., chunk g.
-  // Other rows and loads are compile-time immediates, except rotated load orders.
-  const uint32_t k_lane = C::KC_OFF + g * F::KPITCH + t * F::KCH;
+  // Other rows and loads are compile-time immediates, except rotated or swizzled load columns
+  // (F::k_col, F::v_col: loop-invariant).
+  const uint32_t k_lane = C::KC_OFF + g * F::KPITCH;
   const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
   // INT4 K, ldmatrix x4: lanes 8m..8m+7 address rows 0-7 (m even) or 8-15 of the chunk, in the
   // first (m < 2) or second 16-byte group of a pair.
   const uint32_t k_ldsm_lane =
       C::KC_OFF + (((lane >> 3) & 1) * 8 + (lane & 7)) * F::KPITCH + (lane >> 4) * 16;
   // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh), and whole meta rows.
-  const uint32_t v_lane = C::VC_OFF + 2 * t * F::VPITCH + g * F::V_LANE;
+  const uint32_t v_rows = C::VC_OFF + 2 * t * F::VPITCH;
+  const uint32_t v_lane = v_rows + g * F::V_LANE;
   const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW;
   // Row (within the step) of V register e of k-step ks: tokens 2t, 2t+1, 2t+8, 2t+9.
   auto v_row = [](int ks, int e) { return ks * kChunk + (e & 1) + 8 * (e >> 1); };
@@ -290,7 +292,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int row = ch * kChunk + h * 8;  // first K row of this half of the chunk
-            lds<F::KVEC>(st + k_lane + row * F::KPITCH + F::k_vec(t, v) * F::KVEC, w[h]);
+            lds<F::KVEC>(st + k_lane + row * F::KPITCH + F::k_col(g, t, v), w[h]);
           }
 #pragma unroll
           for (int u = 0; u < F::KWORDS; u += F::KWU) {
@@ -435,7 +437,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
         for (int v = 0; v < F::VNV; ++v) {
           uint32_t w0[F::VWORDS], w1[F::VWORDS], w8[F::VWORDS], w9[F::VWORDS];
-          const uint8_t *vp = st + v_lane + F::v_vec(g, v) * F::VVEC;
+          const uint8_t *vp = st + v_rows + F::v_col(g, t, v);
           lds<F::VVEC>(vp + v_row(ks, 0) * F::VPITCH, w0);
           lds<F::VVEC>(vp + v_row(ks, 1) * F::VPITCH, w1);
           lds<F::VVEC>(vp + v_row(ks, 2) * F::VPITCH, w8);

@@ -27,22 +27,32 @@ __device__ __forceinline__ int copy_row_of(int lane) {
   }
 }
 
+/// Rows stored as they are.
+struct NoSwizzle {
+  static __host__ __device__ constexpr int swz(int) { return 0; }
+};
+
 /// Queue the copy of 16 rows of ROW bytes starting at `src` (global) into shared-memory rows of
-/// PITCH bytes starting at `dst` (rows shorter than 16 bytes are packed: PITCH == ROW).
+/// PITCH bytes starting at `dst` (rows shorter than 16 bytes are packed: PITCH == ROW). Packed
+/// rows may be stored with their byte offsets XORed by Swz::swz(row) (decode/frag.cuh).
 /// `src_bytes` is 16, or 0 to zero-fill without reading. Each pass of the warp copies 512
 /// contiguous bytes (32 pieces of 16).
-template <int ROW, int PITCH>
+template <int ROW, int PITCH, class Swz = NoSwizzle>
 __device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint32_t src_bytes,
                                           int lane) {
   constexpr int PIECES = ROW;  // 16 rows * ROW bytes / 16 bytes
   static_assert(PITCH == ROW || (ROW >= 16 && ROW % 16 == 0 && PITCH % 16 == 0),
                 "padded rows are whole 16-byte pieces");
+  static_assert(PITCH == ROW || (Swz::swz(1) == 0 && Swz::swz(2) == 0),
+                "padded rows are not swizzled");
   if constexpr (PIECES > 0) {
     if constexpr (PITCH == ROW) {
 #pragma unroll
       for (int i = 0; i < (PIECES + 31) / 32; ++i)
-        if (PIECES % 32 == 0 || lane + 32 * i < PIECES)
-          cp_async16(dst + lane * 16 + 512 * i, src + lane * 16 + 512 * i, src_bytes);
+        if (PIECES % 32 == 0 || lane + 32 * i < PIECES) {
+          const int d = lane * 16 + 512 * i;
+          cp_async16(dst + (d ^ Swz::swz(d / ROW)), src + d, src_bytes);
+        }
     } else if constexpr (PIECES % 32 != 0 || 32 % (ROW / 16) != 0) {
       // Rows whose pieces do not tile a warp pass (head dims like 96, 160-byte rows): piece
       // p of the chunk is piece p % PER_ROW of row p / PER_ROW (a division by a constant).
@@ -118,6 +128,12 @@ struct StepFetch {
 template <class F, class C>
 struct StepIssue {
   static constexpr int CH = C::CH;
+  struct KSwizzle {
+    static __host__ __device__ constexpr int swz(int r) { return F::k_swz(r); }
+  };
+  struct VSwizzle {
+    static __host__ __device__ constexpr int swz(int r) { return F::v_swz(r); }
+  };
   const int &my_steps;
   const uint32_t &ring_u32;    // the warp's ring of stages
   const uint32_t &num_blocks;  // blocks in the pool: page ids at or past it are faults
@@ -141,11 +157,11 @@ struct StepIssue {
         const int off = f.cib[c] * kChunk;  // token offset in the block
         const uint8_t *base = head + (int64_t)(ok ? f.page[c] : 0) * p.block_stride;
         const uint32_t bytes = ok ? 16u : 0u;
-        copy_rows<F::KC_ROW, F::KPITCH>(dst + C::KC_OFF + c * kChunk * F::KPITCH,
+        copy_rows<F::KC_ROW, F::KPITCH, KSwizzle>(dst + C::KC_OFF + c * kChunk * F::KPITCH,
                                         base + p.k_codes_off + off * F::KC_ROW, bytes, lane);
         copy_rows<F::KM_ROW, F::KM_ROW>(dst + C::KM_OFF + c * kChunk * F::KM_ROW,
                                         base + p.k_meta_off + off * F::KM_ROW, bytes, lane);
-        copy_rows<F::VC_ROW, F::VPITCH>(dst + C::VC_OFF + c * kChunk * F::VPITCH,
+        copy_rows<F::VC_ROW, F::VPITCH, VSwizzle>(dst + C::VC_OFF + c * kChunk * F::VPITCH,
                                         base + p.v_codes_off + off * F::VC_ROW, bytes, lane);
         copy_rows<F::VM_ROW, F::VM_ROW>(dst + C::VM_OFF + c * kChunk * F::VM_ROW,
                                         base + p.v_meta_off + off * F::VM_ROW, bytes, lane);
