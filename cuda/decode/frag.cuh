@@ -100,27 +100,41 @@ struct Frag {
   static constexpr int KWORDS = KVEC / 4;
 
   // Shared memory holds K code rows at a pitch of KPITCH bytes. A copy moves whole 32-byte
-  // sectors only when every row starts on a 32-byte boundary, so rows are never padded by 16:
-  // the 8 lanes of a quarter-warp (rows g, g + 1; t = 0..3) reach distinct 16-byte bank groups
-  // either through the rotated order k_rot(t) in which lane t issues its loads, or through a
-  // 32-byte pad (4 loads a lane), or through an XOR of the row's 32-byte units by its parity
-  // (KSWZ: 2 or 8 loads a lane, rows of whole 128-byte lines; k_swz). Any load order is free,
-  // since Q fragments follow the same mapping. INT4 rows are read by ldmatrix (8 rows x 16
-  // bytes per matrix): one 16-byte pad makes the 8 rows of a matrix distinct bank groups.
-  static constexpr bool KSWZ =
-      !KC::kGroupFrags && KVEC == 16 && KC_ROW % 128 == 0 && (KNV == 2 || KNV == 8);
+  // sectors only when every row starts on a 32-byte boundary, so rows are never padded by 16
+  // where avoidable: the 8 lanes of a quarter-warp (rows g, g + 1; t = 0..3) reach distinct
+  // 16-byte bank groups through the rotated order k_rot(t) in which lane t issues its loads
+  // together with a 32-byte pad (4 loads a lane) or an XOR of the row's 32- or 64-byte units by
+  // its parity (KSWZ: 2 or 8 loads a lane, rows of whole 128-byte lines; k_swz). Any load order
+  // is free, since Q fragments follow the same mapping. INT4 rows (64 or 128 bytes) are read
+  // by ldmatrix, 8 rows x one 16-byte group per matrix: their 16-byte units are XORed by row so
+  // that the 8 rows of a matrix hit distinct bank groups (this swaps the halves of some 32-byte
+  // sectors, which costs the copies nothing: measured).
+  static constexpr bool KSWZ = KC::kGroupFrags
+                                   ? (KC_ROW == 64 || KC_ROW == 128)
+                                   : KVEC == 16 && KC_ROW % 128 == 0 && (KNV == 2 || KNV == 8);
   static constexpr int KPITCH =
-      KC_ROW + (KC::kGroupFrags ? 16 : KSWZ ? 0 : KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
+      KC_ROW + (KSWZ ? 0 : KC::kGroupFrags ? 16 : KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
   static __host__ __device__ constexpr int k_rot(int t) {
+    if (KC::kGroupFrags) return 0;  // unused: the codec places grouped K (k_dim)
     return KSWZ ? (KNV == 2 ? (t & 1) : t) : KNV == 4 ? (t >> 1) : KNV == 8 ? 2 * t : 0;
   }
   /// Which load of its chunk lane t issues as its v-th.
   static __host__ __device__ constexpr int k_vec(int t, int v) { return (v + k_rot(t)) % KNV; }
-  /// The XOR on byte offsets within K row r as stored (touches 32-byte units only, so every
-  /// sector a copy reads lands whole): the row's parity flips one 32-byte (KNV 2) or 64-byte
-  /// (KNV 8) unit bit.
+  /// The XOR on byte offsets of K row r as stored: the row's parity flips one 32-byte (KNV 2)
+  /// or 64-byte (KNV 8) unit bit; INT4 rows XOR their 16-byte units by (r / 2) % 4 (64-byte
+  /// rows, which exchange units with the other row of their 128-byte line) or r % 8.
   static __host__ __device__ constexpr int k_swz(int r) {
-    return KSWZ ? (r & 1) << (KNV == 2 ? 5 : 6) : 0;
+    if constexpr (!KSWZ) return 0;
+    else if constexpr (KC::kGroupFrags) return (KC_ROW == 64 ? (r >> 1) & 3 : r & 7) << 4;
+    else return (r & 1) << (KNV == 2 ? 5 : 6);
+  }
+  /// Rows after which k_swz repeats.
+  static constexpr int K_SWZ_PERIOD = !KSWZ ? 1 : KC::kGroupFrags ? 8 : 2;
+  /// Grouped K (ldmatrix x4): offset in the chunk of the row lane supplies for groups 2 G2 and
+  /// 2 G2 + 1: rows 0-7 (lanes 8m.., m even) or 8-15, first (m < 2) or second 16-byte group.
+  static __host__ __device__ constexpr int k_ldsm(int lane, int G2) {
+    const int r = ((lane >> 3) & 1) * 8 + (lane & 7), c = (lane >> 4) + 2 * G2;
+    return (r * KPITCH + 16 * c) ^ k_swz(r);
   }
   /// Offset in its row of lane (g, t)'s v-th load: lane g reads rows of g's parity only.
   static __host__ __device__ constexpr int k_col(int g, int t, int v) {
@@ -159,20 +173,23 @@ struct Frag {
   static constexpr int VWORDS = VVEC >= 4 ? VVEC / 4 : 1;
 
   // V code rows: lane t reads rows 2t, 2t + 1, 2t + 8, 2t + 9 (+ 16 per chunk), lanes g of a
-  // quarter-warp the same 16-byte columns of them. Rows of whole 128-byte lines are stored
-  // unpadded with their 32-byte units XORed by (row / 2) % 4 (VSWZ; v_swz), which puts rows 2t
-  // of lanes t on distinct bank groups while every copied sector lands whole; other rows are
-  // padded by 16 bytes. With several 16-byte loads per lane, odd lanes g read theirs in the
-  // other order.
-  static constexpr bool VSWZ = !VC::kGroupFrags && VVEC == 16 && VC_ROW % 128 == 0;
+  // quarter-warp the same 16-byte columns of them (INT4: lanes g words g of a group, 4-byte
+  // loads). Rows of whole 128-byte lines, and INT4 rows of 64 bytes, are stored unpadded with
+  // their 32-byte units XORed by (row / 2) % 4 (VSWZ; v_swz), which puts rows 2t of lanes t on
+  // distinct bank groups while every copied sector lands whole; other rows are padded by 16
+  // bytes. With several 16-byte loads per lane, odd lanes g read theirs in the other order.
+  static constexpr bool VSWZ =
+      VC::kGroupFrags ? VC_ROW % 64 == 0 : VVEC == 16 && VC_ROW % 128 == 0;
   static constexpr int VPITCH = VSWZ ? VC_ROW : VC_ROW + 16;
   static __host__ __device__ constexpr int v_rot(int g) {
     return (VVEC == 16 && VNV >= 2) ? (g & 1) : 0;
   }
   /// Which load of its chunk lane g issues as its v-th.
   static __host__ __device__ constexpr int v_vec(int g, int v) { return (v + v_rot(g)) % VNV; }
-  /// The XOR on byte offsets within V row r as stored (32-byte units only).
+  /// The XOR on byte offsets of V row r as stored (32-byte units only; rows of 64 bytes
+  /// exchange units with the other row of their 128-byte line).
   static __host__ __device__ constexpr int v_swz(int r) { return VSWZ ? ((r >> 1) & 3) << 5 : 0; }
+  static constexpr int V_SWZ_PERIOD = VSWZ ? 8 : 1;  // rows after which v_swz repeats
 
   /// Head-dim index of the column that lane g supplies to n-tile j (= v * VEV + c); grouped V
   /// codecs (INT4) keep each n-tile inside one group instead (their v_dim).
@@ -190,6 +207,10 @@ struct Frag {
   /// Offset in its rows of lane (g, t)'s v-th load (the XOR of rows 2t is that of all its rows).
   static __host__ __device__ constexpr int v_col(int g, int t, int v) {
     return (g * V_LANE + v_vec(g, v) * VVEC) ^ v_swz(2 * t);
+  }
+  /// Grouped V: offset of word g of group G in row 2t + p (rows 16 apart share it).
+  static __host__ __device__ constexpr int v_word(int g, int t, int p, int G) {
+    return ((2 * t + p) * VPITCH + G * 32 + 4 * g) ^ v_swz(2 * t);
   }
 
   /// Grouped V: groups per row.

@@ -200,13 +200,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // (F::k_col, F::v_col: loop-invariant).
   const uint32_t k_lane = C::KC_OFF + g * F::KPITCH;
   const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
-  // INT4 K, ldmatrix x4: lanes 8m..8m+7 address rows 0-7 (m even) or 8-15 of the chunk, in the
-  // first (m < 2) or second 16-byte group of a pair.
-  const uint32_t k_ldsm_lane =
-      C::KC_OFF + (((lane >> 3) & 1) * 8 + (lane & 7)) * F::KPITCH + (lane >> 4) * 16;
-  // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh), and whole meta rows.
   const uint32_t v_rows = C::VC_OFF + 2 * t * F::VPITCH;
-  const uint32_t v_lane = v_rows + g * F::V_LANE;
+  // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh, v_word), and whole meta rows.
   const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW;
   // Row (within the step) of V register e of k-step ks: tokens 2t, 2t+1, 2t+8, 2t+9.
   auto v_row = [](int ks, int e) { return ks * kChunk + (e & 1) + 8 * (e >> 1); };
@@ -269,17 +264,17 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           s[ch][2] = fmaf(s_hi, r[2], s[ch][2]);
           s[ch][3] = fmaf(s_hi, r[3], s[ch][3]);
         };
-        const uint32_t k_rows = st_s + k_ldsm_lane + ch * kChunk * F::KPITCH;
+        const uint32_t k_rows = st_s + C::KC_OFF + ch * kChunk * F::KPITCH;
 #pragma unroll
         for (int G2 = 0; G2 < D / 64; ++G2) {
           uint32_t w[4];  // word t of groups 2 G2 (w[0] token g, w[1] g + 8) and 2 G2 + 1
-          ldmatrix_x4(k_rows + G2 * 32, w);
+          ldmatrix_x4(k_rows + F::k_ldsm(lane, G2), w);
           group(2 * G2, w[0], w[1]);
           group(2 * G2 + 1, w[2], w[3]);
         }
         if constexpr (D % 64 != 0) {  // an odd group count (head_dim 96): the last one alone
           uint32_t w[2];
-          ldmatrix_x2(k_rows + (D / 64) * 32, w);
+          ldmatrix_x2(k_rows + F::k_ldsm(lane, D / 64), w);
           group(D / 32 - 1, w[0], w[1]);
         }
       }
@@ -419,11 +414,13 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           if (g == G) zb01 = z01, zb89 = z89;
           const uint32_t pg0 = h2_bits(__hmul2(bits_h2(pb0), __hmul2(bits_h2(s01), k4)));
           const uint32_t pg1 = h2_bits(__hmul2(bits_h2(pb1), __hmul2(bits_h2(s89), k4)));
-          const uint8_t *vp = st + v_lane + G * 32;  // word g of group G
-          const uint32_t w0 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 0) * F::VPITCH);
-          const uint32_t w1 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 1) * F::VPITCH);
-          const uint32_t w8 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 2) * F::VPITCH);
-          const uint32_t w9 = *reinterpret_cast<const uint32_t *>(vp + v_row(ks, 3) * F::VPITCH);
+          // Word g of group G in rows 2t (vp0) and 2t + 1 (vp1), then 8 rows on.
+          const uint8_t *vp0 = st + C::VC_OFF + F::v_word(g, t, 0, G) + ks * kChunk * F::VPITCH;
+          const uint8_t *vp1 = st + C::VC_OFF + F::v_word(g, t, 1, G) + ks * kChunk * F::VPITCH;
+          const uint32_t w0 = *reinterpret_cast<const uint32_t *>(vp0);
+          const uint32_t w1 = *reinterpret_cast<const uint32_t *>(vp1);
+          const uint32_t w8 = *reinterpret_cast<const uint32_t *>(vp0 + 8 * F::VPITCH);
+          const uint32_t w9 = *reinterpret_cast<const uint32_t *>(vp1 + 8 * F::VPITCH);
           uint32_t b01[8], b89[8];
           F::VC::v_codes(w0, w1, b01);
           F::VC::v_codes(w8, w9, b89);

@@ -27,8 +27,10 @@ __device__ __forceinline__ int copy_row_of(int lane) {
   }
 }
 
-/// Rows stored as they are.
+/// Rows stored as they are. A swizzle policy gives the XOR on the byte offsets of row r
+/// (swz) and the number of rows after which it repeats (kPeriod).
 struct NoSwizzle {
+  static constexpr int kPeriod = 1;
   static __host__ __device__ constexpr int swz(int) { return 0; }
 };
 
@@ -47,12 +49,22 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint
                 "padded rows are not swizzled");
   if constexpr (PIECES > 0) {
     if constexpr (PITCH == ROW) {
+      const int l16 = (lane & 31) * 16;
+      if constexpr (512 % ROW == 0 && (512 / ROW) % Swz::kPeriod == 0) {
+        // Every pass starts Swz's period over: one swizzled offset per lane.
+        const int d0 = l16 ^ Swz::swz(l16 / ROW);
 #pragma unroll
-      for (int i = 0; i < (PIECES + 31) / 32; ++i)
-        if (PIECES % 32 == 0 || lane + 32 * i < PIECES) {
-          const int d = lane * 16 + 512 * i;
-          cp_async16(dst + (d ^ Swz::swz(d / ROW)), src + d, src_bytes);
-        }
+        for (int i = 0; i < (PIECES + 31) / 32; ++i)
+          if (PIECES % 32 == 0 || lane + 32 * i < PIECES)
+            cp_async16(dst + d0 + 512 * i, src + l16 + 512 * i, src_bytes);
+      } else {
+#pragma unroll
+        for (int i = 0; i < (PIECES + 31) / 32; ++i)
+          if (PIECES % 32 == 0 || lane + 32 * i < PIECES) {
+            const int d = l16 + 512 * i;
+            cp_async16(dst + (d ^ Swz::swz(d / ROW)), src + d, src_bytes);
+          }
+      }
     } else if constexpr (PIECES % 32 != 0 || 32 % (ROW / 16) != 0) {
       // Rows whose pieces do not tile a warp pass (head dims like 96, 160-byte rows): piece
       // p of the chunk is piece p % PER_ROW of row p / PER_ROW (a division by a constant).
@@ -129,9 +141,11 @@ template <class F, class C>
 struct StepIssue {
   static constexpr int CH = C::CH;
   struct KSwizzle {
+    static constexpr int kPeriod = F::K_SWZ_PERIOD;
     static __host__ __device__ constexpr int swz(int r) { return F::k_swz(r); }
   };
   struct VSwizzle {
+    static constexpr int kPeriod = F::V_SWZ_PERIOD;
     static __host__ __device__ constexpr int swz(int r) { return F::v_swz(r); }
   };
   const int &my_steps;
