@@ -105,15 +105,16 @@ struct Frag {
   // 16-byte bank groups through the rotated order k_rot(t) in which lane t issues its loads
   // together with a 32-byte pad (4 loads a lane) or an XOR of the row's 32- or 64-byte units by
   // its parity (KSWZ: 2 or 8 loads a lane, rows of whole 128-byte lines; k_swz). Any load order
-  // is free, since Q fragments follow the same mapping. INT4 rows (64 or 128 bytes) are read
+  // is free, since Q fragments follow the same mapping. INT4 rows (32 to 128 bytes) are read
   // by ldmatrix, 8 rows x one 16-byte group per matrix: their 16-byte units are XORed by row so
   // that the 8 rows of a matrix hit distinct bank groups (this swaps the halves of some 32-byte
   // sectors, which costs the copies nothing: measured).
   static constexpr bool KSWZ = KC::kGroupFrags
-                                   ? (KC_ROW == 64 || KC_ROW == 128)
+                                   ? (KC_ROW == 32 || KC_ROW == 64 || KC_ROW == 128)
                                    : KVEC == 16 && KC_ROW % 128 == 0 && (KNV == 2 || KNV == 8);
   static constexpr int KPITCH =
-      KC_ROW + (KSWZ ? 0 : KC::kGroupFrags ? 16 : KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
+      KC_ROW +
+      (KSWZ ? 0 : KC::kGroupFrags ? 16 : KNV == 2 ? 16 : KNV == 4 ? 32 : KNV == 8 ? 16 : 0);
   static __host__ __device__ constexpr int k_rot(int t) {
     if (KC::kGroupFrags) return 0;  // unused: the codec places grouped K (k_dim)
     return KSWZ ? (KNV == 2 ? (t & 1) : t) : KNV == 4 ? (t >> 1) : KNV == 8 ? 2 * t : 0;
@@ -121,11 +122,13 @@ struct Frag {
   /// Which load of its chunk lane t issues as its v-th.
   static __host__ __device__ constexpr int k_vec(int t, int v) { return (v + k_rot(t)) % KNV; }
   /// The XOR on byte offsets of K row r as stored: the row's parity flips one 32-byte (KNV 2)
-  /// or 64-byte (KNV 8) unit bit; INT4 rows XOR their 16-byte units by (r / 2) % 4 (64-byte
-  /// rows, which exchange units with the other row of their 128-byte line) or r % 8.
+  /// or 64-byte (KNV 8) unit bit; INT4 rows XOR their 16-byte units by (r / 4) % 2 (32-byte
+  /// rows), (r / 2) % 4 (64-byte rows, which exchange units with the other row of their
+  /// 128-byte line) or r % 8.
   static __host__ __device__ constexpr int k_swz(int r) {
     if constexpr (!KSWZ) return 0;
-    else if constexpr (KC::kGroupFrags) return (KC_ROW == 64 ? (r >> 1) & 3 : r & 7) << 4;
+    else if constexpr (KC::kGroupFrags)
+      return (KC_ROW == 32 ? (r >> 2) & 1 : KC_ROW == 64 ? (r >> 1) & 3 : r & 7) << 4;
     else return (r & 1) << (KNV == 2 ? 5 : 6);
   }
   /// Rows after which k_swz repeats.
@@ -174,12 +177,14 @@ struct Frag {
 
   // V code rows: lane t reads rows 2t, 2t + 1, 2t + 8, 2t + 9 (+ 16 per chunk), lanes g of a
   // quarter-warp the same 16-byte columns of them (INT4: lanes g words g of a group, 4-byte
-  // loads). Rows of whole 128-byte lines, and INT4 rows of 64 bytes, are stored unpadded with
-  // their 32-byte units XORed by (row / 2) % 4 (VSWZ; v_swz), which puts rows 2t of lanes t on
+  // loads). Rows of whole 128-byte lines, and rows of 64 or 32 bytes (INT4 at head_dim 128 /
+  // 64, FP8 at 64: the rows of a line exchange units within it), are stored unpadded with their
+  // 32-byte units XORed by (row / 2) % 4 (VSWZ; v_swz), which puts rows 2t of lanes t on
   // distinct bank groups while every copied sector lands whole; other rows are padded by 16
   // bytes. With several 16-byte loads per lane, odd lanes g read theirs in the other order.
   static constexpr bool VSWZ =
-      VC::kGroupFrags ? VC_ROW % 64 == 0 : VVEC == 16 && VC_ROW % 128 == 0;
+      VC::kGroupFrags ? (VC_ROW == 32 || VC_ROW == 64 || VC_ROW % 128 == 0)
+                      : (VVEC == 16 && VC_ROW % 128 == 0) || (VVEC == 8 && VC_ROW == 64);
   static constexpr int VPITCH = VSWZ ? VC_ROW : VC_ROW + 16;
   static __host__ __device__ constexpr int v_rot(int g) {
     return (VVEC == 16 && VNV >= 2) ? (g & 1) : 0;
@@ -204,9 +209,11 @@ struct Frag {
   /// Bytes between the row chunks of lanes g and g + 1: VCH, or one word of each group for
   /// grouped V codes (lane g reads word g of every group).
   static constexpr int V_LANE = VC::kGroupFrags ? 4 : VCH;
-  /// Offset in its rows of lane (g, t)'s v-th load (the XOR of rows 2t is that of all its rows).
-  static __host__ __device__ constexpr int v_col(int g, int t, int v) {
-    return (g * V_LANE + v_vec(g, v) * VVEC) ^ v_swz(2 * t);
+  /// Offset in the chunk of lane (g, t)'s v-th load from row 2t + p; rows 8 and 16 on are
+  /// VPITCH * 8 and * 16 further (they share the XOR of rows 2t). Unless rows are 64 bytes,
+  /// row 2t + 1's offset is VPITCH after row 2t's.
+  static __host__ __device__ constexpr int v_col(int g, int t, int v, int p) {
+    return ((2 * t + p) * VPITCH + g * V_LANE + v_vec(g, v) * VVEC) ^ v_swz(2 * t);
   }
   /// Grouped V: offset of word g of group G in row 2t + p (rows 16 apart share it).
   static __host__ __device__ constexpr int v_word(int g, int t, int p, int G) {

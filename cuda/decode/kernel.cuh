@@ -200,7 +200,6 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // (F::k_col, F::v_col: loop-invariant).
   const uint32_t k_lane = C::KC_OFF + g * F::KPITCH;
   const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
-  const uint32_t v_rows = C::VC_OFF + 2 * t * F::VPITCH;
   // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh, v_word), and whole meta rows.
   const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW;
   // Row (within the step) of V register e of k-step ks: tokens 2t, 2t+1, 2t+8, 2t+9.
@@ -434,11 +433,16 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
         for (int v = 0; v < F::VNV; ++v) {
           uint32_t w0[F::VWORDS], w1[F::VWORDS], w8[F::VWORDS], w9[F::VWORDS];
-          const uint8_t *vp = st + v_rows + F::v_col(g, t, v);
-          lds<F::VVEC>(vp + v_row(ks, 0) * F::VPITCH, w0);
-          lds<F::VVEC>(vp + v_row(ks, 1) * F::VPITCH, w1);
-          lds<F::VVEC>(vp + v_row(ks, 2) * F::VPITCH, w8);
-          lds<F::VVEC>(vp + v_row(ks, 3) * F::VPITCH, w9);
+          // Rows 2t (vp0) and 2t + 1 (vp1) of chunk ks, then 8 rows on.
+          const uint8_t *vp0 = st + C::VC_OFF + F::v_col(g, t, v, 0) + ks * kChunk * F::VPITCH;
+          const uint8_t *vp1 =
+              (F::VPITCH % 128 == 0 || !F::VSWZ)
+                  ? vp0 + F::VPITCH
+                  : st + C::VC_OFF + F::v_col(g, t, v, 1) + ks * kChunk * F::VPITCH;
+          lds<F::VVEC>(vp0, w0);
+          lds<F::VVEC>(vp1, w1);
+          lds<F::VVEC>(vp0 + 8 * F::VPITCH, w8);
+          lds<F::VVEC>(vp1 + 8 * F::VPITCH, w9);
 #pragma unroll
           for (int i = 0; i < F::VWORDS; ++i) {
             uint32_t b01[F::VCPW], b89[F::VCPW];
