@@ -195,9 +195,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // (read when used: registers are scarcer than shared-memory bandwidth).
   const float4 *kz_lane = reinterpret_cast<const float4 *>(row_z) + t;
 
-  // Lane offsets inside a stage (loop invariant): K row g, chunk t; V rows 2t.., chunk g.
-  // Other rows and loads are compile-time immediates, except rotated or swizzled load columns
-  // (F::k_col, F::v_col: loop-invariant).
+  // Lane offsets inside a stage (loop invariant): K row g; its columns (chunk t, rotated and
+  // swizzled) and V's (rows 2t.., chunk g) come from F::k_col / F::v_col / F::v_word, also loop
+  // invariant. Other rows are compile-time immediates.
   const uint32_t k_lane = C::KC_OFF + g * F::KPITCH;
   const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
   // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh, v_word), and whole meta rows.
