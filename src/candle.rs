@@ -13,7 +13,7 @@
 //! ```
 
 use crate::cuda::decode::{DecodeElement, DecodeStep, RowStrides};
-use crate::cuda::ops::{self, DeviceElement, Dtype};
+use crate::cuda::ops::{self, DeviceElement};
 use crate::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
@@ -21,7 +21,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor,
 };
-use cudarc::driver::{CudaSlice, CudaView, DevicePtr, ValidAsZeroBits};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 use std::cell::RefCell;
 
 /// The kvq handle of a candle CUDA device: its context and the stream candle queues on.
@@ -120,56 +120,71 @@ pub fn append(cache: &mut DeviceCache, slots: &Tensor, k: &Tensor, v: &Tensor) -
         cuda_storage("v", &vs)?,
         cuda_storage("slots", &ss)?,
     );
+    match k.dtype() {
+        DType::F32 => append_as::<f32>(cache, [ks, vs, ss], [k0, v0], slots, n, [kt, vt]),
+        DType::F16 => append_as::<half::f16>(cache, [ks, vs, ss], [k0, v0], slots, n, [kt, vt]),
+        DType::BF16 => append_as::<half::bf16>(cache, [ks, vs, ss], [k0, v0], slots, n, [kt, vt]),
+        other => Err(Error::Unsupported(format!(
+            "append of {other:?} K/V (f32, f16 or bf16)"
+        ))),
+    }
+}
+
+/// [`append`] once k and v are known to be `T`: takes the device pointers of k, v and the
+/// slots and launches while their cudarc guards are alive, so that the reads are recorded
+/// after the kernel is queued (a later writer on another stream waits for them).
+fn append_as<T: CudaDType + DeviceElement>(
+    cache: &mut DeviceCache,
+    [ks, vs, ss]: [&CudaStorage; 3],
+    [k0, v0]: [usize; 2],
+    slots: &Tensor,
+    n: usize,
+    [kt, vt]: [usize; 2],
+) -> Result<()> {
     let gpu = cache.gpu().clone();
     let s = gpu.stream();
-    macro_rules! ptr {
-        ($st:expr, $t:ty, $off:expr) => {{
-            let v = view::<$t>($st, $off)?;
-            let (p, _g) = v.device_ptr(s);
-            p
-        }};
-    }
-    let (kp, vp, dtype) = match k.dtype() {
-        DType::F32 => (ptr!(ks, f32, k0), ptr!(vs, f32, v0), Dtype::F32),
-        DType::F16 => (ptr!(ks, half::f16, k0), ptr!(vs, half::f16, v0), Dtype::F16),
-        DType::BF16 => (
-            ptr!(ks, half::bf16, k0),
-            ptr!(vs, half::bf16, v0),
-            Dtype::Bf16,
-        ),
-        other => {
-            return Err(Error::Unsupported(format!(
-                "append of {other:?} K/V (f32, f16 or bf16)"
-            )));
+    let (kv, vv) = (view::<T>(ks, k0)?, view::<T>(vs, v0)?);
+    let (kp, _k_guard) = kv.device_ptr(s);
+    let (vp, _v_guard) = vv.device_ptr(s);
+    let slot0 = slots.layout().start_offset();
+    let launch = |sp, i64_slots| {
+        // The tensors' last element each (offset included) lies inside their storage, which
+        // candle guarantees for a valid layout; the kernel reads rows [0, n) at these strides.
+        gpu.bind()?;
+        // SAFETY: k, v and slots are live candle storages on this context, ordered with the
+        // cache's stream by their guards (alive until this returns; candle's own stream when
+        // the cache was made from its device); rows at token strides kt / vt hold kv_heads *
+        // head_dim elements each (checked shape, contiguous heads); the cache view is a live
+        // DeviceCache.
+        unsafe {
+            ops::append_raw(
+                &cache.as_raw(),
+                cache.num_blocks(),
+                sp,
+                i64_slots,
+                n,
+                kp,
+                vp,
+                T::DTYPE,
+                kt,
+                vt,
+                cache.counters_raw(),
+                s.cu_stream(),
+            )
         }
     };
-    let (sp, i64_slots) = match slots.dtype() {
-        DType::I64 => (ptr!(ss, i64, sl.start_offset()), true),
-        DType::I32 => (ptr!(ss, i32, sl.start_offset()), false),
-        other => return Err(Error::Unsupported(format!("{other:?} slots (i64 or i32)"))),
-    };
-    // The tensors' last element each (offset included) lies inside their storage, which
-    // candle guarantees for a valid layout; the kernel reads rows [0, n) at these strides.
-    gpu.bind()?;
-    // SAFETY: k, v and slots are live candle storages on this context (their guards above
-    // ordered them with the cache's stream, candle's own when the cache was made from its
-    // device); rows at token strides kt / vt hold kv_heads * head_dim elements each (checked
-    // shape, contiguous heads); the cache view is a live DeviceCache.
-    unsafe {
-        ops::append_raw(
-            &cache.as_raw(),
-            cache.num_blocks(),
-            sp,
-            i64_slots,
-            n,
-            kp,
-            vp,
-            dtype,
-            kt,
-            vt,
-            cache.counters_raw(),
-            s.cu_stream(),
-        )
+    match slots.dtype() {
+        DType::I64 => {
+            let sv = view::<i64>(ss, slot0)?;
+            let (sp, _s_guard) = sv.device_ptr(s);
+            launch(sp, true)
+        }
+        DType::I32 => {
+            let sv = view::<i32>(ss, slot0)?;
+            let (sp, _s_guard) = sv.device_ptr(s);
+            launch(sp, false)
+        }
+        other => Err(Error::Unsupported(format!("{other:?} slots (i64 or i32)"))),
     }
 }
 
@@ -209,7 +224,7 @@ struct DecodeOp<'a> {
 }
 
 impl DecodeOp<'_> {
-    fn run<Q: DecodeElement + CudaDType, O: DeviceElement + CudaDType + ValidAsZeroBits>(
+    fn run<Q: DecodeElement + CudaDType, O: DeviceElement + CudaDType>(
         &self,
         storage: &CudaStorage,
         layout: &Layout,
@@ -227,9 +242,11 @@ impl DecodeOp<'_> {
         }
         let q = view::<Q>(storage, q0)?;
         let device: &CudaDevice = storage.device();
-        let mut out: CudaSlice<O> = device
-            .alloc_zeros::<O>(tokens * heads * d)
-            .map_err(candle_err)?;
+        // SAFETY: uninitialized device memory of O (plain numbers): the decode kernel writes
+        // every element of the step's rows (rows of empty sequences as zeros) before any read,
+        // and an error below drops it unread. No memset per step.
+        let mut out: CudaSlice<O> =
+            unsafe { device.alloc::<O>(tokens * heads * d) }.map_err(candle_err)?;
         let q_rows = RowStrides {
             seq: self.q_len * qt,
             token: qt,
