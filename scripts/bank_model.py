@@ -87,10 +87,7 @@ def v_layout(bits, d, grouped):
     vch = row // 8
     vvec = 8 if grouped else load_width(vch)
     vnv = max(1, vch // vvec)
-    if grouped:
-        swz_on = row in (32, 64) or row % 128 == 0
-    else:
-        swz_on = (vvec == 16 and row % 128 == 0) or (vvec == 8 and row == 64)
+    swz_on = row % 128 == 0 or row in (32, 64)
     pitch = row if swz_on else row + 16
     swz = (lambda r: ((r >> 1) & 3) << 5) if swz_on else (lambda r: 0)
     extra = 0

@@ -131,8 +131,6 @@ struct Frag {
       return (KC_ROW == 32 ? (r >> 2) & 1 : KC_ROW == 64 ? (r >> 1) & 3 : r & 7) << 4;
     else return (r & 1) << (KNV == 2 ? 5 : 6);
   }
-  /// Rows after which k_swz repeats.
-  static constexpr int K_SWZ_PERIOD = !KSWZ ? 1 : KC::kGroupFrags ? 8 : 2;
   /// Grouped K (ldmatrix x4): offset in the chunk of the row lane supplies for groups 2 G2 and
   /// 2 G2 + 1: rows 0-7 (lanes 8m.., m even) or 8-15, first (m < 2) or second 16-byte group.
   static __host__ __device__ constexpr int k_ldsm(int lane, int G2) {
@@ -182,9 +180,7 @@ struct Frag {
   // 32-byte units XORed by (row / 2) % 4 (VSWZ; v_swz), which puts rows 2t of lanes t on
   // distinct bank groups while every copied sector lands whole; other rows are padded by 16
   // bytes. With several 16-byte loads per lane, odd lanes g read theirs in the other order.
-  static constexpr bool VSWZ =
-      VC::kGroupFrags ? (VC_ROW == 32 || VC_ROW == 64 || VC_ROW % 128 == 0)
-                      : (VVEC == 16 && VC_ROW % 128 == 0) || (VVEC == 8 && VC_ROW == 64);
+  static constexpr bool VSWZ = VC_ROW % 128 == 0 || VC_ROW == 64 || VC_ROW == 32;
   static constexpr int VPITCH = VSWZ ? VC_ROW : VC_ROW + 16;
   static __host__ __device__ constexpr int v_rot(int g) {
     return (VVEC == 16 && VNV >= 2) ? (g & 1) : 0;
@@ -194,7 +190,6 @@ struct Frag {
   /// The XOR on byte offsets of V row r as stored (32-byte units only; rows of 64 bytes
   /// exchange units with the other row of their 128-byte line).
   static __host__ __device__ constexpr int v_swz(int r) { return VSWZ ? ((r >> 1) & 3) << 5 : 0; }
-  static constexpr int V_SWZ_PERIOD = VSWZ ? 8 : 1;  // rows after which v_swz repeats
 
   /// Head-dim index of the column that lane g supplies to n-tile j (= v * VEV + c); grouped V
   /// codecs (INT4) keep each n-tile inside one group instead (their v_dim).
@@ -209,15 +204,15 @@ struct Frag {
   /// Bytes between the row chunks of lanes g and g + 1: VCH, or one word of each group for
   /// grouped V codes (lane g reads word g of every group).
   static constexpr int V_LANE = VC::kGroupFrags ? 4 : VCH;
-  /// Offset in the chunk of lane (g, t)'s v-th load from row 2t + p; rows 8 and 16 on are
-  /// VPITCH * 8 and * 16 further (they share the XOR of rows 2t). Unless rows are 64 bytes,
-  /// row 2t + 1's offset is VPITCH after row 2t's.
-  static __host__ __device__ constexpr int v_col(int g, int t, int v, int p) {
-    return ((2 * t + p) * VPITCH + g * V_LANE + v_vec(g, v) * VVEC) ^ v_swz(2 * t);
+  /// Byte of lane g's v-th load in a V row (ungrouped V; grouped V reads word g of each group).
+  static __host__ __device__ constexpr int v_col(int g, int v) {
+    return g * V_LANE + v_vec(g, v) * VVEC;
   }
-  /// Grouped V: offset of word g of group G in row 2t + p (rows 16 apart share it).
-  static __host__ __device__ constexpr int v_word(int g, int t, int p, int G) {
-    return ((2 * t + p) * VPITCH + G * 32 + 4 * g) ^ v_swz(2 * t);
+  /// Offset in the chunk of byte `col` of V row 2t + p as stored. Rows 8 and 16 on are VPITCH
+  /// * 8 and * 16 further (they share the XOR of rows 2t); unless rows are shorter than 128
+  /// bytes, row 2t + 1's offset is VPITCH after row 2t's.
+  static __host__ __device__ constexpr int v_at(int t, int p, int col) {
+    return ((2 * t + p) * VPITCH + col) ^ v_swz(2 * t);
   }
 
   /// Grouped V: groups per row.

@@ -196,11 +196,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const float4 *kz_lane = reinterpret_cast<const float4 *>(row_z) + t;
 
   // Lane offsets inside a stage (loop invariant): K row g; its columns (chunk t, rotated and
-  // swizzled) and V's (rows 2t.., chunk g) come from F::k_col / F::v_col / F::v_word, also loop
-  // invariant. Other rows are compile-time immediates.
+  // swizzled) and V's (rows 2t.., chunk g) come from F::k_col / F::v_at, also loop invariant.
+  // Other rows are compile-time immediates.
   const uint32_t k_lane = C::KC_OFF + g * F::KPITCH;
   const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
-  // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh, v_word), and whole meta rows.
+  // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh, V_LANE), and whole meta rows.
   const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW;
   // Row (within the step) of V register e of k-step ks: tokens 2t, 2t+1, 2t+8, 2t+9.
   auto v_row = [](int ks, int e) { return ks * kChunk + (e & 1) + 8 * (e >> 1); };
@@ -414,8 +414,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           const uint32_t pg0 = h2_bits(__hmul2(bits_h2(pb0), __hmul2(bits_h2(s01), k4)));
           const uint32_t pg1 = h2_bits(__hmul2(bits_h2(pb1), __hmul2(bits_h2(s89), k4)));
           // Word g of group G in rows 2t (vp0) and 2t + 1 (vp1), then 8 rows on.
-          const uint8_t *vp0 = st + C::VC_OFF + F::v_word(g, t, 0, G) + ks * kChunk * F::VPITCH;
-          const uint8_t *vp1 = st + C::VC_OFF + F::v_word(g, t, 1, G) + ks * kChunk * F::VPITCH;
+          const int col = G * 32 + g * F::V_LANE;
+          const uint8_t *vp0 = st + C::VC_OFF + F::v_at(t, 0, col) + ks * kChunk * F::VPITCH;
+          const uint8_t *vp1 = st + C::VC_OFF + F::v_at(t, 1, col) + ks * kChunk * F::VPITCH;
           const uint32_t w0 = *reinterpret_cast<const uint32_t *>(vp0);
           const uint32_t w1 = *reinterpret_cast<const uint32_t *>(vp1);
           const uint32_t w8 = *reinterpret_cast<const uint32_t *>(vp0 + 8 * F::VPITCH);
@@ -434,11 +435,12 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         for (int v = 0; v < F::VNV; ++v) {
           uint32_t w0[F::VWORDS], w1[F::VWORDS], w8[F::VWORDS], w9[F::VWORDS];
           // Rows 2t (vp0) and 2t + 1 (vp1) of chunk ks, then 8 rows on.
-          const uint8_t *vp0 = st + C::VC_OFF + F::v_col(g, t, v, 0) + ks * kChunk * F::VPITCH;
+          const int col = F::v_col(g, v);
+          const uint8_t *vp0 = st + C::VC_OFF + F::v_at(t, 0, col) + ks * kChunk * F::VPITCH;
           const uint8_t *vp1 =
               (F::VPITCH % 128 == 0 || !F::VSWZ)
                   ? vp0 + F::VPITCH
-                  : st + C::VC_OFF + F::v_col(g, t, v, 1) + ks * kChunk * F::VPITCH;
+                  : st + C::VC_OFF + F::v_at(t, 1, col) + ks * kChunk * F::VPITCH;
           lds<F::VVEC>(vp0, w0);
           lds<F::VVEC>(vp1, w1);
           lds<F::VVEC>(vp0 + 8 * F::VPITCH, w8);

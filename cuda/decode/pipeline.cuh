@@ -27,12 +27,18 @@ __device__ __forceinline__ int copy_row_of(int lane) {
   }
 }
 
-/// Rows stored as they are. A swizzle policy gives the XOR on the byte offsets of row r
-/// (swz) and the number of rows after which it repeats (kPeriod).
+/// Rows stored as they are. A swizzle policy gives the XOR on the byte offsets of row r (swz).
 struct NoSwizzle {
-  static constexpr int kPeriod = 1;
   static __host__ __device__ constexpr int swz(int) { return 0; }
 };
+
+/// Whether Swz gives every row of a chunk the XOR of the row `step` rows on.
+template <class Swz>
+__host__ __device__ constexpr bool repeats_every(int step) {
+  for (int r = 0; r < kChunk; ++r)
+    if (Swz::swz(r) != Swz::swz(r + step)) return false;
+  return true;
+}
 
 /// Queue the copy of 16 rows of ROW bytes starting at `src` (global) into shared-memory rows of
 /// PITCH bytes starting at `dst` (rows shorter than 16 bytes are packed: PITCH == ROW). Packed
@@ -50,8 +56,8 @@ __device__ __forceinline__ void copy_rows(uint32_t dst, const uint8_t *src, uint
   if constexpr (PIECES > 0) {
     if constexpr (PITCH == ROW) {
       const int l16 = (lane & 31) * 16;
-      if constexpr (512 % ROW == 0 && (512 / ROW) % Swz::kPeriod == 0) {
-        // Every pass starts Swz's period over: one swizzled offset per lane.
+      if constexpr (512 % ROW == 0 && repeats_every<Swz>(512 / ROW)) {
+        // Every pass has the first one's XOR: one swizzled offset per lane.
         const int d0 = l16 ^ Swz::swz(l16 / ROW);
 #pragma unroll
         for (int i = 0; i < (PIECES + 31) / 32; ++i)
@@ -141,11 +147,9 @@ template <class F, class C>
 struct StepIssue {
   static constexpr int CH = C::CH;
   struct KSwizzle {
-    static constexpr int kPeriod = F::K_SWZ_PERIOD;
     static __host__ __device__ constexpr int swz(int r) { return F::k_swz(r); }
   };
   struct VSwizzle {
-    static constexpr int kPeriod = F::V_SWZ_PERIOD;
     static __host__ __device__ constexpr int swz(int r) { return F::v_swz(r); }
   };
   const int &my_steps;

@@ -13,7 +13,8 @@
 namespace kvq_decode {
 
 constexpr int kMaxWarps = KVQ_DECODE_WARPS_LARGE;  // warps per CTA: 4 or 8 (blockDim.x / 32)
-constexpr int kChunk = KVQ_DECODE_CHUNK_TOKENS;  // tokens per copy chunk: one page segment, one MMA M / k-step
+// Tokens per copy chunk: one page segment, one MMA M / k-step.
+constexpr int kChunk = KVQ_DECODE_CHUNK_TOKENS;
 static_assert(kChunk == 16, "the MMA's M is 16 tokens");
 constexpr int kRows = KVQ_DECODE_TILE_ROWS;  // query rows per CTA: the MMA N (8)
 constexpr float kLog2e = 1.4426950408889634f;
