@@ -205,9 +205,11 @@ mod tests {
     #[test]
     fn launch_choice() {
         use KvFormat::*;
-        let bf16 = ((Bf16, Bf16), 8960); // bytes per stage at head_dim 128: 16 tokens, padded
-        let fp8 = ((Fp8E4m3, Fp8E4m3), 4608);
-        let int4 = ((Int4Sym32, Int4Affine64), 5632); // 32 tokens
+        // Bytes per stage at head_dim 128 (decode/plan.cuh's Cfg::STAGE): 16 tokens of 16-bit
+        // K rows padded to 288 bytes and V rows of 256; FP8 rows unpadded; 32 INT4 tokens.
+        let bf16 = ((Bf16, Bf16), 8704);
+        let fp8 = ((Fp8E4m3, Fp8E4m3), 4096);
+        let int4 = ((Int4Sym32, Int4Affine64), 4608);
         // (warps, stages, blocks per SM, splits, split length); `regs`: 4-warp blocks per SM
         // that registers allow.
         let pick = |base, len, (formats, stage), regs| {
