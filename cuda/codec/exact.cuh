@@ -70,21 +70,24 @@ __device__ __forceinline__ float nibble_s_to_f32(uint32_t nibble) {
   return __fsub_rn(__uint_as_float(0x4B000000u | (nibble ^ 8u)), 8388616.0f);
 }
 
-// Pack E INT4 nibbles (element 2i low) into E / 8 words via the fast exact path; returns false
-// (and leaves garbage) when some element must be recomputed exactly. `num(i)` is element i's
-// numerator, [num_min, num_max] bounds them all (it lets typical groups skip the clamp). Codes
-// lie in [lo, hi], within [-Bias, 15 - Bias]: Bias 8 for symmetric codes, 0 for affine ones.
+// Pack E INT4 nibbles (element 2i low) into E / 8 words via the fast exact path; returns a mask
+// of the words (bit j: word j) holding an element the fast path could not decide, which the
+// caller redoes with int4_word_careful. `num(i)` is element i's numerator, [num_min, num_max]
+// bounds them all (it lets typical groups skip the clamp). Codes lie in [lo, hi], within
+// [-Bias, 15 - Bias]: Bias 8 for symmetric codes, 0 for affine ones.
 template <int E, int Bias, typename Num>
-__device__ __forceinline__ bool int4_pack_fast(uint32_t (&w)[E / 8], float rc, float lo, float hi,
-                                               float num_min, float num_max, Num num) {
+__device__ __forceinline__ uint32_t int4_pack_fast(uint32_t (&w)[E / 8], float rc, float lo,
+                                                   float hi, float num_min, float num_max,
+                                                   Num num) {
   static_assert(Bias == 0 || Bias == 8, "codes are -8..7 or 0..15");
-  bool ambiguous = false;
+  uint32_t undecided = 0;
   if (int4_fits_unclamped(num_min, num_max, rc, lo, hi)) {
     // Biased codes are 0..15 with zeros up to bit 21, so four of them shifted into place and
     // added give 16 clean bits; a byte permute joins two such halves, and xor-ing the bias
     // out of every nibble turns code + 8 into the two's-complement nibble.
 #pragma unroll
     for (int j = 0; j < E / 8; ++j) {
+      bool ambiguous = false;
       uint32_t half[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -95,18 +98,49 @@ __device__ __forceinline__ bool int4_pack_fast(uint32_t (&w)[E / 8], float rc, f
         half[h] = acc;
       }
       w[j] = __byte_perm(half[0], half[1], 0x5410) ^ (Bias == 8 ? 0x88888888u : 0u);
+      undecided |= (ambiguous ? 1u : 0u) << j;
     }
   } else {
 #pragma unroll
     for (int j = 0; j < E / 8; ++j) {
+      bool ambiguous = false;
       uint32_t word = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
         word |= int4_nibble_clamped(num(8 * j + i), rc, lo, hi, ambiguous) << (4 * i);
       w[j] = word;
+      undecided |= (ambiguous ? 1u : 0u) << j;
     }
   }
-  return !ambiguous;
+  return undecided;
+}
+
+// rne(fl(num / s)) clamped to [lo, hi], as a nibble: the exact code, for the elements the fast
+// path leaves undecided. Out of line because it is rare: inlined at every element's site, the
+// divisions made the quantizers' code outgrow the instruction cache (append's INT4 K pass lost
+// a third of its issue slots waiting for instructions).
+static __device__ __noinline__ uint32_t int4_nibble_exact(float num, float s, float lo, float hi) {
+  const float q = rintf(__fdiv_rn(num, s));
+  return (uint32_t)(int)fminf(fmaxf(q, lo), hi) & 0xFu;
+}
+
+// Word j of the codes (elements 8j..8j+7) with every element decided: the fast clamped code
+// where it decides, the exact code where it does not (s: the scale, rc = __frcp_rn(s)). Data on
+// a grid commensurate with the scale puts a few elements on rounding ties, so this redoes one
+// word and divides only for its undecided elements, not for the whole chunk.
+template <typename Num>
+__device__ __forceinline__ uint32_t int4_word_careful(int j, float s, float rc, float lo, float hi,
+                                                      Num num) {
+  uint32_t word = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    bool ambiguous = false;
+    const float x = num(8 * j + i);
+    uint32_t nibble = int4_nibble_clamped(x, rc, lo, hi, ambiguous);
+    if (ambiguous) nibble = int4_nibble_exact(x, s, lo, hi);
+    word |= nibble << (4 * i);
+  }
+  return word;
 }
 
 }  // namespace kvq

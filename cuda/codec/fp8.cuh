@@ -79,6 +79,13 @@ __device__ __forceinline__ uint16_t fp8x2_quantize_fast(float x0, float x1, cons
   return lo;
 }
 
+// The codes of (x0, x1) / s by correctly rounded division, for the pairs the bracket leaves
+// undecided. Out of line because it is rare (see int4_nibble_exact).
+template <int F>
+static __device__ __noinline__ uint16_t fp8x2_encode_exact(float x0, float x1, float s) {
+  return fp8x2_encode<F>(make_float2(__fdiv_rn(x0, s), __fdiv_rn(x1, s)));
+}
+
 // ---- decode-kernel unpacking ---------------------------------------------------------------
 
 /// Two E4M3 codes (bytes 0 and 1 of `w`) and (bytes 2 and 3) → two f16x2.
@@ -130,9 +137,7 @@ template <int F> struct Fp8Codec : UngroupedRows<16, 8> {
     if (__builtin_expect(undecided != 0, 0)) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        if (undecided & (1u << i))
-          h[i] =
-              fp8x2_encode<F>(make_float2(__fdiv_rn(v(2 * i), s), __fdiv_rn(v(2 * i + 1), s)));
+        if (undecided & (1u << i)) h[i] = fp8x2_encode_exact<F>(v(2 * i), v(2 * i + 1), s);
       }
     }
     if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;

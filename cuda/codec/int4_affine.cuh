@@ -93,16 +93,16 @@ template <> struct Codec<kInt4Affine64> {
     const float sf = __half2float(s), zf = __half2float(z);
     uint4 raw = make_uint4(0, 0, 0, 0);
     uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
-    if (sf != 0.0f &&
-        !int4_pack_fast<kEpt, 0>(w, __frcp_rn(sf), 0.0f, 15.0f, __fsub_rn(own_mn, zf),
-                                 __fsub_rn(own_mx, zf),
-                                 [&](int i) { return __fsub_rn(v(i), zf); })) {
+    if (sf != 0.0f) {
+      const float rc = __frcp_rn(sf);
+      auto num = [&](int i) { return __fsub_rn(v(i), zf); };
+      const uint32_t undecided = int4_pack_fast<kEpt, 0>(
+          w, rc, 0.0f, 15.0f, __fsub_rn(own_mn, zf), __fsub_rn(own_mx, zf), num);
+      if (__builtin_expect(undecided != 0, 0)) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        w[j] = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          w[j] |= (uint32_t)int4_affine_code(v(8 * j + i), sf, zf) << (4 * i);
+        for (int j = 0; j < 4; ++j)
+          if (undecided & (1u << j))
+            w[j] = int4_word_careful(j, sf, rc, 0.0f, 15.0f, num);
       }
     }
     if (active) {

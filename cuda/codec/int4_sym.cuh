@@ -89,14 +89,15 @@ template <> struct Codec<kInt4Sym32> {
     const float sf = __half2float(s);
     uint4 raw = make_uint4(0, 0, 0, 0);
     uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
-    if (sf != 0.0f && !int4_pack_fast<kEpt, 8>(w, __frcp_rn(sf), -7.0f, 7.0f, -amax, amax,
-                                               [&](int i) { return v(i); })) {
+    if (sf != 0.0f) {
+      const float rc = __frcp_rn(sf);
+      auto num = [&](int i) { return v(i); };
+      const uint32_t undecided = int4_pack_fast<kEpt, 8>(w, rc, -7.0f, 7.0f, -amax, amax, num);
+      if (__builtin_expect(undecided != 0, 0)) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        w[j] = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          w[j] |= (uint32_t)(int4_sym_code(v(8 * j + i), sf) & 0xF) << (4 * i);
+        for (int j = 0; j < 4; ++j)
+          if (undecided & (1u << j))
+            w[j] = int4_word_careful(j, sf, rc, -7.0f, 7.0f, num);
       }
     }
     if (active) {
