@@ -188,85 +188,100 @@ struct DenseRows {
 template <typename In, int F>
 constexpr bool kPackedInt4 = sizeof(In) == 2 && Codec<F>::kPackedExtremes;
 
-// Rows each append thread handles: their loads are issued together, so more bytes are in flight
-// per thread (latency hiding at the occupancy the quantizers' registers allow), and the
-// per-thread setup is shared. f32 input already loads twice the bytes per row.
-template <typename In> constexpr int kAppendRows = sizeof(In) == 4 ? 1 : 2;
+// Rows each append thread handles, and the blocks per SM its registers must allow (launch
+// bounds). A thread issues the loads of all its rows, then quantizes them one by one: more bytes
+// in flight per thread, and the per-thread setup shared. Keeping the next rows' loads in flight
+// while quantizing one (a software pipeline over 4-16 rows) measured 2-30 % slower on the H200
+// (PERFORMANCE.md, "Append"). f32 input already loads twice the bytes per row.
+// KVQ_APPEND_ROWS and KVQ_APPEND_MIN_BLOCKS override the picks (scripts/append_sweep.cu).
+template <typename In> struct AppendTuning {
+#ifdef KVQ_APPEND_ROWS
+  static constexpr int kRows = KVQ_APPEND_ROWS, kMinBlocks = KVQ_APPEND_MIN_BLOCKS;
+#else
+  static constexpr int kRows = sizeof(In) == 4 ? 1 : 2, kMinBlocks = 3;
+#endif
+};
 
-// Three blocks per SM: the INT4 quantizers then get about 80 registers, and with two rows per
-// thread that keeps enough loads in flight to cover memory latency.
+// The input chunk of one of a thread's rows, with where it goes; slot -1 when the row has
+// nothing to append (past the end, or a skipped token).
+template <typename In, int E> struct PendingRow {
+  RawChunk<In, E> raw;
+  uint32_t head;
+  int64_t slot;
+};
+
 template <typename In, int F>
-__global__ void __launch_bounds__(kThreadsPerBlock, 3)
+__global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In>::kMinBlocks)
     append_kernel(RowShape shape, const In *__restrict__ x, int64_t token_stride,
                   uint32_t num_tokens, const void *__restrict__ slots, int slots_i64,
                   int64_t num_slots, PagedSide side, int count_out_of_range,
                   unsigned long long *counters) {
   using C = Codec<F>;
   constexpr int E = C::kEpt;
-  constexpr int R = kAppendRows<In>;
+  constexpr int R = AppendTuning<In>::kRows;
   const RowGrid g = row_grid(shape, blockIdx.x * R);
   const int chunk = g.chunk;
   const bool in_block = g.in_block;
 
   // Block b serves rows [b * R * rows_per_block, (b + 1) * R * rows_per_block): row k of this
-  // thread is its row of the block's first slab, k slabs further. First issue every row's
-  // input and slot loads.
-  RawChunk<In, E> raw[R];
-  uint32_t token[R], head[R];
-  int64_t slot[R];
-#pragma unroll
-  for (int k = 0; k < R; ++k) {
+  // thread is its row of the block's first slab, k slabs further.
+  auto issue = [&](int k, PendingRow<In, E> &p) {
     const uint32_t row = g.row + k * (uint32_t)shape.rows_per_block;
-    token[k] = side.by_heads.div(row);
-    head[k] = row - token[k] * side.num_heads;
-    slot[k] = -1;
-    if (in_block && token[k] < num_tokens) {
-      load_raw<In, E>(x + token[k] * token_stride + head[k] * shape.head_dim + chunk * E, raw[k]);
-      slot[k] = slots_i64 ? static_cast<const int64_t *>(slots)[token[k]]
-                          : (int64_t) static_cast<const int32_t *>(slots)[token[k]];
+    const uint32_t token = side.by_heads.div(row);
+    p.head = row - token * side.num_heads;
+    p.slot = -1;
+    if (in_block && token < num_tokens) {
+      load_raw<In, E>(x + token * token_stride + p.head * shape.head_dim + chunk * E, p.raw);
+      p.slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
+                         : (int64_t) static_cast<const int32_t *>(slots)[token];
     }
-  }
+  };
   uint32_t non_finite = 0, out_of_range = 0;
-#pragma unroll
-  for (int k = 0; k < R; ++k) {
+  // Every lane of the warp quantizes each k (the INT4 V group reduction shuffles).
+  auto quantize = [&](PendingRow<In, E> &p) {
     // A slot past the pool is an error the host learns about through the counter.
-    out_of_range += count_out_of_range && slot[k] >= num_slots && head[k] == 0 && chunk == 0;
-    const bool active = slot[k] >= 0 && slot[k] < num_slots;  // -1 also for rows past the end
+    out_of_range += count_out_of_range && p.slot >= num_slots && p.head == 0 && chunk == 0;
+    const bool active = p.slot >= 0 && p.slot < num_slots;  // -1 also for rows past the end
     RowRef r = {};
     if (active) {
-      const uint32_t block = side.by_block_size.div((uint32_t)slot[k]);
-      r = side.row(block, (uint32_t)slot[k] - block * side.block_size, head[k]);
+      const uint32_t block = side.by_block_size.div((uint32_t)p.slot);
+      r = side.row(block, (uint32_t)p.slot - block * side.block_size, p.head);
     }
     if constexpr (kPackedInt4<In, F>) {
       // INT4 from f16 / bf16: extremes on packed pairs, values widened as the codes need them.
       Extremes own = {0.0f, 0.0f};
       bool needs_clamp = false;
       if (active) {
-        if (!C::packed_extremes(raw[k], own)) {
-          non_finite += scrub_raw<In, E>(raw[k]);
-          C::packed_extremes(raw[k], own);
+        if (!C::packed_extremes(p.raw, own)) {
+          non_finite += scrub_raw<In, E>(p.raw);
+          C::packed_extremes(p.raw, own);
         }
-        // Only bf16 can exceed ±65504 once scrubbed; the clamp is monotonic, so it commutes
-        // with taking extremes.
-        needs_clamp = own.lo < -kF16Max || own.hi > kF16Max;
+        // Only bf16 can exceed ±65504 once scrubbed (f16 never takes the clamped copy of the
+        // encoder); the clamp is monotonic, so it commutes with taking extremes.
+        needs_clamp = !std::is_same<In, __half>::value && (own.lo < -kF16Max || own.hi > kF16Max);
         own.lo = fmaxf(own.lo, -kF16Max);
         own.hi = fminf(own.hi, kF16Max);
       } else {
-        raw[k] = {};
+        p.raw = {};
       }
       const Extremes group = C::group_extremes(own);
       if (__builtin_expect(needs_clamp, 0))
-        C::encode(RawValues<In, E, true>{raw[k]}, own, group, chunk, r, active);
+        C::encode(RawValues<In, E, true>{p.raw}, own, group, chunk, r, active);
       else
-        C::encode(RawValues<In, E, false>{raw[k]}, own, group, chunk, r, active);
+        C::encode(RawValues<In, E, false>{p.raw}, own, group, chunk, r, active);
     } else {
       float v[E] = {};
-      if (active) non_finite += sanitize_raw<In, E>(raw[k], v);
+      if (active) non_finite += sanitize_raw<In, E>(p.raw, v);
       const Extremes own = C::extremes(v);
-      C::encode([&](int i) { return v[i]; }, own, C::group_extremes(own), chunk, r,
-                         active);
+      C::encode([&](int i) { return v[i]; }, own, C::group_extremes(own), chunk, r, active);
     }
-  }
+  };
+
+  PendingRow<In, E> rows[R];
+#pragma unroll
+  for (int k = 0; k < R; ++k) issue(k, rows[k]);
+#pragma unroll
+  for (int k = 0; k < R; ++k) quantize(rows[k]);
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
   if (count_out_of_range)
     warp_count(counters ? counters + KVQ_COUNTER_OUT_OF_RANGE : nullptr, out_of_range);
@@ -501,7 +516,8 @@ extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void
       using In = typename decltype(in)::type;
       return with_format<false>(format, [&](auto f) {
         const RowShape shape(side.head_dim, Codec<decltype(f)::value>::kEpt);
-        const unsigned grid = shape.blocks(num_tokens * side.num_heads, kAppendRows<In>);
+        const unsigned grid =
+            shape.blocks(num_tokens * side.num_heads, AppendTuning<In>::kRows);
         append_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
             shape, static_cast<const In *>(x), stride, (uint32_t)num_tokens, slots,
             slots_i64 != 0, num_slots, side, count_out_of_range, counters);
