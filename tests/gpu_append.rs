@@ -195,33 +195,53 @@ fn download<T: DeviceElement>(gpu: &Gpu, x: &cudarc::driver::CudaSlice<T>) -> Ve
 
 // ---- append ------------------------------------------------------------------------------
 
-/// One append round-trip: random (or edge) K/V for `tokens` tokens, some of them padding (slot
-/// -1), into shuffled slots; GPU pool bytes and non-finite count must equal the CPU's, and the
-/// whole pool gathered as one sequence must dequantize to the CPU's values bit for bit.
-fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u64, edge: bool) {
+/// The K / V values of an append test.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Data {
+    /// `random_rows`, FP8 scales calibrated per head.
+    Random,
+    /// `edge_rows` (K, and V in reverse), FP8 scale 0.25.
+    Edge,
+    /// The append bench's values: 2001 values 0.01 apart in [-10, 10], FP8 scale 10 / 448, so that
+    /// many elements sit exactly on rounding ties of x / scale (every warp takes the encoders'
+    /// exact fallbacks).
+    Grid,
+}
+
+/// One append round-trip: K/V of `data` for `tokens` tokens, some of them padding (slot -1), into
+/// shuffled slots; GPU pool bytes and non-finite count must equal the CPU's, and the whole pool
+/// gathered as one sequence must dequantize to the CPU's values bit for bit.
+fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u64, data: Data) {
     let num_blocks = 3 + tokens / config.block_size;
     let mut rng = Rng(seed);
     let row = config.num_kv_heads * config.head_dim;
-    let s_edge = 0.25;
-    let (k32, v32) = if edge {
-        (
-            edge_rows(tokens * config.num_kv_heads, config.head_dim, s_edge),
-            edge_rows(tokens * config.num_kv_heads, config.head_dim, s_edge)
+    let rows = tokens * config.num_kv_heads;
+    let grid = |i: usize| ((i * 2_654_435_761) % 2001) as f32 / 100.0 - 10.0;
+    let (k32, v32, fp8_scale): (Vec<f32>, Vec<f32>, Option<f32>) = match data {
+        Data::Random => (
+            random_rows(&mut rng, rows, config.head_dim),
+            random_rows(&mut rng, rows, config.head_dim),
+            None,
+        ),
+        Data::Edge => (
+            edge_rows(rows, config.head_dim, 0.25),
+            edge_rows(rows, config.head_dim, 0.25)
                 .into_iter()
                 .rev()
                 .collect(),
-        )
-    } else {
-        (
-            random_rows(&mut rng, tokens * config.num_kv_heads, config.head_dim),
-            random_rows(&mut rng, tokens * config.num_kv_heads, config.head_dim),
-        )
+            Some(0.25),
+        ),
+        Data::Grid => (
+            (0..rows * config.head_dim).map(grid).collect(),
+            (0..rows * config.head_dim).map(|i| grid(i + 977)).collect(),
+            Some(10.0 / 448.0),
+        ),
     };
     let (k, v) = (to_input::<T>(&k32), to_input::<T>(&v32));
 
     let mut host = HostCache::new(config, num_blocks).unwrap();
-    if edge {
-        let s = vec![s_edge; config.num_kv_heads];
+    if let Some(s) = fp8_scale {
+        let s = vec![s; config.num_kv_heads];
         host.set_scales(&s, &s).unwrap();
     } else {
         host.calibrate_fp8_scales(&k, &v, ScaleGranularity::PerHead)
@@ -253,7 +273,7 @@ fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u
     let back = dev.to_host().unwrap();
     if let Some(m) = pool_mismatch(&host, &back) {
         panic!(
-            "append ({} input, edge {edge}): {m}",
+            "append ({} input, {data:?} data): {m}",
             std::any::type_name::<T>()
         );
     }
@@ -294,9 +314,9 @@ fn append_matches_cpu_every_format_pair_and_shape() {
                     let tokens = block_size + 19;
                     seed += 1;
                     match seed % 3 {
-                        0 => check_append::<f32>(&gpu, c, tokens, seed, false),
-                        1 => check_append::<f16>(&gpu, c, tokens, seed, false),
-                        _ => check_append::<bf16>(&gpu, c, tokens, seed, false),
+                        0 => check_append::<f32>(&gpu, c, tokens, seed, Data::Random),
+                        1 => check_append::<f16>(&gpu, c, tokens, seed, Data::Random),
+                        _ => check_append::<bf16>(&gpu, c, tokens, seed, Data::Random),
                     }
                     configs += 1;
                 }
@@ -315,17 +335,17 @@ fn append_edge_values_match_cpu() {
         for kf in KvFormat::ALL {
             for vf in [KvFormat::Int4Affine64, kf] {
                 let c = CacheConfig::new(3, head_dim, 16, kf, vf).unwrap();
-                check_append::<f32>(&gpu, c, 40, 7, true);
-                check_append::<f16>(&gpu, c, 40, 8, true);
-                check_append::<bf16>(&gpu, c, 40, 9, true);
+                check_append::<f32>(&gpu, c, 40, 7, Data::Edge);
+                check_append::<f16>(&gpu, c, 40, 8, Data::Edge);
+                check_append::<bf16>(&gpu, c, 40, 9, Data::Edge);
             }
         }
     }
 }
 
-/// Long appends: the kernel streams rows through a ring of shared-memory buffers per thread
-/// block, which only wraps around after about a thousand slabs of rows; 20,000 tokens of 8 KV
-/// heads wrap it many times for every format.
+/// Long appends: 20,000 tokens of 8 KV heads, thousands of thread blocks, for every format and
+/// input type; then the bench's grid data, on whose rounding ties most warps take the encoders'
+/// exact fallbacks (INT4 per undecided word, FP8 per undecided pair).
 #[test]
 fn long_appends_match_cpu() {
     let Some(gpu) = require_gpu_or_skip("long_appends_match_cpu") else {
@@ -342,15 +362,20 @@ fn long_appends_match_cpu() {
         let c = CacheConfig::new(8, 128, 16, kf, vf).unwrap();
         let seed = 100 + i as u64;
         match i % 3 {
-            0 => check_append::<f16>(&gpu, c, 20_000, seed, false),
-            1 => check_append::<f32>(&gpu, c, 20_000, seed, false),
-            _ => check_append::<bf16>(&gpu, c, 20_000, seed, false),
+            0 => check_append::<f16>(&gpu, c, 20_000, seed, Data::Random),
+            1 => check_append::<f32>(&gpu, c, 20_000, seed, Data::Random),
+            _ => check_append::<bf16>(&gpu, c, 20_000, seed, Data::Random),
         }
     }
-    // Every input type with INT4 on both sides (the pipelined kernel differs per input type).
+    // Every input type with INT4 on both sides (the kernel differs per input type).
     let c = CacheConfig::new(8, 128, 16, Int4Sym32, Int4Affine64).unwrap();
-    check_append::<f32>(&gpu, c, 20_000, 7, false);
-    check_append::<bf16>(&gpu, c, 20_000, 8, false);
+    check_append::<f32>(&gpu, c, 20_000, 7, Data::Random);
+    check_append::<bf16>(&gpu, c, 20_000, 8, Data::Random);
+    for (kf, vf) in [(Int4Sym32, Int4Affine64), (Fp8E4m3, Fp8E5m2)] {
+        let c = CacheConfig::new(8, 128, 16, kf, vf).unwrap();
+        check_append::<f16>(&gpu, c, 20_000, 9, Data::Grid);
+        check_append::<bf16>(&gpu, c, 20_000, 10, Data::Grid);
+    }
 }
 
 #[test]
