@@ -1,7 +1,10 @@
 //! Quantize-on-append throughput on the GPU, timed with CUDA events (not host clocks).
 //!
 //! Input: K and V `[tokens, 8 kv heads, 128]` f16, 1 GiB together (well past L2), appended into
-//! pages in shuffled order as an engine would. Throughput counts every byte the kernel must move:
+//! pages in shuffled order as an engine would, with two kinds of values: `grid` (2001 values
+//! 0.01 apart in [-10, 10]: many land exactly on rounding ties of x / scale, which the encoders'
+//! fast paths cannot decide and redo by division) and `random` (uniform in [-10, 10), f16-rounded:
+//! ties as rare as in real activations). Throughput counts every byte the kernel must move:
 //! K/V read + slot mapping read + codes and metadata written. The same run measures a 2 GiB
 //! device-to-device copy (read + write bytes) and prints each append as a fraction of it.
 //!
@@ -38,12 +41,40 @@ struct Inputs {
     slots: CudaSlice<i64>,
 }
 
+/// The input values: element i of K (and of V).
+#[derive(Clone, Copy)]
+enum Values {
+    Grid,
+    Random,
+}
+
+impl Values {
+    fn name(self) -> &'static str {
+        match self {
+            Values::Grid => "grid",
+            Values::Random => "random",
+        }
+    }
+
+    fn at(self, i: usize) -> f32 {
+        match self {
+            Values::Grid => ((i * 2_654_435_761) % 2001) as f32 / 100.0 - 10.0,
+            Values::Random => {
+                // splitmix64 of i: 24 uniform bits → [-10, 10).
+                let mut z = (i as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                (z >> 40) as f32 / (1u64 << 24) as f32 * 20.0 - 10.0
+            }
+        }
+    }
+}
+
 impl Inputs {
-    fn new(gpu: Gpu) -> Inputs {
+    fn new(gpu: Gpu, values: Values) -> Inputs {
         let n = TOKENS * HEADS * HEAD_DIM;
-        let host: Vec<f16> = (0..n)
-            .map(|i| f16::from_f32(((i * 2_654_435_761) % 2001) as f32 / 100.0 - 10.0))
-            .collect();
+        let host: Vec<f16> = (0..n).map(|i| f16::from_f32(values.at(i))).collect();
         // Pages in a scrambled order, slots contiguous within a page (as paged engines do).
         let pages = TOKENS / BLOCK_SIZE;
         let slots: Vec<i64> = (0..TOKENS)
@@ -98,7 +129,6 @@ fn bench(c: &mut Criterion) {
     };
     let mut timer = EventTimer::new(&gpu).expect("timer");
     eprintln!("{}", gpu.summary());
-    let inputs = Inputs::new(gpu.clone());
     let s = gpu.stream().clone();
 
     // Reference: device-to-device copy of 2 GiB (read + write bytes).
@@ -131,30 +161,35 @@ fn bench(c: &mut Criterion) {
     });
     drop((src, dst));
 
-    for (kf, vf) in PAIRS {
-        let mut cache = inputs.cache(kf, vf);
-        let bytes = inputs.append_bytes(&cache);
-        let mut run = || {
-            ops::append(&mut cache, &inputs.slots, &inputs.k, &inputs.v, TOKENS).expect("append")
-        };
-        let g = gbps(&mut timer, bytes, 9, &mut run);
-        summary.push(format!(
-            "append K {kf} / V {vf}, f16 in, {TOKENS} tokens: {:.0} MB moved, {g:.0} GB/s = {:.0}% of dtod copy",
-            bytes as f64 / 1e6,
-            100.0 * g / copy_gbps
-        ));
-        group.throughput(Throughput::Bytes(bytes));
-        group.bench_function(format!("append_{kf}_{vf}_f16"), |b| {
-            b.iter_custom(|iters| {
-                timer
-                    .total(iters, || {
-                        run();
-                        Ok(())
-                    })
-                    .expect("timing")
-            })
-        });
-        assert_eq!(cache.check_appends().expect("counters"), 0);
+    for values in [Values::Grid, Values::Random] {
+        let inputs = Inputs::new(gpu.clone(), values);
+        for (kf, vf) in PAIRS {
+            let mut cache = inputs.cache(kf, vf);
+            let bytes = inputs.append_bytes(&cache);
+            let mut run = || {
+                ops::append(&mut cache, &inputs.slots, &inputs.k, &inputs.v, TOKENS)
+                    .expect("append")
+            };
+            let g = gbps(&mut timer, bytes, 9, &mut run);
+            summary.push(format!(
+                "append K {kf} / V {vf}, f16 {} values in, {TOKENS} tokens: {:.0} MB moved, {g:.0} GB/s = {:.0}% of dtod copy",
+                values.name(),
+                bytes as f64 / 1e6,
+                100.0 * g / copy_gbps
+            ));
+            group.throughput(Throughput::Bytes(bytes));
+            group.bench_function(format!("append_{kf}_{vf}_f16_{}", values.name()), |b| {
+                b.iter_custom(|iters| {
+                    timer
+                        .total(iters, || {
+                            run();
+                            Ok(())
+                        })
+                        .expect("timing")
+                })
+            });
+            assert_eq!(cache.check_appends().expect("counters"), 0);
+        }
     }
     group.finish();
     eprintln!("\n== gpu_append summary ==");
