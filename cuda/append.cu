@@ -191,8 +191,9 @@ constexpr bool kPackedInt4 = sizeof(In) == 2 && Codec<F>::kPackedExtremes;
 // Rows each append thread handles, and the blocks per SM its registers must allow (launch
 // bounds). A thread issues the loads of all its rows, then quantizes them one by one: more bytes
 // in flight per thread, and the per-thread setup shared. Keeping the next rows' loads in flight
-// while quantizing one (a software pipeline over 4-16 rows) measured 2-30 % slower on the H200
-// (PERFORMANCE.md, "Append"). f32 input already loads twice the bytes per row.
+// while quantizing one (a software pipeline over 4-16 rows) measured level at best and up to 2x
+// slower on the H200 (PERFORMANCE.md, "Append v2"). f32 input already loads twice the bytes per
+// row.
 // KVQ_APPEND_ROWS and KVQ_APPEND_MIN_BLOCKS override the picks (scripts/append_sweep.cu).
 template <typename In> struct AppendTuning {
 #ifdef KVQ_APPEND_ROWS
