@@ -7,8 +7,8 @@
 // (and the conversion-unit instructions rintf / float→int use) would make quantization compute
 // bound. Instead: y = x * r with r = fl(1 / s) is within |q| * 2^-22.9 of q = x / s, and fl(q)
 // within |q| * 2^-24 of q, so unless y lies within kTieWindow of a rounding boundary, rounding y
-// gives the same result as rounding fl(q). The rare cases near a boundary are flagged and the
-// caller recomputes them with the exact formula (int4_sym_code / int4_affine_code).
+// gives the same result as rounding fl(q). The rare cases near a boundary are flagged, and the
+// caller redoes their word with int4_word_careful, which divides only for those elements.
 #pragma once
 
 #include <stdint.h>
