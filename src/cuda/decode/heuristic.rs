@@ -73,13 +73,11 @@ pub(super) fn occupancy(
 
 /// What an SM needs to run the decode at its full rate: enough copies in flight and enough
 /// resident warps to hide the dependency chains of a step. Fitted to H200 sweeps of every
-/// launch shape (`examples/decode_sweep.rs`, docs/PERFORMANCE.md v7, v11 and "Launch model,
-/// session 7"): 16-bit caches want about 128 KB in flight and 8 warps; FP8 and INT4 caches are
-/// bound by their warps' latency long before their copies (INT4 ran the same at 61 KB as at
-/// 123 KB in flight). INT4, issue-bound, wants 12 warps per SM, and below that its rate falls
-/// less than in proportion to the warps (a lone 4-warp block ran at 0.81 of a lone 8-warp
-/// block's rate, not 0.5), so its warp term is a power 0.85 of the warp fraction.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// launch shape (`examples/decode_sweep.rs`, docs/PERFORMANCE.md v7 and v11): 16-bit caches
+/// want about 128 KB in flight and 8 warps; FP8 and INT4 caches are bound by their warps'
+/// latency long before their copies (INT4 ran the same at 61 KB as at 123 KB in flight) and
+/// INT4 wants about 10 warps per SM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RateModel {
     /// Bytes of copies each block keeps in flight.
     inflight: usize,
@@ -89,8 +87,6 @@ struct RateModel {
     inflight_target: usize,
     /// Resident warps per SM that reach the full rate.
     full_rate_warps: usize,
-    /// The rate with fewer warps is (warps / full_rate_warps) to this power.
-    warp_exponent: f64,
 }
 
 impl RateModel {
@@ -102,16 +98,14 @@ impl RateModel {
             inflight: warps * (stages - 1) * stage_bytes,
             warps,
             inflight_target: if narrowest >= 16 { 128 << 10 } else { 32 << 10 },
-            full_rate_warps: if narrowest == 4 { 12 } else { 8 },
-            warp_exponent: if narrowest == 4 { 0.85 } else { 1.0 },
+            full_rate_warps: if narrowest == 4 { 10 } else { 8 },
         }
     }
 
     /// Fraction of the full rate of an SM with `k` blocks resident.
     fn rate(&self, k: usize) -> f64 {
         let copies = (k * self.inflight) as f64 / self.inflight_target as f64;
-        let warps =
-            ((k * self.warps) as f64 / self.full_rate_warps as f64).powf(self.warp_exponent);
+        let warps = (k * self.warps) as f64 / self.full_rate_warps as f64;
         copies.min(warps).min(1.0)
     }
 }
@@ -246,12 +240,11 @@ mod tests {
         }
         // INT4 at 16 x 4k (128 blocks per split): its fixed costs are ~3.6x as many of its own
         // tokens, so one long split per (sequence, KV head) in blocks of 8 warps beats three
-        // short ones; at 64 x 4k, one split in three blocks of 4 warps per SM (1.3 waves) beats
-        // two blocks of more stages (1.9 waves) and 8-warp blocks (H200 sweeps,
-        // docs/PERFORMANCE.md v11 and "Launch model, session 7": 97.3 vs 106.1 and 110.6 us).
+        // short ones; at 64 x 4k, one split in two blocks of 4 warps per SM beats 8-warp
+        // blocks (H200 sweeps, docs/PERFORMANCE.md v11).
         assert_eq!(pick(128, 4096, int4, 3), (8, 2, 1, 1, 4096));
         let (w, _, ctas, n, _) = pick(512, 4096, int4, 3);
-        assert_eq!((w, ctas, n), (4, 3, 1));
+        assert_eq!((w, ctas, n), (4, 2, 1));
         // Short contexts are never cut below MIN_SPLIT_TOKENS.
         let (.., n, len) = pick(1, 300, bf16, 3);
         assert!(n <= 2 && n * len >= 300);
@@ -295,7 +288,6 @@ mod tests {
             warps,
             inflight_target: 128 << 10,
             full_rate_warps: 8,
-            warp_exponent: 1.0,
         };
         // Full waves at full rate cost their block count per SM; a thin last wave costs more.
         assert_eq!(wave_time(264, 132, 2, m(64 << 10, 4)), 2.0);
