@@ -23,7 +23,7 @@ constexpr float kTieWindow = 0x1p-17f;
 
 // INT4 code for num / s as a 4-bit two's-complement nibble: rne(fl(num / s)) clamped to
 // [lo, hi] (lo, hi integers in [-8, 15]), given r = __frcp_rn(s) for an f16-valued s > 0.
-// Sets `ambiguous` when the result must be recomputed exactly (int4_sym_code / _affine_code).
+// Sets `ambiguous` when the result must be recomputed exactly (int4_nibble_exact).
 __device__ __forceinline__ uint32_t int4_nibble_clamped(float num, float r, float lo, float hi,
                                                         bool &ambiguous) {
   // Clamping before rounding equals clamping after, for integer bounds; it also keeps |y| small

@@ -21,13 +21,6 @@ __device__ __forceinline__ __half int4_affine_scale(float mn, float mx) {
 }
 __device__ __forceinline__ __half int4_affine_zero(float mn) { return __float2half_rn(mn); }
 
-// Affine code in 0..=15 for x with scale sf = f32(s) and zero zf = f32(z); 0 when sf == 0.
-__device__ __forceinline__ int int4_affine_code(float x, float sf, float zf) {
-  if (sf == 0.0f) return 0;
-  const float q = rintf(__fdiv_rn(__fsub_rn(x, zf), sf));
-  return (int)fminf(fmaxf(q, 0.0f), 15.0f);
-}
-
 template <> struct Codec<kInt4Affine64> {
   static constexpr int kBits = 4;
   static constexpr int kGroup = 64;
