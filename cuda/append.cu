@@ -35,12 +35,15 @@ __device__ __forceinline__ void load_raw(const In *p, RawChunk<In, E> &raw) {
     raw.q[j] = __ldcs(reinterpret_cast<const uint4 *>(p) + j);
 }
 
+// Whether finite inputs of type In can lie outside f16's range (bf16, f32), so that sanitizing
+// clamps them to ±65504.
+template <typename In> constexpr bool kMayExceedF16 = !std::is_same<In, __half>::value;
+
 // Widen to f32 and sanitize (FORMATS.md): returns how many inputs were non-finite. The common
 // case (all finite) costs one compare per element, plus a clamp for types whose finite range
 // exceeds f16's; a chunk with a non-finite value takes the careful path.
 template <typename In, int E>
 __device__ __forceinline__ uint32_t sanitize_raw(const RawChunk<In, E> &raw, float (&v)[E]) {
-  constexpr bool kMayExceedF16 = !std::is_same<In, __half>::value;
   float x[E];
 #pragma unroll
   for (int j = 0; j < E / kChunk; ++j)
@@ -50,7 +53,7 @@ __device__ __forceinline__ uint32_t sanitize_raw(const RawChunk<In, E> &raw, flo
 #pragma unroll
   for (int i = 0; i < E; ++i) {
     non_finite |= !(fabsf(x[i]) <= 0x1.fffffep127f);  // NaN or ±Inf
-    v[i] = kMayExceedF16 ? fminf(fmaxf(x[i], -kF16Max), kF16Max) : x[i];
+    v[i] = kMayExceedF16<In> ? fminf(fmaxf(x[i], -kF16Max), kF16Max) : x[i];
   }
   uint32_t count = 0;
   if (non_finite) {
@@ -259,7 +262,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In>::kMinBlocks
         }
         // Only bf16 can exceed ±65504 once scrubbed (f16 never takes the clamped copy of the
         // encoder); the clamp is monotonic, so it commutes with taking extremes.
-        needs_clamp = !std::is_same<In, __half>::value && (own.lo < -kF16Max || own.hi > kF16Max);
+        needs_clamp = kMayExceedF16<In> && (own.lo < -kF16Max || own.hi > kF16Max);
         own.lo = fmaxf(own.lo, -kF16Max);
         own.hi = fminf(own.hi, kF16Max);
       } else {
