@@ -16,6 +16,7 @@ use half::f16;
 use kvq::cuda::bench::EventTimer;
 use kvq::cuda::ops;
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
+use kvq::synth::Synth;
 use kvq::{CacheConfig, KvFormat};
 use std::time::Duration;
 
@@ -41,7 +42,7 @@ struct Inputs {
     slots: CudaSlice<i64>,
 }
 
-/// The input values: element i of K (and of V).
+/// The input values of K (and of V).
 #[derive(Clone, Copy)]
 enum Values {
     Grid,
@@ -56,17 +57,17 @@ impl Values {
         }
     }
 
-    fn at(self, i: usize) -> f32 {
+    /// `n` values, f16-rounded.
+    fn host(self, n: usize) -> Vec<f16> {
         match self {
-            Values::Grid => ((i * 2_654_435_761) % 2001) as f32 / 100.0 - 10.0,
-            Values::Random => {
-                // splitmix64 of i: 24 uniform bits → [-10, 10).
-                let mut z = (i as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
-                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                z ^= z >> 31;
-                (z >> 40) as f32 / (1u64 << 24) as f32 * 20.0 - 10.0
-            }
+            Values::Grid => (0..n)
+                .map(|i| f16::from_f32(((i * 2_654_435_761) % 2001) as f32 / 100.0 - 10.0))
+                .collect(),
+            Values::Random => Synth::new(1)
+                .uniform(n, -10.0, 10.0)
+                .into_iter()
+                .map(f16::from_f32)
+                .collect(),
         }
     }
 }
@@ -74,7 +75,7 @@ impl Values {
 impl Inputs {
     fn new(gpu: Gpu, values: Values) -> Inputs {
         let n = TOKENS * HEADS * HEAD_DIM;
-        let host: Vec<f16> = (0..n).map(|i| f16::from_f32(values.at(i))).collect();
+        let host = values.host(n);
         // Pages in a scrambled order, slots contiguous within a page (as paged engines do).
         let pages = TOKENS / BLOCK_SIZE;
         let slots: Vec<i64> = (0..TOKENS)

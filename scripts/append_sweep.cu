@@ -33,14 +33,12 @@ constexpr int64_t kTokens = (1ll << 30) / (2 * kHeads * kDim * 2);
 
 int64_t align16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// Row bytes of codes and metadata of `f` (FORMATS.md).
+// Row bytes of codes and metadata of `f`, from the codec's constants.
 void rows_of(int f, int &codes, int &meta) {
-  switch (f) {
-  case KVQ_F16: case KVQ_BF16: codes = 2 * kDim; meta = 0; break;
-  case KVQ_FP8_E4M3: case KVQ_FP8_E5M2: codes = kDim; meta = 0; break;
-  case KVQ_INT4_SYM32: codes = kDim / 2; meta = kDim / 32 * 2; break;
-  default: codes = kDim / 2; meta = kDim / 64 * 4; break;
-  }
+  kvq::FormatInfo info = {};
+  if (!kvq::format_info(f, info)) exit(1);
+  codes = info.code_bytes(kDim);
+  meta = info.group != 0 ? kDim / info.group * info.group_entries * 2 : 0;
 }
 
 kvq_layout layout_of(int kf, int vf) {
@@ -86,21 +84,33 @@ template <typename Fn> float median_ms(int reps, Fn &&fn) {
 }
 }  // namespace
 
-// The bench's random values: splitmix64 of i, 24 uniform bits -> [-10, 10).
-float random_value(uint64_t i) {
-  uint64_t z = i + 0x9E3779B97F4A7C15ull;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return (float)(z >> 40) / 16777216.0f * 20.0f - 10.0f;
-}
+// The bench's random values: kvq::synth::Synth::new(1).uniform(n, -10, 10) (SplitMix64, the top
+// 24 bits of each draw, a value that rounds up to 10 drawn again).
+struct Synth {
+  uint64_t state = 1;
+  float unit() {
+    state += 0x9E3779B97F4A7C15ull;
+    uint64_t z = state;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+  }
+  float uniform(float lo, float hi) {
+    for (;;) {
+      const float x = lo + (hi - lo) * unit();
+      if (x < hi) return x;
+    }
+  }
+};
 
 int main(int argc, char **argv) {
   const bool random = argc > 1 && std::string(argv[1]) == "random";
   const int64_t n = kTokens * kHeads * kDim;
   std::vector<__half> host(n);
+  Synth synth;
   for (int64_t i = 0; i < n; ++i)
-    host[i] = __float2half(random ? random_value(i)
+    host[i] = __float2half(random ? synth.uniform(-10.0f, 10.0f)
                                   : (float)((uint64_t)i * 2654435761ull % 2001) / 100.0f - 10.0f);
   const int64_t pages = kTokens / kBlockSize;
   std::vector<int64_t> slots(kTokens);
