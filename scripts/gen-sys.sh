@@ -27,7 +27,9 @@ esac
 have_libclang() {
     [ -n "${LIBCLANG_PATH:-}" ] && return 0
     ldconfig -p 2>/dev/null | grep -Eq 'libclang(-[0-9.]+)?\.so' && return 0
-    compgen -G '/usr/lib/llvm-*/lib/libclang*.so*' >/dev/null
+    # libclang.so / libclang-17.so.1, not libclang-cpp (the C++ library bindgen cannot load).
+    compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null ||
+        compgen -G '/usr/lib/llvm-*/lib/libclang-[0-9]*.so*' >/dev/null
 }
 if ! have_libclang; then
     echo "gen-sys: libclang not found: apt-get install libclang-dev, or set LIBCLANG_PATH" >&2
