@@ -94,7 +94,7 @@ cudaError_t prepare(int *limit) {
   const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
   int want = Cfg<K, V, D>::bytes(4, kMinStages);
-  for (int w = 4; w <= kMaxWarps; w += 4)
+  for (int w = KVQ_DECODE_WARPS_MULTIPLE; w <= kMaxWarps; w += KVQ_DECODE_WARPS_MULTIPLE)
     for (int n = kMinStages; n <= kMaxStages; ++n)
       if (Cfg<K, V, D>::bytes(w, n) <= *limit && Cfg<K, V, D>::bytes(w, n) > want)
         want = Cfg<K, V, D>::bytes(w, n);
@@ -106,7 +106,7 @@ cudaError_t prepare(int *limit) {
 
 struct Occupancy {
   int32_t warps, stages;
-  int32_t *ctas, *stage_bytes;
+  int32_t *ctas, *stage_bytes, *step_tokens;
   template <Fmt K, Fmt V, int D>
   int run() {
     int limit = 0;
@@ -122,6 +122,7 @@ struct Occupancy {
     }
     *ctas = n;
     *stage_bytes = Cfg<K, V, D>::STAGE;
+    *step_tokens = Cfg<K, V, D>::STEP;
     return KVQ_OK;
   }
 };
@@ -175,7 +176,7 @@ using namespace kvq_decode;
 
 /// Warp counts per CTA the kernel is launched with.
 static bool valid_warps(int32_t w) {
-  return w == KVQ_DECODE_WARPS_SMALL || w == KVQ_DECODE_WARPS_LARGE;
+  return w > 0 && w <= KVQ_DECODE_MAX_WARPS && w % KVQ_DECODE_WARPS_MULTIPLE == 0;
 }
 
 extern "C" int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim) {
@@ -187,13 +188,13 @@ extern "C" int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t 
 
 extern "C" int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim,
                                     int32_t warps, int32_t stages, int32_t *ctas_per_sm,
-                                    int32_t *stage_bytes) {
-  if (ctas_per_sm == nullptr || stage_bytes == nullptr || stages < kMinStages ||
-      stages > kMaxStages || !valid_warps(warps))
+                                    int32_t *stage_bytes, int32_t *step_tokens) {
+  if (ctas_per_sm == nullptr || stage_bytes == nullptr || step_tokens == nullptr ||
+      stages < kMinStages || stages > kMaxStages || !valid_warps(warps))
     return KVQ_ERR_INVALID;
   Fmt k, v;
   if (!to_fmt(k_format, false, k) || !to_fmt(v_format, true, v)) return KVQ_ERR_UNSUPPORTED;
-  Occupancy fn{warps, stages, ctas_per_sm, stage_bytes};
+  Occupancy fn{warps, stages, ctas_per_sm, stage_bytes, step_tokens};
   return dispatch(k, v, head_dim, fn);
 }
 

@@ -149,12 +149,13 @@ const char *kvq_last_error(void);
 
 /* The decode kernels' launch parameters, stated once (the Rust side reads them from here):
  * block_size must be a multiple of KVQ_DECODE_CHUNK_TOKENS; a thread block has
- * KVQ_DECODE_WARPS_SMALL or KVQ_DECODE_WARPS_LARGE warps of KVQ_DECODE_MIN_STAGES ..
+ * a multiple of KVQ_DECODE_WARPS_MULTIPLE warps, at most KVQ_DECODE_MAX_WARPS (those whose
+ * registers and shared memory fit: kvq_decode_occupancy), of KVQ_DECODE_MIN_STAGES ..
  * KVQ_DECODE_MAX_STAGES copy stages each. Which (K format, V format, head_dim) have a kernel:
  * kvq_decode_supported. */
 #define KVQ_DECODE_CHUNK_TOKENS 16
-#define KVQ_DECODE_WARPS_SMALL 4
-#define KVQ_DECODE_WARPS_LARGE 8
+#define KVQ_DECODE_WARPS_MULTIPLE 4
+#define KVQ_DECODE_MAX_WARPS 16
 #define KVQ_DECODE_MIN_STAGES 2
 #define KVQ_DECODE_MAX_STAGES 8
 /* Longest split-KV fan-out one launch may use (the merge keeps one weight per split). */
@@ -227,7 +228,7 @@ typedef struct kvq_decode_args {
   int32_t max_blocks;
   int32_t num_splits;
   int32_t split_tokens;
-  int32_t warps;  /* warps per thread block, 4 or 8 (the plan picks it, with stages) */
+  int32_t warps;  /* warps per thread block, 4, 8, 12 or 16 (the plan picks it, with stages) */
   int32_t stages; /* copy stages per warp, 2..8 (the plan picks it from kvq_decode_occupancy) */
   float softmax_scale;
 } kvq_decode_args;
@@ -242,13 +243,16 @@ int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim);
 /* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. */
 int kvq_decode_attention(const kvq_decode_args *args, void *stream);
 
-/* Thread blocks of the decode kernel for (k_format, v_format, head_dim) with `warps` warps (4
- * or 8) of `stages` copy stages each (2..8) that fit on one SM of the current device, written
- * to *ctas_per_sm (0: they do not fit), and the bytes of one stage to *stage_bytes. Also raises
- * the kernel's shared-memory limit, so call it once (outside graph capture) before the first
- * launch of that combination. */
+/* Thread blocks of the decode kernel for (k_format, v_format, head_dim) with `warps` warps (a
+ * multiple of KVQ_DECODE_WARPS_MULTIPLE up to KVQ_DECODE_MAX_WARPS) of `stages` copy stages each
+ * (2..8) that fit on one SM of the current device, written to *ctas_per_sm (0: they do not
+ * fit); the bytes of one stage to *stage_bytes, and to *step_tokens the tokens a warp takes per
+ * step (16 or 32: a block's warps take every warps-th step of its split). Also raises the
+ * kernel's shared-memory limit, so call it once (outside graph capture) before the first launch
+ * of that combination. */
 int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim, int32_t warps,
-                         int32_t stages, int32_t *ctas_per_sm, int32_t *stage_bytes);
+                         int32_t stages, int32_t *ctas_per_sm, int32_t *stage_bytes,
+                         int32_t *step_tokens);
 
 /* ---- streaming-read probes for bandwidth ceilings (cuda/bandwidth.cu) ---- */
 

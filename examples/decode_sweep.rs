@@ -6,13 +6,15 @@
 //! ```sh
 //! cargo run --release --features cuda,bench --example decode_sweep -- \
 //!     [--case NAME]... [--shape B:L]... [--format bf16|fp8|int4|int4-fp8]... [--splits 1,2,3]
-//!     [--iters N] [--ceiling GBPS] [--plan-only]
+//!     [--iters N] [--ceiling GBPS] [--plan-only] [--launch SPLITS:WARPS:STAGES]...
 //! ```
 //! `--case` names a shape family of the grid (`llama3-8b`, `8x22b-tp8`, `mha-32`, ...),
 //! `--shape` a batch and context length in it. Prints one markdown row per launch, `*` marking
 //! the plan's choice. `--ceiling` takes the read ceiling as given instead of measuring it, and
 //! `--plan-only` times the plan's choice alone: together they make a short run for a profiler
-//! (`ncu --kernel-name regex:decode_kernel --launch-count 1 ...`).
+//! (`ncu --kernel-name regex:decode_kernel --launch-count 1 ...`). `--launch` times the plan's
+//! choice and the launches given instead of the whole sweep (to compare two launch models in
+//! one process).
 
 use kvq::KvFormat;
 use kvq::cuda::decode::{DecodeWorkspace, STAGES, WARPS};
@@ -26,6 +28,7 @@ struct Args {
     iters: usize,
     ceiling: Option<f64>,
     plan_only: bool,
+    launches: Vec<(usize, usize, usize)>,
 }
 
 fn parse_format(name: &str) -> Result<(KvFormat, KvFormat), String> {
@@ -51,6 +54,7 @@ fn parse_args() -> Result<Args, String> {
         iters: 20,
         ceiling: None,
         plan_only: false,
+        launches: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -81,6 +85,17 @@ fn parse_args() -> Result<Args, String> {
                 a.ceiling = Some(gbps);
             }
             "--plan-only" => a.plan_only = true,
+            "--launch" => {
+                let v = value("--launch")?;
+                let n: Vec<usize> = v
+                    .split(':')
+                    .map(|x| x.parse().map_err(|e| format!("--launch {v}: {e}")))
+                    .collect::<Result<_, _>>()?;
+                match n[..] {
+                    [s, w, st] => a.launches.push((s, w, st)),
+                    _ => return Err(format!("--launch {v}: expected SPLITS:WARPS:STAGES")),
+                }
+            }
             "--iters" => {
                 a.iters = value("--iters")?
                     .parse()
@@ -115,8 +130,10 @@ fn run(args: &Args) -> kvq::Result<()> {
             probe.gbps
         }
     };
-    println!("| case | B | L | K | V | splits | warps | stages | blocks/SM | µs | % ceiling |");
-    println!("|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| case | B | L | K | V | splits | warps | stages | blocks/SM | stage bytes | µs | % ceiling |"
+    );
+    println!("|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|");
     let cases = bench::select(bench::standard_grid(), &args.cases, false)
         .into_iter()
         .filter(|c| args.shapes.is_empty() || args.shapes.contains(&(c.batch, c.context_len)));
@@ -126,7 +143,11 @@ fn run(args: &Args) -> kvq::Result<()> {
             let bytes = p.bytes_to_read() as f64;
             let default = p.plan.clone();
             let mut shapes = vec![(default.clone(), true)];
-            let splits: &[usize] = if args.plan_only { &[] } else { &args.splits };
+            for &(n, w, s) in &args.launches {
+                shapes.push((default.clone().with_num_splits(n).with_launch(w, s)?, false));
+            }
+            let sweep = !args.plan_only && args.launches.is_empty();
+            let splits: &[usize] = if sweep { &args.splits } else { &[] };
             for &n in splits {
                 for w in WARPS {
                     for s in STAGES {
@@ -142,7 +163,7 @@ fn run(args: &Args) -> kvq::Result<()> {
                 let us = timer.median_us(2, args.iters, true, || p.run())?;
                 let pct = 100.0 * bytes / us / 1e3 / ceiling;
                 println!(
-                    "| {}{} | {} | {} | {} | {} | {} | {} | {} | {} | {us:.1} | {pct:.1} |",
+                    "| {}{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {us:.1} | {pct:.1} |",
                     if is_default { "*" } else { "" },
                     case.case,
                     case.batch,
@@ -153,6 +174,7 @@ fn run(args: &Args) -> kvq::Result<()> {
                     p.plan.warps(),
                     p.plan.stages(),
                     p.plan.ctas_per_sm(),
+                    p.plan.stage_bytes(),
                 );
             }
         }

@@ -21,8 +21,8 @@ use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{Accum, DecodeShape, decode_attention};
 use kvq::cuda::decode::{
-    DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables, HEAD_DIMS, kernel_available,
-    kernel_available_for,
+    DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables, HEAD_DIMS, WARPS,
+    kernel_available, kernel_available_for,
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
@@ -380,6 +380,27 @@ fn every_format_pair() {
     }
 }
 
+/// Every pair at every warp count per block that fits (`WARPS`: 4 to 16), split so that each
+/// warp of the largest blocks gets several steps and one gets a partial one.
+#[test]
+fn every_warp_count() {
+    let Some(gpu) = require_gpu_or_skip("every_warp_count") else {
+        return;
+    };
+    let mut rng = rng("every_warp_count");
+    for (k, v) in pairs() {
+        for w in WARPS {
+            let lens = vec![3 + rng.below(30), 1500 + rng.below(600)];
+            let mut c = Case::new(k, v, 128, lens);
+            c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
+            c.group = rng.pick(&[1, 4, 6]);
+            c.splits = Some(1 + rng.below(3));
+            c.launch = Some((w, 2 + rng.below(3)));
+            check(&gpu, &mut rng, &c);
+        }
+    }
+}
+
 /// Every pair at every head_dim it has a kernel for (80, 96, 112 and 192 included: rows whose
 /// per-lane chunks take 8-, 4- or 2-byte loads, odd k-step and INT4 group counts).
 #[test]
@@ -448,7 +469,7 @@ fn random_shapes_from_the_grid() {
             None
         };
         c.launch = if rng.below(2) == 0 {
-            Some((rng.pick(&[4, 8]), 2 + rng.below(7)))
+            Some((rng.pick(&WARPS), 2 + rng.below(7)))
         } else {
             None
         };

@@ -1,6 +1,6 @@
 // decode/kernel.cuh: the fused paged decode-attention kernel family.
 //
-// Grid (splits, num_kv_heads * m_tiles, batch); 4 or 8 warps per CTA (a launch parameter). A
+// Grid (splits, num_kv_heads * m_tiles, batch); 4 to 16 warps per CTA (a launch parameter). A
 // CTA serves one KV head's tile of up to 8 query rows (G query heads x q_len tokens, rows
 // g*q_len + i) over one split (a run of `split_tokens` tokens) of one sequence, so each KV byte
 // of the split is read once per tile. Inside the CTA each of W warps takes every W-th step (16

@@ -12,7 +12,7 @@
 
 namespace kvq_decode {
 
-constexpr int kMaxWarps = KVQ_DECODE_WARPS_LARGE;  // warps per CTA: 4 or 8 (blockDim.x / 32)
+constexpr int kMaxWarps = KVQ_DECODE_MAX_WARPS;  // warps per CTA: 4, 8, 12, 16 (blockDim.x / 32)
 // Tokens per copy chunk: one page segment, one MMA M / k-step.
 constexpr int kChunk = KVQ_DECODE_CHUNK_TOKENS;
 static_assert(kChunk == 16, "the MMA's M is 16 tokens");

@@ -294,18 +294,38 @@ pub(crate) fn decode_supported(k_format: i32, v_format: i32, head_dim: i32) -> b
     unsafe { sys::kvq_decode_supported(k_format, v_format, head_dim) == 1 }
 }
 
-/// `kvq_decode_occupancy`: thread blocks per SM and bytes per stage of the decode kernel for a
-/// format pair (kvq_format ids), head_dim, warps per block and stages. The device's context
-/// must be current on this thread (it raises the kernel's shared-memory limit there).
+/// What `kvq_decode_occupancy` reports of one launch shape of a decode kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DecodeOccupancy {
+    /// Thread blocks that fit on one SM (0: none).
+    pub ctas: usize,
+    /// Bytes of one copy stage of one warp.
+    pub stage_bytes: usize,
+    /// Tokens a warp takes per step.
+    pub step_tokens: usize,
+}
+
+impl DecodeOccupancy {
+    /// A launch shape that does not fit.
+    pub const NONE: DecodeOccupancy = DecodeOccupancy {
+        ctas: 0,
+        stage_bytes: 0,
+        step_tokens: 1,
+    };
+}
+
+/// `kvq_decode_occupancy` for a format pair (kvq_format ids), head_dim, warps per block and
+/// stages. The device's context must be current on this thread (it raises the kernel's
+/// shared-memory limit there).
 pub(crate) fn decode_occupancy(
     k_format: i32,
     v_format: i32,
     head_dim: i32,
     warps: i32,
     stages: i32,
-) -> Result<(usize, usize)> {
-    let (mut ctas, mut stage_bytes) = (0i32, 0i32);
-    // SAFETY: a host call that writes two ints.
+) -> Result<DecodeOccupancy> {
+    let (mut ctas, mut stage_bytes, mut step_tokens) = (0i32, 0i32, 0i32);
+    // SAFETY: a host call that writes three ints.
     let status = unsafe {
         sys::kvq_decode_occupancy(
             k_format,
@@ -315,10 +335,15 @@ pub(crate) fn decode_occupancy(
             stages,
             &mut ctas,
             &mut stage_bytes,
+            &mut step_tokens,
         )
     };
     check_status(status, "kvq_decode_occupancy")?;
-    Ok((ctas.max(0) as usize, stage_bytes.max(0) as usize))
+    Ok(DecodeOccupancy {
+        ctas: ctas.max(0) as usize,
+        stage_bytes: stage_bytes.max(0) as usize,
+        step_tokens: step_tokens.max(1) as usize,
+    })
 }
 
 #[cfg(feature = "bench")]

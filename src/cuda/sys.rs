@@ -5,8 +5,8 @@ pub const KVQ_COUNTER_NON_FINITE: usize = 0;
 pub const KVQ_COUNTER_OUT_OF_RANGE: usize = 1;
 pub const KVQ_NUM_COUNTERS: usize = 2;
 pub const KVQ_DECODE_CHUNK_TOKENS: i32 = 16;
-pub const KVQ_DECODE_WARPS_SMALL: i32 = 4;
-pub const KVQ_DECODE_WARPS_LARGE: i32 = 8;
+pub const KVQ_DECODE_WARPS_MULTIPLE: i32 = 4;
+pub const KVQ_DECODE_MAX_WARPS: i32 = 16;
 pub const KVQ_DECODE_MIN_STAGES: i32 = 2;
 pub const KVQ_DECODE_MAX_STAGES: i32 = 8;
 pub const KVQ_DECODE_MAX_SPLITS: i32 = 256;
@@ -272,7 +272,7 @@ pub struct kvq_decode_args {
     pub max_blocks: i32,
     pub num_splits: i32,
     pub split_tokens: i32,
-    #[doc = " warps per thread block, 4 or 8 (the plan picks it, with stages)"]
+    #[doc = " warps per thread block, 4, 8, 12 or 16 (the plan picks it, with stages)"]
     pub warps: i32,
     #[doc = " copy stages per warp, 2..8 (the plan picks it from kvq_decode_occupancy)"]
     pub stages: i32,
@@ -359,7 +359,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Thread blocks of the decode kernel for (k_format, v_format, head_dim) with `warps` warps (4\n or 8) of `stages` copy stages each (2..8) that fit on one SM of the current device, written\n to \\*ctas_per_sm (0: they do not fit), and the bytes of one stage to \\*stage_bytes. Also raises\n the kernel's shared-memory limit, so call it once (outside graph capture) before the first\n launch of that combination."]
+    #[doc = " Thread blocks of the decode kernel for (k_format, v_format, head_dim) with `warps` warps (a\n multiple of KVQ_DECODE_WARPS_MULTIPLE up to KVQ_DECODE_MAX_WARPS) of `stages` copy stages each\n (2..8) that fit on one SM of the current device, written to \\*ctas_per_sm (0: they do not\n fit); the bytes of one stage to \\*stage_bytes, and to \\*step_tokens the tokens a warp takes per\n step (16 or 32: a block's warps take every warps-th step of its split). Also raises the\n kernel's shared-memory limit, so call it once (outside graph capture) before the first launch\n of that combination."]
     pub fn kvq_decode_occupancy(
         k_format: i32,
         v_format: i32,
@@ -368,6 +368,7 @@ unsafe extern "C" {
         stages: i32,
         ctas_per_sm: *mut i32,
         stage_bytes: *mut i32,
+        step_tokens: *mut i32,
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {

@@ -2,7 +2,7 @@
 //! choice of warps per block, copy stages and split-KV splits that the model predicts fastest.
 
 use super::{MAX_SPLITS, STAGES, WARPS};
-use crate::cuda::launch;
+use crate::cuda::launch::{self, DecodeOccupancy};
 use crate::error::{Error, Result};
 use crate::format::KvFormat;
 use crate::layout::BlockLayout;
@@ -13,17 +13,19 @@ pub(super) const SPLIT_MULTIPLE: usize = 32;
 /// A split shorter than this costs more in setup and merge than it gains in parallelism.
 const MIN_SPLIT_TOKENS: usize = 256;
 
-/// Fixed cost of one thread block in the launch model, in tokens of a 16-bit cache (query
-/// setup, pipeline fill, warp merge); fitted with the rate model (see `RateModel`).
-const CTA_OVERHEAD_TOKENS: f64 = 512.0;
+/// Fixed time of one wave of blocks on an SM, in tokens of a 16-bit cache: query setup, the
+/// pipeline's fill from cold HBM, the warp merge. Blocks resident together pay it once, side by
+/// side, so it does not grow with the blocks per SM; what it penalizes is waves (one 12-warp
+/// block per SM pays it once per block where three 4-warp blocks share it). Fitted with the
+/// rest of the model (see `RateModel`).
+const WAVE_OVERHEAD_TOKENS: f64 = 3072.0;
 
 /// Cost of each split in the launch model, in tokens (of any cache): partial write and merge.
-/// The v11 sweeps at B=1 L=4k (H200) ran faster with every split up to one block per SM, and
-/// 8 tokens puts the model's pick within 0.2 % of the best launch on all 15 swept shapes (32,
-/// from v3's ~0.44 us per split, under-split B=1 by 4-9 %; docs/PERFORMANCE.md v11). Not
-/// weighted like the block overhead: weighted, it cut INT4 at B=1 L=4k to 5 splits, 21 %
-/// slower than 11.
 const SPLIT_COST_TOKENS: f64 = 8.0;
+
+/// Launches whose modelled time is within this factor of the best count as equal; among them
+/// the plan takes the fewest splits, then warps, then stages.
+const TOLERANCE: f64 = 1.01;
 
 /// Tokens of a `k` / `v` cache that stream in the time of one token of a 16-bit cache: a
 /// block's fixed cost takes about the same time whatever the format, so a narrower cache pays
@@ -53,14 +55,14 @@ pub(super) struct LaunchChoice {
     pub split_tokens: usize,
 }
 
-/// Thread blocks per SM and bytes per stage of the decode kernel for `layout` with `warps`
-/// warps per block of `stages` copy stages each (0 blocks: does not fit). The GPU's context
+/// The decode kernel for `layout` with `warps` warps per block of `stages` copy stages each:
+/// blocks per SM (0: does not fit), bytes per stage, tokens per warp step. The GPU's context
 /// must be current.
 pub(super) fn occupancy(
     layout: &BlockLayout,
     warps: usize,
     stages: usize,
-) -> Result<(usize, usize)> {
+) -> Result<DecodeOccupancy> {
     let c = &layout.config;
     launch::decode_occupancy(
         c.k_format as i32,
@@ -72,11 +74,12 @@ pub(super) fn occupancy(
 }
 
 /// What an SM needs to run the decode at its full rate: enough copies in flight and enough
-/// resident warps to hide the dependency chains of a step. Fitted to H200 sweeps of every
-/// launch shape (`examples/decode_sweep.rs`, docs/PERFORMANCE.md v7 and v11): 16-bit caches
-/// want about 128 KB in flight and 8 warps; FP8 and INT4 caches are bound by their warps'
-/// latency long before their copies (INT4 ran the same at 61 KB as at 123 KB in flight) and
-/// INT4 wants about 10 warps per SM.
+/// resident warps to hide the dependency chains of a step. Fitted, with
+/// [`WAVE_OVERHEAD_TOKENS`], [`SPLIT_COST_TOKENS`] and [`TOLERANCE`], to an H200 sweep of every
+/// launch shape at every split count (`examples/decode_sweep.rs`, 36 shape x format groups,
+/// docs/PERFORMANCE.md "Launch model, session 8"): 16-bit caches want about 64 KB in flight and
+/// 6 warps; FP8 caches are bound by their warps' latency long before their copies (12 KB, 9
+/// warps), INT4 even more so (24 KB, 12 warps).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RateModel {
     /// Bytes of copies each block keeps in flight.
@@ -94,11 +97,16 @@ impl RateModel {
     /// stages of `stage_bytes` each (one stage per warp is being computed, the rest in flight).
     fn new(k: KvFormat, v: KvFormat, warps: usize, stages: usize, stage_bytes: usize) -> Self {
         let narrowest = k.bits().min(v.bits());
+        let (inflight_target, full_rate_warps) = match narrowest {
+            16.. => (64 << 10, 6),
+            8..=15 => (12 << 10, 9),
+            _ => (24 << 10, 12),
+        };
         RateModel {
             inflight: warps * (stages - 1) * stage_bytes,
             warps,
-            inflight_target: if narrowest >= 16 { 128 << 10 } else { 32 << 10 },
-            full_rate_warps: if narrowest == 4 { 10 } else { 8 },
+            inflight_target,
+            full_rate_warps,
         }
     }
 
@@ -110,18 +118,25 @@ impl RateModel {
     }
 }
 
-/// Time, in units of one block's run at the full rate of an SM, for `blocks` equal blocks on
-/// `sms` SMs holding `ctas` blocks each. Blocks run in waves, and an SM slows down below what
-/// its resident blocks need (`model`), which is what makes a thin last wave slow (H200: B=64
-/// fp8 at 3 blocks per SM, 1.3 waves, 74 % of the ceiling against 87 % at 2 blocks per SM,
-/// 1.9 waves).
-fn wave_time(blocks: usize, sms: usize, ctas: usize, model: RateModel) -> f64 {
+/// Time, in tokens streamed at the full rate of an SM, for `blocks` equal blocks of `tokens`
+/// tokens each on `sms` SMs holding `ctas` blocks each, with a fixed cost of `fixed` tokens per
+/// wave. Blocks run in waves, and an SM slows down below what its resident blocks need
+/// (`model`), which is what makes a thin last wave slow (H200: B=64 fp8 at 3 blocks per SM,
+/// 1.3 waves, 74 % of the ceiling against 87 % at 2 blocks per SM, 1.9 waves).
+fn wave_time(
+    blocks: usize,
+    sms: usize,
+    ctas: usize,
+    model: RateModel,
+    tokens: f64,
+    fixed: f64,
+) -> f64 {
     let slots = ctas * sms;
     let (full, rest) = (blocks / slots, blocks % slots);
-    let mut t = full as f64 * ctas as f64 / model.rate(ctas);
+    let mut t = full as f64 * (ctas as f64 * tokens / model.rate(ctas) + fixed);
     if rest > 0 {
         let k = rest.div_ceil(sms);
-        t += k as f64 / model.rate(k);
+        t += k as f64 * tokens / model.rate(k) + fixed;
     }
     t
 }
@@ -135,43 +150,44 @@ pub(super) fn split_range(max_len: usize, cap: usize) -> std::ops::RangeInclusiv
         .clamp(1, MAX_SPLITS.min(cap.max(1)))
 }
 
-/// Warps, stages and split count together, given `occ(warps, stages) -> (blocks per SM, bytes
-/// per stage)` and `base` blocks per split (batch x KV heads x query tiles) on `sms` SMs, for
-/// contexts up to `max_len` tokens of caches in `formats` (K, V). Model: [`wave_time`] x
-/// (tokens per split + a fixed cost per block) + a cost per split; among the launches within
-/// 2 % of the best, the fewest splits, then the fewest warps per block (more, smaller blocks
-/// per SM hide each other's fixed costs), then the fewest stages. Split counts come from
-/// `splits` (see [`split_range`]). An error only if nothing fits.
+/// Warps, stages and split count together, given `occ(warps, stages)` (the kernel's occupancy
+/// for that shape) and `base` blocks per split (batch x KV heads x query tiles) on `sms` SMs,
+/// for contexts up to `max_len` tokens of caches in `formats` (K, V). Model: [`wave_time`] of
+/// blocks that stream their split rounded up to whole rounds of their warps' steps (a block
+/// ends with its last warp), plus a cost per split; among the launches within [`TOLERANCE`] of
+/// the best, the fewest splits, then the fewest warps per block, then the fewest stages. Split
+/// counts come from `splits` (see [`split_range`]). An error only if nothing fits.
 pub(super) fn choose_launch(
     base: usize,
     sms: usize,
     max_len: usize,
     splits: std::ops::RangeInclusive<usize>,
     (k, v): (KvFormat, KvFormat),
-    mut occ: impl FnMut(usize, usize) -> Result<(usize, usize)>,
+    mut occ: impl FnMut(usize, usize) -> Result<DecodeOccupancy>,
 ) -> Result<LaunchChoice> {
     let mut cands = Vec::new(); // (cost, splits, stages, warps, ctas)
-    let weight = tokens_per_16bit_token(k, v);
+    let fixed = WAVE_OVERHEAD_TOKENS * tokens_per_16bit_token(k, v);
     for warps in WARPS {
         for stages in STAGES {
-            let (ctas, stage_bytes) = occ(warps, stages)?;
-            if ctas == 0 {
+            let o = occ(warps, stages)?;
+            if o.ctas == 0 {
                 continue;
             }
-            let model = RateModel::new(k, v, warps, stages, stage_bytes);
+            let model = RateModel::new(k, v, warps, stages, o.stage_bytes);
+            let round = warps * o.step_tokens.max(1);
             for splits in splits.clone() {
                 let (n, len) = split_len(max_len, splits);
-                let waves = wave_time(base * n, sms, ctas, model);
-                let cost = waves * (len as f64 + CTA_OVERHEAD_TOKENS * weight)
+                let tokens = len.next_multiple_of(round) as f64;
+                let cost = wave_time(base * n, sms, o.ctas, model, tokens, fixed)
                     + n as f64 * SPLIT_COST_TOKENS;
-                cands.push((cost, n, stages, warps, ctas));
+                cands.push((cost, n, stages, warps, o.ctas));
             }
         }
     }
     let best = cands.iter().map(|c| c.0).fold(f64::INFINITY, f64::min);
     let &(_, n, stages, warps, ctas) = cands
         .iter()
-        .filter(|c| c.0 <= best * 1.02)
+        .filter(|c| c.0 <= best * TOLERANCE)
         .min_by_key(|c| (c.1, c.3, c.2))
         .ok_or_else(|| {
             Error::Unsupported("GPU decode: no stage count fits this device's shared memory".into())
@@ -191,27 +207,32 @@ mod tests {
     use super::*;
 
     /// A shared-memory model shaped like the kernel's: `stage` bytes per stage and warp, 227 KB
-    /// per SM, at most `max_ctas` blocks per SM by registers.
+    /// per SM, at most `max_ctas` 4-warp blocks per SM by registers, `step` tokens per warp step.
     fn occ_model(
-        stage: usize,
+        (stage, step): (usize, usize),
         max_ctas: usize,
-    ) -> impl FnMut(usize, usize) -> Result<(usize, usize)> {
+    ) -> impl FnMut(usize, usize) -> Result<DecodeOccupancy> {
         move |warps, stages| {
             let bytes = warps * stages * stage + 8192;
-            Ok((((227 << 10) / bytes).min(max_ctas * 4 / warps), stage))
+            Ok(DecodeOccupancy {
+                ctas: ((227 << 10) / bytes).min(max_ctas * 4 / warps),
+                stage_bytes: stage,
+                step_tokens: step,
+            })
         }
     }
 
     #[test]
     fn launch_choice() {
         use KvFormat::*;
-        // Bytes per stage at head_dim 128 (decode/plan.cuh's Cfg::STAGE): 16 tokens of 16-bit
-        // K rows padded to 288 bytes and V rows of 256; FP8 rows unpadded; 32 INT4 tokens.
-        let bf16 = ((Bf16, Bf16), 8704);
-        let fp8 = ((Fp8E4m3, Fp8E4m3), 4096);
-        let int4 = ((Int4Sym32, Int4Affine64), 4608);
+        // Bytes per stage and tokens per step at head_dim 128 (decode/plan.cuh's Cfg::STAGE,
+        // STEP): 16 tokens of 16-bit K rows padded to 288 bytes and V rows of 256; FP8 rows
+        // unpadded; 32 INT4 tokens.
+        let bf16 = ((Bf16, Bf16), (8704, 16));
+        let fp8 = ((Fp8E4m3, Fp8E4m3), (4096, 16));
+        let int4 = ((Int4Sym32, Int4Affine64), (4608, 32));
         // (warps, stages, blocks per SM, splits, split length); `regs`: 4-warp blocks per SM
-        // that registers allow.
+        // that registers allow (3 at head_dim 128, 4 with FP8).
         let pick = |base, len, (formats, stage), regs| {
             let c = choose_launch(
                 base,
@@ -224,27 +245,34 @@ mod tests {
             .unwrap();
             (c.warps, c.stages, c.ctas, c.splits, c.split_tokens)
         };
-        // Many blocks of a 16-bit cache: 2 blocks of 4 warps x 3 stages (143 KB in flight).
-        assert_eq!(pick(512, 16384, bf16, 3), (4, 3, 2, 1, 16384));
-        // FP8 and INT4: as many resident warps as fit, few stages, no split.
+        // What the H200 sweep found best (docs/PERFORMANCE.md, launch model of session 8).
+        // Many blocks: 4-warp blocks, as many per SM as fit (16-bit caches: two, whole waves),
+        // no split; compact caches with 2 stages.
+        let (w, stages, ctas, n, _) = pick(512, 16384, bf16, 3);
+        assert_eq!((w, ctas, n), (4, 2, 1));
+        assert!(stages <= 3, "{stages} stages");
         assert_eq!(pick(512, 16384, fp8, 4), (4, 2, 4, 1, 16384));
         assert_eq!(pick(1024, 8192, int4, 3), (4, 2, 3, 1, 8192));
-        // One sequence of 32k (8 blocks per split): every SM gets one block of 8 warps.
-        for (cache, regs) in [(bf16, 3), (int4, 3)] {
+        // INT4 at 64 x 4k (512 blocks, 1.3 waves of 3 per SM): three 4-warp blocks per SM, not
+        // one of 12 warps (4 waves, each paying the fixed costs alone: 10 % slower).
+        assert_eq!(pick(512, 4096, int4, 3), (4, 2, 3, 1, 4096));
+        // Fewer blocks than SMs: one block per SM with as many warps as the format wants
+        // (INT4 and FP8 12 or more, 16-bit 8), not more splits of small blocks.
+        assert_eq!(pick(128, 4096, int4, 3).0, 12);
+        assert_eq!(pick(128, 4096, fp8, 4), (16, 2, 1, 1, 4096));
+        assert_eq!(pick(128, 4096, bf16, 3).0, 8);
+        // 8x22B per GPU (64 sequences x 1 KV head of 16k): two splits, 12-warp blocks.
+        let (w, _, _, n, _) = pick(64, 16384, int4, 3);
+        assert_eq!((w, n), (12, 2));
+        // One sequence of 32k (8 blocks per split): every SM gets one block.
+        for (cache, regs, warps) in [(bf16, 3, 8), (int4, 3, 12)] {
             let (w, _, _, n, len) = pick(8, 32768, cache, regs);
             assert!(
-                w == 8 && (14..=16).contains(&n) && n * len >= 32768,
-                "{n} x {len}"
+                w == warps && (14..=16).contains(&n) && n * len >= 32768,
+                "{w} warps, {n} x {len}"
             );
             assert_eq!(len % SPLIT_MULTIPLE, 0);
         }
-        // INT4 at 16 x 4k (128 blocks per split): its fixed costs are ~3.6x as many of its own
-        // tokens, so one long split per (sequence, KV head) in blocks of 8 warps beats three
-        // short ones; at 64 x 4k, one split in two blocks of 4 warps per SM beats 8-warp
-        // blocks (H200 sweeps, docs/PERFORMANCE.md v11).
-        assert_eq!(pick(128, 4096, int4, 3), (8, 2, 1, 1, 4096));
-        let (w, _, ctas, n, _) = pick(512, 4096, int4, 3);
-        assert_eq!((w, ctas, n), (4, 2, 1));
         // Short contexts are never cut below MIN_SPLIT_TOKENS.
         let (.., n, len) = pick(1, 300, bf16, 3);
         assert!(n <= 2 && n * len >= 300);
@@ -265,7 +293,7 @@ mod tests {
         .unwrap();
         assert!(c.splits <= 3 && c.splits * c.split_tokens >= 32768);
         // Huge stages: whatever fits.
-        let (_, _, ctas, ..) = pick(8, 32768, (int4.0, 25_000), 2);
+        let (_, _, ctas, ..) = pick(8, 32768, (int4.0, (25_000, 32)), 2);
         assert!(ctas >= 1);
         // Nothing fits: an error, not a panic.
         assert!(
@@ -275,7 +303,7 @@ mod tests {
                 4096,
                 split_range(4096, MAX_SPLITS),
                 bf16.0,
-                occ_model(200_000, 2)
+                occ_model((200_000, 16), 2)
             )
             .is_err()
         );
@@ -289,10 +317,17 @@ mod tests {
             inflight_target: 128 << 10,
             full_rate_warps: 8,
         };
-        // Full waves at full rate cost their block count per SM; a thin last wave costs more.
-        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 4)), 2.0);
-        assert!(wave_time(396 + 132, 132, 3, m(43 << 10, 4)) > 4.0);
+        // Full waves at full rate cost their blocks' tokens per SM and one fixed cost each; a
+        // thin last wave costs more.
+        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 4), 100.0, 0.0), 200.0);
+        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 4), 100.0, 50.0), 250.0);
+        assert!(wave_time(396 + 132, 132, 3, m(43 << 10, 4), 1.0, 0.0) > 4.0);
         // Too few warps slow an SM down as too few copies do.
-        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 2)), 4.0);
+        assert_eq!(wave_time(264, 132, 2, m(64 << 10, 2), 1.0, 0.0), 4.0);
+        // The fixed cost is paid per wave, not per block: one wave of three blocks pays it once,
+        // three waves of one block three times.
+        let three = wave_time(396, 132, 3, m(64 << 10, 4), 1.0, 10.0);
+        let one = wave_time(396, 132, 1, m(192 << 10, 12), 1.0, 10.0);
+        assert!(three < one, "{three} vs {one}");
     }
 }

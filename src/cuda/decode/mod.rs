@@ -32,6 +32,7 @@ mod workspace;
 pub use workspace::DecodeWorkspace;
 
 use super::device::{DeviceCache, raw_layout};
+use super::launch::DecodeOccupancy;
 use super::ops::{DeviceElement, Dtype, need_len, to_i32};
 pub use super::tables::DeviceBlockTables;
 use super::{Gpu, launch, sys};
@@ -58,11 +59,21 @@ pub const MAX_SPLITS: usize = sys::KVQ_DECODE_MAX_SPLITS as usize;
 /// rows is served by several blocks, each reading its bytes.
 pub const TILE_ROWS: usize = sys::KVQ_DECODE_TILE_ROWS as usize;
 
-/// Warps per thread block the kernel is launched with (`warps` of [`DecodePlan`]).
-pub const WARPS: [usize; 2] = [
-    sys::KVQ_DECODE_WARPS_SMALL as usize,
-    sys::KVQ_DECODE_WARPS_LARGE as usize,
-];
+const WARPS_MULTIPLE: usize = sys::KVQ_DECODE_WARPS_MULTIPLE as usize;
+const NUM_WARP_COUNTS: usize = sys::KVQ_DECODE_MAX_WARPS as usize / WARPS_MULTIPLE;
+
+/// Warps per thread block the kernel may be launched with (`warps` of [`DecodePlan`]): the
+/// multiples of `KVQ_DECODE_WARPS_MULTIPLE` up to `KVQ_DECODE_MAX_WARPS`. A plan uses those
+/// whose registers and shared memory fit the device.
+pub const WARPS: [usize; NUM_WARP_COUNTS] = {
+    let mut w = [0; NUM_WARP_COUNTS];
+    let mut i = 0;
+    while i < NUM_WARP_COUNTS {
+        w[i] = (i + 1) * WARPS_MULTIPLE;
+        i += 1;
+    }
+    w
+};
 
 /// Copy stages per warp a plan may use.
 pub const STAGES: std::ops::RangeInclusive<usize> =
@@ -210,8 +221,8 @@ pub struct DecodePlan {
     layout: BlockLayout,
     cap: Capacity,
     softmax_scale: f32,
-    /// (warps, stages, blocks per SM, bytes per stage) of every launch shape that fits.
-    shapes: Arc<Vec<(usize, usize, usize, usize)>>,
+    /// (warps, stages, occupancy) of every launch shape that fits.
+    shapes: Arc<Vec<(usize, usize, DecodeOccupancy)>>,
     forced_splits: Option<usize>,
     forced_launch: Option<ForcedLaunch>,
     /// Split partial rows (sequence x split x query row) the workspace holds.
@@ -305,9 +316,9 @@ impl DecodePlan {
         let mut shapes = Vec::new();
         for warps in WARPS {
             for stages in STAGES {
-                let (ctas, stage_bytes) = occupancy(layout, warps, stages)?;
-                if ctas > 0 {
-                    shapes.push((warps, stages, ctas, stage_bytes));
+                let o = occupancy(layout, warps, stages)?;
+                if o.ctas > 0 {
+                    shapes.push((warps, stages, o));
                 }
             }
         }
@@ -386,7 +397,7 @@ impl DecodePlan {
                 Ok(shapes
                     .iter()
                     .find(|s| allowed && s.0 == w && s.1 == n)
-                    .map_or((0, 0), |s| (s.2, s.3)))
+                    .map_or(DecodeOccupancy::NONE, |s| s.2))
             },
         )?;
         if let Some(n) = self.forced_splits {
@@ -442,7 +453,7 @@ impl DecodePlan {
             return Err(Error::Config {
                 what: "warps",
                 value: warps,
-                expected: "4 or 8 warps per thread block",
+                expected: "4, 8, 12 or 16 warps per thread block",
             });
         }
         if !STAGES.contains(&stages) {
@@ -481,6 +492,15 @@ impl DecodePlan {
     /// Thread blocks of the capacity's kernel that fit on one SM.
     pub fn ctas_per_sm(&self) -> usize {
         self.at_capacity().ctas
+    }
+    /// Bytes of shared memory one copy stage of one warp takes at the capacity's launch (the
+    /// launch model's bytes in flight are warps x (stages - 1) x this), for tuning.
+    pub fn stage_bytes(&self) -> usize {
+        let c = self.at_capacity();
+        self.shapes
+            .iter()
+            .find(|s| s.0 == c.warps && s.1 == c.stages)
+            .map_or(0, |s| s.2.stage_bytes)
     }
     /// Splits the longest context is cut into at the capacity (1: no merge pass).
     pub fn num_splits(&self) -> usize {
