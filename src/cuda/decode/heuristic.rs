@@ -79,7 +79,8 @@ pub(super) fn occupancy(
 /// launch shape at every split count (`examples/decode_sweep.rs`, 36 shape x format groups,
 /// docs/PERFORMANCE.md "Launch model, session 8"): 16-bit caches want about 64 KB in flight and
 /// 6 warps; FP8 caches are bound by their warps' latency long before their copies (12 KB, 9
-/// warps), INT4 even more so (24 KB, 12 warps).
+/// warps), INT4 even more so (24 KB, 12 warps). `scripts/launch_fit.py` holds the same model
+/// (keep them in step) and refits it on a sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct RateModel {
     /// Bytes of copies each block keeps in flight.
