@@ -1,4 +1,4 @@
-//! # kvq — decode attention over a quantized, paged KV cache
+//! # kvq — attention over a quantized, paged KV cache
 //!
 //! Data flows one way, and each step is a module you can read alone:
 //!
@@ -7,8 +7,8 @@
 //! | element format | [`format`](mod@format) | FP8 / INT4 / f16 / bf16 math for one token row, bit-exact with FORMATS.md |
 //! | layout | [`layout`] | where codes, scales and zeros of a block live (host and device agree) |
 //! | cache | [`cache`] | block allocator, block tables, a host-side pool that quantizes on append |
-//! | attention | [`cpu`] | the reference decode attention, the oracle for the GPU kernels |
-//! | GPU | `cuda` (feature `cuda`) | device cache, append / dequantize / fused decode kernels |
+//! | attention | [`cpu`] | the reference attention (decode, ragged prefill, state merging), the oracle for the GPU kernels |
+//! | GPU | `cuda` (feature `cuda`) | device cache, append / dequantize kernels, fused decode and prefill attention |
 //!
 //! Beside the pipeline: [`dense`] quantizes whole tensors in the file layout of `kvq quantize`;
 //! [`synth`] makes seeded synthetic activations with outlier channels; `report` (feature

@@ -1,4 +1,5 @@
-//! Reference decode attention on the CPU: the oracle the GPU kernels are tested against.
+//! Reference attention on the CPU (decode, ragged prefill, merging partial states): the oracle
+//! the GPU kernels are tested against.
 //!
 //! # Semantics (the CUDA decode kernels implement the same)
 //!
@@ -23,8 +24,29 @@
 //! Inputs are validated (shapes, lengths, block ids, `1 <= q_len <= context_len`, finite `q` and
 //! `softmax_scale`); a non-finite result (e.g. from an absurd FP8 scale) is an
 //! [`Error::NonFinite`] rather than a silently wrong answer.
+//!
+//! # Options, prefill and merging
+//!
+//! [`AttentionOptions`] adds what models beyond plain causal attention need, with the same
+//! meaning in [`decode_attention_with`] and [`prefill_attention`]:
+//!
+//! - a left window `w`: the query at position `p` sees `max(0, p - w)..=p` only;
+//! - a logit soft cap `c`: `logit = c * tanh(logit / c)`, applied after `softmax_scale`;
+//! - per-head sinks (a separate argument): a learned logit `s[h]` that joins the softmax
+//!   denominator with a zero value vector, `m = max(max_j logit_j, s[h])`,
+//!   `out = Σ exp(logit_j - m) v_j / (Σ exp(logit_j - m) + exp(s[h] - m))`, and the lse includes
+//!   it.
+//!
+//! [`prefill_attention`] takes a ragged batch (`qo_indptr`, any number of new tokens per
+//! sequence, token-major `q`); [`merge_states`] combines two partial attentions of the same
+//! queries over disjoint key sets, as split-KV kernels do.
 
 mod kernel;
+mod merge;
+mod prefill;
+
+pub use merge::merge_states;
+pub use prefill::prefill_attention;
 
 use kernel::{Acc, GroupShape, KvRows, Scratch, attend_group};
 
@@ -59,6 +81,86 @@ impl DecodeShape {
     }
 }
 
+/// How logits become attention weights, beyond the plain causal softmax (see the
+/// [module docs](self)). Per-head sinks are not here: they are a slice argument, one per head.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionOptions {
+    /// Multiplier of `q · k` (usually `1 / sqrt(head_dim)`); must be finite.
+    pub softmax_scale: f32,
+    /// Sliding window: the query at position `p` sees positions `max(0, p - w)..=p` (so `w = 0`
+    /// is the query's own token only). `None`: all of `0..=p`.
+    pub window_left: Option<usize>,
+    /// Soft cap `c` (positive, finite): `logit = c * tanh(logit / c)` after the scale, as in
+    /// Gemma 2. `None`: no cap.
+    pub logits_soft_cap: Option<f32>,
+}
+
+impl AttentionOptions {
+    /// Plain causal attention: `softmax_scale = 1 / sqrt(head_dim)`, no window, no cap.
+    pub fn new(head_dim: usize) -> Self {
+        AttentionOptions {
+            softmax_scale: 1.0 / (head_dim as f32).sqrt(),
+            window_left: None,
+            logits_soft_cap: None,
+        }
+    }
+
+    /// Check the options, and `sinks` (one finite logit per query head) with them.
+    fn check(&self, sinks: Option<&[f32]>, num_q_heads: usize) -> Result<()> {
+        if !self.softmax_scale.is_finite() {
+            return Err(Error::InvalidArgument(format!(
+                "softmax_scale {} must be finite",
+                self.softmax_scale
+            )));
+        }
+        if let Some(c) = self
+            .logits_soft_cap
+            .filter(|c| !(c.is_finite() && *c > 0.0))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "logits_soft_cap {c} must be positive and finite"
+            )));
+        }
+        if let Some(s) = sinks {
+            if s.len() != num_q_heads {
+                return Err(Error::Length {
+                    what: "sinks (one per query head)",
+                    expected: num_q_heads,
+                    actual: s.len(),
+                });
+            }
+            let bad = s.iter().filter(|x| !x.is_finite()).count() as u64;
+            if bad > 0 {
+                return Err(Error::NonFinite {
+                    what: "sinks",
+                    count: bad,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The kernel geometry of `group` heads × `q_len` rows over `context_len` positions;
+    /// `sinks` are those of the group's heads.
+    fn group<'a>(
+        &self,
+        q_len: usize,
+        head_dim: usize,
+        context_len: usize,
+        sinks: Option<&'a [f32]>,
+    ) -> GroupShape<'a> {
+        GroupShape {
+            q_len,
+            head_dim,
+            context_len,
+            softmax_scale: self.softmax_scale,
+            window_left: self.window_left,
+            soft_cap: self.logits_soft_cap,
+            sinks,
+        }
+    }
+}
+
 /// The arithmetic type of the reference's reductions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Accum {
@@ -69,12 +171,16 @@ pub enum Accum {
     F64,
 }
 
-/// Result of an attention call.
+/// Result of an attention call. Decode results are head-major per sequence (the order of the
+/// decode kernels' `q`); [`prefill_attention`]'s are token-major (the order of its ragged `q`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AttentionOutput {
-    /// `[batch, num_q_heads, q_len, head_dim]`.
+    /// Decode: `[batch, num_q_heads, q_len, head_dim]`; prefill: `[total_tokens, num_q_heads,
+    /// head_dim]`.
     pub out: Vec<f32>,
-    /// `[batch, num_q_heads, q_len]`, natural-log sum of the exponentiated logits.
+    /// Decode: `[batch, num_q_heads, q_len]`; prefill: `[total_tokens, num_q_heads]`. The
+    /// natural-log sum of the exponentiated logits (sinks included); `-inf` for a row that
+    /// sees nothing.
     pub lse: Vec<f32>,
 }
 
@@ -144,16 +250,52 @@ pub fn decode_attention(
     shape: &DecodeShape,
     accum: Accum,
 ) -> Result<AttentionOutput> {
+    let opts = AttentionOptions {
+        softmax_scale: shape.softmax_scale,
+        window_left: None,
+        logits_soft_cap: None,
+    };
+    decode_attention_with(cache, tables, q, shape, &opts, None, accum)
+}
+
+/// [`decode_attention`] with a window, a soft cap and per-head sinks (`num_q_heads` finite
+/// logits). The scale is `opts.softmax_scale`; `shape.softmax_scale` is ignored, so that one
+/// call has one scale. With no window, cap or sink the result is bit for bit that of
+/// [`decode_attention`].
+pub fn decode_attention_with(
+    cache: &HostCache,
+    tables: &BlockTables,
+    q: &[f32],
+    shape: &DecodeShape,
+    opts: &AttentionOptions,
+    sinks: Option<&[f32]>,
+    accum: Accum,
+) -> Result<AttentionOutput> {
     let c = cache.config();
     tables.validate(cache.num_blocks(), c.block_size)?;
     let lens: Vec<usize> = tables.context_lens.iter().map(|&l| l as usize).collect();
-    check_query(q, shape, c.num_kv_heads, c.head_dim, &lens)?;
+    let shape = DecodeShape {
+        softmax_scale: opts.softmax_scale,
+        ..*shape
+    };
+    check_query(q, &shape, c.num_kv_heads, c.head_dim, &lens)?;
+    opts.check(sinks, shape.num_q_heads)?;
     let sources = (0..tables.batch()).map(|b| PagedRows {
         cache,
         table: tables.row(b),
         block_size: c.block_size,
     });
-    run(sources, &lens, c.num_kv_heads, c.head_dim, q, shape, accum)
+    let batch = Batch {
+        context_lens: &lens,
+        num_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+        q,
+        num_q_heads: shape.num_q_heads,
+        q_len: shape.q_len,
+        opts,
+        sinks,
+    };
+    run(sources, &batch, accum)
 }
 
 /// Reference attention of one sequence over dense, unquantized K/V (no cache): the "vs f32"
@@ -200,15 +342,22 @@ pub fn attention_dense(
     let len = kv.k.len() / row;
     check_query(q, shape, kv.num_kv_heads, kv.head_dim, &[len])?;
     let source = DenseRows { kv };
-    run(
-        std::iter::once(source),
-        &[len],
-        kv.num_kv_heads,
-        kv.head_dim,
+    let opts = AttentionOptions {
+        softmax_scale: shape.softmax_scale,
+        window_left: None,
+        logits_soft_cap: None,
+    };
+    let batch = Batch {
+        context_lens: &[len],
+        num_kv_heads: kv.num_kv_heads,
+        head_dim: kv.head_dim,
         q,
-        shape,
-        accum,
-    )
+        num_q_heads: shape.num_q_heads,
+        q_len: shape.q_len,
+        opts: &opts,
+        sinks: None,
+    };
+    run(std::iter::once(source), &batch, accum)
 }
 
 /// Validate the query side against the KV side: head counts, `1 <= q_len <= len`, q's length
@@ -220,12 +369,7 @@ fn check_query(
     head_dim: usize,
     context_lens: &[usize],
 ) -> Result<()> {
-    if shape.num_q_heads == 0 || shape.num_q_heads % num_kv_heads != 0 {
-        return Err(Error::InvalidArgument(format!(
-            "num_q_heads {} must be a positive multiple of num_kv_heads {num_kv_heads}",
-            shape.num_q_heads
-        )));
-    }
+    check_heads(shape.num_q_heads, num_kv_heads)?;
     if shape.q_len == 0 {
         return Err(Error::Config {
             what: "q_len",
@@ -279,34 +423,59 @@ fn check_query(
     Ok(())
 }
 
+/// A validated decode-shaped problem: `q` is `[batch, num_q_heads, q_len, head_dim]`, one
+/// context length per sequence.
+struct Batch<'a> {
+    context_lens: &'a [usize],
+    num_kv_heads: usize,
+    head_dim: usize,
+    q: &'a [f32],
+    num_q_heads: usize,
+    q_len: usize,
+    opts: &'a AttentionOptions,
+    sinks: Option<&'a [f32]>,
+}
+
+/// GQA: the query heads split evenly over the KV heads.
+fn check_heads(num_q_heads: usize, num_kv_heads: usize) -> Result<()> {
+    if num_q_heads == 0 || num_q_heads % num_kv_heads != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "num_q_heads {num_q_heads} must be a positive multiple of num_kv_heads {num_kv_heads}"
+        )));
+    }
+    Ok(())
+}
+
 /// Run the inner loop for every (sequence, KV head) in the chosen accumulator type.
 fn run<R: KvRows + Sync>(
     sources: impl Iterator<Item = R>,
-    context_lens: &[usize],
-    num_kv_heads: usize,
-    head_dim: usize,
-    q: &[f32],
-    shape: &DecodeShape,
+    batch: &Batch<'_>,
     accum: Accum,
 ) -> Result<AttentionOutput> {
     match accum {
-        Accum::F32 => run_in::<f32, R>(sources, context_lens, num_kv_heads, head_dim, q, shape),
-        Accum::F64 => run_in::<f64, R>(sources, context_lens, num_kv_heads, head_dim, q, shape),
+        Accum::F32 => run_in::<f32, R>(sources, batch),
+        Accum::F64 => run_in::<f64, R>(sources, batch),
     }
 }
 
 fn run_in<A: Acc, R: KvRows + Sync>(
     sources: impl Iterator<Item = R>,
-    context_lens: &[usize],
-    num_kv_heads: usize,
-    head_dim: usize,
-    q: &[f32],
-    shape: &DecodeShape,
+    batch: &Batch<'_>,
 ) -> Result<AttentionOutput> {
-    let group = shape.num_q_heads / num_kv_heads;
+    let &Batch {
+        context_lens,
+        num_kv_heads,
+        head_dim,
+        q,
+        num_q_heads,
+        q_len,
+        opts,
+        sinks,
+    } = batch;
+    let group = num_q_heads / num_kv_heads;
     // Elements of q / out, and entries of lse, per KV-head group.
-    let group_q = group * shape.q_len * head_dim;
-    let group_lse = group * shape.q_len;
+    let group_q = group * q_len * head_dim;
+    let group_lse = group * q_len;
     let mut out = vec![0f32; q.len()];
     let mut lse = vec![0f32; q.len() / head_dim];
     let sources: Vec<R> = sources.collect();
@@ -318,45 +487,59 @@ fn run_in<A: Acc, R: KvRows + Sync>(
     let mut work = Vec::with_capacity(sources.len() * num_kv_heads);
     let mut total_positions = 0usize;
     for (rows, &context_len) in sources.iter().zip(context_lens) {
-        let g = GroupShape {
-            q_len: shape.q_len,
-            head_dim,
-            context_len,
-            softmax_scale: shape.softmax_scale,
-        };
         for kv_head in 0..num_kv_heads {
+            let head_sinks = sinks.map(|s| &s[kv_head * group..][..group]);
+            let g = opts.group(q_len, head_dim, context_len, head_sinks);
             let ((q, out), lse) = chunks.next().expect("q length checked");
             work.push((rows, kv_head, g, q, out, lse));
             total_positions += context_len;
         }
     }
-    // Items are independent and each is computed the same way on any thread, so the result
-    // does not depend on the thread count. Small problems stay on the calling thread.
-    let threads = if total_positions < PARALLEL_MIN_POSITIONS {
+    // Every thread's buffers are allocated here, at the largest size an item needs, so that
+    // running out of memory is an error rather than an abort inside a worker.
+    let max_context = context_lens.iter().copied().max().unwrap_or(0);
+    let mut scratches = (0..threads(total_positions, work.len()))
+        .map(|_| Scratch::<A>::new(group * q_len, head_dim, max_context))
+        .collect::<Result<Vec<_>>>()?;
+    execute(
+        work,
+        &mut scratches,
+        |(rows, kv_head, g, q, out, lse), scratch| {
+            attend_group(rows, kv_head, &g, q, out, lse, scratch);
+        },
+    );
+    check_output(&out, &lse)?;
+    Ok(AttentionOutput { out, lse })
+}
+
+/// Threads for `items` independent work items costing `positions` (sequence, KV head,
+/// position) triples in all: one below [`PARALLEL_MIN_POSITIONS`], else one per core.
+fn threads(positions: usize, items: usize) -> usize {
+    if positions < PARALLEL_MIN_POSITIONS {
         1
     } else {
         std::thread::available_parallelism()
             .map_or(1, |n| n.get())
-            .min(work.len())
+            .min(items)
             .max(1)
-    };
-    // Every thread's buffers are allocated here, at the largest size an item needs, so that
-    // running out of memory is an error rather than an abort inside a worker.
-    let max_context = context_lens.iter().copied().max().unwrap_or(0);
-    let mut scratches = (0..threads)
-        .map(|_| Scratch::<A>::new(group * shape.q_len, head_dim, max_context))
-        .collect::<Result<Vec<_>>>()?;
+    }
+}
+
+/// Run `f` on every item of `work`, one thread per scratch (the calling thread when there is
+/// one). Items are independent and each is computed the same way on any thread, so the result
+/// does not depend on the thread count.
+fn execute<T: Send, S: Send>(work: Vec<T>, scratches: &mut [S], f: impl Fn(T, &mut S) + Sync) {
     let queue = Mutex::new(work.into_iter());
-    let worker = |scratch: &mut Scratch<A>| {
+    let worker = |scratch: &mut S| {
         loop {
             let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
-            let Some((rows, kv_head, g, q, out, lse)) = next else {
+            let Some(item) = next else {
                 break;
             };
-            attend_group(rows, kv_head, &g, q, out, lse, scratch);
+            f(item, scratch);
         }
     };
-    match scratches.as_mut_slice() {
+    match scratches {
         [one] => worker(one),
         many => std::thread::scope(|s| {
             for scratch in many {
@@ -364,14 +547,24 @@ fn run_in<A: Acc, R: KvRows + Sync>(
             }
         }),
     }
-    let bad = out.iter().chain(&lse).filter(|x| !x.is_finite()).count() as u64;
+}
+
+/// A non-finite result (overflow in dequantized K/V or in the logits) is an error. An lse of
+/// `-inf` is not: it is a row that sees nothing, whose output is 0 (an overflow that produced
+/// it would also have made the output NaN).
+fn check_output(out: &[f32], lse: &[f32]) -> Result<()> {
+    let bad = out.iter().filter(|x| !x.is_finite()).count()
+        + lse
+            .iter()
+            .filter(|x| !x.is_finite() && **x != f32::NEG_INFINITY)
+            .count();
     if bad > 0 {
         return Err(Error::NonFinite {
             what: "attention output (overflow in dequantized K/V or logits)",
-            count: bad,
+            count: bad as u64,
         });
     }
-    Ok(AttentionOutput { out, lse })
+    Ok(())
 }
 
 #[cfg(test)]
