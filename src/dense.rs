@@ -19,17 +19,18 @@
 //! little-endian.
 
 use crate::error::{Error, Result, filled};
-use crate::format::{Element, Fp8Kind, KvFormat, head_amax, int4, sanitize, sanitized_amax};
+use crate::format::{Element, Fp8Kind, KvFormat, SPECS, head_amax, int4, sanitize, sanitized_amax};
 use half::f16;
 use std::fmt;
 
 /// A dense-tensor quantization format: the four quantized cache formats plus a per-tensor INT4
 /// baseline that exists only to show what grouping buys.
 ///
-/// [`KvFormat`] is the source of truth: a dense format is a quantized cache format
-/// ([`kv_format`](Self::kv_format)) with its name, element math and head_dim rule, or
-/// `int4-uniform`. The variants are spelled out (rather than wrapping a `KvFormat`) so callers
-/// can match on them exhaustively; [`TryFrom<KvFormat>`] and `kv_format` convert both ways.
+/// The format table ([`SPECS`]) is the source of truth: a dense format is the `dense` form of
+/// a quantized cache format ([`kv_format`](Self::kv_format)), with its name, element math,
+/// metadata and head_dim rule, or `int4-uniform`. The variants are spelled out (rather than
+/// wrapping a `KvFormat`) so callers can match on them exhaustively; [`TryFrom<KvFormat>`] and
+/// `kv_format` convert both ways.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DenseFormat {
     /// [`KvFormat::Fp8E4m3`], with an f32 scale per tensor or per head.
@@ -47,26 +48,34 @@ pub enum DenseFormat {
 impl DenseFormat {
     /// Every format, in a fixed order: the quantized [`KvFormat`]s in their order, then
     /// `int4-uniform`.
-    pub const ALL: [DenseFormat; 5] = [
-        DenseFormat::Fp8E4m3,
-        DenseFormat::Fp8E5m2,
-        DenseFormat::Int4K32,
-        DenseFormat::Int4V64,
-        DenseFormat::Int4Uniform,
-    ];
+    pub const ALL: [DenseFormat; DENSE_COUNT + 1] = {
+        let mut all = [DenseFormat::Int4Uniform; DENSE_COUNT + 1];
+        let (mut i, mut n) = (0, 0);
+        while i < SPECS.len() {
+            if let Some(d) = SPECS[i].dense {
+                all[n] = d;
+                n += 1;
+            }
+            i += 1;
+        }
+        all
+    };
 
     /// Name of the one format that is not a cache format.
     const UNIFORM_NAME: &'static str = "int4-uniform";
 
     /// The cache format with the same element math, for all but `int4-uniform`.
     pub const fn kv_format(self) -> Option<KvFormat> {
-        match self {
-            DenseFormat::Fp8E4m3 => Some(KvFormat::Fp8E4m3),
-            DenseFormat::Fp8E5m2 => Some(KvFormat::Fp8E5m2),
-            DenseFormat::Int4K32 => Some(KvFormat::Int4Sym32),
-            DenseFormat::Int4V64 => Some(KvFormat::Int4Affine64),
-            DenseFormat::Int4Uniform => None,
+        let mut i = 0;
+        while i < SPECS.len() {
+            if let Some(d) = SPECS[i].dense {
+                if d as u8 == self as u8 {
+                    return Some(SPECS[i].format);
+                }
+            }
+            i += 1;
         }
+        None
     }
 
     /// Name used by the CLI and in file metadata: the [`KvFormat::name`] of
@@ -123,6 +132,11 @@ impl DenseFormat {
         }
     }
 
+    /// Whether the tensor stores a zero per group beside its scales (`int4-v64`).
+    pub fn has_zeros(self) -> bool {
+        self.kv_format().is_some_and(|kv| kv.spec().group_zeros())
+    }
+
     fn unknown(name: &str) -> Error {
         let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
         Error::InvalidArgument(format!(
@@ -132,19 +146,26 @@ impl DenseFormat {
     }
 }
 
+/// Number of cache formats with a dense form.
+const DENSE_COUNT: usize = {
+    let (mut i, mut n) = (0, 0);
+    while i < SPECS.len() {
+        n += SPECS[i].dense.is_some() as usize;
+        i += 1;
+    }
+    n
+};
+
 impl TryFrom<KvFormat> for DenseFormat {
     type Error = Error;
     /// The dense format of a quantized cache format; f16 and bf16 have none
     /// ([`Error::Unsupported`]).
     fn try_from(kv: KvFormat) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.kv_format() == Some(kv))
-            .ok_or_else(|| {
-                Error::Unsupported(format!(
-                    "{kv} is stored as is: there is no dense quantized format for it"
-                ))
-            })
+        kv.spec().dense.ok_or_else(|| {
+            Error::Unsupported(format!(
+                "{kv} is stored as is: there is no dense quantized format for it"
+            ))
+        })
     }
 }
 
@@ -322,27 +343,28 @@ impl QuantizedTensor {
             }
             Ok(())
         };
-        match format {
-            DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => expect_part(
+        if format.fp8_kind().is_some() {
+            expect_part(
                 &scales,
                 "scales",
                 StoredDtype::F32,
                 &[vec![1], vec![geometry.heads]],
-            )?,
-            _ => expect_part(
+            )?
+        } else {
+            expect_part(
                 &scales,
                 "scales",
                 scale_dtype,
                 std::slice::from_ref(&scale_shape),
-            )?,
+            )?
         }
-        match (format, &zeros) {
-            (DenseFormat::Int4V64, Some(z)) => {
-                expect_part(z, "zeros", StoredDtype::F16, &[scale_shape])?
+        match (format.has_zeros(), &zeros) {
+            (true, Some(z)) => expect_part(z, "zeros", StoredDtype::F16, &[scale_shape])?,
+            (true, None) => return Err(bad("zeros are missing".into())),
+            (false, Some(_)) => {
+                return Err(bad("has zeros, which only affine INT4 formats use".into()));
             }
-            (DenseFormat::Int4V64, None) => return Err(bad("zeros are missing".into())),
-            (_, Some(_)) => return Err(bad("has zeros, which only int4-v64 uses".into())),
-            (_, None) => {}
+            (false, None) => {}
         }
         check_scale_values(format, &scales, zeros.as_ref())?;
         check_codes(format, &codes)?;
@@ -601,32 +623,29 @@ fn quantize_rows<T: Element>(
     }
 
     let codes = StoredTensor::new(StoredDtype::U8, geometry.codes_shape(format), codes)?;
-    let (scales, zeros) = match kv {
-        KvFormat::Int4Sym32 => {
-            let (dtype, shape) = geometry.group_scale_shape(format);
-            (StoredTensor::new(dtype, shape, meta)?, None)
+    let spec = kv.spec();
+    let (scales, zeros) = if spec.group.is_none() {
+        let bytes = head_scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+        (
+            StoredTensor::new(StoredDtype::F32, vec![head_scales.len()], bytes)?,
+            None,
+        )
+    } else if spec.group_zeros() {
+        // The row metadata interleaves (scale, zero) per group; files keep them apart.
+        let (dtype, shape) = geometry.group_scale_shape(format);
+        let half = meta.len() / 2;
+        let (mut s, mut z) = (Vec::with_capacity(half), Vec::with_capacity(half));
+        for pair in meta.chunks_exact(4) {
+            s.extend_from_slice(&pair[..2]);
+            z.extend_from_slice(&pair[2..]);
         }
-        KvFormat::Int4Affine64 => {
-            // The row metadata interleaves (scale, zero) per group; files keep them apart.
-            let (dtype, shape) = geometry.group_scale_shape(format);
-            let half = meta.len() / 2;
-            let (mut s, mut z) = (Vec::with_capacity(half), Vec::with_capacity(half));
-            for pair in meta.chunks_exact(4) {
-                s.extend_from_slice(&pair[..2]);
-                z.extend_from_slice(&pair[2..]);
-            }
-            (
-                StoredTensor::new(dtype, shape.clone(), s)?,
-                Some(StoredTensor::new(dtype, shape, z)?),
-            )
-        }
-        _ => {
-            let bytes = head_scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-            (
-                StoredTensor::new(StoredDtype::F32, vec![head_scales.len()], bytes)?,
-                None,
-            )
-        }
+        (
+            StoredTensor::new(dtype, shape.clone(), s)?,
+            Some(StoredTensor::new(dtype, shape, z)?),
+        )
+    } else {
+        let (dtype, shape) = geometry.group_scale_shape(format);
+        (StoredTensor::new(dtype, shape, meta)?, None)
     };
     Ok(QuantizedTensor {
         format,
@@ -690,16 +709,16 @@ pub fn dequantize(q: &QuantizedTensor) -> Vec<f32> {
     {
         // Rebuild the row metadata the row decoder expects from the stored scales (and zeros).
         let s_row = &q.scales.data[r * groups * 2..][..groups * 2];
-        match (kv, &q.zeros) {
-            (KvFormat::Int4Sym32, _) => meta.copy_from_slice(s_row),
-            (KvFormat::Int4Affine64, Some(z)) => {
+        match &q.zeros {
+            Some(z) => {
                 let z_row = &z.data[r * groups * 2..][..groups * 2];
                 for (g, m) in meta.chunks_exact_mut(4).enumerate() {
                     m[..2].copy_from_slice(&s_row[g * 2..g * 2 + 2]);
                     m[2..].copy_from_slice(&z_row[g * 2..g * 2 + 2]);
                 }
             }
-            _ => {}
+            None if groups > 0 => meta.copy_from_slice(s_row),
+            None => {}
         }
         let head_scale = match scales.len() {
             _ if kv.fp8_kind().is_none() => 1.0,
@@ -721,6 +740,22 @@ mod tests {
             assert_eq!(f.name().parse::<DenseFormat>().unwrap(), f);
         }
         assert!(DenseFormat::from_name("int3").is_err());
+    }
+
+    /// The table-derived list is the cache formats' dense forms in their order, then uniform.
+    #[test]
+    fn all_lists_every_dense_format() {
+        assert_eq!(
+            DenseFormat::ALL,
+            [
+                DenseFormat::Fp8E4m3,
+                DenseFormat::Fp8E5m2,
+                DenseFormat::Int4K32,
+                DenseFormat::Int4V64,
+                DenseFormat::Int4Uniform,
+            ]
+        );
+        assert_eq!(DenseFormat::Int4Uniform.kv_format(), None);
     }
 
     #[test]

@@ -18,21 +18,21 @@ namespace kvq {
 
 template <int F> using FormatTag = std::integral_constant<int, F>;
 
-// Call fn(FormatTag<F>) for a kvq_format; Dense excludes the formats without a dense layout.
-template <bool Dense, typename Fn> int with_format(int32_t format, Fn &&fn) {
+// Call fn(FormatTag<F>) for the F of List equal to `format`; KVQ_ERR_INVALID when none is.
+template <bool Dense, typename Fn, int... F>
+int with_format_in(FormatList<F...>, int32_t format, Fn &&fn) {
   auto call = [&](auto f) -> int {
     if constexpr (Dense && !Codec<decltype(f)::value>::kDense) return KVQ_ERR_INVALID;
     else return fn(f);
   };
-  switch (format) {
-  case kF16: return call(FormatTag<kF16>{});
-  case kBf16: return call(FormatTag<kBf16>{});
-  case kFp8E4m3: return call(FormatTag<kFp8E4m3>{});
-  case kFp8E5m2: return call(FormatTag<kFp8E5m2>{});
-  case kInt4Sym32: return call(FormatTag<kInt4Sym32>{});
-  case kInt4Affine64: return call(FormatTag<kInt4Affine64>{});
-  default: return KVQ_ERR_INVALID;
-  }
+  int status = KVQ_ERR_INVALID;
+  (void)((format == F && (status = call(FormatTag<F>{}), true)) || ...);
+  return status;
+}
+
+// Call fn(FormatTag<F>) for a kvq_format; Dense excludes the formats without a dense layout.
+template <bool Dense, typename Fn> int with_format(int32_t format, Fn &&fn) {
+  return with_format_in<Dense>(AllFormats{}, format, static_cast<Fn &&>(fn));
 }
 
 // A stored format's constants at run time, for the launchers' checks.

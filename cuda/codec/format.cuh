@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "kvq.h"
+
 namespace kvq {
 
 // Discriminants of kvq_format (cuda/kvq.h) and kvq::KvFormat, usable as template arguments.
@@ -16,6 +18,25 @@ enum Format : int {
   kInt4Sym32 = 4,
   kInt4Affine64 = 5,
 };
+// The ids are kvq.h's (Rust's side: src/format/spec.rs checks its table against kvq.h).
+static_assert(int(kF16) == int(KVQ_F16), "kF16 must be kvq.h's KVQ_F16");
+static_assert(int(kBf16) == int(KVQ_BF16), "kBf16 must be kvq.h's KVQ_BF16");
+static_assert(int(kFp8E4m3) == int(KVQ_FP8_E4M3), "kFp8E4m3 must be kvq.h's KVQ_FP8_E4M3");
+static_assert(int(kFp8E5m2) == int(KVQ_FP8_E5M2), "kFp8E5m2 must be kvq.h's KVQ_FP8_E5M2");
+static_assert(int(kInt4Sym32) == int(KVQ_INT4_SYM32), "kInt4Sym32 must be kvq.h's KVQ_INT4_SYM32");
+static_assert(int(kInt4Affine64) == int(KVQ_INT4_AFFINE64),
+              "kInt4Affine64 must be kvq.h's KVQ_INT4_AFFINE64");
+
+// Every stored format: the cases of the run-time format switch (with_format, codec/codec.cuh).
+template <int... F> struct FormatList {};
+using AllFormats = FormatList<kF16, kBf16, kFp8E4m3, kFp8E5m2, kInt4Sym32, kInt4Affine64>;
+
+// Whether a list holds the ids 0, 1, ... in order: none missing, none twice.
+template <int... F> constexpr bool ids_in_order(FormatList<F...>) {
+  int next = 0;
+  return ((F == next++) && ...);
+}
+static_assert(ids_in_order(AllFormats{}), "AllFormats lists the ids 0 to N-1 in order");
 
 // One stored format's device math, the counterpart of its src/format/ module. A codec holds:
 //   constants  kBits (per code), kGroup (elements per group along head_dim, 0: none),

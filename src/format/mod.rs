@@ -9,15 +9,19 @@
 pub mod fp8;
 pub mod int4;
 pub mod sanitize;
+pub mod spec;
 
 pub use fp8::Fp8Kind;
 pub use sanitize::{Element, sanitize};
+pub use spec::{FormatSpec, SPECS};
 
 use crate::error::{Error, Result, filled};
 use half::{bf16, f16};
 use std::fmt;
 
-/// A cache element format, usable for keys or values.
+/// A cache element format, usable for keys or values. Its identity and storage (names, bits,
+/// groups, metadata, head scale) are its row of [`SPECS`]; the discriminant is the row's index
+/// and the `kvq_format` id of `cuda/kvq.h`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum KvFormat {
@@ -36,36 +40,36 @@ pub enum KvFormat {
 }
 
 impl KvFormat {
-    /// Every format, in a fixed order.
-    pub const ALL: [KvFormat; 6] = [
-        KvFormat::F16,
-        KvFormat::Bf16,
-        KvFormat::Fp8E4m3,
-        KvFormat::Fp8E5m2,
-        KvFormat::Int4Sym32,
-        KvFormat::Int4Affine64,
-    ];
+    /// Every format, in discriminant order (the order of [`SPECS`]).
+    pub const ALL: [KvFormat; spec::COUNT] = {
+        let mut all = [KvFormat::F16; spec::COUNT];
+        let mut i = 0;
+        while i < spec::COUNT {
+            all[i] = SPECS[i].format;
+            i += 1;
+        }
+        all
+    };
+
+    /// This format's row of the format table.
+    pub const fn spec(self) -> &'static FormatSpec {
+        &SPECS[self as usize]
+    }
 
     /// Short name used by the CLI and in tables: `f16`, `bf16`, `fp8-e4m3`, `fp8-e5m2`,
     /// `int4-k32`, `int4-v64`.
     pub const fn name(self) -> &'static str {
-        match self {
-            KvFormat::F16 => "f16",
-            KvFormat::Bf16 => "bf16",
-            KvFormat::Fp8E4m3 => "fp8-e4m3",
-            KvFormat::Fp8E5m2 => "fp8-e5m2",
-            KvFormat::Int4Sym32 => "int4-k32",
-            KvFormat::Int4Affine64 => "int4-v64",
-        }
+        self.spec().name
     }
 
     /// Parse a [`name`](Self::name).
     pub fn from_name(name: &str) -> Result<Self> {
-        Self::ALL
-            .into_iter()
-            .find(|f| f.name() == name)
+        SPECS
+            .iter()
+            .find(|s| s.name == name)
+            .map(|s| s.format)
             .ok_or_else(|| {
-                let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
+                let known: Vec<_> = SPECS.iter().map(|s| s.name).collect();
                 Error::InvalidArgument(format!(
                     "unknown format '{name}' (known: {})",
                     known.join(", ")
@@ -75,29 +79,17 @@ impl KvFormat {
 
     /// Bits per code.
     pub const fn bits(self) -> u32 {
-        match self {
-            KvFormat::F16 | KvFormat::Bf16 => 16,
-            KvFormat::Fp8E4m3 | KvFormat::Fp8E5m2 => 8,
-            KvFormat::Int4Sym32 | KvFormat::Int4Affine64 => 4,
-        }
+        self.spec().bits
     }
 
     /// Group size along head_dim for grouped formats.
     pub const fn group_size(self) -> Option<usize> {
-        match self {
-            KvFormat::Int4Sym32 => Some(int4::SYM_GROUP),
-            KvFormat::Int4Affine64 => Some(int4::AFFINE_GROUP),
-            _ => None,
-        }
+        self.spec().group
     }
 
     /// The FP8 encoding, for FP8 formats.
     pub const fn fp8_kind(self) -> Option<Fp8Kind> {
-        match self {
-            KvFormat::Fp8E4m3 => Some(Fp8Kind::E4M3),
-            KvFormat::Fp8E5m2 => Some(Fp8Kind::E5M2),
-            _ => None,
-        }
+        self.spec().fp8
     }
 
     /// Whether the format takes an f32 scale per KV head from outside the rows (FP8).
@@ -108,12 +100,7 @@ impl KvFormat {
     /// `head_dim` must be a positive multiple of this: the group size for INT4, and one 16-byte
     /// vector of codes for the others.
     pub const fn head_dim_multiple(self) -> usize {
-        match self {
-            KvFormat::F16 | KvFormat::Bf16 => 8,
-            KvFormat::Fp8E4m3 | KvFormat::Fp8E5m2 => 16,
-            KvFormat::Int4Sym32 => int4::SYM_GROUP,
-            KvFormat::Int4Affine64 => int4::AFFINE_GROUP,
-        }
+        self.spec().head_dim_multiple()
     }
 
     /// Check that `head_dim` suits this format.
@@ -143,10 +130,10 @@ impl KvFormat {
 
     /// Bytes of per-group metadata in one row (f16 scales; scale+zero pairs for affine INT4).
     pub const fn meta_bytes(self, head_dim: usize) -> usize {
-        match self {
-            KvFormat::Int4Sym32 => head_dim / int4::SYM_GROUP * 2,
-            KvFormat::Int4Affine64 => head_dim / int4::AFFINE_GROUP * 4,
-            _ => 0,
+        let s = self.spec();
+        match s.group {
+            Some(g) => head_dim / g * s.meta_bytes_per_group,
+            None => 0,
         }
     }
 
@@ -432,6 +419,30 @@ mod tests {
         assert_eq!(KvFormat::Int4Affine64.bytes_per_element(), 0.5625);
         assert_eq!(KvFormat::Fp8E4m3.bytes_per_element(), 1.0);
         assert_eq!(KvFormat::Bf16.bytes_per_element(), 2.0);
+    }
+
+    /// FORMATS.md's storage of each format, stated independently of the table the methods read.
+    #[test]
+    fn storage_matches_formats_md() {
+        use Fp8Kind::{E4M3, E5M2};
+        // (format, bits, group, head_dim multiple, row bytes at head_dim 128 (codes, meta), FP8)
+        let expected = [
+            (KvFormat::F16, 16, None, 8, (256, 0), None),
+            (KvFormat::Bf16, 16, None, 8, (256, 0), None),
+            (KvFormat::Fp8E4m3, 8, None, 16, (128, 0), Some(E4M3)),
+            (KvFormat::Fp8E5m2, 8, None, 16, (128, 0), Some(E5M2)),
+            (KvFormat::Int4Sym32, 4, Some(32), 32, (64, 8), None),
+            (KvFormat::Int4Affine64, 4, Some(64), 64, (64, 8), None),
+        ];
+        assert_eq!(expected.len(), KvFormat::ALL.len());
+        for (f, bits, group, multiple, row, fp8) in expected {
+            assert_eq!(f.bits(), bits, "{f}");
+            assert_eq!(f.group_size(), group, "{f}");
+            assert_eq!(f.head_dim_multiple(), multiple, "{f}");
+            assert_eq!((f.code_bytes(128), f.meta_bytes(128)), row, "{f}");
+            assert_eq!(f.fp8_kind(), fp8, "{f}");
+            assert_eq!(f.has_head_scale(), fp8.is_some(), "{f}");
+        }
     }
 
     #[test]

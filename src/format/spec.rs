@@ -1,0 +1,209 @@
+//! The table of cache formats: what identifies each one (its id, names) and fixes its storage
+//! (bits per code, groups, metadata, head scale). [`KvFormat`]'s and [`DenseFormat`]'s
+//! methods read it, so a format's identity is stated once here; `cuda/codec/format.cuh` is the
+//! C++ counterpart, and both are checked against `cuda/kvq.h`.
+//!
+//! [`DenseFormat`]: crate::dense::DenseFormat
+
+use super::fp8::Fp8Kind;
+use super::{KvFormat, int4};
+use crate::dense::DenseFormat;
+
+/// One cache format's identity and storage, as FORMATS.md defines them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FormatSpec {
+    /// The format; its discriminant is this row's index in [`SPECS`] and its `kvq_format` id.
+    pub format: KvFormat,
+    /// Short name: the CLI, tables, and the format name in dense tensor files.
+    pub name: &'static str,
+    /// The `kvq_format` enumerator of `cuda/kvq.h` with this id.
+    pub c_name: &'static str,
+    /// Bits per code.
+    pub bits: u32,
+    /// Elements per group along head_dim, for grouped formats.
+    pub group: Option<usize>,
+    /// Metadata bytes per group, in the row after the codes: an f16 scale (2), or an f16 scale
+    /// and then an f16 zero (4); 0 without groups.
+    pub meta_bytes_per_group: usize,
+    /// The FP8 encoding, for the formats that take an f32 scale per KV head (or per tensor)
+    /// from outside the rows.
+    pub fp8: Option<Fp8Kind>,
+    /// The dense-tensor format with the same element math; none for the formats stored as is.
+    pub dense: Option<DenseFormat>,
+}
+
+impl FormatSpec {
+    /// `head_dim` must be a positive multiple of this: whole groups, and whole 16-byte vectors
+    /// of codes (one GPU thread's chunk of a row).
+    pub const fn head_dim_multiple(&self) -> usize {
+        let vector = 128 / self.bits as usize;
+        match self.group {
+            Some(g) if g > vector => g,
+            _ => vector,
+        }
+    }
+
+    /// Whether each group stores a zero after its scale (affine formats).
+    pub const fn group_zeros(&self) -> bool {
+        self.meta_bytes_per_group == 4
+    }
+}
+
+/// Every cache format, indexed by its [`KvFormat`] discriminant (the `kvq_format` id).
+pub const SPECS: &[FormatSpec] = &[
+    FormatSpec {
+        format: KvFormat::F16,
+        name: "f16",
+        c_name: "KVQ_F16",
+        bits: 16,
+        group: None,
+        meta_bytes_per_group: 0,
+        fp8: None,
+        dense: None,
+    },
+    FormatSpec {
+        format: KvFormat::Bf16,
+        name: "bf16",
+        c_name: "KVQ_BF16",
+        bits: 16,
+        group: None,
+        meta_bytes_per_group: 0,
+        fp8: None,
+        dense: None,
+    },
+    FormatSpec {
+        format: KvFormat::Fp8E4m3,
+        name: "fp8-e4m3",
+        c_name: "KVQ_FP8_E4M3",
+        bits: 8,
+        group: None,
+        meta_bytes_per_group: 0,
+        fp8: Some(Fp8Kind::E4M3),
+        dense: Some(DenseFormat::Fp8E4m3),
+    },
+    FormatSpec {
+        format: KvFormat::Fp8E5m2,
+        name: "fp8-e5m2",
+        c_name: "KVQ_FP8_E5M2",
+        bits: 8,
+        group: None,
+        meta_bytes_per_group: 0,
+        fp8: Some(Fp8Kind::E5M2),
+        dense: Some(DenseFormat::Fp8E5m2),
+    },
+    FormatSpec {
+        format: KvFormat::Int4Sym32,
+        name: "int4-k32",
+        c_name: "KVQ_INT4_SYM32",
+        bits: 4,
+        group: Some(int4::SYM_GROUP),
+        meta_bytes_per_group: 2,
+        fp8: None,
+        dense: Some(DenseFormat::Int4K32),
+    },
+    FormatSpec {
+        format: KvFormat::Int4Affine64,
+        name: "int4-v64",
+        c_name: "KVQ_INT4_AFFINE64",
+        bits: 4,
+        group: Some(int4::AFFINE_GROUP),
+        meta_bytes_per_group: 4,
+        fp8: None,
+        dense: Some(DenseFormat::Int4V64),
+    },
+];
+
+/// Number of cache formats.
+pub(crate) const COUNT: usize = SPECS.len();
+
+// The rules the methods reading the table rely on, checked when the crate compiles.
+const _: () = {
+    let mut i = 0;
+    while i < COUNT {
+        let s = &SPECS[i];
+        assert!(
+            s.format as usize == i,
+            "SPECS must be in discriminant order"
+        );
+        assert!(
+            matches!(s.bits, 4 | 8 | 16),
+            "codes are 4, 8 or 16 bits: a 16-byte vector holds whole codes"
+        );
+        match s.group {
+            Some(g) => assert!(
+                g > 0
+                    && g * s.bits as usize % 8 == 0
+                    && matches!(s.meta_bytes_per_group, 2 | 4)
+                    && s.fp8.is_none(),
+                "a group is whole bytes of codes with an f16 scale (and zero), and no head scale"
+            ),
+            None => assert!(
+                s.meta_bytes_per_group == 0,
+                "formats without groups have no metadata"
+            ),
+        }
+        i += 1;
+    }
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_round_trip_name_and_format() {
+        for (i, s) in SPECS.iter().enumerate() {
+            assert_eq!(s.format as usize, i);
+            assert_eq!(s.format.spec(), s);
+            assert_eq!(KvFormat::from_name(s.name).unwrap(), s.format);
+            assert_eq!(s.format.name(), s.name);
+            assert_eq!(KvFormat::ALL[i], s.format);
+        }
+        assert_eq!(KvFormat::ALL.len(), SPECS.len());
+    }
+
+    #[test]
+    fn dense_forms_round_trip() {
+        for s in SPECS {
+            match s.dense {
+                Some(d) => {
+                    assert_eq!(d.kv_format(), Some(s.format));
+                    assert_eq!(DenseFormat::try_from(s.format).unwrap(), d);
+                    assert_eq!(d.name(), s.name);
+                }
+                None => assert!(DenseFormat::try_from(s.format).is_err()),
+            }
+        }
+    }
+
+    /// The table's ids and names are `cuda/kvq.h`'s `kvq_format`, enumerator for enumerator
+    /// (`cuda/codec/format.cuh` checks its own ids against the same header).
+    #[test]
+    fn table_matches_kvq_h() {
+        let header = include_str!("../../cuda/kvq.h");
+        let start = header
+            .find("typedef enum kvq_format {")
+            .expect("kvq.h declares kvq_format");
+        let body = &header[start..];
+        let mut body = body[body.find('{').unwrap() + 1..body.find('}').unwrap()].to_string();
+        while let Some(open) = body.find("/*") {
+            let close = open + body[open..].find("*/").expect("closed comment") + 2;
+            body.replace_range(open..close, "");
+        }
+        let ids: Vec<(String, usize)> = body
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (name, id) = e.split_once('=').expect("kvq_format ids are explicit");
+                (name.trim().to_string(), id.trim().parse().unwrap())
+            })
+            .collect();
+        let table: Vec<(String, usize)> = SPECS
+            .iter()
+            .map(|s| (s.c_name.to_string(), s.format as usize))
+            .collect();
+        assert_eq!(ids, table);
+    }
+}
