@@ -254,6 +254,90 @@ int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim, i
                          int32_t stages, int32_t *ctas_per_sm, int32_t *stage_bytes,
                          int32_t *step_tokens);
 
+/* ---- attention over the paged cache for any query length (cuda/prefill.cu) ---- */
+
+/* Query rows (new tokens x query heads of one KV head, token-major) one thread block serves,
+ * KV tokens it takes per step, and the longest split-KV fan-out of one launch. */
+#define KVQ_PREFILL_TILE_ROWS 64
+#define KVQ_PREFILL_TILE_TOKENS 64
+#define KVQ_PREFILL_MAX_SPLITS 64
+
+/* Attention of a ragged batch of new tokens over a paged cache (chunked prefill, prefix-cache
+ * hits, speculative verification, decode), with the semantics of kvq::cpu::prefill_attention:
+ * sequence b has n_b = qo_indptr[b + 1] - qo_indptr[b] new tokens (0 allowed), already
+ * appended, and context_lens[b] = L_b >= n_b tokens in all; its query token i sits at position
+ * p = L_b - n_b + i and sees positions max(0, p - window_left) ..= p (all of 0..=p when
+ * window_left < 0); query head h reads KV head h / (num_q_heads / num_kv_heads).
+ *   q, out      [total_tokens, num_q_heads, head_dim] rows: element d of token t (counted over
+ *               the batch) and head h at t * token_stride + h * head_stride + d; q is q_dtype
+ *               (f16 or bf16: it is also the tensor cores' operand type, so a bf16 cache needs
+ *               bf16 queries), out is out_dtype (f16, bf16 or f32); q 16-byte aligned with
+ *               strides that are multiples of 8
+ *   lse         f32 [total_tokens, num_q_heads] at lse strides, natural log of the softmax
+ *               denominator (sink included); may be null
+ *   qo_indptr   [batch + 1] int32, non-decreasing from 0, qo_indptr[batch] <= max_tokens
+ *   sinks       [num_q_heads] f32 or null: a logit per head that joins every row's softmax
+ *               denominator only (gpt-oss); not scaled, not capped
+ *   logits      softmax_scale * q.k, then logits_soft_cap * tanh(logits / logits_soft_cap)
+ *               when logits_soft_cap > 0
+ *   ws_o, ws_lse  split-KV workspace, used when num_splits > 1: f32 [num_splits, max_tokens *
+ *               num_q_heads, head_dim] and [num_splits, max_tokens * num_q_heads]; a second
+ *               kernel merges the splits (one launch at a time per workspace)
+ * The grid is sized by the capacity (max_tokens, batch), not by the step's token count, so one
+ * launch captured in a CUDA graph serves any later step within it. Block ids outside
+ * [0, num_blocks) and lengths outside [n_b, max_blocks * block_size] are counted in
+ * counters[KVQ_COUNTER_OUT_OF_RANGE] (may be null); their tokens read as zeros.
+ * Supported: kvq_prefill_supported. */
+typedef struct kvq_prefill_args {
+  kvq_cache cache;
+  int64_t num_blocks;
+  const void *q;
+  void *out;
+  float *lse;
+  int64_t q_token_stride, q_head_stride;
+  int64_t out_token_stride, out_head_stride;
+  int64_t lse_token_stride, lse_head_stride;
+  const int32_t *qo_indptr;
+  const int32_t *block_tables;
+  const int32_t *context_lens;
+  const float *sinks;
+  float *ws_o;
+  float *ws_lse;
+  unsigned long long *counters;
+  int32_t q_dtype;
+  int32_t out_dtype;
+  int32_t batch;
+  int32_t num_q_heads;
+  int32_t max_blocks;
+  int32_t max_tokens;
+  int32_t num_splits;   /* 1..KVQ_PREFILL_MAX_SPLITS */
+  int32_t split_tokens; /* a positive multiple of KVQ_PREFILL_TILE_TOKENS */
+  int32_t window_left;  /* < 0: no window */
+  float softmax_scale;
+  float logits_soft_cap; /* <= 0: none */
+} kvq_prefill_args;
+
+/* 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every
+ * cache format for K and V (INT4 sym32 as K, affine64 as V), head_dim 64, 80, 96, 112, 128, 192
+ * or 256 (a multiple of each format's group), f16 or bf16 queries, and bf16 queries whenever a
+ * side is bf16. A host function. */
+int kvq_prefill_supported(int32_t k_format, int32_t v_format, int32_t head_dim, int32_t q_dtype);
+
+/* Dynamic shared memory one prefill thread block of this layout and q_dtype uses (0 when
+ * unsupported); also raises the kernel's limit, so call it once outside graph capture. */
+int kvq_prefill_prepare(const kvq_layout *layout, int32_t q_dtype, int32_t *smem_bytes);
+
+/* Enqueue the prefill kernel (and the split merge when num_splits > 1) on `stream`. */
+int kvq_prefill_attention(const kvq_prefill_args *args, void *stream);
+
+/* Merge two partial attentions of the same rows over disjoint key sets (out normalized, lse
+ * natural log, as kvq returns them): rows [rows, head_dim] of dtype (f16, bf16 or f32) in a,
+ * b and out (contiguous), lse f32 [rows]; out may alias a or b, out_lse may alias a_lse or
+ * b_lse. Rows whose lse are both -inf become zeros with lse -inf. */
+int kvq_merge_states(const void *a, const float *a_lse, const void *b, const float *b_lse,
+                     void *out, float *out_lse, int64_t rows, int32_t head_dim, int32_t dtype,
+                     void *stream);
+
 /* ---- streaming-read probes for bandwidth ceilings (cuda/bandwidth.cu) ---- */
 
 /* Every probe reads a buffer once and adds the sum (mod 2^32) of the 32-bit words it read into

@@ -1,11 +1,14 @@
 //! A small Llama-shaped model on candle with kvq as its KV cache: token embedding, per layer
 //! RMSNorm → q/k/v projections → rotary positions → kvq append (INT4 keys and values) → kvq
-//! decode → output projection → residual → SwiGLU MLP, then the logits. Two sequences are
-//! decoded side by side, one token per step, through the prompt and on (greedy).
+//! attention → output projection → residual → SwiGLU MLP, then the logits. Two sequences of
+//! different prompt lengths are prefilled in one ragged step (`kvq::candle::prefill`: every
+//! prompt token attends causally to the cached prompt), then decoded side by side, one token
+//! per step (`kvq::candle::decode`, greedy).
 //!
 //! The same model runs on candle's CPU device with kvq's CPU reference as its attention (a
-//! `HostCache` that receives the same appends and `kvq::cpu::decode_attention`), fed the GPU's
-//! tokens; the logits of every step are compared.
+//! `HostCache` that receives the same appends and `kvq::cpu::prefill_attention`), fed the GPU's
+//! tokens; the logits of every step (the prefill's last token per sequence, then each decode)
+//! are compared.
 //!
 //! ```sh
 //! cargo run --release --features candle --example candle_llama -- [--steps N]
@@ -13,7 +16,8 @@
 
 use candle_core::{D, DType, Device, Tensor};
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
-use kvq::cpu::{Accum, DecodeShape, decode_attention};
+use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
+use kvq::cuda::prefill::{PrefillPlan, PrefillWorkspace};
 use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache};
 use kvq::{CacheConfig, KvFormat};
 
@@ -27,6 +31,8 @@ const LAYERS: usize = 2;
 const BS: usize = 16;
 const BATCH: usize = 2;
 const MAX_CTX: usize = 1024;
+/// New tokens of one prefill step, over the batch.
+const MAX_PROMPT_TOKENS: usize = 256;
 
 type Res<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
@@ -90,7 +96,7 @@ fn rms_norm(x: &Tensor, w: &Tensor) -> Res<Tensor> {
     Ok(x.broadcast_div(&(ms + 1e-6)?.sqrt()?)?.broadcast_mul(w)?)
 }
 
-/// Rotary positions on `x` `[batch, heads, D_HEAD]` at the positions `pos` (one per row).
+/// Rotary positions on `x` `[tokens, heads, D_HEAD]` at the positions `pos` (one per row).
 fn rope(x: &Tensor, pos: &[usize]) -> Res<Tensor> {
     let half = D_HEAD / 2;
     let mut cos = Vec::new();
@@ -112,11 +118,14 @@ fn rope(x: &Tensor, pos: &[usize]) -> Res<Tensor> {
     Ok(Tensor::cat(&[r1, r2], D::Minus1)?)
 }
 
-/// kvq on the GPU: one cache per layer, one plan, workspace and block tables for all.
+/// kvq on the GPU: one cache per layer; one decode plan, one prefill plan, their workspaces
+/// and block tables for all.
 struct GpuAttention {
     caches: Vec<DeviceCache>,
     plan: DecodePlan,
     ws: DecodeWorkspace,
+    prefill: PrefillPlan,
+    pws: PrefillWorkspace,
     tables: DeviceBlockTables,
 }
 
@@ -126,37 +135,47 @@ enum Attention {
     Cpu(Vec<HostCache>),
 }
 
-/// The sequences of one step: their new tokens, positions and pool slots.
+/// The sequences of one step: their new tokens (token-major over the batch: sequence b's are
+/// `qo[b]..qo[b + 1]`), the tokens' positions and pool slots.
 struct StepInput<'a> {
     alloc: &'a BlockAllocator,
     seqs: &'a [SeqId],
     tokens: &'a [u32],
+    qo: &'a [u32],
     pos: &'a [usize],
     slots: &'a [usize],
 }
 
-/// One decode step of the whole model for one new token per sequence; returns the logits
-/// `[batch, VOCAB]`.
+/// One step of the whole model over every sequence's new tokens (a prompt, or one token each);
+/// returns the logits of each sequence's last new token, `[batch, VOCAB]`.
 fn step(w: &Weights, att: &mut Attention, inp: &StepInput, dev: &Device) -> Res<Tensor> {
     let StepInput {
         alloc,
         seqs,
         tokens,
+        qo,
         pos,
         slots,
     } = *inp;
-    let ids = Tensor::from_vec(tokens.to_vec(), tokens.len(), dev)?;
-    let mut h = w.embed.index_select(&ids, 0)?; // [B, HIDDEN]
+    let n = tokens.len();
+    let ids = Tensor::from_vec(tokens.to_vec(), n, dev)?;
+    let mut h = w.embed.index_select(&ids, 0)?; // [tokens, HIDDEN]
     let tables = alloc.block_tables(seqs)?;
+    let decode = qo.windows(2).all(|r| r[1] - r[0] == 1);
+    let mut qo_dev = None;
     if let Attention::Gpu(g) = att {
         g.tables.update(&tables)?; // one upload per step, for every layer
+        if !decode {
+            let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
+            qo_dev = Some(g.prefill.gpu().stream().clone_htod(&qo_i32)?);
+        }
     }
     for (li, l) in w.layers.iter().enumerate() {
         let a = rms_norm(&h, &l.norm1)?;
-        let q = rope(&a.matmul(&l.wq)?.reshape((BATCH, HEADS, D_HEAD))?, pos)?;
-        let k = rope(&a.matmul(&l.wk)?.reshape((BATCH, KV_HEADS, D_HEAD))?, pos)?;
-        let v = a.matmul(&l.wv)?.reshape((BATCH, KV_HEADS, D_HEAD))?;
-        // kvq decodes f16 queries: both paths see the same rounded q.
+        let q = rope(&a.matmul(&l.wq)?.reshape((n, HEADS, D_HEAD))?, pos)?;
+        let k = rope(&a.matmul(&l.wk)?.reshape((n, KV_HEADS, D_HEAD))?, pos)?;
+        let v = a.matmul(&l.wv)?.reshape((n, KV_HEADS, D_HEAD))?;
+        // kvq attends with f16 queries: both paths see the same rounded q.
         let q16 = q.to_dtype(DType::F16)?;
         let attn = match att {
             Attention::Gpu(g) => {
@@ -167,29 +186,54 @@ fn step(w: &Weights, att: &mut Attention, inp: &StepInput, dev: &Device) -> Res<
                 )?;
                 let cache = &mut g.caches[li];
                 kvq::candle::append(cache, &slots, &k.contiguous()?, &v.contiguous()?)?;
-                kvq::candle::decode(&g.plan, &mut g.ws, cache, &g.tables, &q16, 1, DType::F32)?
+                match &qo_dev {
+                    None => kvq::candle::decode(
+                        &g.plan,
+                        &mut g.ws,
+                        cache,
+                        &g.tables,
+                        &q16,
+                        1,
+                        DType::F32,
+                    )?,
+                    Some(qo_dev) => kvq::candle::prefill(
+                        &g.prefill,
+                        &mut g.pws,
+                        cache,
+                        &g.tables,
+                        qo,
+                        qo_dev,
+                        &q16,
+                        DType::F32,
+                    )?,
+                }
             }
             Attention::Cpu(caches) => {
                 let kf = k.flatten_all()?.to_vec1::<f32>()?;
                 let vf = v.flatten_all()?.to_vec1::<f32>()?;
                 caches[li].write(slots, &kf, &vf)?;
                 let qf = q16.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                let out = decode_attention(
+                let out = prefill_attention(
                     &caches[li],
                     &tables,
+                    qo,
                     &qf,
-                    &DecodeShape::new(HEADS, 1, D_HEAD),
+                    HEADS,
+                    &AttentionOptions::new(D_HEAD),
+                    None,
                     Accum::F64,
                 )?;
-                Tensor::from_vec(out.out, (BATCH, HEADS, D_HEAD), dev)?
+                Tensor::from_vec(out.out, (n, HEADS, D_HEAD), dev)?
             }
         };
-        h = (h + attn.reshape((BATCH, HEADS * D_HEAD))?.matmul(&l.wo)?)?;
+        h = (h + attn.reshape((n, HEADS * D_HEAD))?.matmul(&l.wo)?)?;
         let m = rms_norm(&h, &l.norm2)?;
         let g = m.matmul(&l.wg)?.silu()?;
         let u = m.matmul(&l.wu)?;
         h = (h + (g * u)?.matmul(&l.wd)?)?;
     }
+    let last: Vec<u32> = qo[1..].iter().map(|&e| e - 1).collect();
+    let h = h.index_select(&Tensor::from_vec(last, seqs.len(), dev)?, 0)?;
     Ok(rms_norm(&h, &w.final_norm)?.matmul(&w.out)?)
 }
 
@@ -213,11 +257,22 @@ fn run(steps: usize) -> Res<()> {
         .collect::<kvq::Result<Vec<_>>>()?;
     let plan = DecodePlan::new(&gpu, caches[0].layout(), BATCH, HEADS, 1, MAX_CTX)?;
     let ws = DecodeWorkspace::new(&plan)?;
+    let prefill = PrefillPlan::new(
+        &gpu,
+        caches[0].layout(),
+        BATCH,
+        MAX_PROMPT_TOKENS,
+        HEADS,
+        MAX_CTX,
+    )?;
+    let pws = PrefillWorkspace::new(&prefill)?;
     let tables = DeviceBlockTables::with_capacity(&caches[0], BATCH, MAX_CTX / BS)?;
     let mut on_gpu = Attention::Gpu(Box::new(GpuAttention {
         caches,
         plan,
         ws,
+        prefill,
+        pws,
         tables,
     }));
     let mut on_cpu = Attention::Cpu(
@@ -231,18 +286,30 @@ fn run(steps: usize) -> Res<()> {
         b"kvq decodes a quantized paged cache",
         b"on candle's stream",
     ];
-    let mut tokens: Vec<u32> = prompts.iter().map(|p| p[0] as u32).collect();
+    // Step 0 prefills both prompts in one ragged step; every later step decodes one token
+    // per sequence (the GPU's greedy choice, fed to both models).
+    let mut tokens: Vec<u32> = prompts
+        .iter()
+        .flat_map(|p| p.iter().map(|&c| c as u32))
+        .collect();
+    let mut qo: Vec<u32> = vec![0];
+    for p in &prompts {
+        qo.push(qo.last().unwrap() + p.len() as u32);
+    }
     let (mut worst, mut agree) = (0f64, 0usize);
-    for t in 0..steps {
-        let slots: Vec<usize> = seqs
-            .iter()
-            .map(|&s| alloc.reserve(s, 1).map(|r| r.slots[0]))
-            .collect::<kvq::Result<_>>()?;
-        let pos = vec![t; BATCH];
+    for _ in 0..steps {
+        let (mut slots, mut pos) = (Vec::new(), Vec::new());
+        for (b, &s) in seqs.iter().enumerate() {
+            let n = (qo[b + 1] - qo[b]) as usize;
+            let start = alloc.len(s)?;
+            slots.extend(alloc.reserve(s, n)?.slots);
+            pos.extend(start..start + n);
+        }
         let inp = StepInput {
             alloc: &alloc,
             seqs: &seqs,
             tokens: &tokens,
+            qo: &qo,
             pos: &pos,
             slots: &slots,
         };
@@ -256,15 +323,14 @@ fn run(steps: usize) -> Res<()> {
         let next_g = lg.argmax(D::Minus1)?.to_vec1::<u32>()?;
         let next_c = lc.argmax(D::Minus1)?.to_vec1::<u32>()?;
         agree += next_g.iter().zip(&next_c).filter(|(a, b)| a == b).count();
-        // Prompt tokens first, then the GPU's greedy choice, fed to both.
-        tokens = (0..BATCH)
-            .map(|b| prompts[b].get(t + 1).map_or(next_g[b], |&c| c as u32))
-            .collect();
+        tokens = next_g;
+        qo = (0..=BATCH as u32).collect();
     }
     println!(
-        "{steps} steps x {BATCH} sequences, {LAYERS} layers, INT4 K/V cache: logits of the \
-         candle GPU model (kvq decode) vs the CPU model (kvq's reference attention): worst \
-         relative L2 difference {worst:.2e}; greedy tokens agree {agree} of {}",
+        "{steps} steps x {BATCH} sequences (a ragged prefill of the prompts, then decode), \
+         {LAYERS} layers, INT4 K/V cache: logits of the candle GPU model (kvq prefill and \
+         decode) vs the CPU model (kvq's reference attention): worst relative L2 difference \
+         {worst:.2e}; greedy tokens agree {agree} of {}",
         steps * BATCH
     );
     if worst > 2e-2 {

@@ -1,13 +1,17 @@
-//! An engine's decode loop on kvq, end to end: requests arrive with prompts and leave when
-//! their generation is done, prompts are appended in chunks (prefill), one request is forked
-//! (parallel sampling: its shared last block is copied on write), and every step runs one
-//! decode of the whole batch through a CUDA graph captured once at the capacity, with the free
-//! rows as padding. A host mirror of the cache receives the same appends and copies, and a few
-//! steps are checked against the CPU reference.
+//! An engine's step loop on kvq, end to end: requests arrive with prompts and leave when their
+//! generation is done; prompts are prefilled in chunks (each chunk is appended, then attends
+//! to the cached prefix and to itself through `PrefillPlan`, in one ragged launch for every
+//! prefilling request); one request is forked for parallel sampling (its shared last block is
+//! copied on write) and one for a prefix-cache hit (the fork shares the prefix and prefills
+//! only its own suffix); every step runs one decode of the whole batch through a CUDA graph
+//! captured once at the capacity, with the free rows as padding. A host mirror of the cache
+//! receives the same appends and copies, and a few steps of decode and prefill are checked
+//! against the CPU reference.
 //!
-//! Printed: decode tokens per second (GPU time of the graph), the host time per step of the
-//! table updates + upload and of the graph launch (kvq's per-step overhead), and, at the end,
-//! the capacity shape through the graph against a plan made for exactly that batch.
+//! Printed: decode tokens per second (GPU time of the graph), prefill tokens per second (GPU
+//! time of the prefill launches), the host time per step of the table updates + upload and of
+//! the graph launch (kvq's per-step overhead), and, at the end, the capacity shape through the
+//! graph against a plan made for exactly that batch.
 //!
 //! ```sh
 //! cargo run --release --features cuda --example engine_step -- [--steps N] [--format int4|fp8|f16]
@@ -16,8 +20,9 @@
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::f16;
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
-use kvq::cpu::{Accum, DecodeShape, decode_attention};
+use kvq::cpu::{Accum, AttentionOptions, DecodeShape, decode_attention, prefill_attention};
 use kvq::cuda::decode::{DecodeStep, RowStrides};
+use kvq::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
 use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops};
 use kvq::{CacheConfig, KvFormat, Result};
 use std::collections::HashSet;
@@ -33,6 +38,8 @@ const MAX_CTX: usize = 4096;
 const NUM_BLOCKS: usize = CAPACITY * MAX_CTX / BS + 256;
 /// Prompt tokens appended per step, over all prefilling requests.
 const PREFILL_BUDGET: usize = 1024;
+/// Requests that may prefill in one step (rows of the prefill tables).
+const PREFILL_ROWS: usize = CAPACITY + 16;
 const ROW: usize = KV_HEADS * D;
 
 struct Request {
@@ -219,6 +226,33 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         .ok_or_else(|| kvq::Error::Cuda("empty capture".into()))?;
     graph.upload().map_err(cuda)?;
 
+    // Prefill, made once too: a plan for the prefilling requests of one step (up to
+    // PREFILL_BUDGET new tokens), its workspace, its tables, the queries of the chunk tokens
+    // and their outputs, and the device copy of the step's qo_indptr.
+    let pplan = PrefillPlan::new(
+        &gpu,
+        e.dev.layout(),
+        PREFILL_ROWS,
+        PREFILL_BUDGET,
+        HEADS,
+        MAX_CTX,
+    )?;
+    let mut pws = PrefillWorkspace::new(&pplan)?;
+    let mut ptables = DeviceBlockTables::with_capacity(&e.dev, PREFILL_ROWS, MAX_CTX / BS)?;
+    let pq_host: Vec<f16> = (0..PREFILL_BUDGET * HEADS * D)
+        .map(|_| f16::from_f32(e.rng.normal()))
+        .collect();
+    let pq = s.clone_htod(&pq_host).map_err(cuda)?;
+    let mut pout = s
+        .alloc_zeros::<f16>(PREFILL_BUDGET * HEADS * D)
+        .map_err(cuda)?;
+    let mut qo_dev = s.alloc_zeros::<i32>(PREFILL_ROWS + 1).map_err(cuda)?;
+    let prow = TokenRows::contiguous(HEADS, D);
+    let (mut prefilled_tokens, mut prefill_checked) = (0usize, 0usize);
+    let mut prefill_events = Vec::new();
+    let mut prefix_hit: Option<SeqId> = None;
+    let mut prefix_hit_checked = false;
+
     let ctx = gpu.context().clone();
     let mut events = Vec::new();
     let (mut host_rows_us, mut host_tables_us, mut host_launch_us) =
@@ -253,8 +287,31 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                 }
             }
         }
-        // Prefill chunks, then one new token per decoding request.
+        // A prefix-cache hit once the batch is busy: a new request whose prompt starts with a
+        // running request's tokens shares its blocks and prefills only its own suffix.
+        if prefix_hit.is_none() && step > 30 {
+            if let Some(i) = e.requests.iter().position(|r| r.row.is_some()) {
+                let parent = e.requests[i].seq;
+                let seq = e.alloc.fork(parent)?;
+                let shared = e.alloc.len(seq)?;
+                e.requests.push(Request {
+                    seq,
+                    prompt: shared + 300,
+                    prefilled: shared,
+                    to_generate: 40,
+                    row: None,
+                });
+                prefix_hit = Some(seq);
+                println!(
+                    "step {step}: prefix hit on request {i}: {shared} cached tokens shared, a \
+                     suffix of 300 to prefill"
+                );
+            }
+        }
+        // Prefill chunks (their rows of the prefill tables as appended: the chunk is the last
+        // tokens of its sequence), then one new token per decoding request.
         let mut budget = PREFILL_BUDGET;
+        let mut chunks: Vec<(SeqId, Vec<i32>, usize, usize)> = Vec::new(); // seq, blocks, len, n
         for i in 0..e.requests.len() {
             let r = &e.requests[i];
             if r.prefilled < r.prompt && budget > 0 {
@@ -263,7 +320,12 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                 e.reserve(seq, n)?;
                 e.requests[i].prefilled += n;
                 budget -= n;
+                let blocks = e.alloc.block_table(seq)?.to_vec();
+                chunks.push((seq, blocks, e.alloc.len(seq)?, n));
             }
+        }
+        for (row, (_, blocks, len, _)) in chunks.iter().enumerate() {
+            ptables.set_row(row, blocks, *len)?;
         }
         for i in 0..e.requests.len() {
             let r = &e.requests[i];
@@ -280,6 +342,98 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
             }
         }
         e.flush_appends()?;
+
+        // One ragged prefill launch for every chunk of the step: each chunk attends to its
+        // sequence's cached tokens and causally to itself.
+        if !chunks.is_empty() {
+            ptables.set_batch(chunks.len())?;
+            ptables.upload()?;
+            let mut qo = vec![0u32];
+            for c in &chunks {
+                qo.push(qo.last().unwrap() + c.3 as u32);
+            }
+            let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
+            s.memcpy_htod(&qo_i32, &mut qo_dev.slice_mut(..qo.len()))
+                .map_err(cuda)?;
+            let (a, b) = (
+                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(cuda)?,
+                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(cuda)?,
+            );
+            a.record(&s).map_err(cuda)?;
+            pplan.prefill(
+                &mut pws,
+                &e.dev,
+                &ptables,
+                PrefillStep {
+                    qo_indptr: &qo,
+                    qo_indptr_dev: &qo_dev,
+                    q: &pq,
+                    q_rows: prow,
+                    out: &mut pout,
+                    out_rows: prow,
+                    lse: None,
+                    sinks: None,
+                },
+            )?;
+            b.record(&s).map_err(cuda)?;
+            let total = *qo.last().unwrap() as usize;
+            prefilled_tokens += total;
+            let hit_now = prefix_hit.is_some_and(|h| chunks.iter().any(|c| c.0 == h));
+            if step == 0 || step == steps / 2 || (hit_now && !prefix_hit_checked) {
+                // Against the CPU reference over the host mirror, with the same tables.
+                let got: Vec<f32> = s
+                    .clone_dtoh(&pout)
+                    .map_err(cuda)?
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect();
+                let rows: Vec<&[i32]> = chunks.iter().map(|c| c.1.as_slice()).collect();
+                let lens: Vec<usize> = chunks.iter().map(|c| c.2).collect();
+                let tables = kvq::cache::BlockTables::from_rows(&rows, &lens)?;
+                let q: Vec<f32> = pq_host[..total * HEADS * D]
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect();
+                let want = prefill_attention(
+                    &e.host,
+                    &tables,
+                    &qo,
+                    &q,
+                    HEADS,
+                    &AttentionOptions::new(D),
+                    None,
+                    Accum::F64,
+                )?;
+                let (mut num, mut den) = (0f64, 0f64);
+                for (g, &w) in got.iter().zip(&want.out) {
+                    let d = *g as f64 - w as f64;
+                    num += d * d;
+                    den += (w as f64) * (w as f64);
+                }
+                let rel = (num / den).sqrt();
+                if rel > 2e-3 {
+                    return Err(kvq::Error::InvalidArgument(format!(
+                        "step {step}: the prefill of {} chunks differs from the CPU by {rel:.2e}",
+                        chunks.len()
+                    )));
+                }
+                prefill_checked += 1;
+                prefix_hit_checked |= hit_now;
+                println!(
+                    "step {step}: prefill of {} chunks ({total} tokens{}) matches the CPU \
+                     reference (rel {rel:.1e})",
+                    chunks.len(),
+                    if hit_now {
+                        ", the prefix hit's suffix among them"
+                    } else {
+                        ""
+                    }
+                );
+            }
+            prefill_events.push((a, b));
+        }
 
         // kvq's per-step host work: the rows that changed, one upload, one graph launch.
         let t0 = Instant::now();
@@ -402,6 +556,25 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         gpu_ms * 1e3 / steps as f64,
         wall
     );
+    let mut prefill_ms = 0f64;
+    for (a, b) in &prefill_events {
+        prefill_ms += a.elapsed_ms(b).map_err(cuda)? as f64;
+    }
+    println!(
+        "prefill: {prefilled_tokens} prompt tokens in chunks of up to {PREFILL_BUDGET} per step, \
+         {:.0} tokens/s of attention GPU time; {prefill_checked} steps checked against the CPU{}",
+        prefilled_tokens as f64 / (prefill_ms / 1e3),
+        if prefix_hit_checked {
+            " (the prefix hit's suffix among them)"
+        } else {
+            ""
+        }
+    );
+    if prefix_hit.is_some() && !prefix_hit_checked {
+        return Err(kvq::Error::InvalidArgument(
+            "the prefix hit's suffix was never checked against the CPU".into(),
+        ));
+    }
     let (rows_us, upload_us, launch_us) = (
         median(&mut host_rows_us),
         median(&mut host_tables_us),

@@ -87,5 +87,64 @@ fn run() -> kvq::Result<()> {
     cache.check_appends()?; // now and then: slots or block ids outside the pool are errors
     // README:end
     println!("decoded one step: {} output values", out.len());
+
+    // README:prefill-begin
+    use kvq::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
+
+    // Once: a plan for up to 64 sequences and 2048 new tokens per step (options as the model
+    // needs them), and its workspace.
+    let max_tokens = 2048;
+    let pplan = PrefillPlan::new(
+        &gpu,
+        cache.layout(),
+        max_batch,
+        max_tokens,
+        heads,
+        max_context,
+    )?
+    .with_window_left(None)? // Some(w): a sliding window of w + 1 positions
+    .with_logits_soft_cap(None)?; // Some(c): c * tanh(logit / c)
+    let mut pws = PrefillWorkspace::new(&pplan)?;
+    let chunk_q = s
+        .alloc_zeros::<half::f16>(max_tokens * heads * d)
+        .map_err(cuda)?;
+    let mut chunk_out = s
+        .alloc_zeros::<half::f16>(max_tokens * heads * d)
+        .map_err(cuda)?;
+    let chunk_k = s
+        .alloc_zeros::<half::f16>(max_tokens * kv_heads * d)
+        .map_err(cuda)?;
+
+    // A step that prefills a chunk of 100 prompt tokens of `seq`: append them, set the row
+    // (its length includes them), put the step's offsets on the device, one launch.
+    let n = 100;
+    let r = alloc.reserve(seq, n)?;
+    cache.copy_blocks(&r.copies)?;
+    let slots: Vec<i32> = r.slots.iter().map(|&x| x as i32).collect();
+    let slots = s.clone_htod(&slots).map_err(cuda)?;
+    ops::append(&mut cache, &slots, &chunk_k, &chunk_k, n)?;
+    tables.set_row(0, alloc.block_table(seq)?, alloc.len(seq)?)?;
+    tables.upload()?;
+    let qo = [0, n as u32]; // sequence b's new tokens are rows qo[b]..qo[b + 1]
+    let qo_dev = s.clone_htod(&[0, n as i32]).map_err(cuda)?;
+    let rows = TokenRows::contiguous(heads, d); // [tokens, heads, d]
+    pplan.prefill(
+        &mut pws,
+        &cache,
+        &tables,
+        PrefillStep {
+            qo_indptr: &qo,
+            qo_indptr_dev: &qo_dev,
+            q: &chunk_q,
+            q_rows: rows,
+            out: &mut chunk_out,
+            out_rows: rows,
+            lse: None,   // or Some((&mut lse, rows)): natural-log lse per row
+            sinks: None, // or Some(&sinks): a learned logit per query head (gpt-oss)
+        },
+    )?;
+    cache.check_appends()?;
+    // README:prefill-end
+    println!("prefilled a chunk of {n} tokens");
     Ok(())
 }

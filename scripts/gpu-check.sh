@@ -38,9 +38,9 @@ step() {  # step NAME LOG CMD...: run, keep the log, record pass/fail and time
 # gpu_engine captures CUDA graphs in global mode: one test at a time. Under a sanitizer every
 # binary runs one test at a time too: racecheck over 9 concurrent decode tests did not finish in
 # 10 minutes, one at a time it takes 40 s.
-tests=("gpu_append" "gpu_decode --test-threads 8" "gpu_engine --test-threads 1")
+tests=("gpu_append" "gpu_decode --test-threads 8" "gpu_engine --test-threads 1" "gpu_prefill")
 [ "$mode" = sanitize ] && tests=("gpu_append --test-threads 1" "gpu_decode --test-threads 1" \
-  "gpu_engine --test-threads 1")
+  "gpu_engine --test-threads 1" "gpu_prefill --test-threads 1")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$out/gpu.txt" 2>&1
 if [ "$mode" = sanitize ]; then
   tools=("$@"); [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
@@ -68,15 +68,18 @@ else
   done
   step "example: engine_step" engine_step.log "$bin/example-engine_step" --steps 300
   step "example: tensor_parallel" tensor_parallel.log "$bin/example-tensor_parallel"
+  step "example: gpu_quickstart" gpu_quickstart.log "$bin/example-gpu_quickstart"
   if [ "$mode" != quick ]; then
     step "decode_bench (grid)" decode_bench.log "$bin/example-decode_bench" --out "$out" --iters 30
     step "moe_decode_budget" moe.md "$bin/example-moe_decode_budget"
+    step "prefill_bench" prefill.md "$bin/example-prefill_bench"
     step "bench: gpu_append" bench-gpu_append.log "$bin/bench-gpu_append" --bench
   fi
 fi
 cat "$out/gpu.txt"
 [ -f "$out/decode_bench.md" ] && cat "$out/decode_bench.md"
 [ -f "$out/moe.md" ] && cat "$out/moe.md"
+[ -f "$out/prefill.md" ] && cat "$out/prefill.md"
 grep -h -e '^read ceiling' -e '^BEST' "$out"/read_ceiling*.log 2>/dev/null
 grep -h -e '^decode:' -e '^host per step' -e '^capacity shape' "$out"/engine_step.log 2>/dev/null
 grep -h -e 'ERROR SUMMARY' -e 'RACECHECK SUMMARY' -e 'LEAK SUMMARY' "$out"/*check-*.log 2>/dev/null | sort | uniq -c

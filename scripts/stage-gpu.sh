@@ -16,9 +16,10 @@ export KVQ_CUDA_ARCHS=${KVQ_CUDA_ARCHS:-90a} CARGO_TARGET_DIR=${CARGO_TARGET_DIR
 grep -qxF '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >> .git/info/exclude
 rm -rf .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/data
 cargo build --release --features cuda,cli --bin kvq \
-  --test gpu_append --test gpu_decode --test gpu_engine --bench gpu_append --bench gpu_decode \
-  --example decode_bench --example moe_decode_budget --example decode_sweep \
-  --example engine_step --example tensor_parallel \
+  --test gpu_append --test gpu_decode --test gpu_engine --test gpu_prefill \
+  --bench gpu_append --bench gpu_decode \
+  --example decode_bench --example moe_decode_budget --example decode_sweep --example prefill_bench \
+  --example engine_step --example tensor_parallel --example gpu_quickstart \
   --message-format=json-render-diagnostics > .gpu-stage/build.json
 python3 - <<'PY'
 import json, shutil

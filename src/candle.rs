@@ -1,5 +1,5 @@
-//! candle integration (feature `candle`): kvq's quantize-on-append and fused decode as operations
-//! on candle [`Tensor`]s of a CUDA [`Device`]. candle-core 0.11 is built on the cudarc kvq uses,
+//! candle integration (feature `candle`): kvq's quantize-on-append, fused decode and prefill as
+//! operations on candle [`Tensor`]s of a CUDA [`Device`]. candle-core 0.11 is built on the cudarc kvq uses,
 //! so both share the device's context and stream: kvq's launches are queued on the stream
 //! candle's own kernels use, in order with them, with no synchronization.
 //!
@@ -14,6 +14,7 @@
 
 use crate::cuda::decode::{DecodeElement, DecodeStep, RowStrides};
 use crate::cuda::ops::{self, DeviceElement};
+use crate::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
 use crate::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
@@ -300,6 +301,126 @@ impl CustomOp1 for DecodeOp<'_> {
             (DType::BF16, DType::F32) => self.run::<bf16, f32>(storage, layout),
             (q, o) => Err(Error::Unsupported(format!(
                 "kvq decode of {q:?} queries into {o:?} (q: f16 / bf16, out: f16 / bf16 / f32)"
+            ))),
+        };
+        r.map_err(candle_core::Error::wrap)
+    }
+}
+
+/// Attention of a ragged batch of new tokens over the cache (chunked prefill, prefix hits; see
+/// [`crate::cuda::prefill`]): `q` is `[total_tokens, num_q_heads, head_dim]` (f16 / bf16, token
+/// rows may be strided), sequence `b`'s tokens are rows `qo_indptr[b]..qo_indptr[b + 1]` (host
+/// copy; `qo_indptr_dev` the same on the device), already appended to `cache`, whose `tables`
+/// lengths include them. Returns a new `[total_tokens, num_q_heads, head_dim]` tensor of
+/// `out_dtype` (f16, bf16 or f32), computed on the plan's stream.
+#[allow(clippy::too_many_arguments)]
+pub fn prefill(
+    plan: &PrefillPlan,
+    ws: &mut PrefillWorkspace,
+    cache: &DeviceCache,
+    tables: &DeviceBlockTables,
+    qo_indptr: &[u32],
+    qo_indptr_dev: &CudaSlice<i32>,
+    q: &Tensor,
+    out_dtype: DType,
+) -> Result<Tensor> {
+    let op = PrefillOp {
+        plan,
+        ws: RefCell::new(ws),
+        cache,
+        tables,
+        qo_indptr,
+        qo_indptr_dev,
+        out_dtype,
+    };
+    q.apply_op1_no_bwd(&op).map_err(candle_err)
+}
+
+/// [`prefill`] as a [`CustomOp1`] (the query is its input).
+struct PrefillOp<'a> {
+    plan: &'a PrefillPlan,
+    ws: RefCell<&'a mut PrefillWorkspace>,
+    cache: &'a DeviceCache,
+    tables: &'a DeviceBlockTables,
+    qo_indptr: &'a [u32],
+    qo_indptr_dev: &'a CudaSlice<i32>,
+    out_dtype: DType,
+}
+
+impl PrefillOp<'_> {
+    fn run<Q: DeviceElement + CudaDType, O: DeviceElement + CudaDType>(
+        &self,
+        storage: &CudaStorage,
+        layout: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let heads = self.plan.num_q_heads();
+        let d = self.plan.layout().config.head_dim;
+        let (qt, qh, q0) = rows_of("q", layout, heads, d)?;
+        let tokens = layout.dims()[0];
+        let total = self.qo_indptr.last().copied().unwrap_or(0) as usize;
+        if tokens != total {
+            return Err(Error::InvalidArgument(format!(
+                "q has {tokens} tokens, qo_indptr counts {total}"
+            )));
+        }
+        let q = view::<Q>(storage, q0)?;
+        let device: &CudaDevice = storage.device();
+        // SAFETY: uninitialized device memory of O (plain numbers): the prefill writes every
+        // element of the step's rows before any read, and an error below drops it unread.
+        let mut out: CudaSlice<O> =
+            unsafe { device.alloc::<O>((tokens * heads * d).max(1)) }.map_err(candle_err)?;
+        let mut ws = self.ws.borrow_mut();
+        self.plan.prefill(
+            &mut ws,
+            self.cache,
+            self.tables,
+            PrefillStep {
+                qo_indptr: self.qo_indptr,
+                qo_indptr_dev: self.qo_indptr_dev,
+                q: &q,
+                q_rows: TokenRows {
+                    token: qt,
+                    head: qh,
+                },
+                out: &mut out,
+                out_rows: TokenRows::contiguous(heads, d),
+                lse: None,
+                sinks: None,
+            },
+        )?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, device.clone()),
+            Shape::from((tokens, heads, d)),
+        ))
+    }
+}
+
+impl CustomOp1 for PrefillOp<'_> {
+    fn name(&self) -> &'static str {
+        "kvq-prefill"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        candle_core::bail!(
+            "kvq-prefill runs on CUDA devices (the CPU reference is kvq::cpu::prefill_attention)"
+        )
+    }
+
+    fn cuda_fwd(
+        &self,
+        storage: &CudaStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CudaStorage, Shape)> {
+        use half::{bf16, f16};
+        let r = match (storage.dtype(), self.out_dtype) {
+            (DType::F16, DType::F16) => self.run::<f16, f16>(storage, layout),
+            (DType::F16, DType::BF16) => self.run::<f16, bf16>(storage, layout),
+            (DType::F16, DType::F32) => self.run::<f16, f32>(storage, layout),
+            (DType::BF16, DType::F16) => self.run::<bf16, f16>(storage, layout),
+            (DType::BF16, DType::BF16) => self.run::<bf16, bf16>(storage, layout),
+            (DType::BF16, DType::F32) => self.run::<bf16, f32>(storage, layout),
+            (q, o) => Err(Error::Unsupported(format!(
+                "kvq prefill of {q:?} queries into {o:?} (q: f16 / bf16, out: f16 / bf16 / f32)"
             ))),
         };
         r.map_err(candle_core::Error::wrap)

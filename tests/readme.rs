@@ -1,25 +1,44 @@
-//! The README's GPU snippet is the compiled example `examples/gpu_quickstart.rs`: the lines
-//! between its `README:begin` / `README:end` markers, as the README shows them.
+//! The README's GPU snippets are the compiled example `examples/gpu_quickstart.rs`: the lines
+//! between its `README:begin` / `README:end` markers (decode) and `README:prefill-begin` /
+//! `README:prefill-end` (prefill), as the README shows them.
 
-#[test]
-fn readme_gpu_snippet_is_the_compiled_example() {
+/// The first rust block after `heading` in the README equals the example's lines between
+/// `// {marker}-begin` (or `begin`) and `// {marker}-end`, unindented by one level.
+fn check(heading: &str, begin_marker: &str, end_marker: &str) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
     let example =
         std::fs::read_to_string(root.join("examples/gpu_quickstart.rs")).expect("example");
-    let begin = example.find("// README:begin\n").expect("begin marker") + 16;
-    let end = example.find("    // README:end").expect("end marker");
+    let begin_line = format!("// {begin_marker}\n");
+    let begin = example.find(&begin_line).expect("begin marker") + begin_line.len();
+    let end = example
+        .find(&format!("    // {end_marker}"))
+        .expect("end marker");
     let want: Vec<&str> = example[begin..end]
         .lines()
         .map(|l| l.strip_prefix("    ").unwrap_or(l))
         .collect();
-    let section = &readme[readme.find("## Using the GPU path").expect("GPU section")..];
+    let section = &readme[readme.find(heading).expect("README section")..];
     let code = &section[section.find("```rust\n").expect("rust block") + 8..];
     let got: Vec<&str> = code[..code.find("```").expect("block end")]
         .lines()
         .collect();
     assert_eq!(
         got, want,
-        "README's GPU snippet differs from examples/gpu_quickstart.rs (copy it over)"
+        "README's snippet under {heading:?} differs from examples/gpu_quickstart.rs (copy it over)"
+    );
+}
+
+#[test]
+fn readme_gpu_snippet_is_the_compiled_example() {
+    check("## Using the GPU path", "README:begin", "README:end");
+}
+
+#[test]
+fn readme_prefill_snippet_is_the_compiled_example() {
+    check(
+        "## Prefill, prefix hits and speculative verification",
+        "README:prefill-begin",
+        "README:prefill-end",
     );
 }

@@ -1,5 +1,5 @@
-// prim/mma.cuh: warp-level tensor-core operations (sm_80+): mma.sync m16n8k16, ldmatrix,
-// movmatrix, and the packing of f32 pairs into their 16-bit operands.
+// prim/mma.cuh: warp-level tensor-core operations (sm_80+): mma.sync m16n8k16, ldmatrix (plain
+// and transposed), movmatrix, and the packing of f32 pairs into their 16-bit operands.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -51,6 +51,14 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 /// addresses (16 bytes each) of matrix i; lane g*4 + t gets word t of row g of matrix i in d[i].
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&d)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+               : "r"(addr));
+}
+
+/// ldmatrix_x4 with each matrix transposed: lane g*4 + t gets elements (2t, g) and (2t + 1, g)
+/// of matrix i in d[i] (rows given by lanes 8i..8i+7 as before).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
                : "r"(addr));
 }

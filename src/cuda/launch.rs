@@ -414,3 +414,66 @@ pub(crate) unsafe fn stream_fill(
     let status = unsafe { sys::kvq_stream_fill(dst, bytes, seed, stream.cast()) };
     check_status(status, "kvq_stream_fill")
 }
+
+/// `kvq_prefill_supported`: whether this build has a prefill kernel for the pair at `head_dim`
+/// with queries of `q_dtype`.
+pub(crate) fn prefill_supported(k_format: i32, v_format: i32, head_dim: i32, q_dtype: i32) -> bool {
+    // SAFETY: a pure host function of four ints.
+    unsafe { sys::kvq_prefill_supported(k_format, v_format, head_dim, q_dtype) == 1 }
+}
+
+/// `kvq_prefill_prepare`: the dynamic shared memory of one thread block of the prefill kernel
+/// for `layout` and `q_dtype` (and the kernel's limit raised to it on the current device).
+pub(crate) fn prefill_prepare(layout: &sys::kvq_layout, q_dtype: i32) -> Result<usize> {
+    let mut smem = 0i32;
+    // SAFETY: a host call that reads the layout and writes one int.
+    let status = unsafe { sys::kvq_prefill_prepare(layout, q_dtype, &mut smem) };
+    check_status(status, "kvq_prefill_prepare")?;
+    Ok(smem as usize)
+}
+
+/// `kvq_prefill_attention`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_prefill_attention`.
+pub(crate) unsafe fn prefill_attention(args: &sys::kvq_prefill_args, stream: Stream) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe { sys::kvq_prefill_attention(args, stream.cast()) };
+    check_status(status, "kvq_prefill_attention")
+}
+
+/// `kvq_merge_states`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_merge_states`: `rows x head_dim` elements of `dtype` at `a`, `b`
+/// and `out`, `rows` f32 at each lse pointer, all on `stream`'s device.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn merge_states(
+    a: *const c_void,
+    a_lse: *const f32,
+    b: *const c_void,
+    b_lse: *const f32,
+    out: *mut c_void,
+    out_lse: *mut f32,
+    rows: i64,
+    head_dim: i32,
+    dtype: i32,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_merge_states(
+            a,
+            a_lse,
+            b,
+            b_lse,
+            out,
+            out_lse,
+            rows,
+            head_dim,
+            dtype,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_merge_states")
+}

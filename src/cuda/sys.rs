@@ -11,6 +11,9 @@ pub const KVQ_DECODE_MIN_STAGES: i32 = 2;
 pub const KVQ_DECODE_MAX_STAGES: i32 = 8;
 pub const KVQ_DECODE_MAX_SPLITS: i32 = 256;
 pub const KVQ_DECODE_TILE_ROWS: i32 = 8;
+pub const KVQ_PREFILL_TILE_ROWS: i32 = 64;
+pub const KVQ_PREFILL_TILE_TOKENS: i32 = 64;
+pub const KVQ_PREFILL_MAX_SPLITS: i32 = 64;
 pub const KVQ_STREAM_SINK_WORDS: usize = 4096;
 pub const KVQ_STREAM_FILL_STEP: u32 = 2654435769;
 pub const KVQ_OK: kvq_status = 0;
@@ -369,6 +372,157 @@ unsafe extern "C" {
         ctas_per_sm: *mut i32,
         stage_bytes: *mut i32,
         step_tokens: *mut i32,
+    ) -> ::std::os::raw::c_int;
+}
+#[doc = "```text\n Attention of a ragged batch of new tokens over a paged cache (chunked prefill, prefix-cache\n hits, speculative verification, decode), with the semantics of kvq::cpu::prefill_attention:\n sequence b has n_b = qo_indptr[b + 1] - qo_indptr[b] new tokens (0 allowed), already\n appended, and context_lens[b] = L_b >= n_b tokens in all; its query token i sits at position\n p = L_b - n_b + i and sees positions max(0, p - window_left) ..= p (all of 0..=p when\n window_left < 0); query head h reads KV head h / (num_q_heads / num_kv_heads).\n   q, out      [total_tokens, num_q_heads, head_dim] rows: element d of token t (counted over\n               the batch) and head h at t * token_stride + h * head_stride + d; q is q_dtype\n               (f16 or bf16: it is also the tensor cores' operand type, so a bf16 cache needs\n               bf16 queries), out is out_dtype (f16, bf16 or f32); q 16-byte aligned with\n               strides that are multiples of 8\n   lse         f32 [total_tokens, num_q_heads] at lse strides, natural log of the softmax\n               denominator (sink included); may be null\n   qo_indptr   [batch + 1] int32, non-decreasing from 0, qo_indptr[batch] <= max_tokens\n   sinks       [num_q_heads] f32 or null: a logit per head that joins every row's softmax\n               denominator only (gpt-oss); not scaled, not capped\n   logits      softmax_scale * q.k, then logits_soft_cap * tanh(logits / logits_soft_cap)\n               when logits_soft_cap > 0\n   ws_o, ws_lse  split-KV workspace, used when num_splits > 1: f32 [num_splits, max_tokens *\n               num_q_heads, head_dim] and [num_splits, max_tokens * num_q_heads]; a second\n               kernel merges the splits (one launch at a time per workspace)\n The grid is sized by the capacity (max_tokens, batch), not by the step's token count, so one\n launch captured in a CUDA graph serves any later step within it. Block ids outside\n [0, num_blocks) and lengths outside [n_b, max_blocks * block_size] are counted in\n counters[KVQ_COUNTER_OUT_OF_RANGE] (may be null); their tokens read as zeros.\n Supported: kvq_prefill_supported.\n```"]
+#[repr(C)]
+#[derive(Debug, Copy, Clone, PartialEq)]
+pub struct kvq_prefill_args {
+    pub cache: kvq_cache,
+    pub num_blocks: i64,
+    pub q: *const ::std::os::raw::c_void,
+    pub out: *mut ::std::os::raw::c_void,
+    pub lse: *mut f32,
+    pub q_token_stride: i64,
+    pub q_head_stride: i64,
+    pub out_token_stride: i64,
+    pub out_head_stride: i64,
+    pub lse_token_stride: i64,
+    pub lse_head_stride: i64,
+    pub qo_indptr: *const i32,
+    pub block_tables: *const i32,
+    pub context_lens: *const i32,
+    pub sinks: *const f32,
+    pub ws_o: *mut f32,
+    pub ws_lse: *mut f32,
+    pub counters: *mut ::std::os::raw::c_ulonglong,
+    pub q_dtype: i32,
+    pub out_dtype: i32,
+    pub batch: i32,
+    pub num_q_heads: i32,
+    pub max_blocks: i32,
+    pub max_tokens: i32,
+    #[doc = " 1..KVQ_PREFILL_MAX_SPLITS"]
+    pub num_splits: i32,
+    #[doc = " a positive multiple of KVQ_PREFILL_TILE_TOKENS"]
+    pub split_tokens: i32,
+    #[doc = " \\< 0: no window"]
+    pub window_left: i32,
+    pub softmax_scale: f32,
+    #[doc = " \\<= 0: none"]
+    pub logits_soft_cap: f32,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of kvq_prefill_args"][::std::mem::size_of::<kvq_prefill_args>() - 280usize];
+    ["Alignment of kvq_prefill_args"][::std::mem::align_of::<kvq_prefill_args>() - 8usize];
+    ["Offset of field: kvq_prefill_args::cache"]
+        [::std::mem::offset_of!(kvq_prefill_args, cache) - 0usize];
+    ["Offset of field: kvq_prefill_args::num_blocks"]
+        [::std::mem::offset_of!(kvq_prefill_args, num_blocks) - 96usize];
+    ["Offset of field: kvq_prefill_args::q"]
+        [::std::mem::offset_of!(kvq_prefill_args, q) - 104usize];
+    ["Offset of field: kvq_prefill_args::out"]
+        [::std::mem::offset_of!(kvq_prefill_args, out) - 112usize];
+    ["Offset of field: kvq_prefill_args::lse"]
+        [::std::mem::offset_of!(kvq_prefill_args, lse) - 120usize];
+    ["Offset of field: kvq_prefill_args::q_token_stride"]
+        [::std::mem::offset_of!(kvq_prefill_args, q_token_stride) - 128usize];
+    ["Offset of field: kvq_prefill_args::q_head_stride"]
+        [::std::mem::offset_of!(kvq_prefill_args, q_head_stride) - 136usize];
+    ["Offset of field: kvq_prefill_args::out_token_stride"]
+        [::std::mem::offset_of!(kvq_prefill_args, out_token_stride) - 144usize];
+    ["Offset of field: kvq_prefill_args::out_head_stride"]
+        [::std::mem::offset_of!(kvq_prefill_args, out_head_stride) - 152usize];
+    ["Offset of field: kvq_prefill_args::lse_token_stride"]
+        [::std::mem::offset_of!(kvq_prefill_args, lse_token_stride) - 160usize];
+    ["Offset of field: kvq_prefill_args::lse_head_stride"]
+        [::std::mem::offset_of!(kvq_prefill_args, lse_head_stride) - 168usize];
+    ["Offset of field: kvq_prefill_args::qo_indptr"]
+        [::std::mem::offset_of!(kvq_prefill_args, qo_indptr) - 176usize];
+    ["Offset of field: kvq_prefill_args::block_tables"]
+        [::std::mem::offset_of!(kvq_prefill_args, block_tables) - 184usize];
+    ["Offset of field: kvq_prefill_args::context_lens"]
+        [::std::mem::offset_of!(kvq_prefill_args, context_lens) - 192usize];
+    ["Offset of field: kvq_prefill_args::sinks"]
+        [::std::mem::offset_of!(kvq_prefill_args, sinks) - 200usize];
+    ["Offset of field: kvq_prefill_args::ws_o"]
+        [::std::mem::offset_of!(kvq_prefill_args, ws_o) - 208usize];
+    ["Offset of field: kvq_prefill_args::ws_lse"]
+        [::std::mem::offset_of!(kvq_prefill_args, ws_lse) - 216usize];
+    ["Offset of field: kvq_prefill_args::counters"]
+        [::std::mem::offset_of!(kvq_prefill_args, counters) - 224usize];
+    ["Offset of field: kvq_prefill_args::q_dtype"]
+        [::std::mem::offset_of!(kvq_prefill_args, q_dtype) - 232usize];
+    ["Offset of field: kvq_prefill_args::out_dtype"]
+        [::std::mem::offset_of!(kvq_prefill_args, out_dtype) - 236usize];
+    ["Offset of field: kvq_prefill_args::batch"]
+        [::std::mem::offset_of!(kvq_prefill_args, batch) - 240usize];
+    ["Offset of field: kvq_prefill_args::num_q_heads"]
+        [::std::mem::offset_of!(kvq_prefill_args, num_q_heads) - 244usize];
+    ["Offset of field: kvq_prefill_args::max_blocks"]
+        [::std::mem::offset_of!(kvq_prefill_args, max_blocks) - 248usize];
+    ["Offset of field: kvq_prefill_args::max_tokens"]
+        [::std::mem::offset_of!(kvq_prefill_args, max_tokens) - 252usize];
+    ["Offset of field: kvq_prefill_args::num_splits"]
+        [::std::mem::offset_of!(kvq_prefill_args, num_splits) - 256usize];
+    ["Offset of field: kvq_prefill_args::split_tokens"]
+        [::std::mem::offset_of!(kvq_prefill_args, split_tokens) - 260usize];
+    ["Offset of field: kvq_prefill_args::window_left"]
+        [::std::mem::offset_of!(kvq_prefill_args, window_left) - 264usize];
+    ["Offset of field: kvq_prefill_args::softmax_scale"]
+        [::std::mem::offset_of!(kvq_prefill_args, softmax_scale) - 268usize];
+    ["Offset of field: kvq_prefill_args::logits_soft_cap"]
+        [::std::mem::offset_of!(kvq_prefill_args, logits_soft_cap) - 272usize];
+};
+impl Default for kvq_prefill_args {
+    fn default() -> Self {
+        let mut s = ::std::mem::MaybeUninit::<Self>::uninit();
+        // SAFETY: all-zero bytes are a valid value of this C struct (integers, floats
+        // and null pointers).
+        unsafe {
+            ::std::ptr::write_bytes(s.as_mut_ptr(), 0, 1);
+            s.assume_init()
+        }
+    }
+}
+unsafe extern "C" {
+    #[doc = " 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every\n cache format for K and V (INT4 sym32 as K, affine64 as V), head_dim 64, 80, 96, 112, 128, 192\n or 256 (a multiple of each format's group), f16 or bf16 queries, and bf16 queries whenever a\n side is bf16. A host function."]
+    pub fn kvq_prefill_supported(
+        k_format: i32,
+        v_format: i32,
+        head_dim: i32,
+        q_dtype: i32,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    #[doc = " Dynamic shared memory one prefill thread block of this layout and q_dtype uses (0 when\n unsupported); also raises the kernel's limit, so call it once outside graph capture."]
+    pub fn kvq_prefill_prepare(
+        layout: *const kvq_layout,
+        q_dtype: i32,
+        smem_bytes: *mut i32,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    #[doc = " Enqueue the prefill kernel (and the split merge when num_splits \\> 1) on `stream`."]
+    pub fn kvq_prefill_attention(
+        args: *const kvq_prefill_args,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
+    #[doc = " Merge two partial attentions of the same rows over disjoint key sets (out normalized, lse\n natural log, as kvq returns them): rows \\[rows, head_dim\\] of dtype (f16, bf16 or f32) in a,\n b and out (contiguous), lse f32 \\[rows\\]; out may alias a or b, out_lse may alias a_lse or\n b_lse. Rows whose lse are both -inf become zeros with lse -inf."]
+    pub fn kvq_merge_states(
+        a: *const ::std::os::raw::c_void,
+        a_lse: *const f32,
+        b: *const ::std::os::raw::c_void,
+        b_lse: *const f32,
+        out: *mut ::std::os::raw::c_void,
+        out_lse: *mut f32,
+        rows: i64,
+        head_dim: i32,
+        dtype: i32,
+        stream: *mut ::std::os::raw::c_void,
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {

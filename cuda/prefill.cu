@@ -1,0 +1,318 @@
+// prefill.cu: the C launchers of attention over the paged cache for any query length (kvq.h):
+// the kernel instances (head_dim x operand type; the cache formats are decoded by run-time
+// codec choice inside the kernel, prefill/kernel.cuh), the split merge, and merge_states.
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "common.cuh"
+#include "kvq.h"
+#include "prefill/kernel.cuh"
+
+namespace kvq_prefill {
+namespace {
+
+/// Call fn.template run<D, KB, VB>() for a head_dim and the operand types of K and V, or return
+/// KVQ_ERR_UNSUPPORTED.
+template <class Fn> int dispatch(int d, bool kb, bool vb, Fn &fn) {
+  auto go = [&](auto dim) -> int {
+    constexpr int D = decltype(dim)::value;
+    if (kb) return vb ? fn.template run<D, true, true>() : fn.template run<D, true, false>();
+    return vb ? fn.template run<D, false, true>() : fn.template run<D, false, false>();
+  };
+  switch (d) {
+    case 64: return go(std::integral_constant<int, 64>{});
+    case 80: return go(std::integral_constant<int, 80>{});
+    case 96: return go(std::integral_constant<int, 96>{});
+    case 112: return go(std::integral_constant<int, 112>{});
+    case 128: return go(std::integral_constant<int, 128>{});
+    case 192: return go(std::integral_constant<int, 192>{});
+    case 256: return go(std::integral_constant<int, 256>{});
+    default: return KVQ_ERR_UNSUPPORTED;
+  }
+}
+
+/// Whether a (K, V, head_dim, q dtype) has a kernel: INT4 sym32 keys and affine64 values only,
+/// head_dim whole groups of each side, bf16 queries for a bf16 key cache (its scores are
+/// computed on bf16 operands).
+bool supported(int32_t k, int32_t v, int32_t d, int32_t q_dtype) {
+  if (q_dtype != KVQ_DTYPE_F16 && q_dtype != KVQ_DTYPE_BF16) return false;
+  if (k == KVQ_INT4_AFFINE64 || v == KVQ_INT4_SYM32) return false;
+  FormatInfo fk, fv;
+  if (!format_info(k, fk) || !format_info(v, fv)) return false;
+  if (d != 64 && d != 80 && d != 96 && d != 112 && d != 128 && d != 192 && d != 256) return false;
+  if (d % fk.head_dim_multiple != 0 || d % fv.head_dim_multiple != 0) return false;
+  if (k == KVQ_BF16 && q_dtype != KVQ_DTYPE_BF16) return false;
+  return true;
+}
+
+/// Raise the instance's dynamic shared-memory limit to all the device gives a block beside its
+/// static shared memory, once per device (launches after the first, e.g. under graph capture,
+/// make no attribute calls); `*limit` gets that limit.
+template <int D, bool KB, bool VB> cudaError_t prepare(int *limit) {
+  static std::atomic<uint64_t> done{0};  // bit d: done on device d (< 64)
+  int dev = 0, optin = 0;
+  cudaFuncAttributes attr{};
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, prefill_kernel<D, KB, VB>);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // not left pending for the next launcher to report
+    return e;
+  }
+  *limit = optin - (int)attr.sharedSizeBytes;
+  const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  e = cudaFuncSetAttribute(prefill_kernel<D, KB, VB>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, *limit);
+  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+  else (void)cudaGetLastError();
+  return e;
+}
+
+/// The dynamic shared memory of a launch over sides k, v with these operand types.
+int smem_bytes(int d, const Side &k, const Side &v, bool kb, bool vb) {
+  return smem_layout(d, k, direct(k.format, kb), v, direct(v.format, vb)).bytes;
+}
+
+struct Prepare {
+  int32_t *smem;
+  int bytes;
+  template <int D, bool KB, bool VB> int run() {
+    int limit = 0;
+    const cudaError_t e = prepare<D, KB, VB>(&limit);
+    if (e != cudaSuccess) {
+      set_last_error(e);
+      return KVQ_ERR_LAUNCH;
+    }
+    if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
+    *smem = bytes;
+    return KVQ_OK;
+  }
+};
+
+struct Launch {
+  const Params &p;
+  dim3 grid;
+  int bytes;
+  cudaStream_t stream;
+  template <int D, bool KB, bool VB> int run() {
+    int limit = 0;
+    const cudaError_t e = prepare<D, KB, VB>(&limit);
+    if (e != cudaSuccess) {
+      set_last_error(e);
+      return KVQ_ERR_LAUNCH;
+    }
+    if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
+    prefill_kernel<D, KB, VB><<<grid, kThreads, bytes, stream>>>(p);
+    return launch_status();
+  }
+};
+
+constexpr int kMergeWarps = 8;
+
+/// Merge the splits' partials of every row of the step (warp per row) and apply the sinks.
+template <int D>
+__global__ void __launch_bounds__(kMergeWarps * 32) merge_splits(const Params p) {
+  const int64_t total =
+      (int64_t)min(max(p.qo_indptr[p.batch], 0), p.max_tokens) * p.num_q_heads;
+  const int64_t row = (int64_t)blockIdx.x * kMergeWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= total) return;
+  const int h = (int)(row % p.num_q_heads);
+  const int64_t tok = row / p.num_q_heads;
+  float M = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) M = fmaxf(M, __ldcg(p.ws_lse + s * p.ws_rows + row));
+  float L = p.sinks != nullptr ? expf(p.sinks[h] - M) : 0.f;
+  constexpr int PER = (D + 31) / 32;
+  float acc[PER] = {};
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float ls = __ldcg(p.ws_lse + s * p.ws_rows + row);
+    const float w = ls == -INFINITY ? 0.f : expf(ls - M);
+    L += w;
+    const float *src = p.ws_o + (s * p.ws_rows + row) * D;
+#pragma unroll
+    for (int i = 0; i < PER; ++i)
+      if (lane + 32 * i < D) acc[i] += w * __ldcg(src + lane + 32 * i);
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  const int64_t at = tok * p.o_tok + (int64_t)h * p.o_head;
+#pragma unroll
+  for (int i = 0; i < PER; ++i)
+    if (lane + 32 * i < D) store_out(p.out, at + lane + 32 * i, acc[i] * inv, p.out_dtype);
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[tok * p.l_tok + (int64_t)h * p.l_head] = L > 0.f ? M + logf(L) : -INFINITY;
+}
+
+struct MergeSplits {
+  const Params &p;
+  unsigned blocks;
+  cudaStream_t stream;
+  template <int D, bool, bool> int run() {
+    merge_splits<D><<<blocks, kMergeWarps * 32, 0, stream>>>(p);
+    return launch_status();
+  }
+};
+
+/// merge_states: warp per row, elements of type T.
+template <typename T>
+__global__ void __launch_bounds__(kMergeWarps * 32)
+    merge_two(const T *a, const float *a_lse, const T *b, const float *b_lse, T *out,
+              float *out_lse, int64_t rows, int d) {
+  const int64_t row = (int64_t)blockIdx.x * kMergeWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const float la = a_lse[row], lb = b_lse[row];
+  const float M = fmaxf(la, lb);
+  const float wa = la == -INFINITY ? 0.f : expf(la - M), wb = lb == -INFINITY ? 0.f : expf(lb - M);
+  const float L = wa + wb;
+  const float fa = L > 0.f ? wa / L : 0.f, fb = L > 0.f ? wb / L : 0.f;
+  // Read every element of the row before writing any: out may alias a or b.
+  for (int i = lane; i < d; i += 32) {
+    const float x = fa * to_f32(a[row * d + i]) + fb * to_f32(b[row * d + i]);
+    out[row * d + i] = from_f32<T>(x);
+  }
+  __syncwarp();
+  if (lane == 0) out_lse[row] = L > 0.f ? M + logf(L) : -INFINITY;
+}
+
+}  // namespace
+}  // namespace kvq_prefill
+
+using namespace kvq_prefill;
+
+extern "C" int kvq_prefill_supported(int32_t k_format, int32_t v_format, int32_t head_dim,
+                                     int32_t q_dtype) {
+  return supported(k_format, v_format, head_dim, q_dtype) ? 1 : 0;
+}
+
+namespace {
+kvq_prefill::Side side_of(int32_t format, int32_t codes_off, int32_t codes_row, int32_t meta_off,
+                          int32_t meta_row) {
+  kvq::FormatInfo f{};
+  kvq::format_info(format, f);
+  return {format, codes_off, codes_row, meta_off, meta_row, f.group_entries > 1 ? f.group_entries : 1};
+}
+}  // namespace
+
+extern "C" int kvq_prefill_prepare(const kvq_layout *l, int32_t q_dtype, int32_t *smem_bytes) {
+  if (l == nullptr || smem_bytes == nullptr) return KVQ_ERR_INVALID;
+  *smem_bytes = 0;
+  if (!supported(l->k_format, l->v_format, l->head_dim, q_dtype)) return KVQ_ERR_UNSUPPORTED;
+  const Side k = side_of(l->k_format, l->k_codes_offset, l->k_codes_row, l->k_meta_offset,
+                         l->k_meta_row);
+  const Side v = side_of(l->v_format, l->v_codes_offset, l->v_codes_row, l->v_meta_offset,
+                         l->v_meta_row);
+  const bool kb = l->k_format == KVQ_BF16, vb = l->v_format == KVQ_BF16;
+  Prepare fn{smem_bytes, kvq_prefill::smem_bytes(l->head_dim, k, v, kb, vb)};
+  return dispatch(l->head_dim, kb, vb, fn);
+}
+
+extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
+  if (a == nullptr) return KVQ_ERR_INVALID;
+  const kvq_layout &l = a->cache.layout;
+  if (!supported(l.k_format, l.v_format, l.head_dim, a->q_dtype)) return KVQ_ERR_UNSUPPORTED;
+  if (a->out_dtype != KVQ_DTYPE_F16 && a->out_dtype != KVQ_DTYPE_BF16 &&
+      a->out_dtype != KVQ_DTYPE_F32)
+    return KVQ_ERR_UNSUPPORTED;
+  if (l.block_size <= 0 || l.block_size % kRun != 0) return KVQ_ERR_UNSUPPORTED;
+  if (a->batch <= 0 || a->num_q_heads <= 0 || l.num_kv_heads <= 0 ||
+      a->num_q_heads % l.num_kv_heads != 0 || a->max_blocks <= 0 || a->max_tokens <= 0 ||
+      a->num_splits <= 0 || a->num_splits > KVQ_PREFILL_MAX_SPLITS || a->split_tokens <= 0 ||
+      a->split_tokens % kTokens != 0 || a->num_blocks <= 0)
+    return KVQ_ERR_INVALID;
+  if (a->cache.pool == nullptr || a->q == nullptr || a->out == nullptr ||
+      a->qo_indptr == nullptr || a->block_tables == nullptr || a->context_lens == nullptr)
+    return KVQ_ERR_INVALID;
+  if (!aligned16(a->q) || a->q_token_stride % 8 != 0 || a->q_head_stride % 8 != 0 ||
+      a->q_token_stride < 0 || a->q_head_stride < 0 || a->out_token_stride < 0 ||
+      a->out_head_stride < 0 || a->lse_token_stride < 0 || a->lse_head_stride < 0)
+    return KVQ_ERR_INVALID;
+  const bool k_fp8 = l.k_format == KVQ_FP8_E4M3 || l.k_format == KVQ_FP8_E5M2;
+  const bool v_fp8 = l.v_format == KVQ_FP8_E4M3 || l.v_format == KVQ_FP8_E5M2;
+  if ((k_fp8 && a->cache.k_scales == nullptr) || (v_fp8 && a->cache.v_scales == nullptr))
+    return KVQ_ERR_INVALID;
+  if (a->num_splits > 1 && (a->ws_o == nullptr || a->ws_lse == nullptr)) return KVQ_ERR_INVALID;
+
+  Params p{};
+  p.pool = a->cache.pool;
+  p.k_scales = a->cache.k_scales;
+  p.v_scales = a->cache.v_scales;
+  p.head_stride = l.head_stride;
+  p.block_stride = l.block_stride;
+  p.num_blocks = a->num_blocks;
+  p.k = side_of(l.k_format, l.k_codes_offset, l.k_codes_row, l.k_meta_offset, l.k_meta_row);
+  p.v = side_of(l.v_format, l.v_codes_offset, l.v_codes_row, l.v_meta_offset, l.v_meta_row);
+  p.block_size = l.block_size;
+  p.q = a->q;
+  p.out = a->out;
+  p.lse = a->lse;
+  p.q_tok = a->q_token_stride, p.q_head = a->q_head_stride;
+  p.o_tok = a->out_token_stride, p.o_head = a->out_head_stride;
+  p.l_tok = a->lse_token_stride, p.l_head = a->lse_head_stride;
+  p.qo_indptr = a->qo_indptr;
+  p.block_tables = a->block_tables;
+  p.context_lens = a->context_lens;
+  p.sinks = a->sinks;
+  p.ws_o = a->ws_o;
+  p.ws_lse = a->ws_lse;
+  p.ws_rows = (int64_t)a->max_tokens * a->num_q_heads;
+  p.counters = a->counters;
+  p.q_bf16 = a->q_dtype == KVQ_DTYPE_BF16;
+  p.out_dtype = a->out_dtype;
+  p.batch = a->batch;
+  p.num_q_heads = a->num_q_heads;
+  p.group = a->num_q_heads / l.num_kv_heads;
+  p.max_blocks = a->max_blocks;
+  p.max_tokens = a->max_tokens;
+  p.num_splits = a->num_splits;
+  p.split_tokens = a->split_tokens;
+  p.window_left = a->window_left < 0 ? -1 : a->window_left;
+  p.sm_scale = a->softmax_scale;
+  p.soft_cap = a->logits_soft_cap > 0.f ? a->logits_soft_cap : 0.f;
+
+  // Tiles of the capacity: sum over sequences of ceil(n_b G / rows) <= ceil(total G / rows) +
+  // batch.
+  const int64_t tiles = ((int64_t)a->max_tokens * p.group + kRows - 1) / kRows + a->batch;
+  if (tiles > INT32_MAX || l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
+  const bool kb = l.k_format == KVQ_BF16, vb = l.v_format == KVQ_BF16;
+  Launch fn{p, dim3((unsigned)tiles, (unsigned)l.num_kv_heads, (unsigned)a->num_splits),
+            smem_bytes(l.head_dim, p.k, p.v, kb, vb), (cudaStream_t)stream};
+  const int status = dispatch(l.head_dim, kb, vb, fn);
+  if (status != KVQ_OK || a->num_splits == 1) return status;
+  const int64_t rows = p.ws_rows;
+  MergeSplits merge{p, (unsigned)((rows + kMergeWarps - 1) / kMergeWarps), (cudaStream_t)stream};
+  return dispatch(l.head_dim, kb, vb, merge);
+}
+
+extern "C" int kvq_merge_states(const void *a, const float *a_lse, const void *b,
+                                const float *b_lse, void *out, float *out_lse, int64_t rows,
+                                int32_t head_dim, int32_t dtype, void *stream) {
+  if (rows < 0 || head_dim <= 0) return KVQ_ERR_INVALID;
+  if (rows == 0) return KVQ_OK;
+  if (a == nullptr || a_lse == nullptr || b == nullptr || b_lse == nullptr || out == nullptr ||
+      out_lse == nullptr)
+    return KVQ_ERR_INVALID;
+  const unsigned blocks = (unsigned)((rows + kMergeWarps - 1) / kMergeWarps);
+  if ((rows + kMergeWarps - 1) / kMergeWarps > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
+  cudaStream_t s = (cudaStream_t)stream;
+  switch (dtype) {
+    case KVQ_DTYPE_F32:
+      merge_two<float><<<blocks, kMergeWarps * 32, 0, s>>>(
+          static_cast<const float *>(a), a_lse, static_cast<const float *>(b), b_lse,
+          static_cast<float *>(out), out_lse, rows, head_dim);
+      break;
+    case KVQ_DTYPE_F16:
+      merge_two<__half><<<blocks, kMergeWarps * 32, 0, s>>>(
+          static_cast<const __half *>(a), a_lse, static_cast<const __half *>(b), b_lse,
+          static_cast<__half *>(out), out_lse, rows, head_dim);
+      break;
+    case KVQ_DTYPE_BF16:
+      merge_two<__nv_bfloat16><<<blocks, kMergeWarps * 32, 0, s>>>(
+          static_cast<const __nv_bfloat16 *>(a), a_lse, static_cast<const __nv_bfloat16 *>(b),
+          b_lse, static_cast<__nv_bfloat16 *>(out), out_lse, rows, head_dim);
+      break;
+    default: return KVQ_ERR_UNSUPPORTED;
+  }
+  return launch_status();
+}

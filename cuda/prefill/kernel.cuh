@@ -1,0 +1,594 @@
+// prefill/kernel.cuh: attention of many query rows over the paged cache (chunked prefill,
+// prefix hits, speculative verification), for every cache format.
+//
+// Grid (tiles, num_kv_heads, splits), 4 warps per CTA. A sequence's query rows are its new
+// tokens x the G query heads of one KV head, token-major (row r = token r / G, head r % G), so
+// the G heads share every KV byte read; a CTA serves 64 of them (16 a warp) over one split of
+// the keys. Tiles are numbered over the batch in the CTA itself (a scan of qo_indptr), each
+// sequence's last (longest, under the causal mask) tile first.
+//
+// Per step of 64 KV tokens each warp computes S = Q K^T and O += P V on tensor cores (mma.sync
+// m16n8k16, f32 accumulate) with an online softmax in the log2 domain, from 16-bit operand
+// tiles in shared memory. A side (K or V) whose cache format is its operand type (f16, bf16) is
+// copied straight into two alternating operand tiles; a quantized side is copied raw (codes and
+// metadata, runs of 16 tokens of one page) into two alternating staging areas and decoded by
+// every thread with the format's codec (codec/: the exact FORMATS.md values; FP8's per-head
+// scale is left out and applied to S and O) into one operand tile. The next step's copies fly
+// during this step's decode and MMAs.
+//
+// Operand types: bf16 for a bf16 side, else f16 (exact for FP8 codes; decoded INT4 values are
+// rounded once). bf16 queries over an f16 key operand are scaled per row by a power of two into
+// f16's range (as the decode kernel does), the factor applied to the row's scores.
+//
+// A split that is not the only one writes its normalized partial O and its lse to the
+// workspace; merge_splits (prefill.cu) combines them and applies the sinks.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "codec/codec.cuh"
+#include "kvq.h"
+#include "prim/convert.cuh"
+#include "prim/cp_async.cuh"
+#include "prim/fast_math.cuh"
+#include "prim/mma.cuh"
+
+namespace kvq_prefill {
+
+using namespace kvq;
+
+constexpr int kRows = KVQ_PREFILL_TILE_ROWS;    // query rows per CTA
+constexpr int kTokens = KVQ_PREFILL_TILE_TOKENS;  // KV tokens per step
+constexpr int kWarps = kRows / 16;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRun = 16;  // tokens per copied run: pages hold a multiple of 16 tokens
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr unsigned kFull = 0xffffffffu;
+
+/// One side (K or V) of the cache as the kernel reads it.
+struct Side {
+  int32_t format;  // kvq_format
+  int32_t codes_off, codes_row, meta_off, meta_row, meta_step;
+};
+
+/// Everything a prefill launch needs; built by the launcher from kvq_prefill_args.
+struct Params {
+  const uint8_t *pool;
+  const float *k_scales, *v_scales;
+  int64_t head_stride, block_stride, num_blocks;
+  Side k, v;
+  int32_t block_size;
+  const void *q;
+  void *out;
+  float *lse;
+  int64_t q_tok, q_head, o_tok, o_head, l_tok, l_head;
+  const int32_t *qo_indptr, *block_tables, *context_lens;
+  const float *sinks;
+  float *ws_o, *ws_lse;
+  int64_t ws_rows;  // rows of one split in the workspace: max_tokens * num_q_heads
+  unsigned long long *counters;
+  int32_t q_bf16;  // q element type: 1 = bf16, 0 = f16
+  int32_t out_dtype;
+  int32_t batch, num_q_heads, group, max_blocks, max_tokens;
+  int32_t num_splits, split_tokens, window_left;
+  float sm_scale;  // softmax_scale
+  float soft_cap;  // <= 0: none
+};
+
+/// Bytes of one row of operand tiles in shared memory: 16 bytes of padding put the 8 rows that
+/// one ldmatrix reads on distinct 16-byte bank groups at every supported head_dim.
+template <int D> __host__ __device__ constexpr int pitch() { return D * 2 + 16; }
+
+/// Whether a side's cache format is its operand type (copied as is, no decode).
+__host__ __device__ inline bool direct(int32_t format, bool bf16_operand) {
+  return format == (bf16_operand ? kBf16 : kF16);
+}
+
+/// Raw bytes of one step of a quantized side: kTokens rows of codes, then of metadata.
+__host__ __device__ inline int stage_bytes(const Side &s) {
+  return (kTokens * (s.codes_row + s.meta_row) + 127) / 128 * 128;
+}
+
+/// Where a launch's dynamic shared memory goes: the Q tile, then per side either two operand
+/// tiles (direct) or one operand tile and two staging areas (quantized).
+struct Layout {
+  int q, k_op, k_stage, v_op, v_stage, bytes;
+};
+__host__ __device__ inline Layout smem_layout(int d, const Side &k, bool k_direct, const Side &v,
+                                              bool v_direct) {
+  const int tile = kRows * (2 * d + 16);
+  Layout l;
+  int at = 0;
+  l.q = at, at += tile;
+  l.k_op = at, at += k_direct ? 2 * tile : tile;
+  l.k_stage = at, at += k_direct ? 0 : 2 * stage_bytes(k);
+  l.v_op = at, at += v_direct ? 2 * tile : tile;
+  l.v_stage = at, at += v_direct ? 0 : 2 * stage_bytes(v);
+  l.bytes = at;
+  return l;
+}
+
+__device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t dtype) {
+  if (dtype == KVQ_DTYPE_BF16)
+    reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
+  else if (dtype == KVQ_DTYPE_F16)
+    reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
+  else
+    reinterpret_cast<float *>(p)[i] = x;
+}
+
+/// x rounded to the operand type's bits; f16 saturates (a decoded INT4 value can round past
+/// 65504, and f16 inputs never exceed it).
+template <bool BF16> __device__ __forceinline__ uint16_t operand_bits(float x) {
+  if constexpr (BF16) return bf16_bits(x);
+  else return half_bits(fminf(fmaxf(x, -65504.f), 65504.f));
+}
+
+/// Decode the staged rows of one side (kTokens rows of codes, then of metadata) into an operand
+/// tile; rows outside [lo, hi) become zeros (past the sequence or the split: never-written or
+/// stale codes must not reach the MMAs, where 0 * NaN would poison the sum).
+template <int F, bool BF16, int D>
+__device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t *meta,
+                                            const Side &s, uint8_t *tile, int lo, int hi) {
+  using C = Codec<F>;
+  constexpr int E = C::kEpt;
+  constexpr int kChunks = D / E;
+  static_assert(D % E == 0, "head_dim is whole chunks of the codec (kvq_prefill_supported)");
+  for (int u = threadIdx.x; u < kTokens * kChunks; u += kThreads) {
+    const int j = u / kChunks, c = u % kChunks;
+    float v[E];
+    if (j >= lo && j < hi) {
+      RowRef r;
+      r.codes = const_cast<uint8_t *>(codes + j * s.codes_row);
+      r.scales = reinterpret_cast<uint16_t *>(const_cast<uint8_t *>(meta + j * s.meta_row));
+      r.zeros = r.scales + 1;
+      r.meta_step = s.meta_step;
+      r.head_scale = 1.0f;  // FP8: applied to S and O instead
+      C::decode(r, c, v);
+    } else {
+#pragma unroll
+      for (int i = 0; i < E; ++i) v[i] = 0.f;
+    }
+    uint4 *dst = reinterpret_cast<uint4 *>(tile + j * pitch<D>() + c * E * 2);
+#pragma unroll
+    for (int w = 0; w < E / 8; ++w) {
+      uint4 x;
+      uint32_t *xw = reinterpret_cast<uint32_t *>(&x);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        xw[i] = (uint32_t)operand_bits<BF16>(v[8 * w + 2 * i]) |
+                ((uint32_t)operand_bits<BF16>(v[8 * w + 2 * i + 1]) << 16);
+      dst[w] = x;
+    }
+  }
+}
+
+/// Whether codec F's rows split into whole chunks and groups at head_dim D.
+template <int F, int D> __host__ __device__ constexpr bool fits() {
+  return D % Codec<F>::kEpt == 0 && D % (Codec<F>::kGroup > 0 ? Codec<F>::kGroup : 1) == 0;
+}
+
+/// decode_side for the side's run-time format: a fold over every stored format (AllFormats),
+/// so a new codec is decoded here without an edit.
+template <bool BF16, int D, int... F>
+__device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes,
+                                          const uint8_t *meta, const Side &s, uint8_t *tile,
+                                          int lo, int hi) {
+  auto one = [&](auto f) {
+    constexpr int G = decltype(f)::value;
+    if constexpr (fits<G, D>()) decode_side<G, BF16, D>(codes, meta, s, tile, lo, hi);
+  };
+  (void)((s.format == F && (one(FormatTag<F>{}), true)) || ...);
+}
+
+template <bool BF16, int D>
+__device__ __forceinline__ void decode_any(const uint8_t *codes, const uint8_t *meta,
+                                           const Side &s, uint8_t *tile, int lo, int hi) {
+  decode_in<BF16, D>(AllFormats{}, codes, meta, s, tile, lo, hi);
+}
+
+/// New tokens of sequence b and the first one's index over the batch; 0 tokens (and `*bad`)
+/// when its qo_indptr entries are out of order or past the capacity, so nothing outside q, out
+/// and the workspace is addressed whatever the entries hold.
+__device__ __forceinline__ int seq_tokens(const Params &p, int b, int *q0, bool *bad) {
+  const int a = p.qo_indptr[b], e = p.qo_indptr[b + 1];
+  *bad = a < 0 || e < a || e > p.max_tokens;
+  *q0 = *bad ? 0 : a;
+  return *bad ? 0 : e - a;
+}
+
+/// Which sequence and which of its tiles CTA `tile` serves: a block-wide scan of the tiles per
+/// sequence (ceil(n_b * G / kRows)). False when `tile` is past the batch's last.
+__device__ __forceinline__ bool find_tile(const Params &p, int tile, int *seq, int *index,
+                                          int *count) {
+  __shared__ int s_seq, s_index, s_count, s_warp[kWarps];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (tid == 0) s_seq = -1;
+  __syncthreads();
+  int base = 0;
+  for (int b0 = 0; b0 < p.batch; b0 += kThreads) {
+    const int b = b0 + tid;
+    int n = 0, q0;
+    bool bad;
+    if (b < p.batch) n = seq_tokens(p, b, &q0, &bad);
+    const int tiles = (int)(((int64_t)n * p.group + kRows - 1) / kRows);
+    int incl = tiles;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int x = __shfl_up_sync(kFull, incl, o);
+      if (lane >= o) incl += x;
+    }
+    if (lane == 31) s_warp[warp] = incl;
+    __syncthreads();
+    int before = base, total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < warp) before += s_warp[w];
+      total += s_warp[w];
+    }
+    const int first = before + incl - tiles;
+    if (b < p.batch && tile >= first && tile < first + tiles) {
+      s_seq = b;
+      s_index = tile - first;
+      s_count = tiles;
+    }
+    base += total;
+    __syncthreads();
+    if (s_seq >= 0 || base > tile) break;  // uniform: shared values after the barrier
+  }
+  *seq = s_seq, *index = s_index, *count = s_count;
+  return s_seq >= 0;
+}
+
+/// Queue the copies of one side's rows of the step at `tok0` (4 runs of 16 tokens, each within
+/// one page; `blk[r]` the run's block or -1): a direct side's rows into operand tile `op` (rows
+/// at or past `hi` zero-filled: never-written codes must not reach the MMAs), a quantized side's
+/// codes and metadata into staging area `st`. A block outside the pool reads as zeros.
+template <int D>
+__device__ __forceinline__ void issue_side(const Side &s, bool is_direct, const uint8_t *head,
+                                           int64_t block_stride, const int (&blk)[kTokens / kRun],
+                                           int tok0, int block_size, int hi, uint8_t *op,
+                                           uint8_t *st) {
+  constexpr int P = pitch<D>();
+#pragma unroll
+  for (int run = 0; run < kTokens / kRun; ++run) {
+    const int tok = tok0 + run * kRun;
+    if (tok >= hi && !is_direct) break;  // never decoded
+    const int off = tok % block_size;
+    const bool ok = blk[run] >= 0;
+    const uint8_t *sec = head + (ok ? (int64_t)blk[run] * block_stride : 0);
+    if (is_direct) {
+      constexpr int UR = D * 2 / 16;  // 16-byte units of a row
+      for (int u = threadIdx.x; u < kRun * UR; u += kThreads) {
+        const int row = u / UR, c = u % UR;
+        const bool live = ok && tok + row < hi;
+        cp_async16(smem_u32(op + (run * kRun + row) * P + c * 16),
+                   sec + s.codes_off + (off + row) * (D * 2) + c * 16, live ? 16u : 0u);
+      }
+    } else {
+      const int uc = s.codes_row, um = s.meta_row;  // 16-byte units of the run's codes, meta
+      uint8_t *dc = st + run * kRun * s.codes_row, *dm = st + kTokens * s.codes_row + run * kRun * s.meta_row;
+      for (int u = threadIdx.x; u < uc + um; u += kThreads) {
+        const bool meta = u >= uc;
+        const int x = meta ? u - uc : u;
+        const uint8_t *src = sec + (meta ? s.meta_off + off * s.meta_row : s.codes_off + off * s.codes_row) + x * 16;
+        cp_async16(smem_u32((meta ? dm : dc) + x * 16), src, ok ? 16u : 0u);
+      }
+    }
+  }
+}
+
+template <int D, bool KB, bool VB>
+__global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
+  constexpr int P = pitch<D>();
+  constexpr int TILE = kRows * P;
+  // Q fragments live in registers up to head_dim 128; wider rows are read per k-step.
+  constexpr bool QREG = D <= 128;
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int row_lo[kRows], row_hi[kRows];  // keys [lo, hi) each row sees in this split
+  __shared__ int64_t row_out[kRows], row_lse[kRows];
+  __shared__ int row_head[kRows];
+  __shared__ float row_qs[kRows];  // factor of each row's scores (q's power-of-two scaling)
+
+  int b, index, count;
+  if (!find_tile(p, blockIdx.x, &b, &index, &count)) return;
+  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int G = p.group;
+
+  int q0;
+  bool bad_q;
+  const int n = seq_tokens(p, b, &q0, &bad_q);
+  const int cap = p.max_blocks * p.block_size;
+  int len = p.context_lens[b];
+  const bool bad_len = bad_q || len < n || len > cap;
+  len = min(max(len, 0), cap);
+  const int rows = n * G;
+  const int r0 = (count - 1 - index) * kRows;  // the last tile first: it has the most keys
+  const int past = len - n;                    // position of the first new token
+  const int s_lo = split * p.split_tokens, s_hi = min(len, s_lo + p.split_tokens);
+
+  if (tid < kRows) {
+    const int r = r0 + tid;
+    int lo = 0, hi = 0;
+    if (r < rows) {
+      const int i = r / G, h = kvh * G + r % G;
+      const int pos = past + i;
+      hi = min(pos + 1, s_hi);
+      lo = max(max(p.window_left >= 0 ? pos - p.window_left : 0, s_lo), 0);
+      row_head[tid] = h;
+      row_out[tid] = (int64_t)(q0 + i) * p.o_tok + (int64_t)h * p.o_head;
+      row_lse[tid] = (int64_t)(q0 + i) * p.l_tok + (int64_t)h * p.l_head;
+    }
+    row_lo[tid] = lo;
+    row_hi[tid] = max(hi, lo);
+    row_qs[tid] = 1.f;
+  }
+
+  const bool k_direct = direct(p.k.format, KB), v_direct = direct(p.v.format, VB);
+  const Layout L = smem_layout(D, p.k, k_direct, p.v, v_direct);
+  uint8_t *qs = smem + L.q;
+
+  // ---- Q tile: cp.async of each row (rows past the sequence: zeros).
+  {
+    constexpr int U = D * 2 / 16;
+    for (int u = tid; u < kRows * U; u += kThreads) {
+      const int rr = u / U, c = u % U, r = r0 + rr;
+      const uint8_t *src = static_cast<const uint8_t *>(p.q);
+      uint32_t bytes = 0;
+      if (r < rows) {
+        src += ((int64_t)(q0 + r / G) * p.q_tok + (int64_t)(kvh * G + r % G) * p.q_head) * 2 +
+               c * 16;
+        bytes = 16;
+      }
+      cp_async16(smem_u32(qs + rr * P + c * 16), src, bytes);
+    }
+    cp_async_commit();
+  }
+  __syncthreads();  // row bounds
+
+  // Keys this CTA's rows see in this split: [kv_lo, kv_hi).
+  int kv_lo = INT32_MAX, kv_hi = 0;
+  for (int r = 0; r < kRows; ++r)
+    if (row_hi[r] > row_lo[r]) kv_lo = min(kv_lo, row_lo[r]), kv_hi = max(kv_hi, row_hi[r]);
+  const int base = kv_hi > kv_lo ? kv_lo / kRun * kRun : 0;
+  const int nsteps = kv_hi > kv_lo ? (kv_hi - base + kTokens - 1) / kTokens : 0;
+
+  const uint8_t *head = p.pool + (int64_t)kvh * p.head_stride;
+  const int32_t *table = p.block_tables + (int64_t)b * p.max_blocks;
+  bool fault = false;
+  // Buffer `buf` of a side: a direct side's operand tile, a quantized side's staging area.
+  auto k_buf = [&](int buf) { return smem + (k_direct ? L.k_op + buf * TILE : L.k_stage + buf * stage_bytes(p.k)); };
+  auto v_buf = [&](int buf) { return smem + (v_direct ? L.v_op + buf * TILE : L.v_stage + buf * stage_bytes(p.v)); };
+  auto issue = [&](int st) {
+    const int tok0 = base + st * kTokens;
+    int blk[kTokens / kRun];
+#pragma unroll
+    for (int run = 0; run < kTokens / kRun; ++run) {
+      const int tok = tok0 + run * kRun;
+      blk[run] = -1;
+      if (tok < kv_hi) {
+        const int x = table[tok / p.block_size];
+        const bool ok = x >= 0 && (int64_t)x < p.num_blocks;
+        fault |= !ok;
+        blk[run] = ok ? x : -1;
+      }
+    }
+    issue_side<D>(p.k, k_direct, head, p.block_stride, blk, tok0, p.block_size, kv_hi,
+                  k_buf(st & 1), k_buf(st & 1));
+    issue_side<D>(p.v, v_direct, head, p.block_stride, blk, tok0, p.block_size, kv_hi,
+                  v_buf(st & 1), v_buf(st & 1));
+    cp_async_commit();
+  };
+  if (nsteps > 0) issue(0);
+
+  // bf16 queries over an f16 key operand: each row scaled by a power of two into f16's range.
+  if (p.q_bf16 && !KB) {
+    if (nsteps > 0) cp_async_wait<1>();  // the Q tile (step 0's copies may still fly)
+    else cp_async_wait<0>();
+    __syncthreads();
+    for (int r = warp; r < kRows; r += kWarps) {
+      const __nv_bfloat16 *row = reinterpret_cast<const __nv_bfloat16 *>(qs + r * P);
+      float mx = 0.f;
+      for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(__bfloat162float(row[d])));
+#pragma unroll
+      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+      const int e = (mx > 0.f && mx <= 3.0e38f) ? ilogbf(mx) : 0;
+      const float sc = ldexpf(1.f, -e);
+      __half *dst = reinterpret_cast<__half *>(qs + r * P);
+      for (int d = lane; d < D; d += 32) dst[d] = __float2half_rn(__bfloat162float(row[d]) * sc);
+      if (lane == 0) row_qs[r] = ldexpf(1.f, e);
+    }
+  }
+
+  // This warp's rows: a = warp * 16 + g, b = a + 8 (C-fragment rows).
+  const int ra = warp * 16 + g, rb = ra + 8;
+  const int lo_a = row_lo[ra], hi_a = row_hi[ra], lo_b = row_lo[rb], hi_b = row_hi[rb];
+  int w_lo = INT32_MAX, w_hi = 0;  // keys any of the warp's rows sees
+  for (int r = warp * 16; r < warp * 16 + 16; ++r)
+    if (row_hi[r] > row_lo[r]) w_lo = min(w_lo, row_lo[r]), w_hi = max(w_hi, row_hi[r]);
+
+  float k_factor = 1.f, v_factor = 1.f;
+  if (p.k.format == kFp8E4m3 || p.k.format == kFp8E5m2) k_factor = p.k_scales[kvh];
+  if (p.v.format == kFp8E4m3 || p.v.format == kFp8E5m2) v_factor = p.v_scales[kvh];
+  const bool capped = p.soft_cap > 0.f;
+  // Logits in the log2 domain: x * mul (no cap) or cap2 * tanh(x * mul) (capped).
+  const float mul = capped ? p.sm_scale * k_factor / p.soft_cap : p.sm_scale * k_factor * kLog2e;
+  const float cap2 = p.soft_cap * kLog2e;
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+
+  // ldmatrix row addresses of this lane: Q (A operand) rows warp*16 + lane % 16, column half
+  // lane / 16; K (B operand, two n-tiles) token (lane / 16) * 8 + lane % 8, column half
+  // (lane / 8) % 2; V (transposed B) token lane % 8 + ((lane / 8) % 2) * 8, column half lane / 16.
+  const uint32_t q_addr = smem_u32(qs) + (warp * 16 + lane % 16) * P + (lane / 16) * 16;
+  const uint32_t k_lane = ((lane / 16) * 8 + lane % 8) * P + ((lane / 8) % 2) * 16;
+  const uint32_t v_lane = (lane % 8 + ((lane / 8) % 2) * 8) * P + (lane / 16) * 16;
+  uint32_t qf[QREG ? D / 16 : 1][4];
+  bool q_loaded = false;
+  float mul_a = 0.f, mul_b = 0.f;
+
+#pragma unroll 1
+  for (int st = 0; st < nsteps; ++st) {
+    const int tok0 = base + st * kTokens;
+    cp_async_wait<0>();
+    __syncthreads();  // step st is in; every warp is done with step st - 1's tiles
+    if (st + 1 < nsteps) issue(st + 1);
+    const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
+    if (!k_direct) decode_any<KB, D>(k_buf(st & 1), k_buf(st & 1) + kTokens * p.k.codes_row, p.k, smem + L.k_op, lo, hi);
+    if (!v_direct) decode_any<VB, D>(v_buf(st & 1), v_buf(st & 1) + kTokens * p.v.codes_row, p.v, smem + L.v_op, lo, hi);
+    if (!k_direct || !v_direct) __syncthreads();
+    if (tok0 >= w_hi || tok0 + kTokens <= w_lo) continue;  // no key of this step for the warp
+    if (!q_loaded) {
+      q_loaded = true;
+      mul_a = mul * row_qs[ra], mul_b = mul * row_qs[rb];
+      if constexpr (QREG) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_addr + kk * 32, qf[kk]);
+      }
+    }
+    const uint32_t ks_u = smem_u32(k_direct ? k_buf(st & 1) : smem + L.k_op) + k_lane;
+    const uint32_t vs_u = smem_u32(v_direct ? v_buf(st & 1) : smem + L.v_op) + v_lane;
+
+    // S = Q K^T: 16 rows x 64 tokens (8 n-tiles of 8 tokens).
+    float s[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      if constexpr (QREG) {
+        a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
+      } else {
+        ldmatrix_x4(q_addr + kk * 32, a);
+      }
+      const uint4 av = make_uint4(a[0], a[1], a[2], a[3]);
+#pragma unroll
+      for (int j2 = 0; j2 < 4; ++j2) {
+        uint32_t bk[4];
+        ldmatrix_x4(ks_u + j2 * 16 * P + kk * 32, bk);
+        mma16816<KB>(s[2 * j2], av, bk[0], bk[1]);
+        mma16816<KB>(s[2 * j2 + 1], av, bk[2], bk[3]);
+      }
+    }
+
+    // Logits (log2 domain), masks, running max.
+    float mx_a = -INFINITY, mx_b = -INFINITY;
+    const bool all_in = tok0 >= max(lo_a, lo_b) && tok0 + kTokens <= min(hi_a, hi_b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e] * (e < 2 ? mul_a : mul_b);
+        if (capped) {
+          float th;
+          asm("tanh.approx.f32 %0, %1;" : "=f"(th) : "f"(x));
+          x = cap2 * th;
+        }
+        if (!all_in) {
+          const int tok = tok0 + j * 8 + 2 * t + (e & 1);
+          const bool in = e < 2 ? (tok >= lo_a && tok < hi_a) : (tok >= lo_b && tok < hi_b);
+          x = in ? x : -INFINITY;
+        }
+        s[j][e] = x;
+      }
+      mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
+    }
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(kFull, mx_a, x));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(kFull, mx_b, x));
+    }
+    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    // A row that has seen nothing keeps m = -inf: alpha 1 (O and l are 0), subtract 0.
+    const float al_a = mn_a == -INFINITY ? 1.f : fast_exp2(m_a - mn_a);
+    const float al_b = mn_b == -INFINITY ? 1.f : fast_exp2(m_b - mn_b);
+    m_a = mn_a, m_b = mn_b;
+    const float sub_a = mn_a == -INFINITY ? 0.f : mn_a, sub_b = mn_b == -INFINITY ? 0.f : mn_b;
+    l_a *= al_a, l_b *= al_b;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
+    uint32_t pa[8][2];  // P as A operands: n-tile j, rows a (0) / b (1), tokens 2t, 2t + 1
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float p0 = fast_exp2(s[j][0] - sub_a), p1 = fast_exp2(s[j][1] - sub_a);
+      const float p2 = fast_exp2(s[j][2] - sub_b), p3 = fast_exp2(s[j][3] - sub_b);
+      l_a += p0 + p1, l_b += p2 + p3;
+      pa[j][0] = pack2<VB>(p0, p1);
+      pa[j][1] = pack2<VB>(p2, p3);
+    }
+
+    // O += P V: per 16 tokens, A = P (n-tiles 2ks, 2ks + 1), B = V^T by transposed ldmatrix.
+#pragma unroll
+    for (int ks2 = 0; ks2 < 4; ++ks2) {
+      const uint4 av = make_uint4(pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0],
+                                  pa[2 * ks2 + 1][1]);
+#pragma unroll
+      for (int d2 = 0; d2 < D / 16; ++d2) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(vs_u + ks2 * 16 * P + d2 * 32, bv);
+        mma16816<VB>(o[2 * d2], av, bv[0], bv[1]);
+        mma16816<VB>(o[2 * d2 + 1], av, bv[2], bv[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // One count per thread block that met a fault.
+  if (__syncthreads_or(fault || bad_len) && tid == 0 && p.counters != nullptr)
+    atomicAdd(p.counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
+
+  // ---- Epilogue: row sums across the quad, then this thread's two rows.
+#pragma unroll
+  for (int x = 1; x <= 2; x <<= 1) {
+    l_a += __shfl_xor_sync(kFull, l_a, x);
+    l_b += __shfl_xor_sync(kFull, l_b, x);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int rr = half ? rb : ra;
+    if (r0 + rr >= rows) continue;
+    const float m = half ? m_b : m_a, l = half ? l_b : l_a;
+    const int h = row_head[rr];
+    const int64_t grow = (int64_t)(q0 + (r0 + rr) / G) * p.num_q_heads + h;
+    if (p.num_splits > 1) {
+      // Normalized partial and its natural-log lse; the merge applies the sinks.
+      const float inv = l > 0.f ? v_factor / l : 0.f;
+      float *dst = p.ws_o + ((int64_t)split * p.ws_rows + grow) * D;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        const int d = j * 8 + 2 * t;
+        const float *oj = o[j] + 2 * half;
+        *reinterpret_cast<float2 *>(dst + d) = make_float2(oj[0] * inv, oj[1] * inv);
+      }
+      if (t == 0)
+        p.ws_lse[(int64_t)split * p.ws_rows + grow] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+      continue;
+    }
+    float M = m, scale_o = 1.f, L = l;
+    if (p.sinks != nullptr) {
+      const float s2 = p.sinks[h] * kLog2e;
+      M = fmaxf(m, s2);
+      scale_o = m == -INFINITY ? 0.f : fast_exp2(m - M);
+      L = l * scale_o + fast_exp2(s2 - M);
+    }
+    const float inv = L > 0.f ? scale_o * v_factor / L : 0.f;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int d = j * 8 + 2 * t;
+      const float *oj = o[j] + 2 * half;
+      store_out(p.out, row_out[rr] + d, oj[0] * inv, p.out_dtype);
+      store_out(p.out, row_out[rr] + d + 1, oj[1] * inv, p.out_dtype);
+    }
+    if (t == 0 && p.lse != nullptr) p.lse[row_lse[rr]] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+  }
+}
+
+}  // namespace kvq_prefill

@@ -1,0 +1,254 @@
+//! Attention over the paged cache for long queries (`kvq::cuda::prefill`): the compute-bound
+//! prompt and chunk shapes and the memory-bound extend shapes of docs/PERFORMANCE.md, Llama-3-8B
+//! heads (32 q / 8 KV, head_dim 128, pages of 16, bf16 queries), per cache format.
+//!
+//! Times are CUDA-event medians with the L2 flushed before each run. TFLOP/s count causal FLOPs
+//! once (4 · head_dim per visible (query, key) pair and query head); GB/s count the bytes the
+//! kernel must read (codes, metadata, tables, q) against the streaming-read ceiling measured in
+//! the same run.
+//!
+//! ```sh
+//! cargo run --release --features cuda,bench --example prefill_bench -- [--iters N] \
+//!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4]
+//! ```
+
+use kvq::cuda::bench::{self, EventTimer};
+use kvq::cuda::decode::DeviceBlockTables;
+use kvq::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
+use kvq::cuda::{DeviceCache, Gpu, ops};
+use kvq::{CacheConfig, KvFormat, Result};
+
+const KV_HEADS: usize = 8;
+const Q_HEADS: usize = 32;
+const D: usize = 128;
+const BLOCK: usize = 16;
+
+/// A step: per sequence (new tokens, context).
+struct Shape {
+    name: &'static str,
+    seqs: Vec<(usize, usize)>,
+}
+
+fn shapes() -> Vec<Shape> {
+    vec![
+        Shape {
+            name: "prompt 4k, B=1",
+            seqs: vec![(4096, 4096)],
+        },
+        Shape {
+            name: "prompt 4k, B=4",
+            seqs: vec![(4096, 4096); 4],
+        },
+        Shape {
+            name: "2k chunk after 30k, B=1",
+            seqs: vec![(2048, 32768)],
+        },
+        Shape {
+            name: "extend 16 after 16k, B=32",
+            seqs: vec![(16, 16384); 32],
+        },
+        Shape {
+            name: "extend 64 after 16k, B=8",
+            seqs: vec![(64, 16384); 8],
+        },
+        Shape {
+            name: "extend 16 after 128k, B=1",
+            seqs: vec![(16, 131072)],
+        },
+    ]
+}
+
+/// Visible (query, key) pairs of a causal step.
+fn pairs(seqs: &[(usize, usize)]) -> f64 {
+    seqs.iter()
+        .map(|&(n, l)| {
+            let (n, l) = (n as f64, l as f64);
+            n * (l - n) + n * (n + 1.0) / 2.0
+        })
+        .sum()
+}
+
+struct Row {
+    shape: &'static str,
+    format: String,
+    us: f64,
+    tflops: f64,
+    gbps: f64,
+    pct: f64,
+}
+
+fn measure(
+    gpu: &Gpu,
+    timer: &mut EventTimer,
+    shape: &Shape,
+    k: KvFormat,
+    v: KvFormat,
+    ceiling: f64,
+    iters: usize,
+) -> Result<Row> {
+    let cuda = |e: kvq::cuda::cudarc::driver::DriverError| kvq::Error::Cuda(format!("{e}"));
+    let s = gpu.stream().clone();
+    let config = CacheConfig::new(KV_HEADS, D, BLOCK, k, v)?;
+    let blocks: Vec<usize> = shape.seqs.iter().map(|&(_, l)| l.div_ceil(BLOCK)).collect();
+    let num_blocks: usize = blocks.iter().sum();
+    let mut cache = DeviceCache::new(gpu, config, num_blocks)?;
+    if k.has_head_scale() || v.has_head_scale() {
+        cache.set_scales(&[0.01f32; KV_HEADS], &[0.01f32; KV_HEADS])?;
+    }
+    // Fill every block with random rows, 4096 tokens per append.
+    const CHUNK: usize = 4096;
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut rnd = || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+    };
+    let kv: Vec<half::bf16> = (0..CHUNK * KV_HEADS * D)
+        .map(|_| half::bf16::from_f32(rnd()))
+        .collect();
+    let kv_dev = s.clone_htod(&kv).map_err(cuda)?;
+    let slots_total = num_blocks * BLOCK;
+    for start in (0..slots_total).step_by(CHUNK) {
+        let n = CHUNK.min(slots_total - start);
+        let slots: Vec<i32> = (start..start + n).map(|x| x as i32).collect();
+        let slots = s.clone_htod(&slots).map_err(cuda)?;
+        ops::append(&mut cache, &slots, &kv_dev, &kv_dev, n)?;
+    }
+    let mut tables = DeviceBlockTables::with_capacity(
+        &cache,
+        shape.seqs.len(),
+        blocks.iter().copied().max().unwrap_or(1),
+    )?;
+    let mut next = 0i32;
+    for (b, (&(_, l), &nb)) in shape.seqs.iter().zip(&blocks).enumerate() {
+        let row: Vec<i32> = (next..next + nb as i32).collect();
+        next += nb as i32;
+        tables.set_row(b, &row, l)?;
+    }
+    tables.set_batch(shape.seqs.len())?;
+    tables.upload()?;
+    let mut qo = vec![0u32];
+    for &(n, _) in &shape.seqs {
+        qo.push(qo.last().unwrap() + n as u32);
+    }
+    let total = *qo.last().unwrap() as usize;
+    let max_len = shape.seqs.iter().map(|s| s.1).max().unwrap_or(1);
+    let plan = PrefillPlan::new(
+        gpu,
+        cache.layout(),
+        shape.seqs.len(),
+        total,
+        Q_HEADS,
+        max_len,
+    )?;
+    let mut ws = PrefillWorkspace::new(&plan)?;
+    let q: Vec<half::bf16> = (0..total * Q_HEADS * D)
+        .map(|_| half::bf16::from_f32(rnd() * 0.25))
+        .collect();
+    let q_dev = s.clone_htod(&q).map_err(cuda)?;
+    let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
+    let qo_dev = s.clone_htod(&qo_i32).map_err(cuda)?;
+    let mut out = s
+        .alloc_zeros::<half::bf16>(total * Q_HEADS * D)
+        .map_err(cuda)?;
+    let rows = TokenRows::contiguous(Q_HEADS, D);
+    let us = timer.median_us(3, iters, true, || {
+        plan.prefill(
+            &mut ws,
+            &cache,
+            &tables,
+            PrefillStep {
+                qo_indptr: &qo,
+                qo_indptr_dev: &qo_dev,
+                q: &q_dev,
+                q_rows: rows,
+                out: &mut out,
+                out_rows: rows,
+                lse: None,
+                sinks: None,
+            },
+        )
+    })?;
+    cache.check_appends()?;
+    let flops = 4.0 * D as f64 * Q_HEADS as f64 * pairs(&shape.seqs);
+    let l = cache.layout();
+    let row_bytes =
+        (l.k_codes.row_bytes + l.k_meta.row_bytes + l.v_codes.row_bytes + l.v_meta.row_bytes)
+            as f64
+            * KV_HEADS as f64;
+    let kv_bytes: f64 = shape.seqs.iter().map(|&(_, l)| l as f64 * row_bytes).sum();
+    let bytes = kv_bytes + (total * Q_HEADS * D * 2) as f64 + (num_blocks * 4) as f64;
+    let gbps = bytes / (us * 1e-6) / 1e9;
+    Ok(Row {
+        shape: shape.name,
+        format: if k == v {
+            k.name().to_string()
+        } else {
+            format!("{}/{}", k.name(), v.name())
+        },
+        us,
+        tflops: flops / (us * 1e-6) / 1e12,
+        gbps,
+        pct: 100.0 * gbps / ceiling,
+    })
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let iters = args
+        .iter()
+        .position(|a| a == "--iters")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(20);
+    let arg = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let (only_shape, only_format) = (arg("--shape"), arg("--format"));
+    let gpu = Gpu::new(0)?;
+    eprintln!("{}", gpu.summary());
+    let mut timer = EventTimer::new(&gpu)?;
+    let probe = bench::read_ceiling(&gpu, &mut timer)?;
+    eprintln!("{probe}");
+    let ceiling = probe.gbps;
+    println!(
+        "prefill, Llama-3-8B heads (32 q / 8 KV, d=128, pages of 16, bf16 q and out) on {}; \
+         read ceiling {ceiling:.0} GB/s ({})\n",
+        gpu.props().name,
+        probe.variant
+    );
+    println!("| shape | KV format | µs | TFLOP/s | GB/s | % of ceiling |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for shape in shapes() {
+        if only_shape
+            .as_ref()
+            .is_some_and(|x| !shape.name.contains(x.as_str()))
+        {
+            continue;
+        }
+        for (k, v) in [
+            (KvFormat::Bf16, KvFormat::Bf16),
+            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+            (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        ] {
+            if only_format
+                .as_ref()
+                .is_some_and(|x| !k.name().starts_with(x.as_str()))
+            {
+                continue;
+            }
+            match measure(&gpu, &mut timer, &shape, k, v, ceiling, iters) {
+                Ok(r) => println!(
+                    "| {} | {} | {:.1} | {:.1} | {:.0} | {:.1} |",
+                    r.shape, r.format, r.us, r.tflops, r.gbps, r.pct
+                ),
+                Err(e) => println!("| {} | {}/{} | error: {e} | | | |", shape.name, k, v),
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,661 @@
+//! Attention over the paged cache for any query length on the GPU (`cuda/prefill.cu`): chunked
+//! prefill, the suffix after a prefix-cache hit, speculative verification and decode rows, in
+//! one ragged batch, for every cache format pair.
+//!
+//! Semantics are those of [`cpu::prefill_attention`](crate::cpu::prefill_attention): sequence
+//! `b` has `n_b = qo_indptr[b + 1] - qo_indptr[b]` new tokens, already appended, and a context
+//! of `L_b >= n_b` tokens (the tables' length); its query token `i` sits at position
+//! `L_b - n_b + i` and sees the positions before it and itself (causal), or only the last
+//! `window_left + 1` of them with a sliding window. Queries and outputs are token-major
+//! `[total_tokens, num_q_heads, head_dim]` views ([`TokenRows`]).
+//!
+//! An engine's step:
+//! 1. [`PrefillPlan::new`] once for a capacity (sequences, tokens per step, query heads,
+//!    context), with its options (scale, window, soft cap); [`PrefillWorkspace::new`] once.
+//! 2. Every step: append the new K/V ([`ops::append`](super::ops::append)), update and upload
+//!    the [`DeviceBlockTables`] (lengths include the new tokens), put the step's `qo_indptr`
+//!    on the device (the engine's own buffer; the host copy is checked against the tables),
+//!    then [`PrefillPlan::prefill`]: host checks, then one launch (two with split-KV), no
+//!    allocation, no host synchronization.
+//!
+//! Long contexts with few query rows (a short chunk after a long prefix) are cut into splits of
+//! the keys that run side by side and are merged by a second kernel; [`merge_states`] is the
+//! same merge for an engine's own partial attentions (cascade / shared-prefix attention).
+
+use super::device::{DeviceCache, raw_layout};
+use super::ops::{DeviceElement, Dtype, need_len, to_i32};
+use super::tables::DeviceBlockTables;
+use super::{Gpu, driver_err, launch, owned_ptr, sys};
+use crate::error::{Error, Result};
+use crate::format::KvFormat;
+use crate::layout::BlockLayout;
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use std::ffi::c_void;
+
+/// Query rows (new tokens × query heads of one KV head) one thread block serves.
+pub const TILE_ROWS: usize = sys::KVQ_PREFILL_TILE_ROWS as usize;
+/// KV tokens one step of the kernel takes; split lengths are multiples of it.
+pub const TILE_TOKENS: usize = sys::KVQ_PREFILL_TILE_TOKENS as usize;
+/// Longest split-KV fan-out of one launch.
+pub const MAX_SPLITS: usize = sys::KVQ_PREFILL_MAX_SPLITS as usize;
+/// Head dims with a prefill kernel.
+pub const HEAD_DIMS: [usize; 7] = [64, 80, 96, 112, 128, 192, 256];
+/// Token-splits the workspace holds by default (see [`PrefillPlan::with_split_budget`]).
+pub const DEFAULT_SPLIT_BUDGET: usize = 2048;
+
+/// Whether this build has a prefill kernel for keys in `k`, values in `v` at `head_dim`, with
+/// bf16 (`q_bf16`) or f16 queries. The queries' type is also the tensor cores' operand type, so
+/// a bf16 side needs bf16 queries.
+pub fn kernel_available_for(k: KvFormat, v: KvFormat, head_dim: usize, q_bf16: bool) -> bool {
+    let (Ok(d), Ok(q)) = (
+        i32::try_from(head_dim),
+        Ok::<i32, ()>(if q_bf16 { Dtype::Bf16 } else { Dtype::F16 }.raw()),
+    ) else {
+        return false;
+    };
+    launch::prefill_supported(k as i32, v as i32, d, q)
+}
+
+/// Where the rows of a token-major tensor live, in elements: element `d` of token `t` (counted
+/// over the whole batch) and head `h` is at `t * token + h * head + d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TokenRows {
+    /// Elements between consecutive tokens.
+    pub token: usize,
+    /// Elements between heads.
+    pub head: usize,
+}
+
+impl TokenRows {
+    /// `[tokens, heads, width]`, contiguous (`width` = head_dim, or 1 for `lse`).
+    pub fn contiguous(heads: usize, width: usize) -> Self {
+        TokenRows {
+            token: heads * width,
+            head: width,
+        }
+    }
+
+    /// One past the last element of `tokens × heads` rows of `width`; None on overflow.
+    fn extent(&self, tokens: usize, heads: usize, width: usize) -> Option<usize> {
+        if tokens == 0 {
+            return Some(0);
+        }
+        (tokens - 1)
+            .checked_mul(self.token)?
+            .checked_add((heads - 1).checked_mul(self.head)?)?
+            .checked_add(width)
+    }
+
+    /// Whether distinct rows never share an element.
+    fn disjoint(&self, tokens: usize, heads: usize, width: usize) -> bool {
+        let mut dims = [(self.token, tokens), (self.head, heads)];
+        dims.sort();
+        let mut span = width;
+        for (stride, n) in dims {
+            if n <= 1 {
+                continue;
+            }
+            if stride < span {
+                return false;
+            }
+            span = match stride.checked_mul(n - 1).and_then(|x| x.checked_add(span)) {
+                Some(s) => s,
+                None => return false,
+            };
+        }
+        true
+    }
+
+    fn raw(&self) -> Result<(i64, i64)> {
+        let i = |v: usize| {
+            i64::try_from(v)
+                .map_err(|_| Error::InvalidArgument(format!("row stride {v} exceeds int64")))
+        };
+        Ok((i(self.token)?, i(self.head)?))
+    }
+}
+
+/// The tensors of one step for [`PrefillPlan::prefill`]. `Q`, `O` are any cudarc device buffers
+/// (a `CudaSlice`, or a view into a larger one).
+pub struct PrefillStep<'a, Q, O> {
+    /// `[batch + 1]` offsets of each sequence's new tokens, on the host: checked against the
+    /// tables (and used to cut the launch); it must equal `qo_indptr_dev`.
+    pub qo_indptr: &'a [u32],
+    /// The same offsets on the device (i32), as the kernel reads them.
+    pub qo_indptr_dev: &'a CudaSlice<i32>,
+    /// Queries (f16 or bf16), rows at `q_rows`: strides multiples of 8, the buffer 16-byte
+    /// aligned (cudarc's allocations are).
+    pub q: &'a Q,
+    /// Where the query rows are.
+    pub q_rows: TokenRows,
+    /// Output (f16, bf16 or f32), rows at `out_rows` (must not overlap).
+    pub out: &'a mut O,
+    /// Where the output rows go.
+    pub out_rows: TokenRows,
+    /// Optional f32 log-sum-exps (natural log, sink included) and where they go (width 1).
+    pub lse: Option<(&'a mut CudaSlice<f32>, TokenRows)>,
+    /// Optional per-query-head sink logits `[num_q_heads]` (gpt-oss): each joins its head's
+    /// softmax denominator, with a zero value.
+    pub sinks: Option<&'a CudaSlice<f32>>,
+}
+
+/// How prefill launches for one cache layout and capacity are made.
+#[derive(Debug, Clone)]
+pub struct PrefillPlan {
+    gpu: Gpu,
+    layout: BlockLayout,
+    max_batch: usize,
+    max_tokens: usize,
+    num_q_heads: usize,
+    max_context_len: usize,
+    softmax_scale: f32,
+    window_left: Option<usize>,
+    soft_cap: Option<f32>,
+    split_budget: usize,
+    forced_splits: Option<usize>,
+    graph_grid: bool,
+}
+
+impl PrefillPlan {
+    /// A plan for up to `max_batch` sequences with up to `max_tokens` new tokens in all per
+    /// step, `num_q_heads` query heads and contexts of up to `max_context_len` tokens, over
+    /// caches of `layout`, with `softmax_scale = 1 / sqrt(head_dim)`, no window and no cap.
+    ///
+    /// Errors: [`Error::Unsupported`] for a layout without a kernel (head_dim, format pair,
+    /// block size not a multiple of 16); [`Error::InvalidArgument`] for zero sizes or heads
+    /// that are not a multiple of the KV heads.
+    pub fn new(
+        gpu: &Gpu,
+        layout: &BlockLayout,
+        max_batch: usize,
+        max_tokens: usize,
+        num_q_heads: usize,
+        max_context_len: usize,
+    ) -> Result<Self> {
+        let c = &layout.config;
+        c.validate()?;
+        if max_batch == 0 || max_tokens == 0 || num_q_heads == 0 || max_context_len == 0 {
+            return Err(Error::InvalidArgument(
+                "prefill plan: batch, tokens, heads and context must be at least 1".into(),
+            ));
+        }
+        if num_q_heads % c.num_kv_heads != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{num_q_heads} query heads are not a multiple of {} KV heads",
+                c.num_kv_heads
+            )));
+        }
+        if c.block_size % 16 != 0 {
+            return Err(Error::Unsupported(format!(
+                "GPU prefill with blocks of {} tokens (a multiple of 16 is needed)",
+                c.block_size
+            )));
+        }
+        if !HEAD_DIMS.contains(&c.head_dim)
+            || !(kernel_available_for(c.k_format, c.v_format, c.head_dim, true)
+                || kernel_available_for(c.k_format, c.v_format, c.head_dim, false))
+        {
+            return Err(Error::Unsupported(format!(
+                "GPU prefill of {} keys with {} values at head_dim {}",
+                c.k_format, c.v_format, c.head_dim
+            )));
+        }
+        to_i32("max_tokens", max_tokens)?;
+        to_i32("max_batch", max_batch)?;
+        Ok(PrefillPlan {
+            gpu: gpu.clone(),
+            layout: *layout,
+            max_batch,
+            max_tokens,
+            num_q_heads,
+            max_context_len,
+            softmax_scale: 1.0 / (c.head_dim as f32).sqrt(),
+            window_left: None,
+            soft_cap: None,
+            split_budget: DEFAULT_SPLIT_BUDGET,
+            forced_splits: None,
+            graph_grid: false,
+        })
+    }
+
+    /// Logits are `softmax_scale * q · k` (finite, positive).
+    pub fn with_softmax_scale(mut self, softmax_scale: f32) -> Result<Self> {
+        if !softmax_scale.is_finite() || softmax_scale <= 0.0 {
+            return Err(Error::InvalidArgument(format!(
+                "softmax_scale must be finite and positive, got {softmax_scale}"
+            )));
+        }
+        self.softmax_scale = softmax_scale;
+        Ok(self)
+    }
+
+    /// A sliding window: a query at position `p` sees positions `p - w ..= p` (None: all).
+    pub fn with_window_left(mut self, window_left: Option<usize>) -> Result<Self> {
+        if let Some(w) = window_left {
+            to_i32("window_left", w)?;
+        }
+        self.window_left = window_left;
+        Ok(self)
+    }
+
+    /// Logit soft-capping (Gemma 2): `cap * tanh(logit / cap)` (None: off).
+    pub fn with_logits_soft_cap(mut self, cap: Option<f32>) -> Result<Self> {
+        if let Some(c) = cap.filter(|c| !c.is_finite() || *c <= 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "logits soft cap must be finite and positive, got {c}"
+            )));
+        }
+        self.soft_cap = cap;
+        Ok(self)
+    }
+
+    /// How many (token, split) partial rows the workspace holds: a step splits its keys only
+    /// when its tokens times the splits fit (0: never split).
+    pub fn with_split_budget(mut self, token_splits: usize) -> Self {
+        self.split_budget = token_splits;
+        self
+    }
+
+    /// Force the number of key splits (clamped to what the workspace and [`MAX_SPLITS`] allow;
+    /// None: the plan's choice).
+    pub fn with_num_splits(mut self, splits: Option<usize>) -> Self {
+        self.forced_splits = splits;
+        self
+    }
+
+    /// Size every launch's grid by the capacity instead of the step (and never split), so
+    /// that one launch captured in a CUDA graph serves every later step.
+    pub fn with_graph_grid(mut self, on: bool) -> Self {
+        self.graph_grid = on;
+        self
+    }
+
+    /// The plan's GPU.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// The layout the plan serves.
+    pub fn layout(&self) -> &BlockLayout {
+        &self.layout
+    }
+
+    /// The softmax scale.
+    pub fn softmax_scale(&self) -> f32 {
+        self.softmax_scale
+    }
+
+    /// Query heads.
+    pub fn num_q_heads(&self) -> usize {
+        self.num_q_heads
+    }
+
+    /// (partial outputs, partial lse) f32 elements of the workspace.
+    pub fn workspace_elems(&self) -> (usize, usize) {
+        let rows = self.split_budget * self.num_q_heads;
+        (rows * self.layout.config.head_dim, rows)
+    }
+
+    /// Key splits for a step of `total` tokens whose tiles give `ctas` thread blocks and whose
+    /// longest context is `max_len`: enough blocks for two per SM, at least 256 keys a split,
+    /// within the workspace.
+    fn splits_for(&self, total: usize, ctas: usize, max_len: usize) -> usize {
+        if self.graph_grid || total == 0 || self.split_budget < total {
+            return 1;
+        }
+        let fit = (self.split_budget / total).min(MAX_SPLITS);
+        if let Some(s) = self.forced_splits {
+            return s.clamp(1, fit.max(1));
+        }
+        let want = (2 * self.gpu.props().sm_count as usize).div_ceil(ctas.max(1));
+        want.min(max_len / 256).min(fit).max(1)
+    }
+
+    /// One step (see the module docs). `tables.batch()` sequences; row `b`'s length counts its
+    /// `qo_indptr[b + 1] - qo_indptr[b]` new tokens.
+    pub fn prefill<Q, QB, O, OB>(
+        &self,
+        ws: &mut PrefillWorkspace,
+        cache: &DeviceCache,
+        tables: &DeviceBlockTables,
+        step: PrefillStep<'_, QB, OB>,
+    ) -> Result<()>
+    where
+        Q: DeviceElement,
+        O: DeviceElement,
+        QB: DevicePtr<Q>,
+        OB: DevicePtrMut<O>,
+    {
+        let c = &self.layout.config;
+        if cache.layout() != &self.layout {
+            return Err(Error::InvalidArgument(
+                "the cache's layout differs from the one the plan was made for".into(),
+            ));
+        }
+        if tables.num_blocks() != cache.num_blocks() {
+            return Err(Error::InvalidArgument(format!(
+                "the block tables were checked against a pool of {} blocks, the cache has {}",
+                tables.num_blocks(),
+                cache.num_blocks()
+            )));
+        }
+        if !tables.is_uploaded() {
+            return Err(Error::InvalidArgument(
+                "the block tables changed since their last upload (call upload first)".into(),
+            ));
+        }
+        if Q::DTYPE == Dtype::F32 {
+            return Err(Error::Unsupported(
+                "GPU prefill with f32 queries (use f16 or bf16)".into(),
+            ));
+        }
+        if !kernel_available_for(c.k_format, c.v_format, c.head_dim, Q::DTYPE == Dtype::Bf16) {
+            return Err(Error::Unsupported(format!(
+                "GPU prefill of {} keys with {} values and {:?} queries (a bf16 side needs \
+                 bf16 queries)",
+                c.k_format,
+                c.v_format,
+                Q::DTYPE
+            )));
+        }
+        let batch = tables.batch();
+        if batch == 0 {
+            return Ok(());
+        }
+        if batch > self.max_batch {
+            return Err(Error::InvalidArgument(format!(
+                "a batch of {batch} exceeds the plan's capacity of {}",
+                self.max_batch
+            )));
+        }
+        let qo = step.qo_indptr;
+        need_len("qo_indptr (batch + 1 offsets)", batch + 1, qo.len())?;
+        need_len(
+            "qo_indptr_dev (batch + 1 offsets)",
+            batch + 1,
+            step.qo_indptr_dev.len(),
+        )?;
+        if qo[0] != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "qo_indptr[0] must be 0, got {}",
+                qo[0]
+            )));
+        }
+        let (heads, d) = (self.num_q_heads, c.head_dim);
+        let group = heads / c.num_kv_heads;
+        let (mut tiles, mut max_len) = (0usize, 0usize);
+        for b in 0..batch {
+            if qo[b + 1] < qo[b] {
+                return Err(Error::InvalidArgument(format!(
+                    "qo_indptr decreases at {b}: {} then {}",
+                    qo[b],
+                    qo[b + 1]
+                )));
+            }
+            let n = (qo[b + 1] - qo[b]) as usize;
+            let len = tables.len(b).unwrap_or(0);
+            if n > len {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {b} has {n} new tokens but a context of {len} (append them first)"
+                )));
+            }
+            if len > self.max_context_len {
+                return Err(Error::InvalidArgument(format!(
+                    "a context of {len} tokens exceeds the plan's max_context_len {}",
+                    self.max_context_len
+                )));
+            }
+            if n > 0 {
+                tiles += (n * group).div_ceil(TILE_ROWS);
+                max_len = max_len.max(len);
+            }
+        }
+        let total = qo[batch] as usize;
+        if total > self.max_tokens {
+            return Err(Error::InvalidArgument(format!(
+                "a step of {total} tokens exceeds the plan's capacity of {}",
+                self.max_tokens
+            )));
+        }
+        if step.q_rows.token % 8 != 0 || step.q_rows.head % 8 != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "q: strides {:?} must be multiples of 8 elements",
+                step.q_rows
+            )));
+        }
+        let need = |what: &'static str, rows: &TokenRows, width: usize, len: usize| {
+            let extent = rows.extent(total, heads, width).ok_or_else(|| {
+                Error::InvalidArgument(format!("{what}: strides {rows:?} overflow"))
+            })?;
+            need_len(what, extent, len)
+        };
+        need("q (rows at q_rows)", &step.q_rows, d, step.q.len())?;
+        need("out (rows at out_rows)", &step.out_rows, d, step.out.len())?;
+        if !step.out_rows.disjoint(total, heads, d) {
+            return Err(Error::InvalidArgument(format!(
+                "out: rows at {:?} overlap",
+                step.out_rows
+            )));
+        }
+        if let Some((l, rows)) = &step.lse {
+            need("lse (rows at lse_rows)", rows, 1, l.len())?;
+            if !rows.disjoint(total, heads, 1) {
+                return Err(Error::InvalidArgument(format!(
+                    "lse: rows at {rows:?} overlap"
+                )));
+            }
+        }
+        if let Some(s) = step.sinks {
+            need_len("sinks ([num_q_heads])", heads, s.len())?;
+        }
+        ws.check(self)?;
+        for g in [cache.gpu(), tables.gpu(), ws.gpu()] {
+            if g.context() != self.gpu.context() {
+                return Err(Error::InvalidArgument(format!(
+                    "the plan is for GPU {}, an argument lives on GPU {}",
+                    self.gpu.props().ordinal,
+                    g.props().ordinal
+                )));
+            }
+        }
+        if total == 0 {
+            return Ok(());
+        }
+        let splits = self.splits_for(total, tiles * c.num_kv_heads, max_len);
+        let split_tokens = max_len.div_ceil(splits).div_ceil(TILE_TOKENS).max(1) * TILE_TOKENS;
+        let launch_tokens = if self.graph_grid {
+            self.max_tokens
+        } else {
+            total
+        };
+        let layout = raw_layout(&self.layout)?;
+        self.gpu.bind()?;
+        self.gpu.check_capture()?;
+        launch::prefill_prepare(&layout, Q::DTYPE.raw())?;
+        let s = self.gpu.stream();
+        let (ctx_lens, block_tables) = tables.device_ptrs();
+        let PrefillStep {
+            qo_indptr_dev,
+            q,
+            q_rows,
+            out,
+            out_rows,
+            lse,
+            sinks,
+            ..
+        } = step;
+        self.gpu
+            .ordered(&[cache.gpu(), tables.gpu(), ws.gpu()], || {
+                let (q_p, _g1) = q.device_ptr(s);
+                if q_p % 16 != 0 {
+                    return Err(Error::InvalidArgument(
+                        "q: the buffer must be 16-byte aligned".into(),
+                    ));
+                }
+                let (o_p, _g2) = out.device_ptr_mut(s);
+                let (qo_p, _g3) = qo_indptr_dev.device_ptr(s);
+                let (lse_p, lse_rows, _g4) = match lse {
+                    Some((l, rows)) => {
+                        let (p, g) = l.device_ptr_mut(s);
+                        (p, rows, Some(g))
+                    }
+                    None => (0, TokenRows::contiguous(heads, 1), None),
+                };
+                let (sink_p, _g5) = match sinks {
+                    Some(x) => {
+                        let (p, g) = x.device_ptr(s);
+                        (p, Some(g))
+                    }
+                    None => (0, None),
+                };
+                let (q_tok, q_head) = q_rows.raw()?;
+                let (o_tok, o_head) = out_rows.raw()?;
+                let (l_tok, l_head) = lse_rows.raw()?;
+                let a = sys::kvq_prefill_args {
+                    cache: cache.as_raw(),
+                    num_blocks: i64::try_from(cache.num_blocks())
+                        .map_err(|_| Error::InvalidArgument("num_blocks exceeds int64".into()))?,
+                    q: q_p as *const c_void,
+                    out: o_p as *mut c_void,
+                    lse: lse_p as *mut f32,
+                    q_token_stride: q_tok,
+                    q_head_stride: q_head,
+                    out_token_stride: o_tok,
+                    out_head_stride: o_head,
+                    lse_token_stride: l_tok,
+                    lse_head_stride: l_head,
+                    qo_indptr: qo_p as *const i32,
+                    block_tables: block_tables as *const i32,
+                    context_lens: ctx_lens as *const i32,
+                    sinks: sink_p as *const f32,
+                    ws_o: ws.ptrs[0] as *mut f32,
+                    ws_lse: ws.ptrs[1] as *mut f32,
+                    counters: cache.counters_ptr(),
+                    q_dtype: Q::DTYPE.raw(),
+                    out_dtype: O::DTYPE.raw(),
+                    batch: to_i32("batch", batch)?,
+                    num_q_heads: to_i32("num_q_heads", heads)?,
+                    max_blocks: to_i32("max_blocks", tables.max_blocks())?,
+                    max_tokens: to_i32("max_tokens", launch_tokens)?,
+                    num_splits: splits as i32,
+                    split_tokens: to_i32("split_tokens", split_tokens)?,
+                    window_left: match self.window_left {
+                        Some(w) => to_i32("window_left", w)?,
+                        None => -1,
+                    },
+                    softmax_scale: self.softmax_scale,
+                    logits_soft_cap: self.soft_cap.unwrap_or(0.0),
+                };
+                // SAFETY: the cache comes from a live DeviceCache of this plan's layout; the tables
+                // were checked against its pool, cover `batch` rows and their (uploaded) lengths
+                // hold each sequence's new tokens; q / out / lse / sinks hold every row their
+                // strides address for `total` tokens (checked above), and the device qo_indptr is
+                // the caller's copy of the checked host one (the kernel clamps it otherwise); with
+                // splits, `total * splits` rows fit the workspace (splits_for); all of it lives on
+                // this context, ordered with this stream.
+                unsafe { launch::prefill_attention(&a, s.cu_stream()) }
+            })
+    }
+}
+
+/// Split-KV partial outputs and log-sum-exps of a [`PrefillPlan`] (one launch at a time).
+#[derive(Debug)]
+pub struct PrefillWorkspace {
+    gpu: Gpu,
+    _buffers: (CudaSlice<f32>, CudaSlice<f32>),
+    ptrs: [CUdeviceptr; 2],
+    elems: (usize, usize),
+}
+
+impl PrefillWorkspace {
+    /// Allocate the workspace of `plan` on its GPU and stream.
+    pub fn new(plan: &PrefillPlan) -> Result<Self> {
+        let elems = plan.workspace_elems();
+        let gpu = plan.gpu().clone();
+        gpu.bind()?;
+        let s = gpu.stream();
+        // SAFETY: the kernel writes every partial the merge of the same launch reads.
+        let o = unsafe { s.alloc::<f32>(elems.0.max(1)) }
+            .map_err(driver_err("allocating the prefill workspace"))?;
+        // SAFETY: as above.
+        let lse = unsafe { s.alloc::<f32>(elems.1.max(1)) }
+            .map_err(driver_err("allocating the prefill workspace"))?;
+        let ptrs = [owned_ptr(&o), owned_ptr(&lse)];
+        Ok(PrefillWorkspace {
+            gpu,
+            _buffers: (o, lse),
+            ptrs,
+            elems,
+        })
+    }
+
+    fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    fn check(&self, plan: &PrefillPlan) -> Result<()> {
+        let want = plan.workspace_elems();
+        if self.elems.0 < want.0 || self.elems.1 < want.1 {
+            return Err(Error::InvalidArgument(
+                "the prefill workspace is smaller than the plan needs (make it from this plan)"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Merge two partial attentions of the same `rows = a_lse.len()` rows over disjoint key sets
+/// (`[rows, head_dim]` outputs normalized, natural-log `lse`, as kvq's kernels return them)
+/// into `out` / `out_lse`: cascade attention over a shared prefix, or one long prefill cut in
+/// two. Queued on `gpu`'s stream.
+#[allow(clippy::too_many_arguments)]
+pub fn merge_states<T: DeviceElement>(
+    gpu: &Gpu,
+    a: &CudaSlice<T>,
+    a_lse: &CudaSlice<f32>,
+    b: &CudaSlice<T>,
+    b_lse: &CudaSlice<f32>,
+    out: &mut CudaSlice<T>,
+    out_lse: &mut CudaSlice<f32>,
+    head_dim: usize,
+) -> Result<()> {
+    let rows = a_lse.len();
+    if head_dim == 0 {
+        return Err(Error::InvalidArgument("merge_states: head_dim is 0".into()));
+    }
+    let elems = rows.checked_mul(head_dim).ok_or(Error::Overflow {
+        what: "merge_states rows × head_dim",
+        lhs: rows,
+        rhs: head_dim,
+    })?;
+    need_len("merge_states b_lse", rows, b_lse.len())?;
+    need_len("merge_states out_lse", rows, out_lse.len())?;
+    need_len("merge_states a", elems, a.len())?;
+    need_len("merge_states b", elems, b.len())?;
+    need_len("merge_states out", elems, out.len())?;
+    gpu.bind()?;
+    let s = gpu.stream();
+    let (ap, _g1) = a.device_ptr(s);
+    let (al, _g2) = a_lse.device_ptr(s);
+    let (bp, _g3) = b.device_ptr(s);
+    let (bl, _g4) = b_lse.device_ptr(s);
+    let (op, _g5) = out.device_ptr_mut(s);
+    let (ol, _g6) = out_lse.device_ptr_mut(s);
+    // SAFETY: every buffer holds `rows` rows (checked above) on this stream's context.
+    unsafe {
+        launch::merge_states(
+            ap as *const c_void,
+            al as *const f32,
+            bp as *const c_void,
+            bl as *const f32,
+            op as *mut c_void,
+            ol as *mut f32,
+            i64::try_from(rows).map_err(|_| Error::InvalidArgument("rows exceed int64".into()))?,
+            to_i32("head_dim", head_dim)?,
+            T::DTYPE.raw(),
+            s.cu_stream(),
+        )
+    }
+}

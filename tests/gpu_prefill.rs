@@ -1,0 +1,507 @@
+//! Attention over the paged cache for any query length (`kvq::cuda::prefill`) against the CPU
+//! reference (`kvq::cpu::prefill_attention`, f64) on the same quantized cache: every K x V
+//! format pair with a kernel, every head dim, ragged batches that mix whole prompts, chunks
+//! after a cached prefix, decode rows and padding, GQA groups 1..8 (6 included), block sizes
+//! 16 / 32, sliding windows, logit soft-capping, sinks, forced key splits, strided views and
+//! every output type, plus `merge_states`.
+//!
+//! Each case: relative error ‖e‖ / ‖ref‖ over the whole output (e beyond half an ulp of the
+//! output type) ≤ 2e-3 with f16 operands (4e-3 with bf16: P and decoded keys carry 8 bits), no
+//! row worse than 2e-2, `lse` within 5e-3 (plus 10 % of that per unit of |lse|), and every
+//! output element written (outputs are poisoned with NaN first). Inputs are fresh random draws
+//! each run; the seed is printed and `KVQ_SEED=<n>` replays it. Without a GPU the tests print
+//! `SKIPPED`; with `KVQ_REQUIRE_GPU=1` they fail instead.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::Rng;
+use half::{bf16, f16};
+use kvq::cache::{BlockTables, HostCache};
+use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
+use kvq::cuda::decode::DeviceBlockTables;
+use kvq::cuda::ops::DeviceElement;
+use kvq::cuda::prefill::{
+    HEAD_DIMS, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows, kernel_available_for,
+    merge_states,
+};
+use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
+use kvq::{CacheConfig, KvFormat, ScaleGranularity};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+fn rng(test: &str) -> Rng {
+    static SALT: AtomicU64 = AtomicU64::new(0);
+    let seed = std::env::var("KVQ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            t ^ SALT.fetch_add(0x1234_5678_9ABC, Ordering::Relaxed)
+        });
+    eprintln!("{test}: seed {seed}");
+    Rng(seed)
+}
+
+/// Query / output element types.
+trait Elem: DeviceElement {
+    fn from_f32(x: f32) -> Self;
+    fn widen(self) -> f32;
+    fn nan() -> Self;
+    /// Mantissa bits (without the implicit one).
+    const MANTISSA: i32;
+    fn half_ulp(x: f32) -> f64 {
+        let x = (x as f64).abs().max(f64::MIN_POSITIVE);
+        2f64.powi(x.log2().floor() as i32 - Self::MANTISSA - 1)
+    }
+}
+impl Elem for f16 {
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+    fn widen(self) -> f32 {
+        f16::to_f32(self)
+    }
+    fn nan() -> Self {
+        f16::NAN
+    }
+    const MANTISSA: i32 = 10;
+}
+impl Elem for bf16 {
+    fn from_f32(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+    fn widen(self) -> f32 {
+        bf16::to_f32(self)
+    }
+    fn nan() -> Self {
+        bf16::NAN
+    }
+    const MANTISSA: i32 = 7;
+}
+impl Elem for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn widen(self) -> f32 {
+        self
+    }
+    fn nan() -> Self {
+        f32::NAN
+    }
+    const MANTISSA: i32 = 23;
+}
+
+/// One ragged step: per sequence (new tokens, context length).
+#[derive(Debug, Clone)]
+struct Case {
+    k: KvFormat,
+    v: KvFormat,
+    head_dim: usize,
+    block_size: usize,
+    num_kv_heads: usize,
+    group: usize,
+    /// (n_b, L_b) per sequence.
+    seqs: Vec<(usize, usize)>,
+    q_bf16: bool,
+    window: Option<usize>,
+    cap: Option<f32>,
+    sinks: bool,
+    splits: Option<usize>,
+    /// Extra elements between tokens of q (a fused-QKV view) and an f32 output.
+    strided: bool,
+}
+
+impl Case {
+    fn new(k: KvFormat, v: KvFormat, head_dim: usize, seqs: Vec<(usize, usize)>) -> Case {
+        Case {
+            k,
+            v,
+            head_dim,
+            block_size: 16,
+            num_kv_heads: 2,
+            group: 4,
+            seqs,
+            q_bf16: k == KvFormat::Bf16 || v == KvFormat::Bf16,
+            window: None,
+            cap: None,
+            sinks: false,
+            splits: None,
+            strided: false,
+        }
+    }
+    fn name(&self) -> String {
+        format!(
+            "{}/{} d{} bs{} kv{} G{} {} seqs{:?} window{:?} cap{:?} sinks{} splits{:?}{}",
+            self.k,
+            self.v,
+            self.head_dim,
+            self.block_size,
+            self.num_kv_heads,
+            self.group,
+            if self.q_bf16 { "bf16" } else { "f16" },
+            self.seqs,
+            self.window,
+            self.cap,
+            self.sinks,
+            self.splits,
+            if self.strided { " strided/f32" } else { "" }
+        )
+    }
+}
+
+/// Build the cache, run GPU and CPU, compare; returns the relative error.
+fn check(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
+    match (case.q_bf16, case.strided) {
+        (false, false) => run::<f16, f16>(gpu, rng, case),
+        (true, false) => run::<bf16, bf16>(gpu, rng, case),
+        (false, true) => run::<f16, f32>(gpu, rng, case),
+        (true, true) => run::<bf16, f32>(gpu, rng, case),
+    }
+}
+
+fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
+    let name = case.name();
+    let (d, bs, nkv) = (case.head_dim, case.block_size, case.num_kv_heads);
+    let heads = nkv * case.group;
+    let config = CacheConfig::new(nkv, d, bs, case.k, case.v).expect("config");
+    let lens: Vec<usize> = case.seqs.iter().map(|s| s.1).collect();
+    let used: Vec<usize> = lens.iter().map(|l| l.div_ceil(bs)).collect();
+    let num_blocks = used.iter().sum::<usize>() + 3;
+    let mut ids: Vec<i32> = (0..num_blocks as i32).collect();
+    for i in (1..ids.len()).rev() {
+        ids.swap(i, rng.below(i + 1));
+    }
+    let mut rows: Vec<Vec<i32>> = Vec::new();
+    let mut next = 0;
+    for &u in &used {
+        rows.push(ids[next..next + u].to_vec());
+        next += u;
+    }
+    // Keys with a few strong outlier channels, values with per-channel offsets.
+    let outlier: Vec<f32> = (0..d)
+        .map(|_| if rng.below(16) == 0 { 8.0 } else { 1.0 })
+        .collect();
+    let offset: Vec<f32> = (0..d).map(|_| rng.normal() * 0.5).collect();
+    let kv: Vec<(Vec<f32>, Vec<f32>)> = lens
+        .iter()
+        .map(|&len| {
+            let n = len * nkv * d;
+            let k = (0..n).map(|i| rng.normal() * outlier[i % d]).collect();
+            let v = (0..n).map(|i| rng.normal() + offset[i % d]).collect();
+            (k, v)
+        })
+        .collect();
+    let mut host = HostCache::new(config, num_blocks).expect("host cache");
+    if case.k.has_head_scale() || case.v.has_head_scale() {
+        let all_k: Vec<f32> = kv.iter().flat_map(|s| s.0.iter().copied()).collect();
+        let all_v: Vec<f32> = kv.iter().flat_map(|s| s.1.iter().copied()).collect();
+        host.calibrate_fp8_scales(&all_k, &all_v, ScaleGranularity::PerHead)
+            .expect("calibrate");
+    }
+    for ((s, row), &len) in kv.iter().zip(&rows).zip(&lens) {
+        let slots: Vec<usize> = (0..len)
+            .map(|t| row[t / bs] as usize * bs + t % bs)
+            .collect();
+        host.write(&slots, &s.0, &s.1).expect("write");
+    }
+    let row_refs: Vec<&[i32]> = rows.iter().map(|r| r.as_slice()).collect();
+    let tables = BlockTables::from_rows(&row_refs, &lens).expect("tables");
+    let mut qo = vec![0u32];
+    for s in &case.seqs {
+        qo.push(qo.last().unwrap() + s.0 as u32);
+    }
+    let total = *qo.last().unwrap() as usize;
+    // Queries scaled so that softmaxes are neither flat nor one-hot.
+    let q: Vec<f32> = (0..total * heads * d).map(|_| rng.normal() * 0.5).collect();
+    let q_t: Vec<Q> = q.iter().map(|&x| Q::from_f32(x)).collect();
+    let q_ref: Vec<f32> = q_t.iter().map(|&x| x.widen()).collect();
+    let sinks: Vec<f32> = (0..heads).map(|_| rng.normal() * 2.0).collect();
+    let mut opts = AttentionOptions::new(d);
+    opts.window_left = case.window;
+    opts.logits_soft_cap = case.cap;
+    let want = prefill_attention(
+        &host,
+        &tables,
+        &qo,
+        &q_ref,
+        heads,
+        &opts,
+        case.sinks.then_some(sinks.as_slice()),
+        Accum::F64,
+    )
+    .unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
+
+    let mut dcache = DeviceCache::from_host(gpu, &host).expect("device cache");
+    let dtables = DeviceBlockTables::new(&dcache, &tables).expect("device tables");
+    let max_len = *lens.iter().max().unwrap();
+    let plan = PrefillPlan::new(
+        gpu,
+        dcache.layout(),
+        case.seqs.len(),
+        total.max(1),
+        heads,
+        max_len,
+    )
+    .unwrap_or_else(|e| panic!("{name}: plan: {e}"))
+    .with_window_left(case.window)
+    .expect("window")
+    .with_logits_soft_cap(case.cap)
+    .expect("cap")
+    .with_num_splits(case.splits);
+    let mut ws = PrefillWorkspace::new(&plan).expect("workspace");
+    let s = gpu.stream();
+    // A strided view: each token's q rows sit inside a wider row (as in a fused QKV buffer).
+    let q_token = if case.strided {
+        heads * d + 2 * 8 * d
+    } else {
+        heads * d
+    };
+    let mut q_host = vec![Q::from_f32(0.0); total.max(1) * q_token];
+    for t in 0..total {
+        q_host[t * q_token..][..heads * d].copy_from_slice(&q_t[t * heads * d..][..heads * d]);
+    }
+    let q_dev = s.clone_htod(&q_host).expect("upload q");
+    let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
+    let qo_dev = s.clone_htod(&qo_i32).expect("upload qo");
+    let mut out_dev = s
+        .clone_htod(&vec![O::nan(); total.max(1) * heads * d])
+        .expect("out");
+    let mut lse_dev = s
+        .clone_htod(&vec![f32::NAN; total.max(1) * heads])
+        .expect("lse");
+    let sinks_dev = s.clone_htod(&sinks).expect("sinks");
+    plan.prefill(
+        &mut ws,
+        &dcache,
+        &dtables,
+        PrefillStep {
+            qo_indptr: &qo,
+            qo_indptr_dev: &qo_dev,
+            q: &q_dev,
+            q_rows: TokenRows {
+                token: q_token,
+                head: d,
+            },
+            out: &mut out_dev,
+            out_rows: TokenRows::contiguous(heads, d),
+            lse: Some((&mut lse_dev, TokenRows::contiguous(heads, 1))),
+            sinks: case.sinks.then_some(&sinks_dev),
+        },
+    )
+    .unwrap_or_else(|e| panic!("{name}: prefill failed: {e}"));
+    let out: Vec<f32> = s
+        .clone_dtoh(&out_dev)
+        .expect("download")
+        .iter()
+        .map(|&x| x.widen())
+        .collect();
+    let lse = s.clone_dtoh(&lse_dev).expect("download lse");
+    gpu.synchronize().expect("sync");
+    if let Err(e) = dcache.check_appends() {
+        panic!("{name}: {e}");
+    }
+
+    let out = &out[..total * heads * d];
+    let unwritten = out.iter().filter(|x| !x.is_finite()).count();
+    assert_eq!(
+        unwritten, 0,
+        "{name}: {unwritten} output elements not written (or NaN)"
+    );
+    let (mut num, mut den, mut worst_row) = (0f64, 0f64, 0f64);
+    for (o_row, w_row) in out.chunks(d).zip(want.out.chunks(d)) {
+        let (mut rn, mut rd) = (0f64, 0f64);
+        for (&o, &w) in o_row.iter().zip(w_row) {
+            let e = ((o as f64 - w as f64).abs() - O::half_ulp(w)).max(0.0);
+            rn += e * e;
+            rd += (w as f64) * (w as f64);
+        }
+        num += rn;
+        den += rd;
+        if rd > 1e-12 {
+            worst_row = worst_row.max((rn / rd).sqrt());
+        }
+    }
+    let rel = (num / den.max(f64::MIN_POSITIVE)).sqrt();
+    for (i, (&g, &w)) in lse[..total * heads].iter().zip(&want.lse).enumerate() {
+        assert!(g.is_finite(), "{name}: lse[{i}] = {g} (want {w})");
+        let err = (g as f64 - w as f64).abs();
+        assert!(
+            err <= 5e-3 * (1.0 + 0.1 * (w as f64).abs()),
+            "{name}: lse[{i}] = {g}, want {w}"
+        );
+    }
+    let tol = if case.q_bf16 { 4e-3 } else { 2e-3 };
+    assert!(rel <= tol, "{name}: relative error {rel:.3e} > {tol:e}");
+    assert!(worst_row <= 2e-2, "{name}: worst row error {worst_row:.3e}");
+    eprintln!("{name}: rel {rel:.2e}, worst row {worst_row:.2e}");
+    rel
+}
+
+/// A prompt, a chunk after a cached prefix, a decode row and padding, in one ragged step.
+fn mixed() -> Vec<(usize, usize)> {
+    vec![(130, 130), (37, 300), (1, 77), (0, 0), (64, 64)]
+}
+
+fn pairs(head_dim: usize) -> Vec<(KvFormat, KvFormat, bool)> {
+    let mut v = Vec::new();
+    for k in KvFormat::ALL {
+        for vf in KvFormat::ALL {
+            for q_bf16 in [false, true] {
+                if kernel_available_for(k, vf, head_dim, q_bf16) {
+                    v.push((k, vf, q_bf16));
+                }
+            }
+        }
+    }
+    v
+}
+
+#[test]
+fn every_format_pair() {
+    let Some(gpu) = require_gpu_or_skip("every_format_pair") else {
+        return;
+    };
+    let mut rng = rng("every_format_pair");
+    let all = pairs(128);
+    assert!(
+        all.len() >= 25,
+        "pairs with a kernel at d128: {}",
+        all.len()
+    );
+    for (k, v, q_bf16) in all {
+        let mut c = Case::new(k, v, 128, mixed());
+        c.q_bf16 = q_bf16;
+        check(&gpu, &mut rng, &c);
+    }
+}
+
+#[test]
+fn every_head_dim() {
+    let Some(gpu) = require_gpu_or_skip("every_head_dim") else {
+        return;
+    };
+    let mut rng = rng("every_head_dim");
+    for d in HEAD_DIMS {
+        for (k, v) in [
+            (KvFormat::F16, KvFormat::F16),
+            (KvFormat::Bf16, KvFormat::Bf16),
+            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+            (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+            (KvFormat::Fp8E5m2, KvFormat::Int4Affine64),
+        ] {
+            if !kernel_available_for(k, v, d, k == KvFormat::Bf16) {
+                continue;
+            }
+            check(
+                &gpu,
+                &mut rng,
+                &Case::new(k, v, d, vec![(70, 70), (20, 150)]),
+            );
+        }
+    }
+}
+
+#[test]
+fn groups_blocks_and_views() {
+    let Some(gpu) = require_gpu_or_skip("groups_blocks_and_views") else {
+        return;
+    };
+    let mut rng = rng("groups_blocks_and_views");
+    for (group, nkv, bs) in [(1, 4, 16), (6, 2, 32), (8, 1, 16), (3, 2, 64)] {
+        for (k, v) in [
+            (KvFormat::F16, KvFormat::F16),
+            (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        ] {
+            let mut c = Case::new(k, v, 128, vec![(45, 45), (13, 200), (2, 33)]);
+            c.group = group;
+            c.num_kv_heads = nkv;
+            c.block_size = bs;
+            check(&gpu, &mut rng, &c);
+            c.strided = true;
+            check(&gpu, &mut rng, &c);
+        }
+    }
+}
+
+#[test]
+fn windows_caps_sinks_and_splits() {
+    let Some(gpu) = require_gpu_or_skip("windows_caps_sinks_and_splits") else {
+        return;
+    };
+    let mut rng = rng("windows_caps_sinks_and_splits");
+    for (k, v) in [
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+    ] {
+        let base = Case::new(k, v, 128, vec![(100, 100), (40, 700), (1, 500)]);
+        let mut c = base.clone();
+        c.window = Some(50);
+        check(&gpu, &mut rng, &c);
+        c.window = Some(0);
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.cap = Some(5.0);
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.sinks = true;
+        check(&gpu, &mut rng, &c);
+        // Key splits merged by the second kernel, with and without sinks and windows.
+        for splits in [2, 5] {
+            let mut c = base.clone();
+            c.splits = Some(splits);
+            check(&gpu, &mut rng, &c);
+            c.sinks = true;
+            c.window = Some(300);
+            check(&gpu, &mut rng, &c);
+        }
+    }
+    // A long context: a chunk of 32 tokens after 20k cached, split by the plan's own choice.
+    let c = Case::new(
+        KvFormat::Fp8E4m3,
+        KvFormat::Int4Affine64,
+        128,
+        vec![(32, 20_000)],
+    );
+    check(&gpu, &mut rng, &c);
+}
+
+#[test]
+fn merge_states_matches_cpu() {
+    let Some(gpu) = require_gpu_or_skip("merge_states_matches_cpu") else {
+        return;
+    };
+    let mut rng = rng("merge_states_matches_cpu");
+    let (rows, d) = (300, 128);
+    let a: Vec<f32> = (0..rows * d).map(|_| rng.normal()).collect();
+    let b: Vec<f32> = (0..rows * d).map(|_| rng.normal()).collect();
+    let mut la: Vec<f32> = (0..rows).map(|_| rng.normal() * 3.0).collect();
+    let mut lb: Vec<f32> = (0..rows).map(|_| rng.normal() * 3.0).collect();
+    la[0] = f32::NEG_INFINITY;
+    lb[1] = f32::NEG_INFINITY;
+    la[2] = f32::NEG_INFINITY;
+    lb[2] = f32::NEG_INFINITY;
+    let (want, want_lse) = kvq::cpu::merge_states(&a, &la, &b, &lb, d).expect("cpu merge");
+    let s = gpu.stream();
+    let (ad, bd) = (s.clone_htod(&a).unwrap(), s.clone_htod(&b).unwrap());
+    let (lad, lbd) = (s.clone_htod(&la).unwrap(), s.clone_htod(&lb).unwrap());
+    let mut od = s.clone_htod(&vec![f32::NAN; rows * d]).unwrap();
+    let mut old = s.clone_htod(&vec![f32::NAN; rows]).unwrap();
+    merge_states(&gpu, &ad, &lad, &bd, &lbd, &mut od, &mut old, d).expect("merge");
+    let out = s.clone_dtoh(&od).unwrap();
+    let lse = s.clone_dtoh(&old).unwrap();
+    for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "out[{i}] = {g}, want {w}"
+        );
+    }
+    for (i, (&g, &w)) in lse.iter().zip(&want_lse).enumerate() {
+        assert!(
+            g == w || (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+            "lse[{i}] = {g}, want {w}"
+        );
+    }
+}
