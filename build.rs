@@ -119,20 +119,31 @@ mod cuda {
     ) -> PathBuf {
         let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("OUT_DIR"));
         let file = src.file_name().and_then(|f| f.to_str()).unwrap_or_default();
-        let obj = out_dir.join(format!("{file}.o"));
+        let flags: Vec<&str> = FILE_FLAGS
+            .iter()
+            .filter(|(name, _)| *name == file)
+            .flat_map(|(_, f)| f.iter().copied())
+            .collect();
+        // An object is reused while its source, every header it includes and the flags are
+        // unchanged: a change to one .cu file (or to headers only it includes) rebuilds that
+        // file alone.
+        let key = object_key(src, nvcc, gencode, &flags);
+        let obj = out_dir.join(format!("{file}.{key:016x}.o"));
+        if obj.is_file() && !ptxas_v {
+            return obj;
+        }
+        // Written under another name and renamed when complete: an interrupted build never
+        // leaves a partial object under the name a later build would reuse.
+        let partial = out_dir.join(format!("{file}.{key:016x}.partial.o"));
         let mut cmd = Command::new(nvcc);
         cmd.arg("-c")
             .arg(src)
             .arg("-o")
-            .arg(&obj)
+            .arg(&partial)
             .args(["-std=c++17", "-O3", "-Icuda", "-Xcompiler=-fPIC"])
             .arg(format!("--threads={threads}"))
             .args(gencode);
-        for (name, flags) in FILE_FLAGS {
-            if *name == file {
-                cmd.args(*flags);
-            }
-        }
+        cmd.args(&flags);
         if ptxas_v {
             cmd.arg("-Xptxas=-v");
         }
@@ -149,7 +160,47 @@ mod cuda {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
+        std::fs::rename(&partial, &obj)
+            .unwrap_or_else(|e| panic!("kvq build: renaming {}: {e}", partial.display()));
         obj
+    }
+
+    /// A hash of what an object depends on: the source and, transitively, the local headers it
+    /// includes (`#include "…"`, looked up beside the including file, then in `cuda/`), nvcc's
+    /// path and the flags.
+    fn object_key(src: &Path, nvcc: &Path, gencode: &[String], flags: &[&str]) -> u64 {
+        use std::collections::BTreeMap;
+        use std::hash::{Hash, Hasher};
+        let mut files: BTreeMap<PathBuf, Vec<u8>> = BTreeMap::new();
+        let mut todo = vec![src.to_path_buf()];
+        while let Some(path) = todo.pop() {
+            if files.contains_key(&path) {
+                continue;
+            }
+            let text = std::fs::read(&path).unwrap_or_default();
+            for line in String::from_utf8_lossy(&text).lines() {
+                let Some(rest) = line.trim_start().strip_prefix("#include \"") else {
+                    continue;
+                };
+                let Some(name) = rest.split('"').next() else {
+                    continue;
+                };
+                let beside = path.parent().map(|d| d.join(name));
+                let found = beside
+                    .filter(|p| p.is_file())
+                    .or_else(|| Some(Path::new("cuda").join(name)).filter(|p| p.is_file()));
+                if let Some(p) = found {
+                    todo.push(p);
+                }
+            }
+            files.insert(path, text);
+        }
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        files.hash(&mut h);
+        nvcc.hash(&mut h);
+        gencode.hash(&mut h);
+        flags.hash(&mut h);
+        h.finish()
     }
 
     /// `NVCC`, else `nvcc` on `PATH`, else `$CUDA_HOME/bin/nvcc` / `$CUDA_PATH/bin/nvcc`.
