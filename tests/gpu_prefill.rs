@@ -9,8 +9,9 @@
 //! output type) ≤ 2e-3 with f16 operands (4e-3 with bf16: P and decoded keys carry 8 bits), no
 //! row worse than 2e-2, `lse` within 5e-3 (plus 10 % of that per unit of |lse|), and every
 //! output element written (outputs are poisoned with NaN first). Inputs are fresh random draws
-//! each run; the seed is printed and `KVQ_SEED=<n>` replays it. Without a GPU the tests print
-//! `SKIPPED`; with `KVQ_REQUIRE_GPU=1` they fail instead.
+//! each run; the seed is printed and `KVQ_SEED=<n>` replays it. `KVQ_PREFILL_QUICK=1` shrinks
+//! the suite (for compute-sanitizer runs). Without a GPU the tests print `SKIPPED`; with
+//! `KVQ_REQUIRE_GPU=1` they fail instead.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -42,6 +43,10 @@ fn rng(test: &str) -> Rng {
         });
     eprintln!("{test}: seed {seed}");
     Rng(seed)
+}
+
+fn quick() -> bool {
+    std::env::var("KVQ_PREFILL_QUICK").is_ok_and(|v| v == "1")
 }
 
 /// Query / output element types.
@@ -341,7 +346,11 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
 
 /// A prompt, a chunk after a cached prefix, a decode row and padding, in one ragged step.
 fn mixed() -> Vec<(usize, usize)> {
-    vec![(130, 130), (37, 300), (1, 77), (0, 0), (64, 64)]
+    if quick() {
+        vec![(20, 20), (9, 90), (1, 17), (0, 0)]
+    } else {
+        vec![(130, 130), (37, 300), (1, 77), (0, 0), (64, 64)]
+    }
 }
 
 fn pairs(head_dim: usize) -> Vec<(KvFormat, KvFormat, bool)> {
@@ -384,6 +393,9 @@ fn every_head_dim() {
     };
     let mut rng = rng("every_head_dim");
     for d in HEAD_DIMS {
+        if quick() && d != 64 && d != 256 {
+            continue;
+        }
         for (k, v) in [
             (KvFormat::F16, KvFormat::F16),
             (KvFormat::Bf16, KvFormat::Bf16),
@@ -409,7 +421,12 @@ fn groups_blocks_and_views() {
         return;
     };
     let mut rng = rng("groups_blocks_and_views");
-    for (group, nkv, bs) in [(1, 4, 16), (6, 2, 32), (8, 1, 16), (3, 2, 64)] {
+    let shapes: &[(usize, usize, usize)] = if quick() {
+        &[(6, 2, 32)]
+    } else {
+        &[(1, 4, 16), (6, 2, 32), (8, 1, 16), (3, 2, 64)]
+    };
+    for &(group, nkv, bs) in shapes {
         for (k, v) in [
             (KvFormat::F16, KvFormat::F16),
             (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
@@ -436,7 +453,12 @@ fn windows_caps_sinks_and_splits() {
         (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
         (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
     ] {
-        let base = Case::new(k, v, 128, vec![(100, 100), (40, 700), (1, 500)]);
+        let seqs = if quick() {
+            vec![(30, 30), (12, 200), (1, 150)]
+        } else {
+            vec![(100, 100), (40, 700), (1, 500)]
+        };
+        let base = Case::new(k, v, 128, seqs);
         let mut c = base.clone();
         c.window = Some(50);
         check(&gpu, &mut rng, &c);

@@ -179,7 +179,9 @@ __device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes
                                           int lo, int hi) {
   auto one = [&](auto f) {
     constexpr int G = decltype(f)::value;
-    if constexpr (fits<G, D>()) decode_side<G, BF16, D>(codes, meta, s, tile, lo, hi);
+    // 16-bit formats are always their operand type: copied, never decoded.
+    if constexpr (fits<G, D>() && Codec<G>::kBits < 16)
+      decode_side<G, BF16, D>(codes, meta, s, tile, lo, hi);
   };
   (void)((s.format == F && (one(FormatTag<F>{}), true)) || ...);
 }
@@ -243,40 +245,57 @@ __device__ __forceinline__ bool find_tile(const Params &p, int tile, int *seq, i
   return s_seq >= 0;
 }
 
-/// Queue the copies of one side's rows of the step at `tok0` (4 runs of 16 tokens, each within
-/// one page; `blk[r]` the run's block or -1): a direct side's rows into operand tile `op` (rows
-/// at or past `hi` zero-filled: never-written codes must not reach the MMAs), a quantized side's
-/// codes and metadata into staging area `st`. A block outside the pool reads as zeros.
+/// The sections of one step's pages: for each run of 16 tokens, the byte offset in the pool of
+/// its first row's head section (block * block_stride + in-page row 0 of the run), or -1 when
+/// the run is past the keys or its block lies outside the pool (zero-filled, counted).
+struct StepPages {
+  int64_t at[kTokens / kRun];
+  int32_t off[kTokens / kRun];  // the run's first row within its page
+};
+
+/// Queue the copies of a direct side's rows of one step into operand tile `op`: thread t copies
+/// 16-byte unit t of every kThreads, rows at or past `hi` (relative to the step) zero-filled so
+/// that never-written codes cannot reach the MMAs.
 template <int D>
-__device__ __forceinline__ void issue_side(const Side &s, bool is_direct, const uint8_t *head,
-                                           int64_t block_stride, const int (&blk)[kTokens / kRun],
-                                           int tok0, int block_size, int hi, uint8_t *op,
-                                           uint8_t *st) {
+__device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_off,
+                                             const StepPages &pg, int hi, uint8_t *op) {
   constexpr int P = pitch<D>();
+  constexpr int UR = D * 2 / 16;  // 16-byte units of a row
+  constexpr int N = kTokens * UR / kThreads;
+  static_assert(kTokens * UR % kThreads == 0, "whole units per thread");
+  static_assert(kTokens / kRun == 4, "four runs a step (pick below)");
+  // The run's first row in the pool (or -1), by selects: an array indexed at run time would
+  // live in local memory.
+  int64_t first[4];
 #pragma unroll
-  for (int run = 0; run < kTokens / kRun; ++run) {
-    const int tok = tok0 + run * kRun;
-    if (tok >= hi && !is_direct) break;  // never decoded
-    const int off = tok % block_size;
-    const bool ok = blk[run] >= 0;
-    const uint8_t *sec = head + (ok ? (int64_t)blk[run] * block_stride : 0);
-    if (is_direct) {
-      constexpr int UR = D * 2 / 16;  // 16-byte units of a row
-      for (int u = threadIdx.x; u < kRun * UR; u += kThreads) {
-        const int row = u / UR, c = u % UR;
-        const bool live = ok && tok + row < hi;
-        cp_async16(smem_u32(op + (run * kRun + row) * P + c * 16),
-                   sec + s.codes_off + (off + row) * (D * 2) + c * 16, live ? 16u : 0u);
-      }
-    } else {
-      const int uc = s.codes_row, um = s.meta_row;  // 16-byte units of the run's codes, meta
-      uint8_t *dc = st + run * kRun * s.codes_row, *dm = st + kTokens * s.codes_row + run * kRun * s.meta_row;
-      for (int u = threadIdx.x; u < uc + um; u += kThreads) {
-        const bool meta = u >= uc;
-        const int x = meta ? u - uc : u;
-        const uint8_t *src = sec + (meta ? s.meta_off + off * s.meta_row : s.codes_off + off * s.codes_row) + x * 16;
-        cp_async16(smem_u32((meta ? dm : dc) + x * 16), src, ok ? 16u : 0u);
-      }
+  for (int r = 0; r < 4; ++r)
+    first[r] = pg.at[r] < 0 ? -1 : pg.at[r] + codes_off + (int64_t)pg.off[r] * (D * 2);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int u = threadIdx.x + i * kThreads, row = u / UR, c = u - row * UR, run = row / kRun;
+    const int64_t at = run == 0 ? first[0] : run == 1 ? first[1] : run == 2 ? first[2] : first[3];
+    const bool live = at >= 0 && row < hi;
+    const uint8_t *src = head + (live ? at + (int64_t)(row % kRun) * (D * 2) + c * 16 : 0);
+    cp_async16(smem_u32(op + row * P + c * 16), src, live ? 16u : 0u);
+  }
+}
+
+/// Queue the copies of a quantized side's codes and metadata of one step into staging area
+/// `st` (kTokens rows of codes, then of metadata); runs past the keys are skipped (never
+/// decoded), runs of blocks outside the pool read as zeros.
+__device__ __forceinline__ void issue_raw(const Side &s, const uint8_t *head, const StepPages &pg,
+                                          int nruns, uint8_t *st) {
+  const int cr = s.codes_row, mr = s.meta_row;  // 16-byte units of a run's codes, metadata
+#pragma unroll 1
+  for (int run = 0; run < nruns; ++run) {
+    const int64_t at = pg.at[run];
+    const uint8_t *sec = head + (at >= 0 ? at : 0);
+    uint8_t *dc = st + run * kRun * cr, *dm = st + kTokens * cr + run * kRun * mr;
+    for (int u = threadIdx.x; u < cr + mr; u += kThreads) {
+      const bool meta = u >= cr;
+      const int x = meta ? u - cr : u;
+      const uint8_t *src = sec + (meta ? s.meta_off + pg.off[run] * mr : s.codes_off + pg.off[run] * cr) + x * 16;
+      cp_async16(smem_u32((meta ? dm : dc) + x * 16), src, at >= 0 ? 16u : 0u);
     }
   }
 }
@@ -363,26 +382,45 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   // Buffer `buf` of a side: a direct side's operand tile, a quantized side's staging area.
   auto k_buf = [&](int buf) { return smem + (k_direct ? L.k_op + buf * TILE : L.k_stage + buf * stage_bytes(p.k)); };
   auto v_buf = [&](int buf) { return smem + (v_direct ? L.v_op + buf * TILE : L.v_stage + buf * stage_bytes(p.v)); };
-  auto issue = [&](int st) {
-    const int tok0 = base + st * kTokens;
-    int blk[kTokens / kRun];
-#pragma unroll
-    for (int run = 0; run < kTokens / kRun; ++run) {
-      const int tok = tok0 + run * kRun;
-      blk[run] = -1;
+  // Page offsets of a step, found by threads 0..3 one step ahead and read by all after the
+  // next barrier (two sets, by step parity).
+  __shared__ StepPages pages[2];
+  auto find_pages = [&](int st) {
+    if (tid < kTokens / kRun && st < nsteps) {
+      const int tok = base + st * kTokens + tid * kRun;
+      int64_t at = -1;
+      int32_t off = 0;
       if (tok < kv_hi) {
-        const int x = table[tok / p.block_size];
-        const bool ok = x >= 0 && (int64_t)x < p.num_blocks;
-        fault |= !ok;
-        blk[run] = ok ? x : -1;
+        const int page = tok / p.block_size;
+        off = tok - page * p.block_size;
+        const int x = table[page];
+        if (x >= 0 && (int64_t)x < p.num_blocks) at = (int64_t)x * p.block_stride;
+        else fault = true;
       }
+      pages[st & 1].at[tid] = at;
+      pages[st & 1].off[tid] = off;
     }
-    issue_side<D>(p.k, k_direct, head, p.block_stride, blk, tok0, p.block_size, kv_hi,
-                  k_buf(st & 1), k_buf(st & 1));
-    issue_side<D>(p.v, v_direct, head, p.block_stride, blk, tok0, p.block_size, kv_hi,
-                  v_buf(st & 1), v_buf(st & 1));
+  };
+  auto issue = [&](int st) {
+    const StepPages &pg = pages[st & 1];
+    const int tok0 = base + st * kTokens;
+    const int hi = kv_hi - tok0;  // rows of the step inside the keys
+    const int nruns = min(kTokens / kRun, (hi + kRun - 1) / kRun);
+    if (k_direct) {
+      issue_direct<D>(head, p.k.codes_off, pg, hi, k_buf(st & 1));
+    } else {
+      issue_raw(p.k, head, pg, nruns, k_buf(st & 1));
+    }
+    if (v_direct) {
+      issue_direct<D>(head, p.v.codes_off, pg, hi, v_buf(st & 1));
+    } else {
+      issue_raw(p.v, head, pg, nruns, v_buf(st & 1));
+    }
     cp_async_commit();
   };
+  find_pages(0);
+  find_pages(1);
+  __syncthreads();
   if (nsteps > 0) issue(0);
 
   // bf16 queries over an f16 key operand: each row scaled by a power of two into f16's range.
@@ -440,6 +478,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     cp_async_wait<0>();
     __syncthreads();  // step st is in; every warp is done with step st - 1's tiles
     if (st + 1 < nsteps) issue(st + 1);
+    find_pages(st + 2);  // the set issue(st) read, before this step's barrier
     const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
     if (!k_direct) decode_any<KB, D>(k_buf(st & 1), k_buf(st & 1) + kTokens * p.k.codes_row, p.k, smem + L.k_op, lo, hi);
     if (!v_direct) decode_any<VB, D>(v_buf(st & 1), v_buf(st & 1) + kTokens * p.v.codes_row, p.v, smem + L.v_op, lo, hi);
