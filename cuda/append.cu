@@ -7,6 +7,7 @@
 // INT4 V group 2 lanes, reduced with warp shuffles. A thread block holds whole rows (RowShape).
 // Per-thread work is sized so that quantizing stays under the memory time (the codecs' fast
 // exact paths avoid per-element division).
+#include <array>
 #include <type_traits>
 
 #include "codec/codec.cuh"
@@ -404,6 +405,23 @@ __global__ void scales_from_amax_kernel(const uint32_t *amax, int n, float *scal
     scales[i] = Codec<F>::scale_from_amax(a);
 }
 
+using ScalesKernel = void (*)(const uint32_t *, int, float *);
+
+/// Format F's calibration kernel: its codec's, for a format with a head scale; else null.
+template <int F>
+constexpr ScalesKernel scales_kernel() {
+  if constexpr (Codec<F>::kHeadScale) return scales_from_amax_kernel<F>;
+  else return nullptr;
+}
+
+/// Every format's calibration kernel, indexed by id. A table built at compile time rather than a
+/// with_format launch: that keeps these kernels ahead of the ones launched from templates in the
+/// PTX (scripts/ptx-diff.sh).
+template <int... F>
+constexpr std::array<ScalesKernel, sizeof...(F)> scales_kernels(FormatList<F...>) {
+  return {scales_kernel<F>()...};
+}
+
 template <typename In>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     quantize_uniform_kernel(const In *__restrict__ x, int64_t n, const float *scale,
@@ -596,17 +614,11 @@ extern "C" int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, in
     if (r != KVQ_OK) return r;
   }
   const unsigned grid = blocks_for(n_scales);
-  switch (format) {
-  case kFp8E4m3:
-    scales_from_amax_kernel<kFp8E4m3><<<grid, kThreadsPerBlock, 0, s>>>(amax_scratch, n_scales, scales_out);
-    break;
-  case kFp8E5m2:
-    scales_from_amax_kernel<kFp8E5m2><<<grid, kThreadsPerBlock, 0, s>>>(amax_scratch, n_scales, scales_out);
-    break;
-  default:
-    scales_from_amax_kernel<KVQ_DENSE_INT4_UNIFORM>
-        <<<grid, kThreadsPerBlock, 0, s>>>(amax_scratch, n_scales, scales_out);
-  }
+  // Not uniform: a format with a head scale (checked above), which its codec calibrates.
+  constexpr auto kernels = scales_kernels(AllFormats{});
+  const ScalesKernel kernel =
+      uniform ? scales_from_amax_kernel<KVQ_DENSE_INT4_UNIFORM> : kernels[format];
+  kernel<<<grid, kThreadsPerBlock, 0, s>>>(amax_scratch, n_scales, scales_out);
   return launch_status();
 }
 

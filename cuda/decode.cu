@@ -11,26 +11,24 @@
 namespace kvq_decode {
 namespace {
 
-/// kvq_format → kernel format; INT4 is only accepted in its K (sym32) or V (affine64) role.
-bool to_fmt(int32_t f, bool is_v, Fmt &out) {
-  switch (f) {
-    case KVQ_F16: out = Fmt::F16; return true;
-    case KVQ_BF16: out = Fmt::BF16; return true;
-    case KVQ_FP8_E4M3: out = Fmt::E4M3; return true;
-    case KVQ_FP8_E5M2: out = Fmt::E5M2; return true;
-    case KVQ_INT4_SYM32: out = Fmt::I4; return !is_v;
-    case KVQ_INT4_AFFINE64: out = Fmt::I4; return is_v;
-    default: return false;
-  }
+/// Whether kernel format M's codec in the K (V = false) or V role holds whole groups of D.
+template <Fmt M, bool V, int D>
+constexpr bool whole_groups() {
+  using C = Codec<format_of<M, V>()>;
+  if constexpr (C::kGroup == 0) return true;
+  else return D % C::kGroup == 0;
 }
 
-/// The instances: f16, bf16, fp8-e4m3 and int4 mixed freely (K x V), and e5m2 with itself, at
-/// head_dim 64, 80, 96, 112, 128, 192 and 256 where the INT4 groups divide head_dim (keys: 32,
-/// values: 64). This is the one statement of the supported set (kvq_decode_supported).
+/// The instances: the kernel formats of the codecs with kDecodeMixed mixed freely (K x V), any
+/// other one with itself, at head_dim 64, 80, 96, 112, 128, 192 and 256 where the groups divide
+/// head_dim; with the codecs as they are, f16, bf16, fp8-e4m3 and int4 (keys: groups of 32,
+/// values: 64) mixed and e5m2 with itself. This is the one statement of the supported set
+/// (kvq_decode_supported).
 template <Fmt K, Fmt V, int D>
 constexpr bool has_kernel() {
-  return (K == Fmt::E5M2) == (V == Fmt::E5M2) && (K != Fmt::I4 || D % 32 == 0) &&
-         (V != Fmt::I4 || D % 64 == 0);
+  return (K == V || (Codec<format_of<K, false>()>::kDecodeMixed &&
+                     Codec<format_of<V, true>()>::kDecodeMixed)) &&
+         whole_groups<K, false, D>() && whole_groups<V, true, D>();
 }
 
 template <Fmt K, Fmt V, int D, class Fn>
@@ -55,29 +53,33 @@ int with_dim(int d, Fn &fn) {
   }
 }
 
-template <Fmt K, class Fn>
-int with_v(Fmt v, int d, Fn &fn) {
-  switch (v) {
-    case Fmt::F16: return with_dim<K, Fmt::F16>(d, fn);
-    case Fmt::BF16: return with_dim<K, Fmt::BF16>(d, fn);
-    case Fmt::E4M3: return with_dim<K, Fmt::E4M3>(d, fn);
-    case Fmt::E5M2: return with_dim<K, Fmt::E5M2>(d, fn);
-    case Fmt::I4: return with_dim<K, Fmt::I4>(d, fn);
-  }
-  return KVQ_ERR_UNSUPPORTED;
+/// Call fn(FormatTag<F>) for the stored format F of the list equal to `format` if the kernel
+/// takes it in the K (V = false) or V role, else return KVQ_ERR_UNSUPPORTED.
+template <bool V, class Fn, int... F>
+int with_role_in(FormatList<F...>, int32_t format, Fn &&fn) {
+  auto call = [&](auto f) -> int {
+    if constexpr (has_role<decltype(f)::value, V>()) return fn(f);
+    else return KVQ_ERR_UNSUPPORTED;
+  };
+  int status = KVQ_ERR_UNSUPPORTED;
+  (void)((format == F && (status = call(FormatTag<F>{}), true)) || ...);
+  return status;
+}
+template <bool V, class Fn>
+int with_role(int32_t format, Fn &&fn) {
+  return with_role_in<V>(AllFormats{}, format, static_cast<Fn &&>(fn));
 }
 
-/// Call fn.run<K, V, D>() for the instance serving (k, v, d), or return KVQ_ERR_UNSUPPORTED.
+/// Call fn.run<K, V, D>() for the instance serving keys in k_format and values in v_format
+/// (kvq_format ids) at head_dim d, or return KVQ_ERR_UNSUPPORTED.
 template <class Fn>
-int dispatch(Fmt k, Fmt v, int d, Fn &fn) {
-  switch (k) {
-    case Fmt::F16: return with_v<Fmt::F16>(v, d, fn);
-    case Fmt::BF16: return with_v<Fmt::BF16>(v, d, fn);
-    case Fmt::E4M3: return with_v<Fmt::E4M3>(v, d, fn);
-    case Fmt::E5M2: return with_v<Fmt::E5M2>(v, d, fn);
-    case Fmt::I4: return with_v<Fmt::I4>(v, d, fn);
-  }
-  return KVQ_ERR_UNSUPPORTED;
+int dispatch(int32_t k_format, int32_t v_format, int d, Fn &fn) {
+  return with_role<false>(k_format, [&](auto k) {
+    return with_role<true>(v_format, [&](auto v) {
+      return with_dim<Codec<decltype(k)::value>::kDecodeFmt,
+                      Codec<decltype(v)::value>::kDecodeFmt>(d, fn);
+    });
+  });
 }
 
 /// Raise the instance's dynamic shared-memory limit on the current device to what its largest
@@ -162,11 +164,24 @@ struct Launch {
   }
 };
 
-/// The arithmetic kernel format of (k, v) or false; a bf16 K cache needs bf16 queries (the
-/// scores are computed with bf16 operands, and f16 queries would lose bits).
-bool formats(const kvq_layout &l, int32_t q_dtype, Fmt &k, Fmt &v) {
-  if (!to_fmt(l.k_format, false, k) || !to_fmt(l.v_format, true, v)) return false;
-  return !(k == Fmt::BF16 && q_dtype != KVQ_DTYPE_BF16);
+/// What the launcher checks of one side's stored format before the dispatch: whether the kernel
+/// takes it in this role, whether its operands are bf16 (keys so stored need bf16 queries: the
+/// scores are computed with bf16 operands, and f16 queries would lose bits), and whether it has
+/// per-head scales (FP8), which the cache must then give.
+struct Side {
+  bool taken = false, bf16 = false, head_scale = false;
+};
+
+/// The Side of a kvq_format in the K (V = false) or V role.
+template <bool V>
+Side side(int32_t format) {
+  Side s;
+  with_role<V>(format, [&](auto f) {
+    using C = Codec<decltype(f)::value>;
+    s = {true, C::kBf16Operands, C::kHeadScale};
+    return (int)KVQ_OK;
+  });
+  return s;
 }
 
 }  // namespace
@@ -180,10 +195,8 @@ static bool valid_warps(int32_t w) {
 }
 
 extern "C" int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim) {
-  Fmt k, v;
-  if (!to_fmt(k_format, false, k) || !to_fmt(v_format, true, v)) return 0;
   Supported fn;
-  return dispatch(k, v, head_dim, fn) == KVQ_OK ? 1 : 0;
+  return dispatch(k_format, v_format, head_dim, fn) == KVQ_OK ? 1 : 0;
 }
 
 extern "C" int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim,
@@ -192,10 +205,8 @@ extern "C" int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t 
   if (ctas_per_sm == nullptr || stage_bytes == nullptr || step_tokens == nullptr ||
       stages < kMinStages || stages > kMaxStages || !valid_warps(warps))
     return KVQ_ERR_INVALID;
-  Fmt k, v;
-  if (!to_fmt(k_format, false, k) || !to_fmt(v_format, true, v)) return KVQ_ERR_UNSUPPORTED;
   Occupancy fn{warps, stages, ctas_per_sm, stage_bytes, step_tokens};
-  return dispatch(k, v, head_dim, fn);
+  return dispatch(k_format, v_format, head_dim, fn);
 }
 
 extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
@@ -205,8 +216,9 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   if (a->out_dtype != KVQ_DTYPE_F16 && a->out_dtype != KVQ_DTYPE_BF16 &&
       a->out_dtype != KVQ_DTYPE_F32)
     return KVQ_ERR_UNSUPPORTED;
-  Fmt k, v;
-  if (!formats(l, a->q_dtype, k, v)) return KVQ_ERR_UNSUPPORTED;
+  const Side ks = side<false>(l.k_format), vs = side<true>(l.v_format);
+  if (!ks.taken || !vs.taken || (ks.bf16 && a->q_dtype != KVQ_DTYPE_BF16))
+    return KVQ_ERR_UNSUPPORTED;
   if (l.block_size <= 0 || l.block_size % kvq_decode::kChunk != 0) return KVQ_ERR_UNSUPPORTED;
   if (a->batch <= 0 || a->num_q_heads <= 0 || l.num_kv_heads <= 0 ||
       a->num_q_heads % l.num_kv_heads != 0 || a->q_len <= 0 || a->max_blocks <= 0 ||
@@ -219,8 +231,9 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   if (a->cache.pool == nullptr || a->q == nullptr || a->out == nullptr ||
       a->block_tables == nullptr || a->context_lens == nullptr)
     return KVQ_ERR_INVALID;
-  if ((k == Fmt::E4M3 || k == Fmt::E5M2) && a->cache.k_scales == nullptr) return KVQ_ERR_INVALID;
-  if ((v == Fmt::E4M3 || v == Fmt::E5M2) && a->cache.v_scales == nullptr) return KVQ_ERR_INVALID;
+  if ((ks.head_scale && a->cache.k_scales == nullptr) ||
+      (vs.head_scale && a->cache.v_scales == nullptr))
+    return KVQ_ERR_INVALID;
   if (a->num_splits > 1 &&
       (a->ws_o == nullptr || a->ws_lse == nullptr || a->ws_counters == nullptr))
     return KVQ_ERR_INVALID;
@@ -265,5 +278,5 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   const int64_t y = (int64_t)l.num_kv_heads * p.m_tiles;
   if (y > 65535 || a->batch > 65535) return KVQ_ERR_UNSUPPORTED;
   Launch fn{p, l, a->warps, dim3(a->num_splits, (unsigned)y, a->batch), (cudaStream_t)stream};
-  return dispatch(k, v, l.head_dim, fn);
+  return dispatch(l.k_format, l.v_format, l.head_dim, fn);
 }

@@ -46,6 +46,9 @@ template <int F> struct Float16Codec : UngroupedRows<8, 16> {
 
   // ---- decode-kernel fragment roles (decode/frag.cuh): codes are the MMA operands ----
 
+  static constexpr bool kDecodeK = true, kDecodeV = true, kDecodeMixed = true;
+  static constexpr kvq_decode::Fmt kDecodeFmt =
+      F == kF16 ? kvq_decode::Fmt::F16 : kvq_decode::Fmt::BF16;
   static constexpr bool kBf16Operands = F == kBf16;
   static constexpr bool kGroupFrags = false;
 

@@ -1,6 +1,7 @@
 // codec/format.cuh: the stored formats' ids and the codec template each one specialises
 // (codec/<family>.cuh), plus the types a codec's row interface speaks: where a row's codes and
-// metadata live, a thread's input chunk, and the extremes a quantizer needs.
+// metadata live, a thread's input chunk, and the extremes a quantizer needs; and the decode
+// kernel's formats, which the codecs name.
 #pragma once
 
 #include <stdint.h>
@@ -50,7 +51,12 @@ static_assert(ids_in_order(AllFormats{}), "AllFormats lists the ids 0 to N-1 in 
 //              (which fragment kind), unit() with kHeadScale, q_scale, then per kind either
 //              k_pair_elem, k_unpack / v_unpack (codes unpacked word by word into operands) or
 //              k_dim, k_codes, kScoreUnit, k_zero_term / v_dim, v_codes, v_col_unit_inv
-//              (grouped codes that enter the MMAs raw, their metadata applied around them).
+//              (grouped codes that enter the MMAs raw, their metadata applied around them);
+//   decode     kDecodeK, kDecodeV (the decode kernel takes the format as keys / values) and,
+//              with either, kDecodeFmt (its kernel format: one codec per kernel format and
+//              role) and kDecodeMixed (kernels pair it with every other mixed format, else only
+//              with its own kernel format): decode.cu's dispatch and instances follow from them;
+//   calibration with kHeadScale, scale_from_amax: the dense path's per-head (tensor) scale.
 template <int F> struct Codec;
 
 // Where one row's codes and metadata live: in a paged head section or in dense arrays. Group g's
@@ -94,3 +100,13 @@ template <int EPT, int BITS> struct UngroupedRows {
 };
 
 }  // namespace kvq
+
+namespace kvq_decode {
+
+// The decode kernel's (decode/kernel.cuh) template argument for one side's codes: one value per
+// fragment unpacking, which a K-role and a V-role codec may share (I4: INT4 K groups of 32,
+// symmetric; INT4 V groups of 64, affine). A codec names its own (kDecodeFmt). Declared here for
+// the codecs, and in kvq_decode because it is part of the kernels' names.
+enum class Fmt : int { F16, BF16, E4M3, E5M2, I4 };
+
+}  // namespace kvq_decode

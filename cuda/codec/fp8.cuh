@@ -161,6 +161,10 @@ template <int F> struct Fp8Codec : UngroupedRows<16, 8> {
 
   // ---- decode-kernel fragment roles (decode/frag.cuh): codes become f16, exactly ----
 
+  // E5M2 pairs only with itself: it keeps the instance count down.
+  static constexpr bool kDecodeK = true, kDecodeV = true, kDecodeMixed = F == kFp8E4m3;
+  static constexpr kvq_decode::Fmt kDecodeFmt =
+      F == kFp8E4m3 ? kvq_decode::Fmt::E4M3 : kvq_decode::Fmt::E5M2;
   static constexpr bool kBf16Operands = false;
   static constexpr bool kGroupFrags = false;
 

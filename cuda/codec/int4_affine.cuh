@@ -120,6 +120,8 @@ template <> struct Codec<kInt4Affine64> {
 
   // ---- decode-kernel V role (decode/frag.cuh): raw codes, scale and zero on the P side ----
 
+  static constexpr bool kDecodeK = false, kDecodeV = true, kDecodeMixed = true;
+  static constexpr kvq_decode::Fmt kDecodeFmt = kvq_decode::Fmt::I4;
   static constexpr bool kBf16Operands = false;
   static constexpr bool kGroupFrags = true;
 

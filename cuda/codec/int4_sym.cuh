@@ -117,6 +117,8 @@ template <> struct Codec<kInt4Sym32> {
 
   // ---- decode-kernel K role (decode/frag.cuh): raw codes, the group's scale on the result ----
 
+  static constexpr bool kDecodeK = true, kDecodeV = false, kDecodeMixed = true;
+  static constexpr kvq_decode::Fmt kDecodeFmt = kvq_decode::Fmt::I4;
   static constexpr bool kBf16Operands = false;
   static constexpr bool kGroupFrags = true;
 

@@ -48,20 +48,55 @@ namespace kvq_decode {
 
 using namespace kvq;
 
-/// Cache element formats the decode kernel is instantiated for (K INT4 means groups of 32,
-/// symmetric; V INT4 means groups of 64, affine).
-enum class Fmt : int { F16, BF16, E4M3, E5M2, I4 };
-
-/// The stored format (codec) of a kernel format in the K (V = false) or V role.
-template <Fmt F, bool V>
-constexpr int format_of() {
-  return F == Fmt::F16    ? kF16
-         : F == Fmt::BF16 ? kBf16
-         : F == Fmt::E4M3 ? kFp8E4m3
-         : F == Fmt::E5M2 ? kFp8E5m2
-         : V              ? kInt4Affine64
-                          : kInt4Sym32;
+/// Whether codec F is taken in the V (values) or K role (its kDecodeV / kDecodeK).
+template <int F, bool V>
+constexpr bool has_role() {
+  return V ? Codec<F>::kDecodeV : Codec<F>::kDecodeK;
 }
+
+/// Whether codec F stands for kernel format M in the K (V = false) or V role.
+template <int F, bool V>
+constexpr bool decodes_as(Fmt M) {
+  if constexpr (has_role<F, V>()) return Codec<F>::kDecodeFmt == M;
+  else return false;
+}
+
+/// The stored format (codec) of kernel format M in the K (V = false) or V role: the one of the
+/// list that names M in that role, -1 if none does.
+template <Fmt M, bool V, int... F>
+constexpr int format_in(FormatList<F...>) {
+  int out = -1;
+  (void)((decodes_as<F, V>(M) && (out = F, true)) || ...);
+  return out;
+}
+template <Fmt M, bool V>
+constexpr int format_of() {
+  return format_in<M, V>(AllFormats{});
+}
+
+/// Codecs of the list that stand for kernel format M in the K (V = false) or V role.
+template <bool V, int... F>
+constexpr int codecs_of(Fmt M, FormatList<F...>) {
+  return (0 + ... + int(decodes_as<F, V>(M)));
+}
+
+/// Whether codec F is the only one of its kernel format in each of its roles: the dispatch
+/// (decode.cu) sends a stored format to its kernel format's instance, whose codec is format_of's.
+template <int F>
+constexpr bool role_alone() {
+  if constexpr (has_role<F, false>() || has_role<F, true>()) {
+    constexpr Fmt M = Codec<F>::kDecodeFmt;
+    return (!has_role<F, false>() || codecs_of<false>(M, AllFormats{}) == 1) &&
+           (!has_role<F, true>() || codecs_of<true>(M, AllFormats{}) == 1);
+  } else {
+    return true;
+  }
+}
+template <int... F>
+constexpr bool roles_alone(FormatList<F...>) {
+  return (role_alone<F>() && ...);
+}
+static_assert(roles_alone(AllFormats{}), "two codecs name one kernel format in one role");
 
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
@@ -83,6 +118,8 @@ constexpr int meta_row(int d) {
 
 template <Fmt KF, Fmt VF, int D>
 struct Frag {
+  static_assert(format_of<KF, false>() >= 0 && format_of<VF, true>() >= 0,
+                "no codec has this kernel format in this role");
   using KC = Codec<format_of<KF, false>()>;
   using VC = Codec<format_of<VF, true>()>;
   static constexpr bool K_BF16 = KC::kBf16Operands;  // S = Q K^T operand type

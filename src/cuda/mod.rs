@@ -375,20 +375,28 @@ pub fn require_gpu_or_skip(test_name: &str) -> Option<Gpu> {
 #[cfg(test)]
 mod tests {
     use super::sys;
-    use crate::format::KvFormat;
+    use crate::format::SPECS;
 
-    /// `KvFormat`'s discriminants are the format ids the launchers take (`kvq_format`).
+    /// `KvFormat`'s discriminants are the format ids the launchers take: each `SPECS` row's
+    /// `c_name` is a `kvq_format` constant of the bindings, with the row's discriminant as its
+    /// value, and the bindings have no other.
     #[test]
     fn format_ids_match_kv_format() {
-        for (id, f) in [
-            (sys::KVQ_F16, KvFormat::F16),
-            (sys::KVQ_BF16, KvFormat::Bf16),
-            (sys::KVQ_FP8_E4M3, KvFormat::Fp8E4m3),
-            (sys::KVQ_FP8_E5M2, KvFormat::Fp8E5m2),
-            (sys::KVQ_INT4_SYM32, KvFormat::Int4Sym32),
-            (sys::KVQ_INT4_AFFINE64, KvFormat::Int4Affine64),
-        ] {
-            assert_eq!(id, f as sys::kvq_format, "{f}");
-        }
+        let ids: Vec<(&str, sys::kvq_format)> = include_str!("sys.rs")
+            .lines()
+            .filter_map(|line| {
+                let (name, value) = line
+                    .trim()
+                    .strip_prefix("pub const ")?
+                    .split_once(": kvq_format = ")?;
+                let value = value.strip_suffix(';').expect("a constant ends with ';'");
+                Some((name, value.parse().expect("a kvq_format id is a number")))
+            })
+            .collect();
+        let table: Vec<(&str, sys::kvq_format)> = SPECS
+            .iter()
+            .map(|s| (s.c_name, s.format as sys::kvq_format))
+            .collect();
+        assert_eq!(ids, table);
     }
 }

@@ -488,7 +488,8 @@ pub fn quantize_dense<T: DeviceElement>(
     let mut group_scales = (groups > 0)
         .then(|| alloc_meta("allocating scales"))
         .transpose()?;
-    let mut group_zeros = (format == DenseFormat::Int4V64)
+    let mut group_zeros = format
+        .has_zeros()
         .then(|| alloc_meta("allocating zeros"))
         .transpose()?;
     {
