@@ -32,17 +32,36 @@ template <class Fn> int dispatch(int d, bool kb, bool vb, Fn &fn) {
   }
 }
 
-/// Whether a (K, V, head_dim, q dtype) has a kernel: INT4 sym32 keys and affine64 values only,
-/// head_dim whole groups of each side, bf16 queries for a bf16 key cache (its scores are
-/// computed on bf16 operands).
+/// What the prefill needs to know of a side's format, from its codec.
+struct Role {
+  bool ok;          // the codec takes this role (decode's kDecodeK / kDecodeV)
+  bool bf16;        // its operands are bf16 (kBf16Operands)
+  bool head_scale;  // an f32 scale per KV head outside the rows (kHeadScale)
+  int multiple;     // head_dim must be a multiple of this (FormatInfo::head_dim_multiple)
+};
+Role role_of(int32_t format, bool v) {
+  Role r{false, false, false, 0};
+  FormatInfo info{};
+  if (!format_info(format, info)) return r;
+  with_format<false>(format, [&](auto f) {
+    using C = Codec<decltype(f)::value>;
+    r = {v ? C::kDecodeV : C::kDecodeK, C::kBf16Operands, C::kHeadScale,
+         info.head_dim_multiple};
+    return (int)KVQ_OK;
+  });
+  return r;
+}
+
+/// Whether a (K, V, head_dim, q dtype) has a kernel: each format in a role its codec takes,
+/// head_dim one of the instances' and whole groups of each side, bf16 queries for bf16 key
+/// operands.
 bool supported(int32_t k, int32_t v, int32_t d, int32_t q_dtype) {
   if (q_dtype != KVQ_DTYPE_F16 && q_dtype != KVQ_DTYPE_BF16) return false;
-  if (k == KVQ_INT4_AFFINE64 || v == KVQ_INT4_SYM32) return false;
-  FormatInfo fk, fv;
-  if (!format_info(k, fk) || !format_info(v, fv)) return false;
+  const Role rk = role_of(k, false), rv = role_of(v, true);
+  if (!rk.ok || !rv.ok) return false;
   if (d != 64 && d != 80 && d != 96 && d != 112 && d != 128 && d != 192 && d != 256) return false;
-  if (d % fk.head_dim_multiple != 0 || d % fv.head_dim_multiple != 0) return false;
-  if (k == KVQ_BF16 && q_dtype != KVQ_DTYPE_BF16) return false;
+  if (d % rk.multiple != 0 || d % rv.multiple != 0) return false;
+  if (rk.bf16 && q_dtype != KVQ_DTYPE_BF16) return false;
   return true;
 }
 
@@ -68,11 +87,6 @@ template <int D, bool KB, bool VB> cudaError_t prepare(int *limit) {
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   else (void)cudaGetLastError();
   return e;
-}
-
-/// The dynamic shared memory of a launch over sides k, v with these operand types.
-int smem_bytes(int d, const Side &k, const Side &v, bool kb, bool vb) {
-  return smem_layout(d, k, direct(k.format, kb), v, direct(v.format, vb)).bytes;
 }
 
 struct Prepare {
@@ -191,7 +205,8 @@ kvq_prefill::Side side_of(int32_t format, int32_t codes_off, int32_t codes_row, 
                           int32_t meta_row) {
   kvq::FormatInfo f{};
   kvq::format_info(format, f);
-  return {format, codes_off, codes_row, meta_off, meta_row, f.group_entries > 1 ? f.group_entries : 1};
+  const int meta_step = f.group_entries > 1 ? f.group_entries : 1;  // scale, zero interleaved
+  return {format, codes_off, codes_row, meta_off, meta_row, meta_step, f.bits == 16};
 }
 }  // namespace
 
@@ -203,8 +218,8 @@ extern "C" int kvq_prefill_prepare(const kvq_layout *l, int32_t q_dtype, int32_t
                          l->k_meta_row);
   const Side v = side_of(l->v_format, l->v_codes_offset, l->v_codes_row, l->v_meta_offset,
                          l->v_meta_row);
-  const bool kb = l->k_format == KVQ_BF16, vb = l->v_format == KVQ_BF16;
-  Prepare fn{smem_bytes, kvq_prefill::smem_bytes(l->head_dim, k, v, kb, vb)};
+  const bool kb = role_of(l->k_format, false).bf16, vb = role_of(l->v_format, true).bf16;
+  Prepare fn{smem_bytes, smem_layout(l->head_dim, k, v).bytes};
   return dispatch(l->head_dim, kb, vb, fn);
 }
 
@@ -228,16 +243,16 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
       a->q_token_stride < 0 || a->q_head_stride < 0 || a->out_token_stride < 0 ||
       a->out_head_stride < 0 || a->lse_token_stride < 0 || a->lse_head_stride < 0)
     return KVQ_ERR_INVALID;
-  const bool k_fp8 = l.k_format == KVQ_FP8_E4M3 || l.k_format == KVQ_FP8_E5M2;
-  const bool v_fp8 = l.v_format == KVQ_FP8_E4M3 || l.v_format == KVQ_FP8_E5M2;
-  if ((k_fp8 && a->cache.k_scales == nullptr) || (v_fp8 && a->cache.v_scales == nullptr))
+  const Role rk = role_of(l.k_format, false), rv = role_of(l.v_format, true);
+  if ((rk.head_scale && a->cache.k_scales == nullptr) ||
+      (rv.head_scale && a->cache.v_scales == nullptr))
     return KVQ_ERR_INVALID;
   if (a->num_splits > 1 && (a->ws_o == nullptr || a->ws_lse == nullptr)) return KVQ_ERR_INVALID;
 
   Params p{};
   p.pool = a->cache.pool;
-  p.k_scales = a->cache.k_scales;
-  p.v_scales = a->cache.v_scales;
+  p.k_scales = rk.head_scale ? a->cache.k_scales : nullptr;
+  p.v_scales = rv.head_scale ? a->cache.v_scales : nullptr;
   p.head_stride = l.head_stride;
   p.block_stride = l.block_stride;
   p.num_blocks = a->num_blocks;
@@ -275,9 +290,9 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   // batch.
   const int64_t tiles = ((int64_t)a->max_tokens * p.group + kRows - 1) / kRows + a->batch;
   if (tiles > INT32_MAX || l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
-  const bool kb = l.k_format == KVQ_BF16, vb = l.v_format == KVQ_BF16;
+  const bool kb = rk.bf16, vb = rv.bf16;
   Launch fn{p, dim3((unsigned)tiles, (unsigned)l.num_kv_heads, (unsigned)a->num_splits),
-            smem_bytes(l.head_dim, p.k, p.v, kb, vb), (cudaStream_t)stream};
+            smem_layout(l.head_dim, p.k, p.v).bytes, (cudaStream_t)stream};
   const int status = dispatch(l.head_dim, kb, vb, fn);
   if (status != KVQ_OK || a->num_splits == 1) return status;
   const int64_t rows = p.ws_rows;

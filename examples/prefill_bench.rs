@@ -9,7 +9,7 @@
 //!
 //! ```sh
 //! cargo run --release --features cuda,bench --example prefill_bench -- [--iters N] \
-//!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4]
+//!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4] [--json FILE]
 //! ```
 
 use kvq::cuda::bench::{self, EventTimer};
@@ -208,7 +208,8 @@ fn main() -> Result<()> {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
-    let (only_shape, only_format) = (arg("--shape"), arg("--format"));
+    let (only_shape, only_format, json) = (arg("--shape"), arg("--format"), arg("--json"));
+    let mut rows = Vec::new();
     let gpu = Gpu::new(0)?;
     eprintln!("{}", gpu.summary());
     let mut timer = EventTimer::new(&gpu)?;
@@ -242,13 +243,32 @@ fn main() -> Result<()> {
                 continue;
             }
             match measure(&gpu, &mut timer, &shape, k, v, ceiling, iters) {
-                Ok(r) => println!(
-                    "| {} | {} | {:.1} | {:.1} | {:.0} | {:.1} |",
-                    r.shape, r.format, r.us, r.tflops, r.gbps, r.pct
-                ),
+                Ok(r) => {
+                    println!(
+                        "| {} | {} | {:.1} | {:.1} | {:.0} | {:.1} |",
+                        r.shape, r.format, r.us, r.tflops, r.gbps, r.pct
+                    );
+                    rows.push(serde_json::json!({
+                        "shape": r.shape, "format": r.format, "median_us": r.us,
+                        "tflops": r.tflops, "gbps": r.gbps, "pct_of_ceiling": r.pct,
+                    }));
+                }
                 Err(e) => println!("| {} | {}/{} | error: {e} | | | |", shape.name, k, v),
             }
         }
+    }
+    if let Some(path) = json {
+        let report = serde_json::json!({
+            "gpu": gpu.props().name,
+            "ceiling_gbps": ceiling,
+            "ceiling_variant": probe.variant,
+            "model": "Llama-3-8B heads: 32 q / 8 KV, head_dim 128, pages of 16, bf16 q and out",
+            "iters": iters,
+            "rows": rows,
+        });
+        let text = serde_json::to_string_pretty(&report).expect("report serializes");
+        std::fs::write(&path, text)
+            .map_err(|e| kvq::Error::InvalidArgument(format!("writing {path}: {e}")))?;
     }
     Ok(())
 }

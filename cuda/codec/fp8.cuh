@@ -154,6 +154,16 @@ template <int F> struct Fp8Codec : UngroupedRows<16, 8> {
     }
   }
 
+  /// The chunk's values without the head scale as f16 pairs (element 2i low in h[i]): exact,
+  /// every FP8 value is an f16. For operand tiles (the prefill kernel).
+  static __device__ __forceinline__ void decode_f16(const RowRef &r, int chunk,
+                                                    uint32_t (&h)[kEpt / 2]) {
+    const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
+    const uint16_t *c = reinterpret_cast<const uint16_t *>(&raw);
+#pragma unroll
+    for (int i = 0; i < kEpt / 2; ++i) h[i] = h2_bits(fp8x2_to_half2<F>(c[i]));
+  }
+
   // Calibration scale of the dense path.
   static __device__ __forceinline__ float scale_from_amax(float amax) {
     return fp8_scale_from_amax<F>(amax);

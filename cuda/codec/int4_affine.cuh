@@ -118,6 +118,27 @@ template <> struct Codec<kInt4Affine64> {
       v[i] = __fmaf_rn(small_uint_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf, zf);
   }
 
+  /// The chunk's values as f16 pairs (element 2i low in h[i]): code * scale + zero rounded once
+  /// to f16 (decode's f32 fma then rounds twice: the two may differ by one f16 ulp), clamped to
+  /// +-65504. For operand tiles (the prefill kernel).
+  static __device__ __forceinline__ void decode_f16(const RowRef &r, int chunk,
+                                                    uint32_t (&h)[kEpt / 2]) {
+    const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
+    const int g = (chunk * kEpt / kGroup) * r.meta_step;
+    const __half2 s = __half2half2(__ushort_as_half(r.scales[g]));
+    const __half2 z = __half2half2(__ushort_as_half(r.zeros[g]));
+    const __half2 bias = __float2half2_rn(1024.0f), lim = __float2half2_rn(65504.0f);
+#pragma unroll
+    for (int i = 0; i < kEpt / 2; ++i) {
+      // Byte i holds elements 2i (low nibble) and 2i + 1; each becomes 1024 + n, exact.
+      const uint32_t b = (w[i / 4] >> (8 * (i % 4))) & 0xFFu;
+      const uint32_t x = (b & 0xFu) | ((b & 0xF0u) << 12) | 0x64006400u;
+      const __half2 v = __hfma2(__hsub2(bits_h2(x), bias), s, z);
+      h[i] = h2_bits(__hmin2(__hmax2(v, __hneg2(lim)), lim));
+    }
+  }
+
   // ---- decode-kernel V role (decode/frag.cuh): raw codes, scale and zero on the P side ----
 
   static constexpr bool kDecodeK = false, kDecodeV = true, kDecodeMixed = true;

@@ -115,6 +115,26 @@ template <> struct Codec<kInt4Sym32> {
       v[i] = __fmul_rn(nibble_s_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf);
   }
 
+  /// The chunk's values as f16 pairs (element 2i low in h[i]): code * scale rounded once, as
+  /// decode's exact f32 product rounds to f16, clamped to +-65504 (a product of the largest
+  /// code and a scale rounded up can pass it). For operand tiles (the prefill kernel).
+  static __device__ __forceinline__ void decode_f16(const RowRef &r, int chunk,
+                                                    uint32_t (&h)[kEpt / 2]) {
+    const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
+    const __half2 s = __half2half2(__ushort_as_half(r.scales[chunk * r.meta_step]));
+    const __half2 bias = __float2half2_rn(1032.0f), lim = __float2half2_rn(65504.0f);
+#pragma unroll
+    for (int i = 0; i < kEpt / 2; ++i) {
+      // Byte i holds elements 2i (low nibble) and 2i + 1; each becomes 1024 + (n ^ 8), an
+      // exact f16, then minus 1032 the signed code.
+      const uint32_t b = (w[i / 4] >> (8 * (i % 4))) & 0xFFu;
+      const uint32_t x = (((b & 0xFu) | ((b & 0xF0u) << 12)) ^ 0x00080008u) | 0x64006400u;
+      const __half2 v = __hmul2(__hsub2(bits_h2(x), bias), s);
+      h[i] = h2_bits(__hmin2(__hmax2(v, __hneg2(lim)), lim));
+    }
+  }
+
   // ---- decode-kernel K role (decode/frag.cuh): raw codes, the group's scale on the result ----
 
   static constexpr bool kDecodeK = true, kDecodeV = false, kDecodeMixed = true;

@@ -28,6 +28,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "codec/codec.cuh"
 #include "kvq.h"
 #include "prim/convert.cuh"
@@ -52,6 +54,7 @@ constexpr unsigned kFull = 0xffffffffu;
 struct Side {
   int32_t format;  // kvq_format
   int32_t codes_off, codes_row, meta_off, meta_row, meta_step;
+  int32_t direct;  // 16-bit codes, which are their own operands: copied, not decoded
 };
 
 /// Everything a prefill launch needs; built by the launcher from kvq_prefill_args.
@@ -82,11 +85,6 @@ struct Params {
 /// one ldmatrix reads on distinct 16-byte bank groups at every supported head_dim.
 template <int D> __host__ __device__ constexpr int pitch() { return D * 2 + 16; }
 
-/// Whether a side's cache format is its operand type (copied as is, no decode).
-__host__ __device__ inline bool direct(int32_t format, bool bf16_operand) {
-  return format == (bf16_operand ? kBf16 : kF16);
-}
-
 /// Raw bytes of one step of a quantized side: kTokens rows of codes, then of metadata.
 __host__ __device__ inline int stage_bytes(const Side &s) {
   return (kTokens * (s.codes_row + s.meta_row) + 127) / 128 * 128;
@@ -97,8 +95,8 @@ __host__ __device__ inline int stage_bytes(const Side &s) {
 struct Layout {
   int q, k_op, k_stage, v_op, v_stage, bytes;
 };
-__host__ __device__ inline Layout smem_layout(int d, const Side &k, bool k_direct, const Side &v,
-                                              bool v_direct) {
+__host__ __device__ inline Layout smem_layout(int d, const Side &k, const Side &v) {
+  const bool k_direct = k.direct, v_direct = v.direct;
   const int tile = kRows * (2 * d + 16);
   Layout l;
   int at = 0;
@@ -127,6 +125,11 @@ template <bool BF16> __device__ __forceinline__ uint16_t operand_bits(float x) {
   else return half_bits(fminf(fmaxf(x, -65504.f), 65504.f));
 }
 
+/// Whether a codec decodes straight to f16 pairs (decode_f16), skipping f32.
+template <class C, class = void> struct HasF16Rows : std::false_type {};
+template <class C>
+struct HasF16Rows<C, std::void_t<decltype(&C::decode_f16)>> : std::true_type {};
+
 /// Decode the staged rows of one side (kTokens rows of codes, then of metadata) into an operand
 /// tile; rows outside [lo, hi) become zeros (past the sequence or the split: never-written or
 /// stale codes must not reach the MMAs, where 0 * NaN would poison the sum).
@@ -139,30 +142,37 @@ __device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t 
   static_assert(D % E == 0, "head_dim is whole chunks of the codec (kvq_prefill_supported)");
   for (int u = threadIdx.x; u < kTokens * kChunks; u += kThreads) {
     const int j = u / kChunks, c = u % kChunks;
-    float v[E];
-    if (j >= lo && j < hi) {
-      RowRef r;
-      r.codes = const_cast<uint8_t *>(codes + j * s.codes_row);
-      r.scales = reinterpret_cast<uint16_t *>(const_cast<uint8_t *>(meta + j * s.meta_row));
-      r.zeros = r.scales + 1;
-      r.meta_step = s.meta_step;
-      r.head_scale = 1.0f;  // FP8: applied to S and O instead
-      C::decode(r, c, v);
-    } else {
+    const bool live = j >= lo && j < hi;
+    RowRef r;
+    r.codes = const_cast<uint8_t *>(codes + j * s.codes_row);
+    r.scales = reinterpret_cast<uint16_t *>(const_cast<uint8_t *>(meta + j * s.meta_row));
+    r.zeros = r.scales + 1;
+    r.meta_step = s.meta_step;
+    r.head_scale = 1.0f;  // FP8: applied to S and O instead
+    uint32_t h[E / 2];
+    if constexpr (!BF16 && HasF16Rows<C>::value) {
+      if (live) {
+        C::decode_f16(r, c, h);
+      } else {
 #pragma unroll
-      for (int i = 0; i < E; ++i) v[i] = 0.f;
+        for (int i = 0; i < E / 2; ++i) h[i] = 0u;
+      }
+    } else {
+      float v[E];
+      if (live) {
+        C::decode(r, c, v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < E; ++i) v[i] = 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < E / 2; ++i)
+        h[i] = (uint32_t)operand_bits<BF16>(v[2 * i]) |
+               ((uint32_t)operand_bits<BF16>(v[2 * i + 1]) << 16);
     }
     uint4 *dst = reinterpret_cast<uint4 *>(tile + j * pitch<D>() + c * E * 2);
 #pragma unroll
-    for (int w = 0; w < E / 8; ++w) {
-      uint4 x;
-      uint32_t *xw = reinterpret_cast<uint32_t *>(&x);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        xw[i] = (uint32_t)operand_bits<BF16>(v[8 * w + 2 * i]) |
-                ((uint32_t)operand_bits<BF16>(v[8 * w + 2 * i + 1]) << 16);
-      dst[w] = x;
-    }
+    for (int w = 0; w < E / 8; ++w) dst[w] = make_uint4(h[4 * w], h[4 * w + 1], h[4 * w + 2], h[4 * w + 3]);
   }
 }
 
@@ -347,8 +357,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     row_qs[tid] = 1.f;
   }
 
-  const bool k_direct = direct(p.k.format, KB), v_direct = direct(p.v.format, VB);
-  const Layout L = smem_layout(D, p.k, k_direct, p.v, v_direct);
+  const bool k_direct = p.k.direct, v_direct = p.v.direct;
+  const Layout L = smem_layout(D, p.k, p.v);
   uint8_t *qs = smem + L.q;
 
   // ---- Q tile: cp.async of each row (rows past the sequence: zeros).
@@ -450,8 +460,9 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     if (row_hi[r] > row_lo[r]) w_lo = min(w_lo, row_lo[r]), w_hi = max(w_hi, row_hi[r]);
 
   float k_factor = 1.f, v_factor = 1.f;
-  if (p.k.format == kFp8E4m3 || p.k.format == kFp8E5m2) k_factor = p.k_scales[kvh];
-  if (p.v.format == kFp8E4m3 || p.v.format == kFp8E5m2) v_factor = p.v_scales[kvh];
+  // Per-head scales (FP8), null for formats without one.
+  if (p.k_scales != nullptr) k_factor = p.k_scales[kvh];
+  if (p.v_scales != nullptr) v_factor = p.v_scales[kvh];
   const bool capped = p.soft_cap > 0.f;
   // Logits in the log2 domain: x * mul (no cap) or cap2 * tanh(x * mul) (capped).
   const float mul = capped ? p.sm_scale * k_factor / p.soft_cap : p.sm_scale * k_factor * kLog2e;
