@@ -16,7 +16,7 @@
 
 mod common;
 
-use common::Rng;
+use common::{Rng, fresh_rng as rng};
 use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
@@ -28,22 +28,6 @@ use kvq::cuda::prefill::{
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
-use std::sync::atomic::{AtomicU64, Ordering};
-
-fn rng(test: &str) -> Rng {
-    static SALT: AtomicU64 = AtomicU64::new(0);
-    let seed = std::env::var("KVQ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64);
-            t ^ SALT.fetch_add(0x1234_5678_9ABC, Ordering::Relaxed)
-        });
-    eprintln!("{test}: seed {seed}");
-    Rng(seed)
-}
 
 fn quick() -> bool {
     std::env::var("KVQ_PREFILL_QUICK").is_ok_and(|v| v == "1")

@@ -328,23 +328,7 @@ impl PrefillPlan {
         OB: DevicePtrMut<O>,
     {
         let c = &self.layout.config;
-        if cache.layout() != &self.layout {
-            return Err(Error::InvalidArgument(
-                "the cache's layout differs from the one the plan was made for".into(),
-            ));
-        }
-        if tables.num_blocks() != cache.num_blocks() {
-            return Err(Error::InvalidArgument(format!(
-                "the block tables were checked against a pool of {} blocks, the cache has {}",
-                tables.num_blocks(),
-                cache.num_blocks()
-            )));
-        }
-        if !tables.is_uploaded() {
-            return Err(Error::InvalidArgument(
-                "the block tables changed since their last upload (call upload first)".into(),
-            ));
-        }
+        tables.check_for(&self.layout, cache)?;
         if Q::DTYPE == Dtype::F32 {
             return Err(Error::Unsupported(
                 "GPU prefill with f32 queries (use f16 or bf16)".into(),

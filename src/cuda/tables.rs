@@ -9,6 +9,7 @@
 use super::{DeviceCache, Gpu, driver_err, launch};
 use crate::cache::{BlockTables, check_row};
 use crate::error::{Error, Result};
+use crate::layout::BlockLayout;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
 use std::sync::Arc;
@@ -506,6 +507,30 @@ impl DeviceBlockTables {
     /// Whether every change has been uploaded.
     pub fn is_uploaded(&self) -> bool {
         !self.lens_dirty && self.pending.is_empty()
+    }
+
+    /// What an attention launch over `cache` needs of these tables and of the cache: the
+    /// layout the plan was made for, the pool the tables were checked against, and nothing
+    /// left to upload.
+    pub(crate) fn check_for(&self, layout: &BlockLayout, cache: &DeviceCache) -> Result<()> {
+        if cache.layout() != layout {
+            return Err(Error::InvalidArgument(
+                "the cache's layout differs from the one the plan was made for".into(),
+            ));
+        }
+        if self.num_blocks() != cache.num_blocks() {
+            return Err(Error::InvalidArgument(format!(
+                "the block tables were checked against a pool of {} blocks, the cache has {}",
+                self.num_blocks(),
+                cache.num_blocks()
+            )));
+        }
+        if !self.is_uploaded() {
+            return Err(Error::InvalidArgument(
+                "the block tables changed since their last upload (call upload first)".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// The handle whose stream the uploads go to.

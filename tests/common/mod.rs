@@ -2,6 +2,24 @@
 
 #![allow(dead_code)] // each test binary uses a different part
 
+/// A generator with a fresh seed per call (time-based unless `KVQ_SEED` is set), printed with
+/// the test's name so that a failure replays with `KVQ_SEED=<n>`.
+pub fn fresh_rng(test: &str) -> Rng {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SALT: AtomicU64 = AtomicU64::new(0);
+    let seed = std::env::var("KVQ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            t ^ SALT.fetch_add(0x1234_5678_9ABC, Ordering::Relaxed)
+        });
+    eprintln!("{test}: seed {seed}");
+    Rng(seed)
+}
+
 /// splitmix64: a small deterministic generator, so every failure reproduces from its seed.
 pub struct Rng(pub u64);
 
