@@ -73,7 +73,8 @@ template <int D, bool KB, bool VB> cudaError_t prepare(int *limit) {
   int dev = 0, optin = 0;
   cudaFuncAttributes attr{};
   cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, prefill_kernel<D, KB, VB>);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // not left pending for the next launcher to report

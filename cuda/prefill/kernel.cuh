@@ -172,7 +172,8 @@ __device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t 
     }
     uint4 *dst = reinterpret_cast<uint4 *>(tile + j * pitch<D>() + c * E * 2);
 #pragma unroll
-    for (int w = 0; w < E / 8; ++w) dst[w] = make_uint4(h[4 * w], h[4 * w + 1], h[4 * w + 2], h[4 * w + 3]);
+    for (int w = 0; w < E / 8; ++w)
+      dst[w] = make_uint4(h[4 * w], h[4 * w + 1], h[4 * w + 2], h[4 * w + 3]);
   }
 }
 
@@ -304,7 +305,8 @@ __device__ __forceinline__ void issue_raw(const Side &s, const uint8_t *head, co
     for (int u = threadIdx.x; u < cr + mr; u += kThreads) {
       const bool meta = u >= cr;
       const int x = meta ? u - cr : u;
-      const uint8_t *src = sec + (meta ? s.meta_off + pg.off[run] * mr : s.codes_off + pg.off[run] * cr) + x * 16;
+      const int row0 = meta ? s.meta_off + pg.off[run] * mr : s.codes_off + pg.off[run] * cr;
+      const uint8_t *src = sec + row0 + x * 16;
       cp_async16(smem_u32((meta ? dm : dc) + x * 16), src, at >= 0 ? 16u : 0u);
     }
   }
@@ -390,8 +392,12 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   const int32_t *table = p.block_tables + (int64_t)b * p.max_blocks;
   bool fault = false;
   // Buffer `buf` of a side: a direct side's operand tile, a quantized side's staging area.
-  auto k_buf = [&](int buf) { return smem + (k_direct ? L.k_op + buf * TILE : L.k_stage + buf * stage_bytes(p.k)); };
-  auto v_buf = [&](int buf) { return smem + (v_direct ? L.v_op + buf * TILE : L.v_stage + buf * stage_bytes(p.v)); };
+  auto k_buf = [&](int buf) {
+    return smem + (k_direct ? L.k_op + buf * TILE : L.k_stage + buf * stage_bytes(p.k));
+  };
+  auto v_buf = [&](int buf) {
+    return smem + (v_direct ? L.v_op + buf * TILE : L.v_stage + buf * stage_bytes(p.v));
+  };
   // Page offsets of a step, found by threads 0..3 one step ahead and read by all after the
   // next barrier (two sets, by step parity).
   __shared__ StepPages pages[2];
@@ -491,8 +497,14 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     if (st + 1 < nsteps) issue(st + 1);
     find_pages(st + 2);  // the set issue(st) read, before this step's barrier
     const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
-    if (!k_direct) decode_any<KB, D>(k_buf(st & 1), k_buf(st & 1) + kTokens * p.k.codes_row, p.k, smem + L.k_op, lo, hi);
-    if (!v_direct) decode_any<VB, D>(v_buf(st & 1), v_buf(st & 1) + kTokens * p.v.codes_row, p.v, smem + L.v_op, lo, hi);
+    if (!k_direct) {
+      const uint8_t *raw = k_buf(st & 1);
+      decode_any<KB, D>(raw, raw + kTokens * p.k.codes_row, p.k, smem + L.k_op, lo, hi);
+    }
+    if (!v_direct) {
+      const uint8_t *raw = v_buf(st & 1);
+      decode_any<VB, D>(raw, raw + kTokens * p.v.codes_row, p.v, smem + L.v_op, lo, hi);
+    }
     if (!k_direct || !v_direct) __syncthreads();
     if (tok0 >= w_hi || tok0 + kTokens <= w_lo) continue;  // no key of this step for the warp
     if (!q_loaded) {
@@ -564,7 +576,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     const float sub_a = mn_a == -INFINITY ? 0.f : mn_a, sub_b = mn_b == -INFINITY ? 0.f : mn_b;
     l_a *= al_a, l_b *= al_b;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
+    for (int i = 0; i < D / 8; ++i)
+      o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
     uint32_t pa[8][2];  // P as A operands: n-tile j, rows a (0) / b (1), tokens 2t, 2t + 1
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -637,7 +650,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
       store_out(p.out, row_out[rr] + d, oj[0] * inv, p.out_dtype);
       store_out(p.out, row_out[rr] + d + 1, oj[1] * inv, p.out_dtype);
     }
-    if (t == 0 && p.lse != nullptr) p.lse[row_lse[rr]] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    if (t == 0 && p.lse != nullptr)
+      p.lse[row_lse[rr]] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
   }
 }
 
