@@ -50,9 +50,10 @@ mod cuda {
     const FILE_FLAGS: &[(&str, &[&str])] = &[("append.cu", &["-fmad=false"])];
 
     const HELP: &str = "the `cuda` feature needs nvcc (CUDA 13.0). Install it with \
-        `scripts/install-cuda-toolkit.sh` and export what it prints, or set NVCC=/path/to/nvcc \
-        (or CUDA_HOME=/path/to/cuda), or build without `--features cuda` (KVQ_CHECK_ONLY=1 skips \
-        the kernels for `cargo doc` / `check` / `clippy`, which link nothing)";
+        `eval \"$(scripts/install-cuda-toolkit.sh)\"` (it prints the exports), or set \
+        NVCC=/path/to/nvcc (or CUDA_HOME=/path/to/cuda), or build without `--features cuda` \
+        (KVQ_CHECK_ONLY=1 skips the kernels for `cargo doc` / `check` / `clippy`, which link \
+        nothing)";
 
     pub fn build() {
         for var in [

@@ -140,7 +140,7 @@ fn setup(gpu: &Gpu, k: KvFormat, v: KvFormat, batch: usize, len: usize) -> Setup
             DeviceBlockTables::new(&cache, &t).expect("device tables")
         })
         .collect();
-    let bytes = decode_bytes_to_read(&layout, &vec![len; batch], Q_HEADS, 1, 2);
+    let bytes = decode_bytes_to_read(&layout, &vec![len; batch], Q_HEADS, 1, 2).expect("bytes");
     Setup {
         cache,
         tables,

@@ -734,3 +734,5 @@ extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
 }
 
 extern "C" const char *kvq_last_error(void) { return cudaGetErrorString(g_last_error); }
+
+extern "C" int kvq_last_error_code(void) { return static_cast<int>(g_last_error); }

@@ -144,6 +144,10 @@ int kvq_dequantize_dense(int32_t format, const uint8_t *codes, const float *head
  * string; "no error" if none). */
 const char *kvq_last_error(void);
 
+/* The cudaError_t of that launch, as an int (0, cudaSuccess, if none): callers tell running out
+ * of memory from a bad launch by the code, not the message. */
+int kvq_last_error_code(void);
+
 
 /* ---- fused paged decode attention (cuda/decode.cu) ---- */
 

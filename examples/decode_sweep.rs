@@ -140,7 +140,7 @@ fn run(args: &Args) -> kvq::Result<()> {
     for case in cases {
         for &(k, v) in &args.formats {
             let mut p = bench::PreparedDecode::new(&gpu, &case, k, v, 0x5EED)?;
-            let bytes = p.bytes_to_read() as f64;
+            let bytes = p.bytes_to_read()? as f64;
             let default = p.plan.clone();
             let mut shapes = vec![(default.clone(), true)];
             for &(n, w, s) in &args.launches {

@@ -103,8 +103,8 @@ impl Engine {
         }
         self.dev.copy_blocks(&r.copies)?;
         self.host.apply_copies(&r.copies)?;
-        for &s in &r.slots {
-            self.slots.push(s as i32);
+        r.extend_slots(&mut self.slots)?; // checked: no slot wraps past i32
+        for _token in &r.slots {
             for i in 0..ROW {
                 let outlier = if i % 16 == 3 { 6.0 } else { 1.0 };
                 self.k.push(self.rng.normal() * outlier);
@@ -121,13 +121,9 @@ impl Engine {
             return Ok(());
         }
         let s = self.gpu.stream();
-        let err = |e| kvq::Error::Cuda(format!("staging appends: {e}"));
-        s.memcpy_htod(&self.slots, &mut self.slots_dev.slice_mut(..n))
-            .map_err(err)?;
-        s.memcpy_htod(&self.k, &mut self.k_dev.slice_mut(..n * ROW))
-            .map_err(err)?;
-        s.memcpy_htod(&self.v, &mut self.v_dev.slice_mut(..n * ROW))
-            .map_err(err)?;
+        s.memcpy_htod(&self.slots, &mut self.slots_dev.slice_mut(..n))?;
+        s.memcpy_htod(&self.k, &mut self.k_dev.slice_mut(..n * ROW))?;
+        s.memcpy_htod(&self.v, &mut self.v_dev.slice_mut(..n * ROW))?;
         ops::append(&mut self.dev, &self.slots_dev, &self.k_dev, &self.v_dev, n)?;
         let host_slots: Vec<usize> = self.slots.iter().map(|&x| x as usize).collect();
         self.host.write(&host_slots, &self.k, &self.v)?;
@@ -173,7 +169,6 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     }
     let dev = DeviceCache::from_host(&gpu, &host)?;
     let s = gpu.stream().clone();
-    let cuda = |e| kvq::Error::Cuda(format!("{e}"));
     let max_step_tokens = PREFILL_BUDGET + 2 * CAPACITY;
     let mut e = Engine {
         tables: DeviceBlockTables::with_capacity(&dev, CAPACITY, MAX_CTX / BS)?,
@@ -188,9 +183,9 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         slots: Vec::new(),
         k: Vec::new(),
         v: Vec::new(),
-        slots_dev: s.alloc_zeros(max_step_tokens).map_err(cuda)?,
-        k_dev: s.alloc_zeros(max_step_tokens * ROW).map_err(cuda)?,
-        v_dev: s.alloc_zeros(max_step_tokens * ROW).map_err(cuda)?,
+        slots_dev: s.alloc_zeros(max_step_tokens)?,
+        k_dev: s.alloc_zeros(max_step_tokens * ROW)?,
+        v_dev: s.alloc_zeros(max_step_tokens * ROW)?,
     };
     e.tables.set_batch(CAPACITY)?;
 
@@ -201,12 +196,11 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     let q_host: Vec<f16> = (0..CAPACITY * HEADS * D)
         .map(|_| f16::from_f32(e.rng.normal()))
         .collect();
-    let q = s.clone_htod(&q_host).map_err(cuda)?;
-    let mut out = s.alloc_zeros::<f16>(CAPACITY * HEADS * D).map_err(cuda)?;
+    let q = s.clone_htod(&q_host)?;
+    let mut out = s.alloc_zeros::<f16>(CAPACITY * HEADS * D)?;
     e.tables.upload()?;
     gpu.synchronize()?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
-        .map_err(cuda)?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
     plan.decode_step(
         &mut ws,
         &e.dev,
@@ -221,10 +215,9 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         },
     )?;
     let graph = s
-        .end_capture(CUgraphInstantiate_flags(0))
-        .map_err(cuda)?
+        .end_capture(CUgraphInstantiate_flags(0))?
         .ok_or_else(|| kvq::Error::Cuda("empty capture".into()))?;
-    graph.upload().map_err(cuda)?;
+    graph.upload()?;
 
     // Prefill, made once too: a plan for the prefilling requests of one step (up to
     // PREFILL_BUDGET new tokens), its workspace, its tables, the queries of the chunk tokens
@@ -242,11 +235,9 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     let pq_host: Vec<f16> = (0..PREFILL_BUDGET * HEADS * D)
         .map(|_| f16::from_f32(e.rng.normal()))
         .collect();
-    let pq = s.clone_htod(&pq_host).map_err(cuda)?;
-    let mut pout = s
-        .alloc_zeros::<f16>(PREFILL_BUDGET * HEADS * D)
-        .map_err(cuda)?;
-    let mut qo_dev = s.alloc_zeros::<i32>(PREFILL_ROWS + 1).map_err(cuda)?;
+    let pq = s.clone_htod(&pq_host)?;
+    let mut pout = s.alloc_zeros::<f16>(PREFILL_BUDGET * HEADS * D)?;
+    let mut qo_dev = s.alloc_zeros::<i32>(PREFILL_ROWS + 1)?;
     let prow = TokenRows::contiguous(HEADS, D);
     let (mut prefilled_tokens, mut prefill_checked) = (0usize, 0usize);
     let mut prefill_events = Vec::new();
@@ -353,15 +344,12 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                 qo.push(qo.last().unwrap() + c.3 as u32);
             }
             let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
-            s.memcpy_htod(&qo_i32, &mut qo_dev.slice_mut(..qo.len()))
-                .map_err(cuda)?;
+            s.memcpy_htod(&qo_i32, &mut qo_dev.slice_mut(..qo.len()))?;
             let (a, b) = (
-                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(cuda)?,
-                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(cuda)?,
+                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+                ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
             );
-            a.record(&s).map_err(cuda)?;
+            a.record(&s)?;
             pplan.prefill(
                 &mut pws,
                 &e.dev,
@@ -377,18 +365,13 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     sinks: None,
                 },
             )?;
-            b.record(&s).map_err(cuda)?;
+            b.record(&s)?;
             let total = *qo.last().unwrap() as usize;
             prefilled_tokens += total;
             let hit_now = prefix_hit.is_some_and(|h| chunks.iter().any(|c| c.0 == h));
             if step == 0 || step == steps / 2 || (hit_now && !prefix_hit_checked) {
                 // Against the CPU reference over the host mirror, with the same tables.
-                let got: Vec<f32> = s
-                    .clone_dtoh(&pout)
-                    .map_err(cuda)?
-                    .iter()
-                    .map(|x| x.to_f32())
-                    .collect();
+                let got: Vec<f32> = s.clone_dtoh(&pout)?.iter().map(|x| x.to_f32()).collect();
                 let rows: Vec<&[i32]> = chunks.iter().map(|c| c.1.as_slice()).collect();
                 let lens: Vec<usize> = chunks.iter().map(|c| c.2).collect();
                 let tables = kvq::cache::BlockTables::from_rows(&rows, &lens)?;
@@ -457,16 +440,14 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         e.tables.upload()?;
         let t1 = Instant::now();
         let (start, end) = (
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(cuda)?,
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(cuda)?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
         );
-        start.record(&s).map_err(cuda)?;
+        start.record(&s)?;
         let t2 = Instant::now();
-        graph.launch().map_err(cuda)?;
+        graph.launch()?;
         let t3 = Instant::now();
-        end.record(&s).map_err(cuda)?;
+        end.record(&s)?;
         host_rows_us.push((t_rows - t0).as_secs_f64() * 1e6);
         host_tables_us.push((t1 - t_rows).as_secs_f64() * 1e6);
         host_launch_us.push((t3 - t2).as_secs_f64() * 1e6);
@@ -480,7 +461,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
 
         // A few steps against the CPU reference (every live row).
         if !live.is_empty() && (step == 5 || step == steps / 2 || step + 1 == steps || step == 25) {
-            let got = s.clone_dtoh(&out).map_err(cuda)?;
+            let got = s.clone_dtoh(&out)?;
             for &(row, seq) in &live {
                 let tables = e.alloc.block_tables(&[seq])?;
                 let qr: Vec<f32> = q_host[row * HEADS * D..(row + 1) * HEADS * D]
@@ -538,7 +519,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     let wall = started.elapsed().as_secs_f64();
     let mut gpu_ms = 0f64;
     for (a, b, _) in &events {
-        gpu_ms += a.elapsed_ms(b).map_err(cuda)? as f64;
+        gpu_ms += a.elapsed_ms(b)? as f64;
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -558,7 +539,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     );
     let mut prefill_ms = 0f64;
     for (a, b) in &prefill_events {
-        prefill_ms += a.elapsed_ms(b).map_err(cuda)? as f64;
+        prefill_ms += a.elapsed_ms(b)? as f64;
     }
     println!(
         "prefill: {prefilled_tokens} prompt tokens in chunks of up to {PREFILL_BUDGET} per step, \
@@ -644,7 +625,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     for _ in 0..N {
         gpu.synchronize()?;
         let t = Instant::now();
-        graph.launch().map_err(cuda)?;
+        graph.launch()?;
         graph_us += t.elapsed().as_secs_f64() * 1e6 / N as f64;
     }
     gpu.synchronize()?;
@@ -667,18 +648,16 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
             f()?;
         }
         let (a, b) = (
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(cuda)?,
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(cuda)?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
+            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
         );
-        a.record(&s).map_err(cuda)?;
+        a.record(&s)?;
         for _ in 0..50 {
             f()?;
         }
-        b.record(&s).map_err(cuda)?;
-        b.synchronize().map_err(cuda)?;
-        Ok(a.elapsed_ms(&b).map_err(cuda)? as f64 * 1e3 / 50.0)
+        b.record(&s)?;
+        b.synchronize()?;
+        Ok(a.elapsed_ms(&b)? as f64 * 1e3 / 50.0)
     };
     for live in [CAPACITY, CAPACITY / 2] {
         for (r, blocks) in row_blocks.iter().enumerate() {
@@ -690,7 +669,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         }
         e.tables.set_batch(CAPACITY)?;
         e.tables.upload()?;
-        let via_graph = time(&mut || graph.launch().map_err(cuda))?;
+        let via_graph = time(&mut || Ok(graph.launch()?))?;
         e.tables.set_batch(live)?;
         let exact = DecodePlan::new(&gpu, e.dev.layout(), live, HEADS, 1, MAX_CTX)?;
         let mut ws2 = DecodeWorkspace::new(&exact)?;

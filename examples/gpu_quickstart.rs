@@ -19,7 +19,6 @@ fn run() -> kvq::Result<()> {
     use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops};
     use kvq::{CacheConfig, KvFormat};
 
-    let cuda = |e| kvq::Error::Cuda(format!("{e}"));
     // kvq's own stream here; Gpu::from_stream / Gpu::from_raw take the engine's.
     let gpu = Gpu::new(0)?;
     let s = gpu.stream().clone();
@@ -48,24 +47,20 @@ fn run() -> kvq::Result<()> {
     let mut ws = DecodeWorkspace::new(&plan)?;
     let mut tables = DeviceBlockTables::with_capacity(&cache, max_batch, max_context / block)?;
     // The engine's tensors: K/V rows [tokens, kv_heads, d], q and out [tokens, heads, d].
-    let k_new = s
-        .alloc_zeros::<half::f16>(max_batch * kv_heads * d)
-        .map_err(cuda)?;
-    let v_new = s
-        .alloc_zeros::<half::f16>(max_batch * kv_heads * d)
-        .map_err(cuda)?;
-    let q = s
-        .alloc_zeros::<half::f16>(max_batch * heads * d)
-        .map_err(cuda)?;
-    let mut out = s.alloc_zeros::<f32>(max_batch * heads * d).map_err(cuda)?; // any output type
+    let k_new = s.alloc_zeros::<kvq::half::f16>(max_batch * kv_heads * d)?;
+    let v_new = s.alloc_zeros::<kvq::half::f16>(max_batch * kv_heads * d)?;
+    let q = s.alloc_zeros::<kvq::half::f16>(max_batch * heads * d)?;
+    let mut out = s.alloc_zeros::<f32>(max_batch * heads * d)?; // any output type
+    let mut step_slots: Vec<i32> = Vec::with_capacity(max_batch); // the step's slot mapping
 
     // Every step, for each sequence (here one, in batch row 0): slots for its new token, the
     // copy-on-write copies of a forked sequence, the append, the row; then one decode.
     let seq = alloc.create_sequence();
     let r = alloc.reserve(seq, 1)?;
     cache.copy_blocks(&r.copies)?;
-    let slots: Vec<i32> = r.slots.iter().map(|&x| x as i32).collect();
-    let slots = s.clone_htod(&slots).map_err(cuda)?;
+    step_slots.clear();
+    r.extend_slots(&mut step_slots)?; // checked: a slot past i32 is an error, never a wrap
+    let slots = s.clone_htod(&step_slots)?;
     ops::append(&mut cache, &slots, &k_new, &v_new, 1)?;
     tables.set_row(0, alloc.block_table(seq)?, alloc.len(seq)?)?;
     tables.set_batch(1)?; // rows past the batch are ignored; rows of length 0 are padding
@@ -105,28 +100,23 @@ fn run() -> kvq::Result<()> {
     .with_window_left(None)? // Some(w): a sliding window of w + 1 positions
     .with_logits_soft_cap(None)?; // Some(c): c * tanh(logit / c)
     let mut pws = PrefillWorkspace::new(&pplan)?;
-    let chunk_q = s
-        .alloc_zeros::<half::f16>(max_tokens * heads * d)
-        .map_err(cuda)?;
-    let mut chunk_out = s
-        .alloc_zeros::<half::f16>(max_tokens * heads * d)
-        .map_err(cuda)?;
-    let chunk_k = s
-        .alloc_zeros::<half::f16>(max_tokens * kv_heads * d)
-        .map_err(cuda)?;
+    let chunk_q = s.alloc_zeros::<kvq::half::f16>(max_tokens * heads * d)?;
+    let mut chunk_out = s.alloc_zeros::<kvq::half::f16>(max_tokens * heads * d)?;
+    let chunk_k = s.alloc_zeros::<kvq::half::f16>(max_tokens * kv_heads * d)?;
 
     // A step that prefills a chunk of 100 prompt tokens of `seq`: append them, set the row
     // (its length includes them), put the step's offsets on the device, one launch.
     let n = 100;
     let r = alloc.reserve(seq, n)?;
     cache.copy_blocks(&r.copies)?;
-    let slots: Vec<i32> = r.slots.iter().map(|&x| x as i32).collect();
-    let slots = s.clone_htod(&slots).map_err(cuda)?;
+    step_slots.clear();
+    r.extend_slots(&mut step_slots)?;
+    let slots = s.clone_htod(&step_slots)?;
     ops::append(&mut cache, &slots, &chunk_k, &chunk_k, n)?;
     tables.set_row(0, alloc.block_table(seq)?, alloc.len(seq)?)?;
     tables.upload()?;
     let qo = [0, n as u32]; // sequence b's new tokens are rows qo[b]..qo[b + 1]
-    let qo_dev = s.clone_htod(&[0, n as i32]).map_err(cuda)?;
+    let qo_dev = s.clone_htod(&[0, n as i32])?;
     let rows = TokenRows::contiguous(heads, d); // [tokens, heads, d]
     pplan.prefill(
         &mut pws,

@@ -86,7 +86,6 @@ fn measure(
     ceiling: f64,
     iters: usize,
 ) -> Result<Row> {
-    let cuda = |e: kvq::cuda::cudarc::driver::DriverError| kvq::Error::Cuda(format!("{e}"));
     let s = gpu.stream().clone();
     let config = CacheConfig::new(KV_HEADS, D, BLOCK, k, v)?;
     let blocks: Vec<usize> = shape.seqs.iter().map(|&(_, l)| l.div_ceil(BLOCK)).collect();
@@ -107,12 +106,12 @@ fn measure(
     let kv: Vec<half::bf16> = (0..CHUNK * KV_HEADS * D)
         .map(|_| half::bf16::from_f32(rnd()))
         .collect();
-    let kv_dev = s.clone_htod(&kv).map_err(cuda)?;
+    let kv_dev = s.clone_htod(&kv)?;
     let slots_total = num_blocks * BLOCK;
     for start in (0..slots_total).step_by(CHUNK) {
         let n = CHUNK.min(slots_total - start);
         let slots: Vec<i32> = (start..start + n).map(|x| x as i32).collect();
-        let slots = s.clone_htod(&slots).map_err(cuda)?;
+        let slots = s.clone_htod(&slots)?;
         ops::append(&mut cache, &slots, &kv_dev, &kv_dev, n)?;
     }
     let mut tables = DeviceBlockTables::with_capacity(
@@ -146,12 +145,10 @@ fn measure(
     let q: Vec<half::bf16> = (0..total * Q_HEADS * D)
         .map(|_| half::bf16::from_f32(rnd() * 0.25))
         .collect();
-    let q_dev = s.clone_htod(&q).map_err(cuda)?;
+    let q_dev = s.clone_htod(&q)?;
     let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
-    let qo_dev = s.clone_htod(&qo_i32).map_err(cuda)?;
-    let mut out = s
-        .alloc_zeros::<half::bf16>(total * Q_HEADS * D)
-        .map_err(cuda)?;
+    let qo_dev = s.clone_htod(&qo_i32)?;
+    let mut out = s.alloc_zeros::<half::bf16>(total * Q_HEADS * D)?;
     let rows = TokenRows::contiguous(Q_HEADS, D);
     let us = timer.median_us(3, iters, true, || {
         plan.prefill(

@@ -104,11 +104,10 @@ fn run(shards: usize) -> Result<()> {
     let mut ws = DecodeWorkspace::new(&plan)?;
     let dt = DeviceBlockTables::new(&whole, &tables)?;
     let s0 = whole_gpu.stream();
-    let cuda = |e| kvq::Error::Cuda(format!("{e}"));
-    let qd = s0.clone_htod(&q).map_err(cuda)?;
-    let mut out = s0.alloc_zeros::<f16>(q.len()).map_err(cuda)?;
+    let qd = s0.clone_htod(&q)?;
+    let mut out = s0.alloc_zeros::<f16>(q.len())?;
     plan.decode(&mut ws, &whole, &dt, &qd, &mut out, None)?;
-    let want = s0.clone_dtoh(&out).map_err(cuda)?;
+    let want = s0.clone_dtoh(&out)?;
 
     // The shards: KV heads [i * per, (i + 1) * per) and their query heads on device i % GPUs,
     // each on a stream of its own.
@@ -125,7 +124,7 @@ fn run(shards: usize) -> Result<()> {
     let mut parts = Vec::new();
     for i in 0..shards {
         let dev = &devices[i % devices.len()];
-        let gpu = Gpu::from_stream(dev.context().new_stream().map_err(cuda)?)?;
+        let gpu = Gpu::from_stream(dev.context().new_stream()?)?;
         let cache = layer(
             &gpu,
             per,
@@ -150,8 +149,8 @@ fn run(shards: usize) -> Result<()> {
             .map(f16::from_f32)
             .collect();
         let s = gpu.stream();
-        let q = s.clone_htod(&qs).map_err(cuda)?;
-        let out = s.alloc_zeros::<f16>(qs.len()).map_err(cuda)?;
+        let q = s.clone_htod(&qs)?;
+        let out = s.alloc_zeros::<f16>(qs.len())?;
         parts.push(Shard {
             gpu,
             cache,
@@ -171,7 +170,7 @@ fn run(shards: usize) -> Result<()> {
     let mut gathered = vec![f16::ZERO; want.len()];
     let row = KV_HEADS * GROUP * D;
     for (i, p) in parts.iter().enumerate() {
-        let part = p.gpu.stream().clone_dtoh(&p.out).map_err(cuda)?;
+        let part = p.gpu.stream().clone_dtoh(&p.out)?;
         let w = per * GROUP * D;
         for b in 0..BATCH {
             gathered[b * row + i * w..b * row + (i + 1) * w]

@@ -15,7 +15,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 dest=${OUT:-gpu-check-out}; out=$(mktemp -d); mkdir -p "$dest"
 bin=$here/bin
 [ -d "$bin" ] || tar -xJf "$here/bin.tar.xz" -C "$here"
-export KVQ_REQUIRE_GPU=1 KVQ_REQUIRE_DATA=1 KVQ_DATA_DIR=$here/data KVQ_MINILM=$here/data/minilm_kv.safetensors
+export KVQ_REQUIRE_GPU=1 KVQ_REQUIRE_DATA=1 KVQ_DATA_DIR=$here/data
 mode=${1:-full}; shift || true
 summary=()
 failed=0

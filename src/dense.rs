@@ -193,7 +193,8 @@ impl std::str::FromStr for DenseFormat {
 /// scales from the data, and accept only the default, [`PerTensorAmax`](Self::PerTensorAmax).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum Fp8ScaleChoice {
-    /// One given scale for the whole tensor (positive and finite).
+    /// One given scale for the whole tensor: positive, finite, and small enough that
+    /// `max_finite × scale` is finite too.
     Fixed(f32),
     /// One scale for the whole tensor, `amax / max_finite` over all its (sanitized) elements.
     #[default]
@@ -536,8 +537,10 @@ fn check_codes(format: DenseFormat, codes: &StoredTensor) -> Result<()> {
 ///
 /// Inputs are sanitized first (NaN → 0, clamp to ±65504) and counted in
 /// [`QuantizedTensor::non_finite`]. Errors: `data.len()` not matching `shape`, a `head_dim`
-/// the format cannot use, a fixed scale that is not positive and finite, or a scale choice
-/// other than the default for a non-FP8 format.
+/// the format cannot use, a scale choice other than the default for a non-FP8 format, and a
+/// fixed scale that is not positive and finite or so large that `max_finite × scale`
+/// overflows f32 ([`Error::Scale`]): such a scale would store codes that decode to infinity,
+/// which [`QuantizedTensor::from_parts`] refuses too.
 pub fn quantize<T: Element>(
     format: DenseFormat,
     data: &[T],

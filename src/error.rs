@@ -77,12 +77,94 @@ pub enum Error {
     /// A safetensors file could not be read or written.
     #[error("safetensors: {0}")]
     SafeTensors(String),
-    /// A CUDA driver, runtime or kernel launch error (only with the `cuda` feature).
+    /// A CUDA failure with no driver or runtime code to keep (a launcher refusing arguments the
+    /// host checks let through, a measurement that produced nothing). Calls that have a code
+    /// return `Error::Driver` or `Error::Launch` (feature `cuda`).
     #[error("cuda: {0}")]
     Cuda(String),
+    /// A CUDA driver call failed. The driver's code is kept (not flattened into a message) so an
+    /// engine can tell running out of device memory from a bad launch or a lost context:
+    /// [`Error::cuda_code`], [`Error::is_out_of_memory`]. `?` converts cudarc's
+    /// [`DriverError`](cudarc::driver::DriverError) into this variant.
+    #[cfg(feature = "cuda")]
+    #[error("cuda: {what} failed: {code:?}")]
+    Driver {
+        /// What kvq was doing, e.g. `allocating the pool`.
+        what: &'static str,
+        /// The driver's status.
+        code: cudarc::driver::sys::CUresult,
+    },
+    /// A kvq kernel launch failed: `code` is the CUDA runtime's `cudaError_t` (the runtime and
+    /// driver number the errors they share alike: 2 is out of memory in both), `message` its
+    /// text. A sticky error of earlier asynchronous work (an illegal address) surfaces here too.
+    #[cfg(feature = "cuda")]
+    #[error("cuda: {what}: kernel launch failed: {message} (cudaError_t {code})")]
+    Launch {
+        /// The kvq.h launcher, e.g. `kvq_append`.
+        what: &'static str,
+        /// The runtime's `cudaError_t`, as an integer.
+        code: i32,
+        /// `cudaGetErrorString` of `code`.
+        message: String,
+    },
     /// The `cuda` feature is on but no usable GPU / driver was found.
     #[error("no CUDA device available: {0}")]
     NoDevice(String),
+    /// A layer of a multi-layer cache differs from what the cache was built with (a layer
+    /// swapped in through `PagedKvCache::layers_mut`): writing it at the allocator's slots would
+    /// put tokens at wrong positions.
+    #[error("layer {layer}: {what} is {actual}, the cache was built with {expected}")]
+    LayerMismatch {
+        layer: usize,
+        what: &'static str,
+        expected: String,
+        actual: String,
+    },
+}
+
+/// `cudaErrorMemoryAllocation`, the runtime's code for running out of device memory (the same
+/// number as the driver's `CUDA_ERROR_OUT_OF_MEMORY`).
+#[cfg(feature = "cuda")]
+const CUDA_RUNTIME_OUT_OF_MEMORY: i32 = 2;
+
+#[cfg(feature = "cuda")]
+impl Error {
+    /// The driver's status of a failed driver call ([`Error::Driver`]), else `None`.
+    pub fn cuda_code(&self) -> Option<cudarc::driver::sys::CUresult> {
+        match self {
+            Error::Driver { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// The runtime's `cudaError_t` of a failed kvq kernel launch ([`Error::Launch`]), else
+    /// `None`.
+    pub fn launch_code(&self) -> Option<i32> {
+        match self {
+            Error::Launch { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// Whether the device ran out of memory (a driver allocation or a launch). An engine may
+    /// free cache blocks or shrink its batch and retry; any other CUDA error usually cannot be
+    /// retried. Host allocation failures are [`Error::Alloc`], full pools
+    /// [`Error::OutOfBlocks`]: neither counts here.
+    pub fn is_out_of_memory(&self) -> bool {
+        self.cuda_code() == Some(cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+            || self.launch_code() == Some(CUDA_RUNTIME_OUT_OF_MEMORY)
+    }
+}
+
+/// Keeps the driver's code: `?` on any cudarc call in a function returning [`Result`].
+#[cfg(feature = "cuda")]
+impl From<cudarc::driver::DriverError> for Error {
+    fn from(e: cudarc::driver::DriverError) -> Self {
+        Error::Driver {
+            what: "a CUDA driver call",
+            code: e.0,
+        }
+    }
 }
 
 /// Result alias used throughout the crate.
@@ -105,4 +187,52 @@ pub(crate) fn filled<T: Clone>(n: usize, value: T, what: &'static str) -> Result
     let mut v = reserved(n, what)?;
     v.resize(n, value);
     Ok(v)
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::*;
+    use cudarc::driver::DriverError;
+    use cudarc::driver::sys::CUresult;
+
+    /// `?` on a cudarc call keeps the driver's code; no driver is needed to convert or print.
+    #[test]
+    fn driver_errors_keep_their_code() {
+        fn alloc() -> Result<()> {
+            Err(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY))?
+        }
+        let e = alloc().unwrap_err();
+        assert_eq!(e.cuda_code(), Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(e.is_out_of_memory());
+        assert_eq!(e.launch_code(), None);
+        assert!(e.to_string().contains("CUDA_ERROR_OUT_OF_MEMORY"), "{e}");
+        assert_eq!(e.clone(), e);
+
+        let bad = Error::from(DriverError(CUresult::CUDA_ERROR_INVALID_VALUE));
+        assert!(!bad.is_out_of_memory());
+        assert_ne!(bad, e);
+    }
+
+    #[test]
+    fn launch_errors_keep_the_runtime_code() {
+        let oom = Error::Launch {
+            what: "kvq_append",
+            code: 2,
+            message: "out of memory".into(),
+        };
+        assert!(oom.is_out_of_memory());
+        assert_eq!(oom.launch_code(), Some(2));
+        assert_eq!(oom.cuda_code(), None);
+        let illegal = Error::Launch {
+            what: "kvq_decode",
+            code: 700,
+            message: "an illegal memory access was encountered".into(),
+        };
+        assert!(!illegal.is_out_of_memory());
+        assert!(illegal.to_string().contains("700"), "{illegal}");
+        // Errors without a code answer no to both.
+        let other = Error::Cuda("no variant measured".into());
+        assert!(!other.is_out_of_memory());
+        assert_eq!((other.cuda_code(), other.launch_code()), (None, None));
+    }
 }

@@ -65,8 +65,11 @@ impl CacheConfig {
     }
 
     /// Check every field (also for configs built as struct literals), and that the block layout
-    /// it implies is addressable: `head_dim × bits` ([`Error::Overflow`]), each region's
-    /// `row bytes × block_size` and `head_stride × num_kv_heads` within `isize::MAX` bytes.
+    /// it implies is addressable: each size product, `head_dim × bits`, each region's
+    /// `row bytes × block_size` and the block's `head_stride × num_kv_heads`, must be at most
+    /// `(isize::MAX - 64) / 4` ([`Error::Overflow`]), so that a head section's four regions and
+    /// their padding add up without a check of their own. A pool of such blocks is checked
+    /// against `isize::MAX` where it is sized ([`BlockLayout::try_pool_bytes`]).
     pub fn validate(&self) -> Result<()> {
         if self.num_kv_heads == 0 {
             return Err(Error::Config {

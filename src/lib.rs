@@ -20,22 +20,32 @@
 // Every unsafe operation sits in its own `unsafe` block with a `// SAFETY:` line, also inside
 // `unsafe fn`s (whose bodies would otherwise be one implicit unsafe block).
 #![deny(unsafe_op_in_unsafe_fn)]
+// docs.rs (nightly, `--cfg docsrs`) marks feature-gated items with the feature they need.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cache;
 #[cfg(feature = "candle")]
+#[cfg_attr(docsrs, doc(cfg(feature = "candle")))]
 pub mod candle;
 pub mod cpu;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub mod cuda;
 pub mod dense;
 pub mod error;
 pub mod format;
 pub mod layout;
 #[cfg(feature = "plot")]
+#[cfg_attr(docsrs, doc(cfg(feature = "plot")))]
 pub mod plot;
 #[cfg(feature = "bench")]
+#[cfg_attr(docsrs, doc(cfg(feature = "bench")))]
 pub mod report;
 pub mod synth;
+
+/// The `f16` / `bf16` types of kvq's API (rows, queries, outputs), so that a user's code names
+/// the same `half` version kvq was built with.
+pub use half;
 
 pub use error::{Error, Result};
 pub use format::{KvFormat, ScaleGranularity};

@@ -10,31 +10,94 @@ use std::fmt::Write as _;
 /// Bytes a decode step must read from device memory at the least: every K and V code and its
 /// metadata for each (sequence, KV head, token), the block-table entries in use, the FP8 head
 /// scales, and the queries. This is the numerator of every bandwidth figure the crate reports.
+/// A count beyond `u64` is an [`Error::Overflow`], never a wrapped figure.
 pub fn decode_bytes_to_read(
     layout: &BlockLayout,
     context_lens: &[usize],
     num_q_heads: usize,
     q_len: usize,
     q_elem_bytes: usize,
-) -> u64 {
+) -> Result<u64> {
     let c = &layout.config;
-    let per_token_head = (layout.k_codes.row_bytes
-        + layout.k_meta.row_bytes
-        + layout.v_codes.row_bytes
-        + layout.v_meta.row_bytes) as u64;
-    let head_scales = 4
-        * c.num_kv_heads as u64
-        * (c.k_format.has_head_scale() as u64 + c.v_format.has_head_scale() as u64);
-    context_lens
-        .iter()
-        .map(|&len| {
-            let kv = len as u64 * c.num_kv_heads as u64 * per_token_head;
-            let table = 4 * len.div_ceil(c.block_size) as u64;
-            let q = (num_q_heads * q_len * c.head_dim * q_elem_bytes) as u64;
-            kv + table + q + 4 // + the context length itself
-        })
-        .sum::<u64>()
-        + head_scales
+    // A layout's row sizes are each below isize::MAX (validated or saturated), so their sum
+    // fits in u64.
+    let per_token_head = [
+        layout.k_codes.row_bytes,
+        layout.k_meta.row_bytes,
+        layout.v_codes.row_bytes,
+        layout.v_meta.row_bytes,
+    ]
+    .iter()
+    .map(|&b| b as u64)
+    .fold(0u64, u64::saturating_add);
+    let scaled_sides = c.k_format.has_head_scale() as u64 + c.v_format.has_head_scale() as u64;
+    let head_scales = mul(
+        "FP8 head scale bytes (num_kv_heads × 4 per scaled side)",
+        c.num_kv_heads as u64,
+        4 * scaled_sides,
+    )?;
+    // In u128, so that only the product itself can overflow (a 0 factor makes it 0).
+    let q_factors = [num_q_heads, q_len, c.head_dim, q_elem_bytes];
+    let q = match q_factors.contains(&0) {
+        true => Some(0),
+        false => q_factors[1..]
+            .iter()
+            .try_fold(num_q_heads as u128, |a, &n| a.checked_mul(n as u128))
+            .and_then(|q| u64::try_from(q).ok()),
+    }
+    .ok_or(Error::Overflow {
+        what: "query bytes (num_q_heads × q_len·head_dim·element bytes)",
+        lhs: num_q_heads,
+        rhs: q_len
+            .saturating_mul(c.head_dim)
+            .saturating_mul(q_elem_bytes),
+    })?;
+    let kv_per_token = mul(
+        "KV bytes per token (num_kv_heads × row bytes)",
+        c.num_kv_heads as u64,
+        per_token_head,
+    )?;
+    let mut total = head_scales;
+    let mut largest = 0u64;
+    for &len in context_lens {
+        let kv = mul(
+            "KV bytes (context_len × bytes per token)",
+            len as u64,
+            kv_per_token,
+        )?;
+        // block_size is at least 1 in a valid layout; max(1) keeps a literal's 0 harmless.
+        let entries = len.div_ceil(c.block_size.max(1)) as u64;
+        let table = mul("block-table bytes (entries × 4)", entries, 4)?;
+        // + the context length itself
+        let seq = [table, q, 4]
+            .into_iter()
+            .try_fold(kv, u64::checked_add)
+            .ok_or(Error::Overflow {
+                what: "bytes of one sequence (KV + table + query)",
+                lhs: len,
+                rhs: saturating_usize(kv_per_token),
+            })?;
+        largest = largest.max(seq);
+        total = total.checked_add(seq).ok_or(Error::Overflow {
+            what: "bytes to read (sequences × bytes of the largest)",
+            lhs: context_lens.len(),
+            rhs: saturating_usize(largest),
+        })?;
+    }
+    Ok(total)
+}
+
+/// `a × b`, or [`Error::Overflow`] naming `what`.
+fn mul(what: &'static str, a: u64, b: u64) -> Result<u64> {
+    a.checked_mul(b).ok_or(Error::Overflow {
+        what,
+        lhs: saturating_usize(a),
+        rhs: saturating_usize(b),
+    })
+}
+
+fn saturating_usize(x: u64) -> usize {
+    usize::try_from(x).unwrap_or(usize::MAX)
 }
 
 /// One decode shape: a model's attention geometry at a batch size and context length.
@@ -306,23 +369,60 @@ impl DecodeBenchReport {
         s
     }
 
-    /// Pretty JSON of the whole report.
-    pub fn to_json(&self) -> String {
-        serde_json::to_string_pretty(self).expect("report serializes")
+    /// Pretty JSON of the whole report, which [`from_json`](Self::from_json) reads back equal
+    /// (every f64 bit for bit: serde_json's `float_roundtrip`). JSON has no NaN or infinity
+    /// (serde_json would write `null`, which reads back as an error or as `None`), so a report
+    /// holding one is refused here, naming the field ([`Error::InvalidArgument`]): a bad
+    /// measurement must not turn into a file that cannot be read.
+    pub fn to_json(&self) -> Result<String> {
+        if let Some((field, value)) = self.non_finite() {
+            return Err(Error::InvalidArgument(format!(
+                "bench report: {field} is {value}, which JSON cannot hold"
+            )));
+        }
+        serde_json::to_string_pretty(self)
+            .map_err(|e| Error::InvalidArgument(format!("bench report to JSON: {e}")))
+    }
+
+    /// The first f64 field that is NaN or infinite, with its path.
+    fn non_finite(&self) -> Option<(String, f64)> {
+        let mut fields: Vec<(String, f64)> = vec![("ceiling_gbps".into(), self.ceiling_gbps)];
+        if let Some(p) = &self.ceiling_probe {
+            fields.push(("ceiling_probe.gbps".into(), p.gbps));
+            for (i, v) in p.variants.iter().enumerate() {
+                let at = |f: &str| format!("ceiling_probe.variants[{i}].{f}");
+                fields.extend(v.gbps.map(|g| (at("gbps"), g)));
+                if let Some((lo, hi)) = v.range_gbps {
+                    fields.extend([(at("range_gbps.0"), lo), (at("range_gbps.1"), hi)]);
+                }
+            }
+        }
+        for (i, r) in self.rows.iter().enumerate() {
+            let at = |f: &str| format!("rows[{i}].{f}");
+            fields.extend([
+                (at("median_us"), r.median_us),
+                (at("gbps"), r.gbps),
+                (at("pct_of_ceiling"), r.pct_of_ceiling),
+            ]);
+            fields.extend(r.speedup_vs_bf16.map(|x| (at("speedup_vs_bf16"), x)));
+        }
+        fields.into_iter().find(|(_, v)| !v.is_finite())
     }
 
     /// Write `decode_bench.md`, `.csv` and `.json` into `dir` (created if missing); returns
-    /// the paths written.
+    /// the paths written. A report [`to_json`](Self::to_json) refuses writes nothing.
     pub fn write_files(&self, dir: &std::path::Path) -> Result<Vec<std::path::PathBuf>> {
         let io = |p: &std::path::Path, e: std::io::Error| {
             Error::InvalidArgument(format!("{}: {e}", p.display()))
         };
+        // Before anything is written: a report JSON cannot hold writes no file.
+        let json = self.to_json()?;
         std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
         let mut written = Vec::new();
         for (name, text) in [
             ("decode_bench.md", self.markdown()),
             ("decode_bench.csv", self.csv()),
-            ("decode_bench.json", self.to_json()),
+            ("decode_bench.json", json),
         ] {
             let path = dir.join(name);
             std::fs::write(&path, text).map_err(|e| io(&path, e))?;
@@ -345,7 +445,7 @@ mod tests {
     #[test]
     fn bytes_to_read_counts_codes_meta_tables_and_q() {
         let c = CacheConfig::new(8, 128, 16, KvFormat::Int4Sym32, KvFormat::Int4Affine64).unwrap();
-        let b = decode_bytes_to_read(&c.layout(), &[1000], 32, 1, 2);
+        let b = decode_bytes_to_read(&c.layout(), &[1000], 32, 1, 2).unwrap();
         // 1000 tokens * 8 heads * 2 * 128 * 0.5625 + 63 table entries + q + length
         assert_eq!(b, 1000 * 8 * 144 + 63 * 4 + 32 * 128 * 2 + 4);
     }
@@ -369,9 +469,60 @@ mod tests {
         });
         r.fill_speedups();
         assert_eq!(r.rows[0].speedup_vs_bf16, Some(1.0));
-        assert_eq!(DecodeBenchReport::from_json(&r.to_json()).unwrap(), r);
+        assert_eq!(
+            DecodeBenchReport::from_json(&r.to_json().unwrap()).unwrap(),
+            r
+        );
         assert!(r.markdown().contains("| x | 1 | 4096 |"));
         assert_eq!(r.csv().lines().count(), 2);
+    }
+
+    #[test]
+    fn json_keeps_every_bit_and_refuses_nan() {
+        let mut r = DecodeBenchReport::new("test", 4700.123456789);
+        r.rows.push(DecodeBenchRow {
+            shape: DecodeCase::llama3_8b(1, 4096),
+            k_format: "bf16".into(),
+            v_format: "bf16".into(),
+            splits: 4,
+            median_us: 0.1 + 0.2,
+            bytes: 1,
+            gbps: 1.0 / 3.0,
+            pct_of_ceiling: f64::MIN_POSITIVE,
+            speedup_vs_bf16: Some(2.0f64.sqrt()),
+        });
+        assert_eq!(
+            DecodeBenchReport::from_json(&r.to_json().unwrap()).unwrap(),
+            r
+        );
+        r.rows[0].speedup_vs_bf16 = Some(f64::NAN);
+        let err = r.to_json().unwrap_err();
+        assert!(err.to_string().contains("rows[0].speedup_vs_bf16"), "{err}");
+        let dir = std::env::temp_dir().join(format!("kvq-report-nan-{}", std::process::id()));
+        assert!(r.write_files(&dir).is_err());
+        assert!(!dir.exists(), "nothing written");
+        r.rows[0].speedup_vs_bf16 = None;
+        r.ceiling_gbps = f64::INFINITY;
+        assert!(r.to_json().is_err());
+    }
+
+    #[test]
+    fn bytes_to_read_refuses_to_wrap() {
+        let c = CacheConfig::new(8, 128, 16, KvFormat::Int4Sym32, KvFormat::Int4Affine64).unwrap();
+        let l = c.layout();
+        assert!(matches!(
+            decode_bytes_to_read(&l, &[usize::MAX], 32, 1, 2),
+            Err(Error::Overflow { .. })
+        ));
+        assert!(matches!(
+            decode_bytes_to_read(&l, &vec![1 << 40; 1 << 20], 32, 1, 2),
+            Err(Error::Overflow { .. })
+        ));
+        assert!(matches!(
+            decode_bytes_to_read(&l, &[1], usize::MAX, 2, 2),
+            Err(Error::Overflow { .. })
+        ));
+        assert!(decode_bytes_to_read(&l, &[], usize::MAX, 2, 2).is_err());
     }
 
     #[test]
@@ -397,11 +548,14 @@ mod tests {
             "read ceiling: 4607 GB/s (variant b; others: a 4340, c unavailable)"
         );
         let mut r = DecodeBenchReport::new("test", probe.gbps);
-        let old_json = r.to_json();
+        let old_json = r.to_json().unwrap();
         assert!(!old_json.contains("ceiling_probe"));
         assert_eq!(DecodeBenchReport::from_json(&old_json).unwrap(), r);
         r.ceiling_probe = Some(probe);
-        assert_eq!(DecodeBenchReport::from_json(&r.to_json()).unwrap(), r);
+        assert_eq!(
+            DecodeBenchReport::from_json(&r.to_json().unwrap()).unwrap(),
+            r
+        );
         assert!(r.markdown().contains("read ceiling: 4607 GB/s (variant b;"));
         let table = r.ceiling_probe.as_ref().unwrap().markdown();
         assert!(

@@ -1,5 +1,5 @@
 //! The block allocator against an executable model of its contract, through random sequences
-//! of create / reserve / fork / free / reuse and every query, including ids and block indices
+//! of create / reserve / fork / free / truncate / reuse and every query, including ids and block indices
 //! that do not exist. The model predicts every result exactly: which blocks a reservation
 //! takes (most recently freed first, then the lowest never handed out), its slots and
 //! copy-on-write copies, the errors (with their values), ref counts and block tables.
@@ -120,14 +120,39 @@ impl Model {
         self.seqs.insert(id, (blocks, new_len));
         Ok(Reservation { slots, copies })
     }
+
+    /// Keep the first `new_len` tokens; the blocks past them are released last to first.
+    fn truncate(&mut self, id: u64, new_len: usize) -> Result<(), Error> {
+        let Some((mut blocks, len)) = self.seqs.get(&id).cloned() else {
+            return Err(Error::UnknownSequence(id));
+        };
+        if new_len > len {
+            return Err(Error::InvalidArgument(String::new())); // compared by variant only
+        }
+        let keep = new_len.div_ceil(self.block_size);
+        for &b in blocks[keep..].iter().rev() {
+            self.release(b);
+        }
+        blocks.truncate(keep);
+        self.seqs.insert(id, (blocks, new_len));
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone)]
 enum Op {
     Create,
-    Reserve { seq: u64, n: usize },
+    Reserve {
+        seq: u64,
+        n: usize,
+    },
     Fork(u64),
     Free(u64),
+    /// Drop tokens: `cut` picks the new length (see `truncate_len`).
+    Truncate {
+        seq: u64,
+        cut: usize,
+    },
     Tables(Vec<u64>),
     RefCount(usize),
 }
@@ -144,6 +169,7 @@ fn op(max_tokens: usize) -> impl Strategy<Value = Op> {
             .prop_map(|(seq, n)| Op::Reserve { seq, n }),
         2 => any::<u64>().prop_map(Op::Fork),
         3 => any::<u64>().prop_map(Op::Free),
+        3 => (any::<u64>(), any::<usize>()).prop_map(|(seq, cut)| Op::Truncate { seq, cut }),
         1 => prop::collection::vec(any::<u64>(), 0..5).prop_map(Op::Tables),
         1 => any::<usize>().prop_map(Op::RefCount),
     ]
@@ -157,6 +183,19 @@ fn pick(model: &Model, x: u64) -> u64 {
         [x % (model.next_id + 2), x][(x / 8 % 2) as usize]
     } else {
         ids[(x / 8) as usize % ids.len()]
+    }
+}
+
+/// The length a truncate asks for: usually at most the sequence's (a draft of up to a few
+/// blocks rejected, or all of it), sometimes longer (refused), sometimes any value.
+fn truncate_len(model: &Model, id: u64, cut: usize) -> usize {
+    let len = model.seqs.get(&id).map_or(0, |s| s.1);
+    match cut % 16 {
+        0 => len + 1 + cut / 16 % 3,
+        1 => cut,
+        2 => 0,
+        3 => len,
+        _ => len - (cut / 16) % (len.min(4 * model.block_size) + 1),
     }
 }
 
@@ -254,6 +293,33 @@ fn run_ops(num_blocks: usize, block_size: usize, ops: &[Op]) -> Result<(), TestC
                     }
                     (Err(e), None) => prop_assert_eq!(e, Error::UnknownSequence(id)),
                     (got, want) => prop_assert!(false, "free: {:?} vs model {:?}", got, want),
+                }
+            }
+            Op::Truncate { seq, cut } => {
+                let id = pick(&m, *seq);
+                let new_len = truncate_len(&m, id, *cut);
+                let before = m.clone();
+                let old_tables = a.block_tables(&[SeqId(id)]);
+                let want = m.truncate(id, new_len);
+                let got = a.truncate(SeqId(id), new_len);
+                match (&got, &want) {
+                    (Ok(()), Ok(())) => {
+                        // Truncating a row in place gives the rebuilt tables' row, padded.
+                        let mut t = old_tables.unwrap();
+                        t.truncate_row(0, new_len, block_size).unwrap();
+                        let new = a.block_tables(&[SeqId(id)]).unwrap();
+                        prop_assert_eq!(&t.context_lens, &new.context_lens);
+                        let used = new_len.div_ceil(block_size);
+                        prop_assert_eq!(&t.data[..used], &new.data[..used]);
+                        prop_assert!(t.data[used..].iter().all(|&e| e == BlockTables::UNUSED));
+                        let longer = t.truncate_row(0, new_len + 1, block_size);
+                        prop_assert!(matches!(longer, Err(Error::InvalidArgument(_))));
+                    }
+                    (Err(g), Err(w)) => {
+                        prop_assert!(same_error(g, w), "got {:?}, model {:?}", g, w);
+                        m = before;
+                    }
+                    _ => prop_assert!(false, "truncate: {:?} vs model {:?}", got, want),
                 }
             }
             Op::Tables(xs) => {

@@ -6,7 +6,6 @@
 
 use std::collections::HashMap;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -428,13 +427,159 @@ fn eval_reports_every_pair() {
     );
 }
 
-/// Where the real MiniLM K/V lives: `KVQ_DATA_DIR`, else `shared/data` beside the checkout.
-fn real_data() -> Option<PathBuf> {
-    let dir = std::env::var_os("KVQ_DATA_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data"));
-    let file = dir.join("minilm_kv.safetensors");
-    file.exists().then_some(file)
+/// A layer file (`q.0`, `k.0`, `v.0`, f16; 4 query / 2 KV heads of 64) of `tokens` tokens
+/// whose second half is `growth` times the first.
+fn growing_layer(path: &Path, tokens: usize, growth: f32) {
+    let mut rng = common::Rng(11);
+    let mut t = |name, heads: usize| {
+        let row = heads * 64;
+        let mut values = rng.normals(tokens * row, 1.0);
+        values[tokens / 2 * row..]
+            .iter_mut()
+            .for_each(|x| *x *= growth);
+        In {
+            name,
+            dtype: Dtype::F16,
+            shape: vec![tokens, heads, 64],
+            values,
+        }
+    };
+    write_input(path, &[t("q.0", 4), t("k.0", 2), t("v.0", 2)]);
+}
+
+/// `kvq ARGS` (which must include `--json`), successful, its stdout parsed.
+fn eval_json(args: &[&str]) -> serde_json::Value {
+    let out = kvq(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{args:?}: not JSON ({e}):\n{}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// The pooled row `label` of a JSON report.
+fn pair<'a>(doc: &'a serde_json::Value, label: &str) -> &'a serde_json::Value {
+    doc["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["label"] == label)
+        .unwrap_or_else(|| panic!("no pair {label}: {doc}"))
+}
+
+#[test]
+fn eval_json_held_out_calibration_and_positions() {
+    let dir = scratch("eval-json");
+    let input = dir.join("growing.st");
+    growing_layer(&input, 32, 4.0);
+    let file = arg(&input);
+
+    let held = eval_json(&["eval", file, "--json"]);
+    assert_eq!(held["calibrate_on"], "first-half");
+    assert_eq!(held["calibration_tokens"], serde_json::json!([0, 16]));
+    assert_eq!(held["scored_tokens"], serde_json::json!([16, 32]));
+    assert_eq!(held["positions"], "last");
+    assert_eq!(held["query_positions"], 1);
+    assert_eq!(held["tokens"], 32);
+    assert_eq!(held["q_heads"], 4);
+    assert_eq!(held["kv_heads"], 2);
+    assert_eq!(held["pairs"].as_array().unwrap().len(), 9);
+    assert!(held.get("per_layer").is_none());
+    for p in held["pairs"].as_array().unwrap() {
+        assert!(p["skipped"].is_null() && p["errors"].is_object(), "{p}");
+    }
+    // The file is f16: an f16 cache is exact.
+    let f16 = &pair(&held, "f16 / f16")["errors"];
+    assert_eq!(f16["k_rel_l2"], 0.0);
+    assert_eq!(f16["attn_rel_err"], 0.0);
+
+    // Scales from the first half saturate the (4x larger) second half; in-sample they do not.
+    let all = eval_json(&["eval", file, "--json", "--calibrate-on", "all"]);
+    assert_eq!(all["scored_tokens"], serde_json::json!([0, 32]));
+    let k_err = |doc: &serde_json::Value| {
+        pair(doc, "fp8-e4m3 / fp8-e4m3 (head)")["errors"]["k_rel_l2"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(k_err(&held) > 5.0 * k_err(&all), "{held}\n{all}");
+    assert!(k_err(&all) < 0.05, "{all}");
+
+    // Every scored position: the held-out half, or every token.
+    let every = eval_json(&["eval", file, "--json", "--positions", "all", "--per-layer"]);
+    assert_eq!(every["query_positions"], 16);
+    assert_eq!(every["per_layer"].as_array().unwrap().len(), 9);
+    assert_eq!(every["per_layer"][0]["layer"], 0);
+    assert_eq!(pair(&every, "f16 / f16")["errors"]["attn_rel_err"], 0.0);
+    let every_all = eval_json(&[
+        "eval",
+        file,
+        "--json",
+        "--positions",
+        "all",
+        "--calibrate-on",
+        "all",
+    ]);
+    assert_eq!(every_all["query_positions"], 32);
+    let int4 = pair(&every_all, "int4-k32 / int4-v64")["errors"]["attn_rel_err"]
+        .as_f64()
+        .unwrap();
+    assert!(0.0 < int4 && int4 < 0.5, "{every_all}");
+
+    // The Markdown table says what was calibrated and scored.
+    let out = kvq(&["eval", file, "--positions", "all"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(text.contains("scales from tokens 0..16"), "{text}");
+    assert!(text.contains("the queries of tokens 16..32"), "{text}");
+
+    // One token cannot be split into calibration and scoring.
+    let one = dir.join("one.st");
+    growing_layer(&one, 1, 1.0);
+    assert_fails(&["eval", arg(&one)], &dir.join("none"), "at least 2 tokens");
+    let ok = eval_json(&["eval", arg(&one), "--json", "--calibrate-on", "all"]);
+    assert_eq!(ok["query_positions"], 1);
+    for bad in [
+        &["eval", file, "--positions", "middle"][..],
+        &["eval", file, "--calibrate-on", "last-half"],
+    ] {
+        assert_eq!(kvq(bad).status.code(), Some(2), "{bad:?}");
+    }
+}
+
+/// Without a file, `eval` runs on synthetic Llama-like layers (a user has no data yet).
+#[test]
+fn eval_without_a_file_is_synthetic() {
+    let doc = eval_json(&["eval", "--json", "--layers", "1"]);
+    assert!(doc["input"].is_null());
+    assert!(doc["source"].as_str().unwrap().starts_with("synthetic"));
+    assert_eq!(doc["layers"], serde_json::json!([1]));
+    assert_eq!(
+        [
+            &doc["tokens"],
+            &doc["q_heads"],
+            &doc["kv_heads"],
+            &doc["head_dim"]
+        ],
+        [512, 32, 8, 128]
+    );
+    let err = |label| {
+        pair(&doc, label)["errors"]["attn_rel_err"]
+            .as_f64()
+            .unwrap()
+    };
+    let (bf16, int4) = (err("bf16 / bf16"), err("int4-k32 / int4-v64"));
+    assert!(0.0 < bf16 && bf16 < int4 && int4 < 0.2, "{doc}");
+    assert_fails(
+        &["eval", "--layers", "2"],
+        Path::new("none"),
+        "layer 2 is not in",
+    );
 }
 
 /// The attention-error column of `label`'s row.
@@ -454,13 +599,7 @@ fn attn_error(table: &str, label: &str) -> f64 {
 
 #[test]
 fn eval_on_real_minilm_kv() {
-    let Some(file) = real_data() else {
-        // Straight to stderr, past the harness's capture of eprintln!, so the skip is seen.
-        let _ = writeln!(
-            std::io::stderr(),
-            "note: eval_on_real_minilm_kv skipped: minilm_kv.safetensors not in KVQ_DATA_DIR \
-             or ../shared/data"
-        );
+    let Some(file) = common::minilm_data("eval_on_real_minilm_kv") else {
         return;
     };
     let out = kvq(&["eval", arg(&file), "--pair-heads", "2", "--layers", "0,5"]);

@@ -520,21 +520,6 @@ fn uniform_error(
     rel_err(&got, &want)
 }
 
-fn minilm_path() -> Option<std::path::PathBuf> {
-    let candidates = [
-        std::env::var("KVQ_MINILM").ok().map(Into::into),
-        Some(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("shared/data/minilm_kv.safetensors"),
-        ),
-        Some("/work/shared/data/minilm_kv.safetensors".into()),
-    ];
-    candidates
-        .into_iter()
-        .flatten()
-        .find(|p: &std::path::PathBuf| p.exists())
-}
-
 /// f16 tensor `name` of the file as f32.
 fn tensor_f32(st: &safetensors::SafeTensors, name: &str) -> (Vec<f32>, Vec<usize>) {
     let t = st.tensor(name).unwrap();
@@ -551,8 +536,7 @@ fn tensor_f32(st: &safetensors::SafeTensors, name: &str) -> (Vec<f32>, Vec<usize
 /// 64): attention of the last 32 positions over all 512, per layer and format.
 #[test]
 fn accuracy_on_minilm() {
-    let Some(path) = minilm_path() else {
-        eprintln!("accuracy_on_minilm: data file not found, skipped (set KVQ_MINILM)");
+    let Some(path) = common::minilm_data("accuracy_on_minilm") else {
         return;
     };
     let bytes = std::fs::read(path).unwrap();

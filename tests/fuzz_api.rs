@@ -614,6 +614,27 @@ fn format_scalars() {
 
 // ------------------------------------------------------------------------ layout
 
+/// The limit `CacheConfig::validate` states: every size product of the layout (`head_dim ×
+/// bits`, each region's `row bytes × block_size`, `head_stride × num_kv_heads`) at most
+/// `(isize::MAX - 64) / 4`. Whether a plausible config's layout exceeds it, in u128.
+fn layout_exceeds_limit(heads: usize, d: usize, bs: usize, k: KvFormat, v: KvFormat) -> bool {
+    let limit = (isize::MAX as u128 - 64) / 4;
+    if [k, v].iter().any(|f| d as u128 * f.bits() as u128 > limit) {
+        return true;
+    }
+    let mut head_stride = 0u128;
+    for f in [k, v] {
+        for row in [f.code_bytes(d), f.meta_bytes(d)] {
+            let bytes = row as u128 * bs as u128;
+            if bytes > limit {
+                return true;
+            }
+            head_stride += bytes.div_ceil(16) * 16;
+        }
+    }
+    head_stride * heads as u128 > limit
+}
+
 #[test]
 fn layout_and_config() {
     let strategy = (
@@ -665,10 +686,17 @@ fn layout_and_config() {
                         && (1..=MAX_BLOCK_SIZE).contains(&bs)
                         && k.check_head_dim(head_dim).is_ok()
                         && v.check_head_dim(head_dim).is_ok();
-                    // Only an overflow may reject an otherwise valid shape.
+                    // Only an overflow may reject an otherwise valid shape, and only past the
+                    // documented limit.
                     prop_assert!(!plausible || matches!(e, Error::Overflow { .. }), "{:?}", e);
+                    prop_assert!(
+                        !plausible || layout_exceeds_limit(heads, head_dim, bs, k, v),
+                        "{:?} within the documented limit",
+                        e
+                    );
                 }
                 Ok(()) => {
+                    prop_assert!(!layout_exceeds_limit(heads, head_dim, bs, k, v));
                     prop_assert_eq!(tried.unwrap(), l);
                     prop_assert_eq!(l.config, literal);
                     let regions = [l.k_codes, l.k_meta, l.v_codes, l.v_meta];
@@ -1230,6 +1258,18 @@ enum PagedOp {
     },
     Fork(usize),
     Free(usize),
+    /// Roll back to a shorter length (`cut` tokens fewer, modulo the length), or ask for one
+    /// more token than the sequence has.
+    Truncate {
+        seq: usize,
+        cut: usize,
+        longer: bool,
+    },
+    /// Swap a layer of another block size in through `layers_mut`, append (refused), restore.
+    SwapLayer {
+        layer: usize,
+        seq: usize,
+    },
     Decode {
         q_heads_mul: usize,
         q_len: usize,
@@ -1244,6 +1284,10 @@ fn paged_op() -> impl Strategy<Value = PagedOp> {
             .prop_map(|(seq, n, bad_len)| PagedOp::Append { seq, n, bad_len }),
         1 => any::<usize>().prop_map(PagedOp::Fork),
         1 => any::<usize>().prop_map(PagedOp::Free),
+        2 => (any::<usize>(), 0usize..9, prop::bool::weighted(0.1))
+            .prop_map(|(seq, cut, longer)| PagedOp::Truncate { seq, cut, longer }),
+        1 => (any::<usize>(), any::<usize>())
+            .prop_map(|(layer, seq)| PagedOp::SwapLayer { layer, seq }),
         2 => (1usize..=3, 1usize..=3, any::<bool>()).prop_map(|(q_heads_mul, q_len, accum64)| {
             PagedOp::Decode { q_heads_mul, q_len, accum64 }
         }),
@@ -1381,6 +1425,54 @@ fn paged_cache_and_decode() {
                         try_call("PagedKvCache::free", || p.free(s))?.unwrap();
                         let again = try_call("PagedKvCache::free", || p.free(s))?;
                         prop_assert_eq!(again, Err(Error::UnknownSequence(s.0)));
+                    }
+                    PagedOp::Truncate { seq, cut, longer } => {
+                        let Some(i) = pick(seq) else { continue };
+                        let s = model[i].0;
+                        let len = p.len(s).unwrap();
+                        let new_len = if longer {
+                            len + 1
+                        } else {
+                            len - cut % (len + 1)
+                        };
+                        let free = p.allocator().num_free_blocks();
+                        match try_call("PagedKvCache::truncate", || p.truncate(s, new_len))? {
+                            Ok(()) => {
+                                prop_assert!(!longer);
+                                prop_assert!(p.allocator().num_free_blocks() >= free);
+                                for (mk, mv) in &mut model[i].1 {
+                                    mk.truncate(new_len * row);
+                                    mv.truncate(new_len * row);
+                                }
+                            }
+                            Err(e) => {
+                                prop_assert!(longer && matches!(e, Error::InvalidArgument(_)));
+                                prop_assert_eq!(p.allocator().num_free_blocks(), free);
+                            }
+                        }
+                    }
+                    PagedOp::SwapLayer { layer, seq } => {
+                        let Some(i) = pick(seq) else { continue };
+                        let (l, s) = (layer % layers, model[i].0);
+                        let other = CacheConfig {
+                            block_size: c.block_size % 16 + 1,
+                            ..c
+                        };
+                        let swapped = HostCache::new(other, num_blocks).unwrap();
+                        let original = std::mem::replace(&mut p.layers_mut()[l], swapped);
+                        let (len, free) = (p.len(s).unwrap(), p.allocator().num_free_blocks());
+                        let x = vec![0.5f32; row];
+                        let (k, v): (Vec<&[f32]>, Vec<&[f32]>) =
+                            (vec![&x; layers], vec![&x; layers]);
+                        let got = try_call("PagedKvCache::append", || p.append(s, &k, &v))?;
+                        prop_assert!(
+                            matches!(got, Err(Error::LayerMismatch { layer, .. }) if layer == l),
+                            "{:?}",
+                            got
+                        );
+                        prop_assert_eq!(p.len(s).unwrap(), len);
+                        prop_assert_eq!(p.allocator().num_free_blocks(), free);
+                        p.layers_mut()[l] = original;
                     }
                     PagedOp::Decode {
                         q_heads_mul,
@@ -1542,6 +1634,31 @@ fn attention_arguments() {
                 let (o, l) = naive_attention(&q, &gk, &gv, heads, d, &shape);
                 let v_scale = gv.iter().fold(0f64, |m, &x| m.max(x.abs() as f64));
                 check_attention(&r, &o, &l, v_scale, 1e-5)?;
+            }
+        }
+
+        // An empty batch of the same shape: empty output when one sequence's query fits in
+        // memory, a typed error otherwise (the shape alone used to overflow).
+        let empty = BlockTables {
+            data: vec![],
+            max_blocks: blocks,
+            context_lens: vec![],
+        };
+        let q_none = vec![0.5f32; a.q_delta];
+        let got = try_call("cpu::decode_attention (empty batch)", || {
+            cpu::decode_attention(&cache, &empty, &q_none, &shape, Accum::F64)
+        })?;
+        let empty_valid = a.q_heads > 0
+            && a.q_heads % heads == 0
+            && a.q_len >= 1
+            && a.scale.is_finite()
+            && q_elems.is_some()
+            && q_none.is_empty();
+        match got {
+            Err(e) => prop_assert!(!empty_valid, "{:?}", e),
+            Ok(r) => {
+                prop_assert!(empty_valid, "accepted invalid empty-batch arguments");
+                prop_assert!(r.out.is_empty() && r.lse.is_empty());
             }
         }
 
@@ -1731,8 +1848,17 @@ fn dense_quantize_round_trip() {
                 Fp8ScaleChoice::PerTensorAmax => true,
             };
             let valid = d_ok && choice_ok && numel == Some(x.len());
+            // The documented error of a fixed FP8 scale that is bad on its own.
+            let bad_scale = d_ok
+                && numel == Some(x.len())
+                && format.fp8_kind().is_some()
+                && matches!(choice, Fp8ScaleChoice::Fixed(_))
+                && !choice_ok;
             match r {
-                Err(e) => prop_assert!(!valid, "{:?}", e),
+                Err(e) => {
+                    prop_assert!(!valid, "{:?}", e);
+                    prop_assert!(!bad_scale || matches!(e, Error::Scale { .. }), "{:?}", e);
+                }
                 Ok(q) => {
                     prop_assert!(valid);
                     let non_finite = xs.iter().filter(|v| !v.is_finite()).count() as u64;
@@ -1967,6 +2093,152 @@ fn synth_helpers() {
                     .zip(&u)
                     .all(|(a, b)| a.to_bits() == b.to_bits())
             );
+            Ok(())
+        },
+    );
+}
+
+// -------------------------------------------------------------------------- reports
+
+/// Mostly ordinary measurements, with NaN, infinities and awkward finite values mixed in.
+#[cfg(feature = "bench")]
+fn measurement() -> impl Strategy<Value = f64> {
+    prop_oneof![
+        6 => 0.0f64..1e4,
+        2 => any::<f64>(),
+        1 => prop::sample::select(vec![
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            0.1 + 0.2,
+            f64::MIN_POSITIVE,
+            f64::from_bits(1),
+            f64::MAX,
+            -0.0,
+        ]),
+    ]
+}
+
+/// Bench reports with any f64s: JSON reads back bit for bit when every value is finite and is
+/// refused with a typed error otherwise; the bytes a decode reads are exact (u128 model) or an
+/// overflow error, never wrapped.
+#[cfg(feature = "bench")]
+#[test]
+fn bench_reports() {
+    use kvq::report::{
+        DecodeBenchReport, DecodeBenchRow, DecodeCase, ProbeVariant, ReadCeiling,
+        decode_bytes_to_read,
+    };
+    let strategy = (
+        (
+            prop::collection::vec((measurement(), measurement(), measurement()), 0..3),
+            prop::collection::vec(prop::option::of(measurement()), 0..3),
+            prop::option::of((measurement(), measurement(), measurement())),
+            measurement(),
+        ),
+        (
+            small_config(),
+            prop::collection::vec(prop_oneof![4 => 0usize..5000, 1 => size()], 0..4),
+            (size(), size(), 0usize..=4),
+        ),
+    );
+    run_property(
+        "bench reports",
+        4,
+        strategy,
+        |((rows, speedups, probe, ceiling), (config, lens, (q_heads, q_len, q_bytes)))| {
+            let mut r = DecodeBenchReport::new("dev", ceiling);
+            for (i, &(us, gbps, pct)) in rows.iter().enumerate() {
+                r.rows.push(DecodeBenchRow {
+                    shape: DecodeCase::llama3_8b(1, 4096),
+                    k_format: "bf16".into(),
+                    v_format: "int4-v64".into(),
+                    splits: i,
+                    median_us: us,
+                    bytes: i as u64,
+                    gbps,
+                    pct_of_ceiling: pct,
+                    speedup_vs_bf16: speedups.get(i).copied().flatten(),
+                });
+            }
+            let mut all: Vec<f64> = vec![ceiling];
+            for row in &r.rows {
+                all.extend([row.median_us, row.gbps, row.pct_of_ceiling]);
+                all.extend(row.speedup_vs_bf16);
+            }
+            if let Some((g, lo, hi)) = probe {
+                r.ceiling_probe = Some(ReadCeiling {
+                    gbps: g,
+                    variant: "v".into(),
+                    bytes: 1,
+                    variants: vec![ProbeVariant {
+                        name: "v".into(),
+                        gbps: Some(g),
+                        range_gbps: Some((lo, hi)),
+                        note: None,
+                    }],
+                });
+                all.extend([g, lo, hi]);
+            }
+            let json = try_call("DecodeBenchReport::to_json", || r.to_json())?;
+            match json {
+                Ok(text) => {
+                    prop_assert!(all.iter().all(|x| x.is_finite()));
+                    let back = try_call("DecodeBenchReport::from_json", || {
+                        DecodeBenchReport::from_json(&text)
+                    })?
+                    .map_err(|e| TestCaseError::fail(format!("from_json of to_json: {e}")))?;
+                    let bits = |r: &DecodeBenchReport| -> Vec<u64> {
+                        let mut v = vec![r.ceiling_gbps.to_bits()];
+                        for row in &r.rows {
+                            v.extend(
+                                [row.median_us, row.gbps, row.pct_of_ceiling].map(f64::to_bits),
+                            );
+                            v.extend(row.speedup_vs_bf16.map(f64::to_bits));
+                        }
+                        v
+                    };
+                    prop_assert_eq!(bits(&back), bits(&r));
+                    prop_assert_eq!(back, r);
+                }
+                Err(e) => prop_assert!(
+                    all.iter().any(|x| !x.is_finite()) && matches!(e, Error::InvalidArgument(_)),
+                    "{:?}",
+                    e
+                ),
+            }
+
+            // Bytes to read, against a u128 model: exact, or refused where a figure passes u64.
+            let l = config.layout();
+            let got = try_call("report::decode_bytes_to_read", || {
+                decode_bytes_to_read(&l, &lens, q_heads, q_len, q_bytes)
+            })?;
+            let row = [l.k_codes, l.k_meta, l.v_codes, l.v_meta]
+                .iter()
+                .map(|r| r.row_bytes as u128)
+                .sum::<u128>();
+            let heads = config.num_kv_heads as u128;
+            let sides =
+                config.k_format.has_head_scale() as u128 + config.v_format.has_head_scale() as u128;
+            let q = (q_heads as u128)
+                .checked_mul(q_len as u128)
+                .and_then(|x| x.checked_mul(config.head_dim as u128 * q_bytes as u128));
+            let per_seq = |len: usize| {
+                let table = 4 * len.div_ceil(config.block_size) as u128;
+                let kv = len as u128 * heads * row;
+                q.and_then(|q| q.checked_add(kv + table + 4))
+            };
+            let total = lens.iter().try_fold(4 * heads * sides, |t, &len| {
+                per_seq(len).and_then(|s| s.checked_add(t))
+            });
+            match got {
+                Ok(b) => prop_assert_eq!(Some(b as u128), total),
+                Err(e) => {
+                    prop_assert!(matches!(e, Error::Overflow { .. }), "{:?}", e);
+                    let fits = |x: Option<u128>| x.is_some_and(|x| x <= u64::MAX as u128);
+                    prop_assert!(!fits(total) || !fits(q), "refused {:?} bytes", total);
+                }
+            }
             Ok(())
         },
     );

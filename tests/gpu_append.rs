@@ -548,6 +548,92 @@ fn raw_append_with_token_stride_matches_cpu() {
     }
 }
 
+/// The safe appends take views: K and V straight out of a fused QKV buffer (token rows
+/// interleaved: `append_strided`; `[Q | K | V]` blocks: `append`), the step's part of a larger
+/// slot mapping. A view that is misaligned or too short is a typed error.
+#[test]
+fn safe_append_takes_views() {
+    let Some(gpu) = require_gpu_or_skip("safe_append_takes_views") else {
+        return;
+    };
+    let c = CacheConfig::new(2, 64, 32, KvFormat::Int4Sym32, KvFormat::Fp8E4m3).unwrap();
+    let (tokens, row) = (40, 2 * 64);
+    let mut rng = Rng(6);
+    // Interleaved: token t's q, k, v rows at t * 3 * row + (0, 1, 2) * row.
+    let qkv: Vec<f16> = to_input(&random_rows(&mut rng, tokens * 3 * 2, 64));
+    let part = |p: usize| -> Vec<f16> {
+        (0..tokens)
+            .flat_map(|t| {
+                qkv[(3 * t + p) * row..(3 * t + p + 1) * row]
+                    .iter()
+                    .copied()
+            })
+            .collect()
+    };
+    let (k, v) = (part(1), part(2));
+    let slots: Vec<usize> = (0..tokens).map(|t| (t * 7) % 128).collect();
+    let mut host = HostCache::new(c, 4).unwrap();
+    host.set_scales(&[1.0, 1.0], &[0.02, 0.03]).unwrap();
+    host.write(&slots, &k, &v).unwrap();
+
+    let s = gpu.stream();
+    // The step's slots sit after another step's 5 in one mapping buffer.
+    let mut mapping = vec![-1i64; 5];
+    mapping.extend(slots.iter().map(|&x| x as i64));
+    let mapping = s.clone_htod(&mapping).unwrap();
+    let step_slots = mapping.slice(5..);
+
+    let qkv_d = s.clone_htod(&qkv).unwrap();
+    let mut dev = DeviceCache::new(&gpu, c, 4).unwrap();
+    dev.set_scales(host.k_scales(), host.v_scales()).unwrap();
+    ops::append_strided(
+        &mut dev,
+        &step_slots,
+        &qkv_d.slice(row..),
+        3 * row,
+        &qkv_d.slice(2 * row..),
+        3 * row,
+        tokens,
+    )
+    .unwrap();
+    if let Some(m) = pool_mismatch(&host, &dev.to_host().unwrap()) {
+        panic!("append_strided of QKV views: {m}");
+    }
+
+    // [Q | K | V] blocks of one allocation: contiguous K and V views.
+    let mut blocks = vec![f16::ZERO; tokens * row];
+    blocks.extend_from_slice(&k);
+    blocks.extend_from_slice(&v);
+    let blocks_d = s.clone_htod(&blocks).unwrap();
+    let (kv, vv) = (
+        blocks_d.slice(tokens * row..2 * tokens * row),
+        blocks_d.slice(2 * tokens * row..),
+    );
+    let mut dev = DeviceCache::new(&gpu, c, 4).unwrap();
+    dev.set_scales(host.k_scales(), host.v_scales()).unwrap();
+    ops::append(&mut dev, &step_slots, &kv, &vv, tokens).unwrap();
+    if let Some(m) = pool_mismatch(&host, &dev.to_host().unwrap()) {
+        panic!("append of [Q | K | V] views: {m}");
+    }
+
+    // A view starting one f16 in is not 16-byte aligned; one row short is too short.
+    let r = ops::append(&mut dev, &step_slots, &blocks_d.slice(1..), &vv, tokens);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    let r = ops::append(&mut dev, &step_slots, &kv, &vv.slice(row..), tokens);
+    assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    let r = ops::append_strided(
+        &mut dev,
+        &step_slots,
+        &qkv_d.slice(row..),
+        3 * row,
+        &qkv_d.slice(2 * row..),
+        3 * row,
+        tokens + 1,
+    );
+    assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
+    assert_eq!(dev.check_appends().unwrap(), 0);
+}
+
 #[test]
 fn out_of_range_slot_is_reported_and_skipped() {
     let Some(gpu) = require_gpu_or_skip("out_of_range_slot_is_reported_and_skipped") else {

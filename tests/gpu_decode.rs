@@ -573,12 +573,7 @@ fn real_minilm_data() {
     let Some(gpu) = require_gpu_or_skip("real_minilm_data") else {
         return;
     };
-    let Some(path) = minilm_path() else {
-        assert!(
-            !require_data(),
-            "real_minilm_data: KVQ_REQUIRE_DATA=1 but the data file was not found (KVQ_DATA_DIR)"
-        );
-        eprintln!("SKIPPED real_minilm_data: minilm_kv.safetensors not found (KVQ_DATA_DIR)");
+    let Some(path) = common::minilm_data("real_minilm_data") else {
         return;
     };
     let bytes = std::fs::read(&path).expect("read minilm");
@@ -634,24 +629,6 @@ fn real_minilm_data() {
             );
         }
     }
-}
-
-fn require_data() -> bool {
-    std::env::var("KVQ_REQUIRE_DATA").is_ok_and(|v| v == "1")
-}
-
-fn minilm_path() -> Option<std::path::PathBuf> {
-    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    [
-        std::env::var_os("KVQ_DATA_DIR").map(std::path::PathBuf::from),
-        Some(manifest.join("../shared/data")),
-        Some(manifest.join(".device/data")),
-        Some(std::path::PathBuf::from(".device/data")),
-    ]
-    .into_iter()
-    .flatten()
-    .map(|d| d.join("minilm_kv.safetensors"))
-    .find(|p| p.exists())
 }
 
 #[test]

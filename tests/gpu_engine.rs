@@ -15,7 +15,7 @@ use common::Rng;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::{bf16, f16};
-use kvq::cache::{BlockAllocator, BlockTables, HostCache, SeqId};
+use kvq::cache::{BlockAllocator, BlockTables, CopyBlock, HostCache, SeqId};
 use kvq::cpu::{Accum, DecodeShape, decode_attention};
 use kvq::cuda::decode::{DecodeStep, RawDecodeArgs, RowStrides};
 use kvq::cuda::ops::{self, DeviceElement, Dtype};
@@ -74,7 +74,8 @@ impl Engine {
             .collect();
         self.host.write(&r.slots, &k, &v).expect("host write");
         let s = self.gpu.stream();
-        let slots: Vec<i32> = r.slots.iter().map(|&x| x as i32).collect();
+        let mut slots: Vec<i32> = Vec::new();
+        r.extend_slots(&mut slots).expect("i32 slots");
         let slots = s.clone_htod(&slots).expect("slots");
         let (kd, vd) = (s.clone_htod(&k).expect("k"), s.clone_htod(&v).expect("v"));
         ops::append(&mut self.dev, &slots, &kd, &vd, n).expect("device append");
@@ -473,13 +474,35 @@ fn strided_views_and_output_types() {
             )
             .unwrap();
             let qr: Vec<f32> = q_ref.iter().map(|&x| f16::from_f32(x).to_f32()).collect();
-            let (want, _) = e.reference(&seqs, &qr, 1);
+            let (want, want_lse) = e.reference(&seqs, &qr, 1);
             assert_close(
                 &format!("{k}/{v} f32 out"),
                 &to_f32(&gpu, &out),
                 &want,
                 |_| 0.0,
             );
+            // lse into a view of a larger buffer (an engine's array for several layers).
+            let mut lse_buf = s.alloc_zeros::<f32>(3 + batch * HEADS).unwrap();
+            plan.decode_step(
+                &mut ws,
+                &e.dev,
+                &tables,
+                DecodeStep {
+                    q_len: 1,
+                    q: &view,
+                    q_rows,
+                    out: &mut out,
+                    out_rows,
+                    lse: Some((
+                        &mut lse_buf.slice_mut(3..),
+                        RowStrides::token_major(HEADS, 1, 1),
+                    )),
+                },
+            )
+            .unwrap();
+            let got_lse = s.clone_dtoh(&lse_buf).unwrap();
+            assert_eq!(got_lse[..3], [0.0; 3], "lse written before its view");
+            assert_lse(&format!("{k}/{v} lse view"), &got_lse[3..], &want_lse);
             // A buffer one element short of the last row is refused.
             let mut short = s.alloc_zeros::<f32>(batch * HEADS * D - 1).unwrap();
             let r = plan.decode_step(
@@ -673,6 +696,48 @@ fn swap_out_and_back_in() {
     assert!(e.dev.swap_out(&[(96, 0)], &mut space).is_err());
     assert!(e.dev.swap_in(&[(16, 0)], &mut space).is_err());
     assert_eq!(e.dev.check_appends().unwrap(), 0);
+}
+
+/// `copy_blocks` applies a list in order, as `HostCache::apply_copies` does: chains, `src ==
+/// dst`, two copies into one block, a swap of two blocks, a long random list; a list naming a block outside the pool is refused before anything is copied.
+#[test]
+fn copy_lists_apply_in_order_as_on_the_host() {
+    let Some(gpu) = require_gpu_or_skip("copy_lists_apply_in_order_as_on_the_host") else {
+        return;
+    };
+    let mut rng = common::fresh_rng("copy_lists_apply_in_order_as_on_the_host");
+    let nb = 12;
+    let config = CacheConfig::new(KV_HEADS, D, BS, KvFormat::F16, KvFormat::Int4Affine64).unwrap();
+    let mut host = HostCache::new(config, nb).unwrap();
+    let slots: Vec<usize> = (0..nb * BS).collect();
+    let n = slots.len() * KV_HEADS * D;
+    host.write(&slots, &rng.normals(n, 1.0), &rng.normals(n, 1.0))
+        .unwrap();
+    let mut dev = DeviceCache::from_host(&gpu, &host).unwrap();
+    let c = |src, dst| CopyBlock { src, dst };
+    let random: Vec<CopyBlock> = (0..2000).map(|_| c(rng.below(nb), rng.below(nb))).collect();
+    let lists = [
+        vec![c(0, 1), c(1, 2), c(2, 3)],
+        vec![c(4, 4)],
+        vec![c(5, 6), c(7, 6), c(6, 8)],
+        vec![c(9, 10), c(10, 9)],
+        vec![c(11, 0), c(1, 11), c(0, 5), c(3, 3), c(5, 1)],
+        random,
+    ];
+    for (i, list) in lists.iter().enumerate() {
+        host.apply_copies(list).unwrap();
+        dev.copy_blocks(list).unwrap();
+        assert!(dev.to_host().unwrap().pool() == host.pool(), "list {i}");
+    }
+    let bad = [c(0, 1), c(2, nb)];
+    let want = Err(Error::BlockIndex {
+        block: nb,
+        num_blocks: nb,
+    });
+    assert_eq!(host.apply_copies(&bad), want);
+    assert_eq!(dev.copy_blocks(&bad), want);
+    assert!(dev.to_host().unwrap().pool() == host.pool());
+    assert_eq!(dev.check_appends().unwrap(), 0);
 }
 
 /// Padding rows (length 0) read nothing; a raw decode whose table names a block outside the

@@ -3,8 +3,9 @@
 //! - `kvq quantize --format F [--scale S | --per-head] IN OUT`: every tensor of a safetensors
 //!   file to `NAME.codes` / `NAME.scales` / `NAME.zeros` (layout in `kvq::dense`).
 //! - `kvq dequantize IN OUT`: back to F32 `NAME`.
-//! - `kvq eval IN`: reconstruction and decode-attention error of each K/V format pair on real
-//!   `q.L`, `k.L`, `v.L` tensors.
+//! - `kvq eval [IN] [--calibrate-on first-half|all] [--positions last|all] [--json]`:
+//!   reconstruction and attention error of each K/V format pair on `q.L`, `k.L`, `v.L` tensors
+//!   (synthetic ones without `IN`), scales calibrated on held-out tokens by default.
 //! - `kvq info`: version and what this build can run on.
 //! - `kvq bench`: decode bandwidth per cache format against the measured read ceiling (CUDA).
 //!
@@ -74,7 +75,8 @@ enum Command {
         /// Output safetensors file (F32 NAME).
         output: PathBuf,
     },
-    /// Compare K/V format pairs on q.L, k.L, v.L tensors ([tokens, heads, head_dim]).
+    /// Compare K/V format pairs on q.L, k.L, v.L tensors ([tokens, heads, head_dim]), or on
+    /// synthetic ones.
     Eval(eval::EvalArgs),
     /// Version, CUDA support compiled in, GPU architectures built, visible GPUs.
     Info,

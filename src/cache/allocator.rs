@@ -43,6 +43,57 @@ pub struct Reservation {
     pub copies: Vec<CopyBlock>,
 }
 
+impl Reservation {
+    /// Appends `slots` to an engine's slot mapping in the integer type its device calls take
+    /// (i32 or i64), so a step reuses one buffer instead of collecting a new one per
+    /// sequence. A slot that does not fit `S` is [`Error::Unsupported`], never a wrapped
+    /// (another token's) slot; `out` is then left as it was.
+    pub fn extend_slots<S: TryFrom<usize>>(&self, out: &mut Vec<S>) -> Result<()> {
+        let start = out.len();
+        out.try_reserve(self.slots.len())
+            .map_err(|_| Error::Alloc {
+                what: "slot mapping",
+                bytes: self.slots.len().saturating_mul(size_of::<S>()),
+            })?;
+        for &slot in &self.slots {
+            match S::try_from(slot) {
+                Ok(s) => out.push(s),
+                Err(_) => {
+                    out.truncate(start);
+                    return Err(slot_too_large::<S>(slot));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `slots` to the front of `out` (a pinned staging buffer, a row of a larger
+    /// mapping) in the integer type the device takes; checked as
+    /// [`extend_slots`](Self::extend_slots). [`Error::Length`] when `out` is shorter than
+    /// `slots`. On an error, elements of `out` before the failing slot may already be written.
+    pub fn write_slots<S: TryFrom<usize>>(&self, out: &mut [S]) -> Result<()> {
+        if out.len() < self.slots.len() {
+            return Err(Error::Length {
+                what: "slot mapping",
+                expected: self.slots.len(),
+                actual: out.len(),
+            });
+        }
+        for (o, &slot) in out.iter_mut().zip(&self.slots) {
+            *o = S::try_from(slot).map_err(|_| slot_too_large::<S>(slot))?;
+        }
+        Ok(())
+    }
+}
+
+/// The error for a slot that the device's slot type cannot hold.
+fn slot_too_large<S>(slot: usize) -> Error {
+    Error::Unsupported(format!(
+        "slot {slot} does not fit a {} slot mapping (use i64 slots)",
+        std::any::type_name::<S>()
+    ))
+}
+
 /// The blocks of one sequence, in position order, and its length in tokens.
 #[derive(Debug, Clone, Default)]
 struct Sequence {
@@ -255,6 +306,35 @@ impl BlockAllocator {
         Ok(Reservation { slots, copies })
     }
 
+    /// Shorten `seq` to its first `new_len` tokens: speculative decoding's rollback of
+    /// rejected draft tokens. Blocks past `ceil(new_len / block_size)` are released, freed
+    /// when no other sequence holds them (reused as after [`free`](Self::free): the lowest
+    /// position's block first); a kept last block that is now partial and shared is copied on the
+    /// next [`reserve`](Self::reserve), so other holders keep their tokens. The rejected tokens'
+    /// bytes stay in storage until overwritten; nothing reads past a sequence's length.
+    /// `new_len` above the current length is an [`Error::InvalidArgument`] and changes nothing.
+    pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        let bs = self.block_size;
+        let s = self
+            .sequences
+            .get_mut(&seq.0)
+            .ok_or(Error::UnknownSequence(seq.0))?;
+        if new_len > s.len {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {seq} of {} tokens cannot be truncated to {new_len}: truncate only \
+                 shortens",
+                s.len
+            )));
+        }
+        let dropped = s.blocks.split_off(new_len.div_ceil(bs));
+        s.len = new_len;
+        // Last block first, so the lowest dropped position's block is reused first.
+        for &b in dropped.iter().rev() {
+            self.release(b as usize);
+        }
+        Ok(())
+    }
+
     /// Block tables of several sequences, one row each (see [`BlockTables`]).
     pub fn block_tables(&self, seqs: &[SeqId]) -> Result<BlockTables> {
         let rows = seqs
@@ -320,6 +400,33 @@ mod tests {
         a.free(c).unwrap();
         assert_eq!(a.num_free_blocks(), 4);
         assert_eq!(a.free(c), Err(Error::UnknownSequence(c.0)));
+    }
+
+    #[test]
+    fn truncate_frees_whole_blocks_and_respects_sharing() {
+        let mut a = BlockAllocator::new(8, 4).unwrap();
+        let s = a.create_sequence();
+        a.reserve(s, 10).unwrap(); // blocks 0, 1, 2
+        let c = a.fork(s).unwrap();
+        // Dropping the draft tokens 6..10: block 2 stays with the child, block 1 is kept.
+        a.truncate(s, 6).unwrap();
+        assert_eq!(a.block_table(s).unwrap(), &[0, 1]);
+        assert_eq!((a.ref_count(1).unwrap(), a.ref_count(2).unwrap()), (2, 1));
+        // The kept, partial, shared block is copied before the parent writes into it.
+        let r = a.reserve(s, 1).unwrap();
+        assert_eq!(r.copies, vec![CopyBlock { src: 1, dst: 3 }]);
+        assert_eq!(r.slots, vec![3 * 4 + 2]);
+        // The child's last block is its own: truncating to 8 frees it.
+        a.truncate(c, 8).unwrap();
+        assert_eq!(a.ref_count(2).unwrap(), 0);
+        assert_eq!(a.num_free_blocks(), 8 - 3); // 0 and 1 shared, 3 the parent's
+        a.truncate(c, 0).unwrap();
+        assert_eq!(a.block_table(c).unwrap(), &[] as &[i32]);
+        assert!(matches!(a.truncate(c, 1), Err(Error::InvalidArgument(_))));
+        assert_eq!(a.truncate(SeqId(99), 0), Err(Error::UnknownSequence(99)));
+        a.free(s).unwrap();
+        a.free(c).unwrap();
+        assert_eq!(a.num_free_blocks(), 8);
     }
 
     #[test]

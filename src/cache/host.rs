@@ -2,6 +2,7 @@
 //! the device ([`BlockLayout`]), so it can be uploaded as is and read back byte for byte.
 
 use super::allocator::CopyBlock;
+use super::copies::check_copies;
 use super::tables::check_row;
 use crate::error::{Error, Result, filled};
 use crate::format::{Element, KvFormat, ScaleGranularity, head_amax};
@@ -341,18 +342,12 @@ impl HostCache {
         Ok(())
     }
 
-    /// Apply the copy-on-write copies of a reservation, in order. All are validated first.
+    /// Apply block copies (a reservation's copy-on-write copies, or any list), in order: the
+    /// rules `DeviceCache::copy_blocks` follows too. `src == dst` is a no-op, a chain
+    /// (`a → b`, then `b → c`) passes `a`'s bytes on, and the later of two copies into one
+    /// block wins. Every id is checked first ([`Error::BlockIndex`]); then nothing is copied.
     pub fn apply_copies(&mut self, copies: &[CopyBlock]) -> Result<()> {
-        for c in copies {
-            for block in [c.src, c.dst] {
-                if block >= self.num_blocks {
-                    return Err(Error::BlockIndex {
-                        block,
-                        num_blocks: self.num_blocks,
-                    });
-                }
-            }
-        }
+        check_copies(copies, self.num_blocks)?;
         for c in copies {
             self.copy_block(c.src, c.dst)?;
         }

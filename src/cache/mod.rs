@@ -7,6 +7,7 @@
 //! - [`PagedKvCache`] ties them together for a model: one allocator, one `HostCache` per layer.
 
 mod allocator;
+mod copies;
 mod host;
 mod paged;
 mod tables;
@@ -18,3 +19,6 @@ pub use tables::BlockTables;
 // The device gather checks its block table on the host with the same rule.
 #[cfg(feature = "cuda")]
 pub(crate) use tables::check_row;
+// The device's block copies follow the host's rules.
+#[cfg(feature = "cuda")]
+pub(crate) use copies::{check_copies, waves as copy_waves};

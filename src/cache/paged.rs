@@ -12,6 +12,9 @@ use crate::layout::CacheConfig;
 #[derive(Debug, Clone)]
 pub struct PagedKvCache {
     allocator: BlockAllocator,
+    /// What every layer was built with: layers are checked against it, not against each other,
+    /// so a layer 0 swapped through `layers_mut` cannot redefine the rule.
+    config: CacheConfig,
     layers: Vec<HostCache>,
 }
 
@@ -40,7 +43,16 @@ impl PagedKvCache {
         for _ in 0..num_layers {
             layers.push(HostCache::new(config, num_blocks)?);
         }
-        Ok(PagedKvCache { allocator, layers })
+        Ok(PagedKvCache {
+            allocator,
+            config,
+            layers,
+        })
+    }
+
+    /// The configuration every layer has.
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
     }
 
     /// The shared allocator.
@@ -54,8 +66,9 @@ impl PagedKvCache {
     }
 
     /// Every layer's storage, writable (e.g. to set FP8 scales per layer). A layer replaced
-    /// through it must keep the configuration and block count: [`append`](Self::append)
-    /// refuses layers that differ.
+    /// through it must keep the configuration ([`config`](Self::config)) and block count:
+    /// [`append`](Self::append) refuses layers that differ ([`Error::LayerMismatch`]) before
+    /// anything changes.
     pub fn layers_mut(&mut self) -> &mut [HostCache] {
         &mut self.layers
     }
@@ -73,6 +86,13 @@ impl PagedKvCache {
     /// Release `seq`.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         self.allocator.free(seq)
+    }
+
+    /// Shorten `seq` to `new_len` tokens (speculative decoding's rollback; see
+    /// [`BlockAllocator::truncate`]). Storage is not touched: the dropped tokens' slots are
+    /// overwritten by the next append, and shared blocks are copied first.
+    pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        self.allocator.truncate(seq, new_len)
     }
 
     /// Tokens in `seq`.
@@ -100,21 +120,8 @@ impl PagedKvCache {
                 });
             }
         }
-        let c = *self.layers[0].config();
-        if let Some((i, l)) = self
-            .layers
-            .iter()
-            .enumerate()
-            .find(|(_, l)| *l.config() != c || l.num_blocks() != self.allocator.num_blocks())
-        {
-            return Err(Error::InvalidArgument(format!(
-                "layer {i} ({} blocks, {:?}) differs from the allocator's {} blocks of \
-                 layer 0's {c:?}",
-                l.num_blocks(),
-                l.config(),
-                self.allocator.num_blocks()
-            )));
-        }
+        self.check_layers()?;
+        let c = self.config;
         // Fits: the validated layout holds num_kv_heads × head_dim codes per token.
         let row = c.num_kv_heads * c.head_dim;
         let n = k.first().map_or(0, |x| x.len() / row);
@@ -134,5 +141,107 @@ impl PagedKvCache {
             non_finite += cache.write(&r.slots, k, v)?;
         }
         Ok(non_finite)
+    }
+
+    /// Every layer against the cache's configuration and the allocator's block count: a layer
+    /// of another block size would take the allocator's slots for other positions.
+    fn check_layers(&self) -> Result<()> {
+        let blocks = self.allocator.num_blocks();
+        for (layer, l) in self.layers.iter().enumerate() {
+            let mismatch = |what, expected: String, actual: String| Error::LayerMismatch {
+                layer,
+                what,
+                expected,
+                actual,
+            };
+            if l.num_blocks() != blocks {
+                let (e, a) = (blocks.to_string(), l.num_blocks().to_string());
+                return Err(mismatch("num_blocks", e, a));
+            }
+            if *l.config() != self.config {
+                let (e, a) = (format!("{:?}", self.config), format!("{:?}", l.config()));
+                return Err(mismatch("config", e, a));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::KvFormat;
+
+    #[test]
+    fn append_refuses_a_layer_of_another_block_size() {
+        let c = CacheConfig::new(1, 64, 4, KvFormat::F16, KvFormat::F16).unwrap();
+        let mut p = PagedKvCache::new(c, 2, 8).unwrap();
+        let s = p.create_sequence();
+        let x = vec![1.0f32; 3 * 64];
+        p.append(s, &[&x[..], &x[..]], &[&x[..], &x[..]]).unwrap();
+        // Every layer swapped to blocks of 8: layer 0 agrees with the others, not with the
+        // allocator's blocks of 4.
+        let c8 = CacheConfig { block_size: 8, ..c };
+        for l in p.layers_mut() {
+            *l = HostCache::new(c8, 8).unwrap();
+        }
+        let before: Vec<Vec<u8>> = p.layers().iter().map(|l| l.pool().to_vec()).collect();
+        let err = p.append(s, &[&x[..64], &x[..64]], &[&x[..64], &x[..64]]);
+        assert!(
+            matches!(
+                err,
+                Err(Error::LayerMismatch {
+                    layer: 0,
+                    what: "config",
+                    ..
+                })
+            ),
+            "{err:?}"
+        );
+        assert_eq!(p.len(s).unwrap(), 3, "nothing reserved");
+        let after: Vec<Vec<u8>> = p.layers().iter().map(|l| l.pool().to_vec()).collect();
+        assert_eq!(before, after, "nothing written");
+        // A layer of another block count.
+        p.layers_mut()[0] = HostCache::new(c, 9).unwrap();
+        p.layers_mut()[1] = HostCache::new(c, 8).unwrap();
+        let err = p.append(s, &[&x[..64], &x[..64]], &[&x[..64], &x[..64]]);
+        assert!(matches!(
+            err,
+            Err(Error::LayerMismatch {
+                layer: 0,
+                what: "num_blocks",
+                ..
+            })
+        ));
+        p.layers_mut()[0] = HostCache::new(c, 8).unwrap();
+        p.append(s, &[&x[..64], &x[..64]], &[&x[..64], &x[..64]])
+            .unwrap();
+    }
+
+    #[test]
+    fn truncate_rolls_back_draft_tokens() {
+        let c = CacheConfig::new(1, 64, 4, KvFormat::F16, KvFormat::F16).unwrap();
+        let mut p = PagedKvCache::new(c, 1, 5).unwrap();
+        let s = p.create_sequence();
+        let accepted = vec![1.0f32; 5 * 64];
+        let draft = vec![2.0f32; 4 * 64];
+        p.append(s, &[&accepted[..]], &[&accepted[..]]).unwrap();
+        let fork = p.fork(s).unwrap();
+        p.append(s, &[&draft[..]], &[&draft[..]]).unwrap();
+        assert_eq!(p.allocator().num_free_blocks(), 1);
+        // Two drafts rejected: tokens 7, 8 and their block go.
+        p.truncate(s, 7).unwrap();
+        assert_eq!(p.allocator().num_free_blocks(), 2);
+        let fixed = vec![3.0f32; 2 * 64];
+        p.append(s, &[&fixed[..]], &[&fixed[..]]).unwrap();
+        let t = p.block_tables(&[s, fork]).unwrap();
+        let (mut k, mut v) = (vec![0f32; 9 * 64], vec![0f32; 9 * 64]);
+        p.layers()[0].gather(t.row(0), 9, &mut k, &mut v).unwrap();
+        let want: Vec<f32> = [&accepted[..], &draft[..2 * 64], &fixed[..]].concat();
+        assert_eq!(k, want);
+        // The fork still reads its own five tokens.
+        let (mut k, mut v) = (vec![0f32; 5 * 64], vec![0f32; 5 * 64]);
+        p.layers()[0].gather(t.row(1), 5, &mut k, &mut v).unwrap();
+        assert_eq!(v, accepted);
     }
 }

@@ -96,6 +96,35 @@ impl BlockTables {
         self.try_row(b).unwrap_or(&[])
     }
 
+    /// Shorten row `b`'s sequence to `new_len` tokens in place, as
+    /// [`BlockAllocator::truncate`](crate::cache::BlockAllocator::truncate) does to the
+    /// sequence (speculative decoding's rollback), so a step's tables need no rebuild: the
+    /// length becomes `new_len` and entries past `ceil(new_len / block_size)` become
+    /// [`UNUSED`](Self::UNUSED). A `new_len` above the row's length is an
+    /// [`Error::InvalidArgument`]; on any error nothing changes.
+    pub fn truncate_row(&mut self, b: usize, new_len: usize, block_size: usize) -> Result<()> {
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+            return Err(Error::Config {
+                what: "block_size",
+                value: block_size,
+                expected: "1..=1024 tokens",
+            });
+        }
+        self.try_row(b)?;
+        let len = self.context_lens[b];
+        if usize::try_from(len).ok().is_none_or(|l| new_len > l) {
+            return Err(Error::InvalidArgument(format!(
+                "block table row {b} of length {len} cannot be truncated to {new_len}"
+            )));
+        }
+        let keep = new_len.div_ceil(block_size).min(self.max_blocks);
+        let start = b * self.max_blocks; // in range: try_row checked the row
+        self.data[start + keep..start + self.max_blocks].fill(Self::UNUSED);
+        // Fits: new_len is at most the row's i32 length.
+        self.context_lens[b] = new_len as i32;
+        Ok(())
+    }
+
     /// Longest context in the batch (0 for an empty batch or negative lengths).
     pub fn max_context_len(&self) -> usize {
         self.context_lens

@@ -394,18 +394,28 @@ fn check_query(
             shape.q_len
         )));
     }
-    let mut expected = context_lens.len();
+    // One sequence's elements first: the kernel splits q by them, so they must fit even for
+    // an empty batch, whose total is 0 whatever the shape.
+    let mut per_seq = 1usize;
     for (what, n) in [
-        ("q elements (batch × num_q_heads)", shape.num_q_heads),
-        ("q elements (batch·num_q_heads × q_len)", shape.q_len),
-        ("q elements (batch·num_q_heads·q_len × head_dim)", head_dim),
+        ("q elements (num_q_heads)", shape.num_q_heads),
+        ("q elements (num_q_heads × q_len)", shape.q_len),
+        ("q elements (num_q_heads·q_len × head_dim)", head_dim),
     ] {
-        expected = expected.checked_mul(n).ok_or(Error::Overflow {
+        per_seq = per_seq.checked_mul(n).ok_or(Error::Overflow {
             what,
-            lhs: expected,
+            lhs: per_seq,
             rhs: n,
         })?;
     }
+    let expected = context_lens
+        .len()
+        .checked_mul(per_seq)
+        .ok_or(Error::Overflow {
+            what: "q elements (batch × num_q_heads·q_len·head_dim)",
+            lhs: context_lens.len(),
+            rhs: per_seq,
+        })?;
     if q.len() != expected {
         return Err(Error::Length {
             what: "q ([batch, num_q_heads, q_len, head_dim])",
@@ -494,6 +504,10 @@ fn run_in<A: Acc, R: KvRows + Sync>(
             work.push((rows, kv_head, g, q, out, lse));
             total_positions += context_len;
         }
+    }
+    if work.is_empty() {
+        // An empty batch: nothing to compute, and no scratch sized by its (unused) shape.
+        return Ok(AttentionOutput { out, lse });
     }
     // Every thread's buffers are allocated here, at the largest size an item needs, so that
     // running out of memory is an error rather than an abort inside a worker.

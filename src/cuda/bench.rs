@@ -459,7 +459,7 @@ impl PreparedDecode {
     }
 
     /// Bytes the step must read ([`decode_bytes_to_read`]).
-    pub fn bytes_to_read(&self) -> u64 {
+    pub fn bytes_to_read(&self) -> Result<u64> {
         let q_bytes = 2;
         decode_bytes_to_read(
             self.cache.layout(),
@@ -482,7 +482,7 @@ pub fn measure(
 ) -> Result<DecodeBenchRow> {
     let mut prepared = PreparedDecode::new(gpu, case, k, v, 0x5EED ^ case.context_len as u64)?;
     let us = timer.median_us(3, iters, true, || prepared.run())?;
-    let bytes = prepared.bytes_to_read();
+    let bytes = prepared.bytes_to_read()?;
     let gbps = bytes as f64 / us / 1e3;
     Ok(DecodeBenchRow {
         shape: case.clone(),

@@ -6,7 +6,7 @@
 //! [`BlockAllocator::reserve`]: crate::cache::BlockAllocator::reserve
 
 use super::{DeviceCache, Gpu, driver_err, launch};
-use crate::cache::CopyBlock;
+use crate::cache::{CopyBlock, check_copies, copy_waves};
 use crate::error::{Error, Result};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
@@ -32,43 +32,31 @@ fn check_block(what: &str, block: usize, num_blocks: usize) -> Result<()> {
 }
 
 impl DeviceCache {
-    /// Copy every byte of block `src` to block `dst` for each pair, in one launch on the
-    /// cache's stream: the copy-on-write copies of a [`Reservation`], applied before writing
-    /// its tokens (every layer's cache applies the same list). Every id must be a block of the
-    /// pool, destinations distinct, and no destination also a source in the same call (the
-    /// copies run in parallel; apply dependent copies in separate calls).
+    /// Copy every byte of block `src` to block `dst` for each pair, on the cache's stream: the
+    /// copy-on-write copies of a [`Reservation`], applied before writing its tokens (every
+    /// layer's cache applies the same list), or any list. The list applies in order, by the
+    /// rules [`HostCache::apply_copies`] follows, so the two leave the same bytes: `src == dst`
+    /// is a no-op, a chain (`a → b`, then `b → c`) passes `a`'s bytes on, the later of two
+    /// copies into one block wins, and every id must be a block of the pool
+    /// ([`Error::BlockIndex`], checked before anything is enqueued). Independent copies run in
+    /// one launch; each copy that depends on an earlier one of the list starts another (a
+    /// reservation's list has none).
     ///
     /// [`Reservation`]: crate::cache::Reservation
+    /// [`HostCache::apply_copies`]: crate::cache::HostCache::apply_copies
     pub fn copy_blocks(&mut self, copies: &[CopyBlock]) -> Result<()> {
+        let n = self.num_blocks();
+        check_copies(copies, n)?;
+        let copies: Vec<CopyBlock> = copies.iter().copied().filter(|c| c.src != c.dst).collect();
         if copies.is_empty() {
             return Ok(());
-        }
-        let n = self.num_blocks();
-        let mut dsts: Vec<usize> = Vec::with_capacity(copies.len());
-        for c in copies {
-            check_block("copy source", c.src, n)?;
-            check_block("copy destination", c.dst, n)?;
-            dsts.push(c.dst);
-        }
-        dsts.sort_unstable();
-        if let Some(w) = dsts.windows(2).find(|w| w[0] == w[1]) {
-            return Err(Error::InvalidArgument(format!(
-                "block {} is the destination of two copies",
-                w[0]
-            )));
-        }
-        if let Some(c) = copies.iter().find(|c| dsts.binary_search(&c.src).is_ok()) {
-            return Err(Error::InvalidArgument(format!(
-                "block {} is both copied from and copied to in one call",
-                c.src
-            )));
         }
         let gpu = self.gpu().clone();
         gpu.bind()?;
         let s = gpu.stream();
         let staging = &mut self.copy_staging;
         staging.host.clear();
-        for c in copies {
+        for c in &copies {
             staging.host.extend([c.src as i32, c.dst as i32]);
         }
         let need = staging.host.len();
@@ -88,19 +76,22 @@ impl DeviceCache {
         }
         .map_err(driver_err("uploading block-copy pairs"))?;
         let raw = self.as_raw();
-        for (i, chunk) in copies.chunks(PAIRS_PER_LAUNCH).enumerate() {
-            let first = pairs_ptr + (i * PAIRS_PER_LAUNCH * 2 * 4) as CUdeviceptr;
-            // SAFETY: `first` points at 2 * chunk.len() validated ids inside `pairs`; the pool
-            // is this cache's; destinations are distinct and not sources.
-            unsafe {
-                launch::copy_blocks(
-                    &raw,
-                    n as i64,
-                    first as *const i32,
-                    chunk.len() as i64,
-                    self.counters_ptr(),
-                    s.cu_stream(),
-                )?;
+        for wave in copy_waves(&copies) {
+            for at in wave.clone().step_by(PAIRS_PER_LAUNCH) {
+                let len = PAIRS_PER_LAUNCH.min(wave.end - at);
+                let first = pairs_ptr + (at * 2 * size_of::<i32>()) as CUdeviceptr;
+                // SAFETY: `first` points at 2 * len validated ids inside `pairs`; the pool is
+                // this cache's; within a wave destinations are distinct and not sources.
+                unsafe {
+                    launch::copy_blocks(
+                        &raw,
+                        n as i64,
+                        first as *const i32,
+                        len as i64,
+                        self.counters_ptr(),
+                        s.cu_stream(),
+                    )?;
+                }
             }
         }
         Ok(())

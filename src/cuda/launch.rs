@@ -11,8 +11,9 @@ use std::ffi::c_void;
 /// A raw stream for the launchers (`void *stream`).
 pub(crate) type Stream = cudarc::driver::sys::CUstream;
 
-/// Map a `kvq_status` returned by launcher `what` to a result.
-pub(crate) fn check_status(status: std::ffi::c_int, what: &str) -> Result<()> {
+/// Map a `kvq_status` returned by launcher `what` to a result; a failed launch keeps the
+/// runtime's `cudaError_t` ([`Error::Launch`]).
+pub(crate) fn check_status(status: std::ffi::c_int, what: &'static str) -> Result<()> {
     match status {
         sys::KVQ_OK => Ok(()),
         sys::KVQ_ERR_INVALID => Err(Error::Cuda(format!(
@@ -23,12 +24,19 @@ pub(crate) fn check_status(status: std::ffi::c_int, what: &str) -> Result<()> {
             "{what}: no kernel for this combination in this build"
         ))),
         sys::KVQ_ERR_LAUNCH => {
-            // SAFETY: kvq_last_error returns a static NUL-terminated string.
-            let msg = unsafe { std::ffi::CStr::from_ptr(sys::kvq_last_error()) };
-            Err(Error::Cuda(format!(
-                "{what}: kernel launch failed: {}",
-                msg.to_string_lossy()
-            )))
+            // SAFETY: both read this thread's last launch error; kvq_last_error returns a
+            // static NUL-terminated string.
+            let (code, msg) = unsafe {
+                (
+                    sys::kvq_last_error_code(),
+                    std::ffi::CStr::from_ptr(sys::kvq_last_error()),
+                )
+            };
+            Err(Error::Launch {
+                what,
+                code,
+                message: msg.to_string_lossy().into_owned(),
+            })
         }
         other => Err(Error::Cuda(format!("{what}: unknown status {other}"))),
     }

@@ -102,28 +102,66 @@ fn to_i64(v: usize) -> i64 {
 /// skips it and is reported by [`DeviceCache::check_appends`]; non-finite inputs are sanitized
 /// and counted there too (FORMATS.md). Bytes equal [`HostCache::write`]'s bit for bit.
 ///
+/// `slots`, `k` and `v` are any cudarc device buffers: a `CudaSlice`, or a `CudaView` into a
+/// larger one (this step's part of a slot mapping, K and V of a QKV buffer laid out
+/// `[Q | K | V]`); `k` and `v` must start 16-byte aligned. Rows interleaved per token (a fused
+/// `[tokens, q + k + v heads, d]` projection) take [`append_strided`].
+///
 /// Enqueued on the cache's stream (that of the [`Gpu`] it was made with), like every other
 /// operation on it.
 ///
 /// [`HostCache::write`]: crate::cache::HostCache::write
 pub fn append<T: DeviceElement, S: SlotIndex>(
     cache: &mut DeviceCache,
-    slots: &CudaSlice<S>,
-    k: &CudaSlice<T>,
-    v: &CudaSlice<T>,
+    slots: &impl DevicePtr<S>,
+    k: &impl DevicePtr<T>,
+    v: &impl DevicePtr<T>,
+    num_tokens: usize,
+) -> Result<()> {
+    let row = cache.config().num_kv_heads * cache.config().head_dim;
+    append_strided(cache, slots, k, row, v, row, num_tokens)
+}
+
+/// [`append`] for token rows `k_token_stride` / `v_token_stride` elements apart (a multiple of
+/// 8, at least `num_kv_heads * head_dim`): K and V straight out of a fused QKV projection,
+/// e.g. `qkv.slice(q_heads * d..)` with stride `(q_heads + 2 * kv_heads) * d`, no copy.
+pub fn append_strided<T: DeviceElement, S: SlotIndex>(
+    cache: &mut DeviceCache,
+    slots: &impl DevicePtr<S>,
+    k: &impl DevicePtr<T>,
+    k_token_stride: usize,
+    v: &impl DevicePtr<T>,
+    v_token_stride: usize,
     num_tokens: usize,
 ) -> Result<()> {
     let c = *cache.config();
     let row = c.num_kv_heads * c.head_dim;
     need_len("slots", num_tokens, slots.len())?;
-    let elems = num_tokens.checked_mul(row).ok_or_else(|| {
-        Error::InvalidArgument(format!("{num_tokens} tokens overflow the element count"))
-    })?;
-    need_len("k ([tokens, kv_heads, head_dim])", elems, k.len())?;
-    need_len("v ([tokens, kv_heads, head_dim])", elems, v.len())?;
     if num_tokens == 0 {
         return Ok(());
     }
+    // The last token's row ends at (num_tokens - 1) * stride + row; strides below a row are
+    // refused by append_raw before anything is read.
+    let extent = |stride: usize| {
+        (num_tokens - 1)
+            .checked_mul(stride)
+            .and_then(|e| e.checked_add(row))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{num_tokens} tokens at stride {stride} overflow the element count"
+                ))
+            })
+    };
+    need_len(
+        "k ([tokens, kv_heads, head_dim] at k_token_stride)",
+        extent(k_token_stride)?,
+        k.len(),
+    )?;
+    need_len(
+        "v ([tokens, kv_heads, head_dim] at v_token_stride)",
+        extent(v_token_stride)?,
+        v.len(),
+    )?;
     let gpu = cache.gpu().clone();
     gpu.bind()?;
     gpu.check_capture()?;
@@ -135,9 +173,10 @@ pub fn append<T: DeviceElement, S: SlotIndex>(
     let (k_p, _g2) = k.device_ptr(s);
     let (v_p, _g3) = v.device_ptr(s);
     // SAFETY: the cache view and counters come from a live DeviceCache on this stream's device;
-    // slots, k and v hold at least num_tokens rows (checked above), contiguous rows (stride =
-    // row), 16-byte aligned (cudarc allocations are 256-byte aligned); the guards order the
-    // caller's slices with this stream.
+    // slots, k and v hold every element num_tokens rows at these strides address (checked
+    // above); append_raw refuses strides below a row or not a multiple of 8, and k / v not
+    // 16-byte aligned (a view may start anywhere); the guards order the caller's buffers with
+    // this stream.
     unsafe {
         append_raw(
             &raw,
@@ -148,8 +187,8 @@ pub fn append<T: DeviceElement, S: SlotIndex>(
             k_p,
             v_p,
             T::DTYPE,
-            row,
-            row,
+            k_token_stride,
+            v_token_stride,
             counters,
             s.cu_stream(),
         )

@@ -233,6 +233,10 @@ unsafe extern "C" {
     #[doc = " Message of the last launch that returned KVQ_ERR_LAUNCH on the calling host thread (a static\n string; \"no error\" if none)."]
     pub fn kvq_last_error() -> *const ::std::os::raw::c_char;
 }
+unsafe extern "C" {
+    #[doc = " The cudaError_t of that launch, as an int (0, cudaSuccess, if none): callers tell running out\n of memory from a bad launch by the code, not the message."]
+    pub fn kvq_last_error_code() -> ::std::os::raw::c_int;
+}
 #[doc = " Where the rows of a query-shaped tensor live, in elements: element d of query token i of\n query head h of sequence b is at b \\* seq + i \\* token + h \\* head + d (head_dim contiguous).\n \\[batch, heads, q_len, head_dim\\] is {heads \\* q_len \\* head_dim, head_dim, q_len \\* head_dim};\n \\[tokens, heads, head_dim\\] with q_len tokens per sequence is {q_len \\* t, t, head_dim} for a\n token stride t (heads \\* head_dim, or more for a view into a fused QKV buffer). For lse the\n same with head_dim 1."]
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]

@@ -58,3 +58,48 @@ impl Rng {
         xs[self.below(xs.len())]
     }
 }
+
+/// The real MiniLM dump the real-data tests read: `minilm_kv.safetensors`, q/k/v of 6 layers,
+/// `[512, 12, 32]` f16 each. It is this repository's dev data (`../shared/data` beside the
+/// checkout), not part of the crate.
+///
+/// `KVQ_DATA_DIR` names its folder; CI sets it wherever it has the data, so a file missing
+/// there fails the test instead of skipping it silently. Unset, the default folders are
+/// searched, and a missing file skips the test with a note on stderr (past the harness's
+/// capture), or fails it with `KVQ_REQUIRE_DATA=1`.
+pub fn minilm_data(test: &str) -> Option<std::path::PathBuf> {
+    use std::io::Write;
+    use std::path::{Path, PathBuf};
+    const FILE: &str = "minilm_kv.safetensors";
+    if let Some(dir) = std::env::var_os("KVQ_DATA_DIR") {
+        let file = PathBuf::from(dir).join(FILE);
+        assert!(
+            file.is_file(),
+            "{test}: KVQ_DATA_DIR is set but {} does not exist",
+            file.display()
+        );
+        return Some(file);
+    }
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // `.device/data`: where the GPU machine's copy of the tree keeps it.
+    let found = [
+        manifest.join("../shared/data"),
+        manifest.join(".device/data"),
+        PathBuf::from(".device/data"),
+    ]
+    .into_iter()
+    .map(|d| d.join(FILE))
+    .find(|f| f.is_file());
+    if found.is_none() {
+        assert!(
+            std::env::var("KVQ_REQUIRE_DATA").map_or(true, |v| v != "1"),
+            "{test}: KVQ_REQUIRE_DATA=1 but {FILE} was not found (KVQ_DATA_DIR is unset and \
+             ../shared/data lacks it)"
+        );
+        let _ = writeln!(
+            std::io::stderr(),
+            "note: {test} SKIPPED: {FILE} not found; set KVQ_DATA_DIR to the folder that holds it"
+        );
+    }
+    found
+}

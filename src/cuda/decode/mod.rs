@@ -193,8 +193,10 @@ pub struct DecodeStep<'a, Q, O> {
     pub out: &'a mut O,
     /// Where the output rows go (must not overlap).
     pub out_rows: RowStrides,
-    /// Optional f32 log-sum-exps (natural log) and where they go (width 1).
-    pub lse: Option<(&'a mut CudaSlice<f32>, RowStrides)>,
+    /// Optional f32 log-sum-exps (natural log) and where they go (width 1): a `CudaSlice` or a
+    /// `CudaViewMut` into a larger buffer. A trait object rather than a third type parameter,
+    /// so that `lse: None` needs no type annotation.
+    pub lse: Option<(&'a mut dyn DevicePtrMut<f32>, RowStrides)>,
 }
 
 /// The capacity a [`DecodePlan`] serves.
@@ -615,7 +617,10 @@ impl DecodePlan {
                 q_rows: rows,
                 out,
                 out_rows: rows,
-                lse: lse.map(|l| (l, RowStrides::batch_head_token(h, n, 1))),
+                lse: lse.map(|l| {
+                    let l: &mut dyn DevicePtrMut<f32> = l;
+                    (l, RowStrides::batch_head_token(h, n, 1))
+                }),
             },
         )
     }
