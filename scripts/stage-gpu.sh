@@ -13,7 +13,9 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -z "${NVCC:-}" ]; then
   else eval "$(scripts/install-cuda-toolkit.sh)"; fi
 fi
 export KVQ_CUDA_ARCHS=${KVQ_CUDA_ARCHS:-90a} CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/gpu-stage}
-grep -qxF '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+mkdir -p "$(dirname "$exclude")"
+grep -qxF '/.gpu-stage/' "$exclude" 2>/dev/null || echo '/.gpu-stage/' >> "$exclude"
 rm -rf .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/data
 cargo build --release --features cuda,cli --bin kvq \
   --test gpu_append --test gpu_decode --test gpu_engine --test gpu_prefill \

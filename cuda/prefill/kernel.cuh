@@ -36,6 +36,7 @@
 #include "prim/cp_async.cuh"
 #include "prim/fast_math.cuh"
 #include "prim/mma.cuh"
+#include "prim/wgmma.cuh"
 
 namespace kvq_prefill {
 
@@ -85,27 +86,58 @@ struct Params {
 /// one ldmatrix reads on distinct 16-byte bank groups at every supported head_dim.
 template <int D> __host__ __device__ constexpr int pitch() { return D * 2 + 16; }
 
-/// Raw bytes of one step of a quantized side: kTokens rows of codes, then of metadata.
+/// Raw bytes of one step of a quantized side: kTokens rows of codes, then of metadata (whole
+/// KiB, so that every operand tile after it starts on a 1024-byte boundary).
 __host__ __device__ inline int stage_bytes(const Side &s) {
-  return (kTokens * (s.codes_row + s.meta_row) + 127) / 128 * 128;
+  return (kTokens * (s.codes_row + s.meta_row) + 1023) / 1024 * 1024;
 }
 
-/// Where a launch's dynamic shared memory goes: the Q tile, then per side either two operand
-/// tiles (direct) or one operand tile and two staging areas (quantized).
+/// Whether the instance of head_dim D runs its MMAs as wgmma (sm_90a; whole 64-column blocks on
+/// the pipelined schedule): its operand tiles are then B128 tiles (prim/wgmma.cuh), else rows of
+/// pitch<D>() bytes.
+template <int D> __host__ __device__ constexpr bool uses_wgmma() {
+  return KVQ_HAS_WGMMA && D <= 128 && D % 64 == 0;
+}
+
+/// Byte offset of 16-byte chunk `chunk` of row `row` in an operand (or Q) tile.
+template <int D, bool SW> __device__ __forceinline__ int tile_at(int row, int chunk) {
+  if constexpr (SW) return b128_at<KVQ_PREFILL_TILE_ROWS>(row, chunk);
+  else return row * (D * 2 + 16) + chunk * 16;
+}
+
+/// Whether head_dim D runs the pipelined schedule: Q fragments held in registers, every side
+/// with two operand tiles, and a quantized side decoded one step ahead of the MMAs (no barrier
+/// between decode and MMA). Wider rows keep Q in shared memory and decode each step between two
+/// barriers into one operand tile, so two blocks still fit an SM.
+__host__ __device__ constexpr bool pipelined(int d) { return d <= 128; }
+
+/// Whether Q's fragments stay in registers across the steps (else each step reads them from the
+/// Q tile). Not at head_dim 64: there ptxas 13.0 gave the registers of held fragments that feed
+/// wgmma to other values inside the loop (the tests found it; the SASS showed it).
+__host__ __device__ constexpr bool q_in_registers(int d) { return pipelined(d) && d > 64; }
+
+/// Where a launch's dynamic shared memory goes (offsets from its first 1024-byte boundary; the
+/// size has room for the alignment): the Q tile, then per side its operand tiles (two, or one for
+/// a quantized side off the pipelined schedule) and for a quantized side two staging areas.
+/// Pipelined above head_dim 64, the Q tile is K's second operand tile: Q is in registers before
+/// step 1's copies or decode write there. Tiles are sized for rows of pitch<D>() bytes, which also holds a B128
+/// tile (a multiple of 1024 bytes at every supported head_dim).
 struct Layout {
   int q, k_op, k_stage, v_op, v_stage, bytes;
 };
 __host__ __device__ inline Layout smem_layout(int d, const Side &k, const Side &v) {
-  const bool k_direct = k.direct, v_direct = v.direct;
+  const bool pipe = pipelined(d);
   const int tile = kRows * (2 * d + 16);
   Layout l;
   int at = 0;
-  l.q = at, at += tile;
-  l.k_op = at, at += k_direct ? 2 * tile : tile;
-  l.k_stage = at, at += k_direct ? 0 : 2 * stage_bytes(k);
-  l.v_op = at, at += v_direct ? 2 * tile : tile;
-  l.v_stage = at, at += v_direct ? 0 : 2 * stage_bytes(v);
-  l.bytes = at;
+  const bool q_alias = q_in_registers(d);
+  l.q = at, at += q_alias ? 0 : tile;
+  l.k_op = at, at += (k.direct || pipe) ? 2 * tile : tile;
+  l.k_stage = at, at += k.direct ? 0 : 2 * stage_bytes(k);
+  l.v_op = at, at += (v.direct || pipe) ? 2 * tile : tile;
+  l.v_stage = at, at += v.direct ? 0 : 2 * stage_bytes(v);
+  if (q_alias) l.q = l.k_op + tile;
+  l.bytes = at + 1024;
   return l;
 }
 
@@ -133,7 +165,7 @@ struct HasF16Rows<C, std::void_t<decltype(&C::decode_f16)>> : std::true_type {};
 /// Decode the staged rows of one side (kTokens rows of codes, then of metadata) into an operand
 /// tile; rows outside [lo, hi) become zeros (past the sequence or the split: never-written or
 /// stale codes must not reach the MMAs, where 0 * NaN would poison the sum).
-template <int F, bool BF16, int D>
+template <int F, bool BF16, int D, bool SW>
 __device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t *meta,
                                             const Side &s, uint8_t *tile, int lo, int hi) {
   using C = Codec<F>;
@@ -170,10 +202,10 @@ __device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t 
         h[i] = (uint32_t)operand_bits<BF16>(v[2 * i]) |
                ((uint32_t)operand_bits<BF16>(v[2 * i + 1]) << 16);
     }
-    uint4 *dst = reinterpret_cast<uint4 *>(tile + j * pitch<D>() + c * E * 2);
 #pragma unroll
     for (int w = 0; w < E / 8; ++w)
-      dst[w] = make_uint4(h[4 * w], h[4 * w + 1], h[4 * w + 2], h[4 * w + 3]);
+      *reinterpret_cast<uint4 *>(tile + tile_at<D, SW>(j, c * E / 8 + w)) =
+          make_uint4(h[4 * w], h[4 * w + 1], h[4 * w + 2], h[4 * w + 3]);
   }
 }
 
@@ -184,7 +216,7 @@ template <int F, int D> __host__ __device__ constexpr bool fits() {
 
 /// decode_side for the side's run-time format: a fold over every stored format (AllFormats),
 /// so a new codec is decoded here without an edit.
-template <bool BF16, int D, int... F>
+template <bool BF16, int D, bool SW, int... F>
 __device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes,
                                           const uint8_t *meta, const Side &s, uint8_t *tile,
                                           int lo, int hi) {
@@ -192,15 +224,15 @@ __device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes
     constexpr int G = decltype(f)::value;
     // 16-bit formats are always their operand type: copied, never decoded.
     if constexpr (fits<G, D>() && Codec<G>::kBits < 16)
-      decode_side<G, BF16, D>(codes, meta, s, tile, lo, hi);
+      decode_side<G, BF16, D, SW>(codes, meta, s, tile, lo, hi);
   };
   (void)((s.format == F && (one(FormatTag<F>{}), true)) || ...);
 }
 
-template <bool BF16, int D>
+template <bool BF16, int D, bool SW>
 __device__ __forceinline__ void decode_any(const uint8_t *codes, const uint8_t *meta,
                                            const Side &s, uint8_t *tile, int lo, int hi) {
-  decode_in<BF16, D>(AllFormats{}, codes, meta, s, tile, lo, hi);
+  decode_in<BF16, D, SW>(AllFormats{}, codes, meta, s, tile, lo, hi);
 }
 
 /// New tokens of sequence b and the first one's index over the batch; 0 tokens (and `*bad`)
@@ -267,12 +299,13 @@ struct StepPages {
 /// Queue the copies of a direct side's rows of one step into operand tile `op`: thread t copies
 /// 16-byte unit t of every kThreads, rows at or past `hi` (relative to the step) zero-filled so
 /// that never-written codes cannot reach the MMAs.
-template <int D>
+template <int D, bool SW>
 __device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_off,
                                              const StepPages &pg, int hi, uint8_t *op) {
   constexpr int P = pitch<D>();
   constexpr int UR = D * 2 / 16;  // 16-byte units of a row
   constexpr int N = kTokens * UR / kThreads;
+  constexpr int RPI = kThreads / UR;  // rows one pass of the block covers
   static_assert(kTokens * UR % kThreads == 0, "whole units per thread");
   static_assert(kTokens / kRun == 4, "four runs a step (pick below)");
   // The run's first row in the pool (or -1), by selects: an array indexed at run time would
@@ -281,13 +314,32 @@ __device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_
 #pragma unroll
   for (int r = 0; r < 4; ++r)
     first[r] = pg.at[r] < 0 ? -1 : pg.at[r] + codes_off + (int64_t)pg.off[r] * (D * 2);
+  if constexpr (kThreads % UR == 0 && kRun % RPI == 0) {
+    // Pass i covers rows [i RPI, (i + 1) RPI), all in run i RPI / kRun: the run and the row's
+    // place in it are known at compile time, the thread's row and column once (RPI is a
+    // multiple of 8, so a B128 tile's swizzle is the same in every pass).
+    static_assert(!SW || RPI % 8 == 0, "one swizzle per thread");
+    const int row0 = threadIdx.x / UR, c = threadIdx.x % UR;
+    const uint32_t dst = smem_u32(op) + tile_at<D, SW>(row0, c);
+    constexpr int kRowBytes = SW ? 128 : P;
+    const int in_row = row0 * (D * 2) + c * 16;
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int u = threadIdx.x + i * kThreads, row = u / UR, c = u - row * UR, run = row / kRun;
-    const int64_t at = run == 0 ? first[0] : run == 1 ? first[1] : run == 2 ? first[2] : first[3];
-    const bool live = at >= 0 && row < hi;
-    const uint8_t *src = head + (live ? at + (int64_t)(row % kRun) * (D * 2) + c * 16 : 0);
-    cp_async16(smem_u32(op + row * P + c * 16), src, live ? 16u : 0u);
+    for (int i = 0; i < N; ++i) {
+      const int64_t at = first[i * RPI / kRun];
+      const bool live = at >= 0 && row0 + i * RPI < hi;
+      const uint8_t *src = head + (live ? at + (i * RPI % kRun) * (D * 2) + in_row : 0);
+      cp_async16(dst + i * RPI * kRowBytes, src, live ? 16u : 0u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int u = threadIdx.x + i * kThreads, row = u / UR, c = u - row * UR, run = row / kRun;
+      const int64_t at =
+          run == 0 ? first[0] : run == 1 ? first[1] : run == 2 ? first[2] : first[3];
+      const bool live = at >= 0 && row < hi;
+      const uint8_t *src = head + (live ? at + (int64_t)(row % kRun) * (D * 2) + c * 16 : 0);
+      cp_async16(smem_u32(op + tile_at<D, SW>(row, c)), src, live ? 16u : 0u);
+    }
   }
 }
 
@@ -316,9 +368,15 @@ template <int D, bool KB, bool VB>
 __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   constexpr int P = pitch<D>();
   constexpr int TILE = kRows * P;
-  // Q fragments live in registers up to head_dim 128; wider rows are read per k-step.
-  constexpr bool QREG = D <= 128;
-  extern __shared__ __align__(128) uint8_t smem[];
+  // Pipelined (Q fragments in registers, decode a step ahead) up to head_dim 128; wider rows
+  // read Q per k-step and decode between two barriers.
+  constexpr bool PIPE = pipelined(D);
+  constexpr bool QREG = q_in_registers(D);
+  // wgmma (one warpgroup: the block) on B128 tiles, else mma.sync per warp on padded rows.
+  constexpr bool WG = uses_wgmma<D>();
+  static_assert(!WG || (kThreads == 128 && kRows == 64 && kTokens == 64), "one warpgroup");
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t *const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   __shared__ int row_lo[kRows], row_hi[kRows];  // keys [lo, hi) each row sees in this split
   __shared__ int64_t row_out[kRows], row_lse[kRows];
   __shared__ int row_head[kRows];
@@ -363,7 +421,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   const Layout L = smem_layout(D, p.k, p.v);
   uint8_t *qs = smem + L.q;
 
-  // ---- Q tile: cp.async of each row (rows past the sequence: zeros).
+  // ---- Q tile: cp.async of each row (rows past the sequence: zeros). Commit group 1 of 3.
   {
     constexpr int U = D * 2 / 16;
     for (int u = tid; u < kRows * U; u += kThreads) {
@@ -375,7 +433,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
                c * 16;
         bytes = 16;
       }
-      cp_async16(smem_u32(qs + rr * P + c * 16), src, bytes);
+      cp_async16(smem_u32(qs + tile_at<D, WG>(rr, c)), src, bytes);
     }
     cp_async_commit();
   }
@@ -391,16 +449,19 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   const uint8_t *head = p.pool + (int64_t)kvh * p.head_stride;
   const int32_t *table = p.block_tables + (int64_t)b * p.max_blocks;
   bool fault = false;
-  // Buffer `buf` of a side: a direct side's operand tile, a quantized side's staging area.
-  auto k_buf = [&](int buf) {
-    return smem + (k_direct ? L.k_op + buf * TILE : L.k_stage + buf * stage_bytes(p.k));
+  // Step s's operand tile and (quantized side) staging area of each side.
+  auto k_op = [&](int s) {
+    return smem + L.k_op + ((k_direct || PIPE) ? (s & 1) * TILE : 0);
   };
-  auto v_buf = [&](int buf) {
-    return smem + (v_direct ? L.v_op + buf * TILE : L.v_stage + buf * stage_bytes(p.v));
+  auto v_op = [&](int s) {
+    return smem + L.v_op + ((v_direct || PIPE) ? (s & 1) * TILE : 0);
   };
-  // Page offsets of a step, found by threads 0..3 one step ahead and read by all after the
-  // next barrier (two sets, by step parity).
-  __shared__ StepPages pages[2];
+  auto k_stage = [&](int s) { return smem + L.k_stage + (s & 1) * stage_bytes(p.k); };
+  auto v_stage = [&](int s) { return smem + L.v_stage + (s & 1) * stage_bytes(p.v); };
+  // Page offsets of step s, found by threads 0..3 three steps ahead into set s % 4 and read
+  // after the next barrier (a direct side's copies are queued one step ahead, a quantized
+  // side's two on the pipelined schedule).
+  __shared__ StepPages pages[4];
   auto find_pages = [&](int st) {
     if (tid < kTokens / kRun && st < nsteps) {
       const int tok = base + st * kTokens + tid * kRun;
@@ -413,57 +474,81 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
         if (x >= 0 && (int64_t)x < p.num_blocks) at = (int64_t)x * p.block_stride;
         else fault = true;
       }
-      pages[st & 1].at[tid] = at;
-      pages[st & 1].off[tid] = off;
+      pages[st & 3].at[tid] = at;
+      pages[st & 3].off[tid] = off;
     }
   };
-  auto issue = [&](int st) {
-    const StepPages &pg = pages[st & 1];
-    const int tok0 = base + st * kTokens;
-    const int hi = kv_hi - tok0;  // rows of the step inside the keys
-    const int nruns = min(kTokens / kRun, (hi + kRun - 1) / kRun);
+  // Queue the copies of direct sides for step ds and of quantized sides for step rs (steps
+  // past the last are skipped), as one commit group.
+  auto issue = [&](int ds, int rs) {
+    const int d_hi = kv_hi - (base + ds * kTokens), r_hi = kv_hi - (base + rs * kTokens);
+    const int r_runs = min(kTokens / kRun, (r_hi + kRun - 1) / kRun);
     if (k_direct) {
-      issue_direct<D>(head, p.k.codes_off, pg, hi, k_buf(st & 1));
-    } else {
-      issue_raw(p.k, head, pg, nruns, k_buf(st & 1));
+      if (ds < nsteps) issue_direct<D, WG>(head, p.k.codes_off, pages[ds & 3], d_hi, k_op(ds));
+    } else if (rs < nsteps) {
+      issue_raw(p.k, head, pages[rs & 3], r_runs, k_stage(rs));
     }
     if (v_direct) {
-      issue_direct<D>(head, p.v.codes_off, pg, hi, v_buf(st & 1));
-    } else {
-      issue_raw(p.v, head, pg, nruns, v_buf(st & 1));
+      if (ds < nsteps) issue_direct<D, WG>(head, p.v.codes_off, pages[ds & 3], d_hi, v_op(ds));
+    } else if (rs < nsteps) {
+      issue_raw(p.v, head, pages[rs & 3], r_runs, v_stage(rs));
     }
     cp_async_commit();
   };
+  // Decode the quantized sides of step s from their staging areas into their operand tiles.
+  auto decode_step = [&](int s) {
+    if (s >= nsteps) return;
+    const int tok0 = base + s * kTokens;
+    const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
+    if (!k_direct) {
+      const uint8_t *raw = k_stage(s);
+      decode_any<KB, D, WG>(raw, raw + kTokens * p.k.codes_row, p.k, k_op(s), lo, hi);
+    }
+    if (!v_direct) {
+      const uint8_t *raw = v_stage(s);
+      decode_any<VB, D, WG>(raw, raw + kTokens * p.v.codes_row, p.v, v_op(s), lo, hi);
+    }
+  };
   find_pages(0);
   find_pages(1);
+  find_pages(2);
   __syncthreads();
-  if (nsteps > 0) issue(0);
+  issue(0, 0);                 // group 2
+  issue(nsteps, PIPE ? 1 : nsteps);  // group 3 (empty off the pipelined schedule)
 
+  cp_async_wait<2>();  // the Q tile
+  __syncthreads();
   // bf16 queries over an f16 key operand: each row scaled by a power of two into f16's range.
   if (p.q_bf16 && !KB) {
-    if (nsteps > 0) cp_async_wait<1>();  // the Q tile (step 0's copies may still fly)
-    else cp_async_wait<0>();
-    __syncthreads();
+    // Element d of row r, in the Q tile's layout.
+    auto q_elem = [&](int r, int d) { return qs + tile_at<D, WG>(r, d / 8) + (d % 8) * 2; };
     for (int r = warp; r < kRows; r += kWarps) {
-      const __nv_bfloat16 *row = reinterpret_cast<const __nv_bfloat16 *>(qs + r * P);
       float mx = 0.f;
-      for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(__bfloat162float(row[d])));
+      for (int d = lane; d < D; d += 32)
+        mx = fmaxf(mx, fabsf(__bfloat162float(*reinterpret_cast<__nv_bfloat16 *>(q_elem(r, d)))));
 #pragma unroll
       for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
       const int e = (mx > 0.f && mx <= 3.0e38f) ? ilogbf(mx) : 0;
       const float sc = ldexpf(1.f, -e);
-      __half *dst = reinterpret_cast<__half *>(qs + r * P);
-      for (int d = lane; d < D; d += 32) dst[d] = __float2half_rn(__bfloat162float(row[d]) * sc);
+      for (int d = lane; d < D; d += 32) {
+        uint8_t *x = q_elem(r, d);
+        const float v = __bfloat162float(*reinterpret_cast<__nv_bfloat16 *>(x));
+        *reinterpret_cast<__half *>(x) = __float2half_rn(v * sc);
+      }
       if (lane == 0) row_qs[r] = ldexpf(1.f, e);
     }
+    __syncthreads();
   }
 
   // This warp's rows: a = warp * 16 + g, b = a + 8 (C-fragment rows).
   const int ra = warp * 16 + g, rb = ra + 8;
   const int lo_a = row_lo[ra], hi_a = row_hi[ra], lo_b = row_lo[rb], hi_b = row_hi[rb];
-  int w_lo = INT32_MAX, w_hi = 0;  // keys any of the warp's rows sees
-  for (int r = warp * 16; r < warp * 16 + 16; ++r)
+  // Keys any of the warp's rows sees, [w_lo, w_hi), and that all of them see, [in_lo, in_hi).
+  int w_lo = INT32_MAX, w_hi = 0, in_lo = 0, in_hi = INT32_MAX;
+  for (int r = warp * 16; r < warp * 16 + 16; ++r) {
     if (row_hi[r] > row_lo[r]) w_lo = min(w_lo, row_lo[r]), w_hi = max(w_hi, row_hi[r]);
+    in_lo = max(in_lo, row_lo[r]), in_hi = min(in_hi, row_hi[r]);
+  }
 
   float k_factor = 1.f, v_factor = 1.f;
   // Per-head scales (FP8), null for formats without one.
@@ -473,6 +558,10 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   // Logits in the log2 domain: x * mul (no cap) or cap2 * tanh(x * mul) (capped).
   const float mul = capped ? p.sm_scale * k_factor / p.soft_cap : p.sm_scale * k_factor * kLog2e;
   const float cap2 = p.soft_cap * kLog2e;
+  const float mul_a = mul * row_qs[ra], mul_b = mul * row_qs[rb];
+  // A step whose keys every row of the warp sees, without a cap, takes the plain path: the
+  // scale folds into the exponent's FMA and nothing is masked (a positive scale keeps the max).
+  const bool plain_ok = !capped && mul > 0.f;
 
   float o[D / 8][4];
 #pragma unroll
@@ -486,49 +575,76 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   const uint32_t k_lane = ((lane / 16) * 8 + lane % 8) * P + ((lane / 8) % 2) * 16;
   const uint32_t v_lane = (lane % 8 + ((lane / 8) % 2) * 8) * P + (lane / 16) * 16;
   uint32_t qf[QREG ? D / 16 : 1][4];
-  bool q_loaded = false;
-  float mul_a = 0.f, mul_b = 0.f;
+  // Q fragment kk of this warp (A operand): in the B128 tile, chunk 2 kk + lane / 16 of row
+  // warp * 16 + lane % 16.
+  auto q_frag = [&](int kk, uint32_t(&a)[4]) {
+    if constexpr (WG)
+      ldmatrix_x4(smem_u32(qs) + tile_at<D, true>(warp * 16 + lane % 16, 2 * kk + lane / 16), a);
+    else ldmatrix_x4(q_addr + kk * 32, a);
+  };
+  if constexpr (QREG) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) q_frag(kk, qf[kk]);
+  }
+  if (PIPE) {
+    cp_async_wait<1>();  // step 0
+    __syncthreads();
+    decode_step(0);
+  }
 
 #pragma unroll 1
   for (int st = 0; st < nsteps; ++st) {
     const int tok0 = base + st * kTokens;
     cp_async_wait<0>();
-    __syncthreads();  // step st is in; every warp is done with step st - 1's tiles
-    if (st + 1 < nsteps) issue(st + 1);
-    find_pages(st + 2);  // the set issue(st) read, before this step's barrier
-    const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
-    if (!k_direct) {
-      const uint8_t *raw = k_buf(st & 1);
-      decode_any<KB, D>(raw, raw + kTokens * p.k.codes_row, p.k, smem + L.k_op, lo, hi);
+#if KVQ_HAS_WGMMA
+    if constexpr (WG) fence_proxy_async();  // this thread's copies and decoded rows, for wgmma
+#endif
+    // Step st is in (and, pipelined, decoded); every warp is done with step st - 1's tiles.
+    __syncthreads();
+    issue(st + 1, st + (PIPE ? 2 : 1));
+    find_pages(st + 3);  // set (st - 1) % 4: read by the copies queued before this barrier
+    if (PIPE) {
+      decode_step(st + 1);  // into the tiles step st - 1 used; read after the next barrier
+    } else if (!k_direct || !v_direct) {
+      decode_step(st);
+      __syncthreads();
     }
-    if (!v_direct) {
-      const uint8_t *raw = v_buf(st & 1);
-      decode_any<VB, D>(raw, raw + kTokens * p.v.codes_row, p.v, smem + L.v_op, lo, hi);
-    }
-    if (!k_direct || !v_direct) __syncthreads();
-    if (tok0 >= w_hi || tok0 + kTokens <= w_lo) continue;  // no key of this step for the warp
-    if (!q_loaded) {
-      q_loaded = true;
-      mul_a = mul * row_qs[ra], mul_b = mul * row_qs[rb];
-      if constexpr (QREG) {
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(q_addr + kk * 32, qf[kk]);
-      }
-    }
-    const uint32_t ks_u = smem_u32(k_direct ? k_buf(st & 1) : smem + L.k_op) + k_lane;
-    const uint32_t vs_u = smem_u32(v_direct ? v_buf(st & 1) : smem + L.v_op) + v_lane;
+    // No key of this step for the warp: skipped, but the warpgroup's MMAs take every warp.
+    if (!WG && (tok0 >= w_hi || tok0 + kTokens <= w_lo)) continue;
+    const uint32_t ks_u = smem_u32(k_op(st)) + k_lane;
+    const uint32_t vs_u = smem_u32(v_op(st)) + v_lane;
 
-    // S = Q K^T: 16 rows x 64 tokens (8 n-tiles of 8 tokens).
+    // S = Q K^T: 16 rows x 64 tokens (8 n-tiles of 8 tokens) a warp.
     float s[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#if KVQ_HAS_WGMMA
+    if constexpr (WG) {
+      // K-major B: 64-column block kk / 4 of the keys' rows, 32 bytes per k-step within it.
+      const uint32_t kt = smem_u32(k_op(st));
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+      for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        if constexpr (QREG) a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
+        else q_frag(kk, a);
+        wgmma_m64n64k16<KB, 0>(s, a, b128_desc(kt + (kk / 4) * 8192 + (kk % 4) * 32, 8192),
+                               kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
+    }
+#endif
+#pragma unroll
+    for (int kk = 0; kk < (WG ? 0 : D / 16); ++kk) {
       uint32_t a[4];
       if constexpr (QREG) {
         a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
       } else {
-        ldmatrix_x4(q_addr + kk * 32, a);
+        q_frag(kk, a);
       }
       const uint4 av = make_uint4(a[0], a[1], a[2], a[3]);
 #pragma unroll
@@ -540,34 +656,45 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
       }
     }
 
-    // Logits (log2 domain), masks, running max.
-    float mx_a = -INFINITY, mx_b = -INFINITY;
-    const bool all_in = tok0 >= max(lo_a, lo_b) && tok0 + kTokens <= min(hi_a, hi_b);
+    // Running max of the logits (log2 domain). The exponent below is s * e_a - sub_a: plain,
+    // s is the raw score and e_a the row's scale; otherwise s is the finished logit (scaled,
+    // capped, masked to -inf) and e_a is 1.
+    float mx_a = -INFINITY, mx_b = -INFINITY, e_a = 1.f, e_b = 1.f;
+    if (plain_ok && tok0 >= in_lo && tok0 + kTokens <= in_hi) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * (e < 2 ? mul_a : mul_b);
-        if (capped) {
-          float th;
-          asm("tanh.approx.f32 %0, %1;" : "=f"(th) : "f"(x));
-          x = cap2 * th;
-        }
-        if (!all_in) {
-          const int tok = tok0 + j * 8 + 2 * t + (e & 1);
-          const bool in = e < 2 ? (tok >= lo_a && tok < hi_a) : (tok >= lo_b && tok < hi_b);
-          x = in ? x : -INFINITY;
-        }
-        s[j][e] = x;
+      for (int j = 0; j < 8; ++j) {
+        mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
       }
-      mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
-      mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
+      e_a = mul_a, e_b = mul_b;
+    } else {
+      // Key tok is in row a's range when tok - lo_a < hi_a - lo_a (unsigned).
+      const int da = tok0 + 2 * t - lo_a, db = tok0 + 2 * t - lo_b;
+      const unsigned wa = hi_a - lo_a, wb = hi_b - lo_b;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[j][e] * (e < 2 ? mul_a : mul_b);
+          if (capped) {
+            float th;
+            asm("tanh.approx.f32 %0, %1;" : "=f"(th) : "f"(x));
+            x = cap2 * th;
+          }
+          const int k = j * 8 + (e & 1);
+          const bool in = e < 2 ? (unsigned)(da + k) < wa : (unsigned)(db + k) < wb;
+          s[j][e] = in ? x : -INFINITY;
+        }
+        mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
+      }
     }
 #pragma unroll
     for (int x = 1; x <= 2; x <<= 1) {
       mx_a = fmaxf(mx_a, __shfl_xor_sync(kFull, mx_a, x));
       mx_b = fmaxf(mx_b, __shfl_xor_sync(kFull, mx_b, x));
     }
+    mx_a *= e_a, mx_b *= e_b;
     const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
     // A row that has seen nothing keeps m = -inf: alpha 1 (O and l are 0), subtract 0.
     const float al_a = mn_a == -INFINITY ? 1.f : fast_exp2(m_a - mn_a);
@@ -581,16 +708,44 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     uint32_t pa[8][2];  // P as A operands: n-tile j, rows a (0) / b (1), tokens 2t, 2t + 1
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float p0 = fast_exp2(s[j][0] - sub_a), p1 = fast_exp2(s[j][1] - sub_a);
-      const float p2 = fast_exp2(s[j][2] - sub_b), p3 = fast_exp2(s[j][3] - sub_b);
+      const float p0 = fast_exp2(fmaf(s[j][0], e_a, -sub_a));
+      const float p1 = fast_exp2(fmaf(s[j][1], e_a, -sub_a));
+      const float p2 = fast_exp2(fmaf(s[j][2], e_b, -sub_b));
+      const float p3 = fast_exp2(fmaf(s[j][3], e_b, -sub_b));
       l_a += p0 + p1, l_b += p2 + p3;
       pa[j][0] = pack2<VB>(p0, p1);
       pa[j][1] = pack2<VB>(p2, p3);
     }
 
-    // O += P V: per 16 tokens, A = P (n-tiles 2ks, 2ks + 1), B = V^T by transposed ldmatrix.
+    // O += P V: per 16 tokens, A = P (n-tiles 2ks, 2ks + 1), B = V^T by transposed ldmatrix
+    // (or, wgmma, an N-major B: 16 keys are 2048 bytes of every column block).
+#if KVQ_HAS_WGMMA
+    if constexpr (WG) {
+      const uint32_t vt = smem_u32(v_op(st));
+      // O's rescale and P's packing land before the fence.
 #pragma unroll
-    for (int ks2 = 0; ks2 < 4; ++ks2) {
+      for (int i = 0; i < D / 8; ++i)
+        for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) fence_operand(pa[j][0]), fence_operand(pa[j][1]);
+      wgmma_fence();
+#pragma unroll
+      for (int ks2 = 0; ks2 < 4; ++ks2) {
+        const uint32_t a[4] = {pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0],
+                               pa[2 * ks2 + 1][1]};
+        const uint64_t desc = b128_desc(vt + ks2 * 2048, 8192);
+        if constexpr (D == 128) wgmma_m64n128k16<VB, 1>(o, a, desc, 1);
+        else wgmma_m64n64k16<VB, 1>(o, a, desc, 1);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i)
+        for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
+    }
+#endif
+#pragma unroll
+    for (int ks2 = 0; ks2 < (WG ? 0 : 4); ++ks2) {
       const uint4 av = make_uint4(pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0],
                                   pa[2 * ks2 + 1][1]);
 #pragma unroll

@@ -1,0 +1,113 @@
+// prim/wgmma.cuh: Hopper warpgroup MMA (wgmma.mma_async, sm_90a) with the A operand in
+// registers and B read from shared memory through a matrix descriptor, and the 128-byte
+// swizzled tile layout those descriptors describe.
+//
+// Tile layout (B128): a [rows x cols] tile of 16-bit elements is stored as cols / 64 column
+// blocks of rows x 128 bytes; in row r the 16-byte chunk c (elements 8c..8c+7 of the block) sits
+// at chunk c ^ (r % 8). Each tile starts on a 1024-byte boundary (the swizzle reads address
+// bits). The same bytes serve as a K-major B operand (rows = N, e.g. keys for S = Q K^T) and as
+// an N-major one (rows = K, e.g. keys for O = P V, whose N is the head dimension).
+//
+// Accumulators and register A fragments have, per warp of the warpgroup (rows 16w..16w+15), the
+// layouts of mma.sync m16n8k16's C and A fragments (prim/mma.cuh), so the code around the MMAs
+// is the same for both.
+#pragma once
+
+#include <stdint.h>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define KVQ_HAS_WGMMA 1
+#else
+#define KVQ_HAS_WGMMA 0
+#endif
+
+namespace kvq {
+
+/// Byte offset of 16-byte chunk `chunk` of row `row` in a B128 tile of `rows` rows.
+template <int kTileRows>
+__host__ __device__ constexpr int b128_at(int row, int chunk) {
+  return (chunk / 8) * (kTileRows * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
+}
+
+/// Descriptor of a B128 tile's operand starting at shared address `addr` (1024-aligned tile
+/// base plus the operand's offset): stride between 8-row groups 1024 bytes, between column
+/// blocks `block_bytes` (used by N-major operands wider than one block).
+__device__ __forceinline__ uint64_t b128_desc(uint32_t addr, uint32_t block_bytes) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(block_bytes >> 4) << 16) |
+         ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+#if KVQ_HAS_WGMMA
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+/// Orders this thread's earlier generic-proxy shared-memory writes (st.shared, cp.async) before
+/// later async-proxy reads (wgmma operands); a barrier then extends it to the block.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+/// Keeps the compiler from moving reads or writes of a wgmma operand register across the
+/// fence or wait beside it (the asm statements of those name no registers).
+__device__ __forceinline__ void fence_operand(float &x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void fence_operand(uint32_t &x) {
+  asm volatile("" : "+r"(x)::"memory");
+}
+
+#define KVQ_WG_ACC8(i)                                                                     \
+  "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3]), "+f"(d[i + 1][0]),           \
+      "+f"(d[i + 1][1]), "+f"(d[i + 1][2]), "+f"(d[i + 1][3])
+
+// One wgmma with 64 x N f32 accumulators (N / 2 registers from %0), A in 4 registers, the B
+// descriptor, scale-d from `acc` (0: D = A B) and B's major-ness as an immediate.
+#define KVQ_WG_M64N64(T)                                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " "                    \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "    \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, " \
+               "%31}, {%32, %33, %34, %35}, %37, p, 1, 1, %38;\n}\n"                          \
+               : KVQ_WG_ACC8(0), KVQ_WG_ACC8(2), KVQ_WG_ACC8(4), KVQ_WG_ACC8(6)             \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(acc), "l"(desc),           \
+                 "n"(kTransB))
+#define KVQ_WG_M64N128(T)                                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." T "." T " "                   \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "    \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, " \
+               "%31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, " \
+               "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, " \
+               "%61, %62, %63}, {%64, %65, %66, %67}, %69, p, 1, 1, %70;\n}\n"                \
+               : KVQ_WG_ACC8(0), KVQ_WG_ACC8(2), KVQ_WG_ACC8(4), KVQ_WG_ACC8(6),            \
+                 KVQ_WG_ACC8(8), KVQ_WG_ACC8(10), KVQ_WG_ACC8(12), KVQ_WG_ACC8(14)          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(acc), "l"(desc),           \
+                 "n"(kTransB))
+
+/// d[8][4] (+)= A (64 x 16, registers) * B (16 x 64, descriptor); `acc` 0 overwrites d.
+template <bool BF16, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4],
+                                                uint64_t desc, int acc) {
+  if constexpr (BF16) KVQ_WG_M64N64("bf16");
+  else KVQ_WG_M64N64("f16");
+}
+
+/// d[16][4] (+)= A (64 x 16, registers) * B (16 x 128, descriptor); `acc` 0 overwrites d.
+template <bool BF16, int kTransB>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], const uint32_t (&a)[4],
+                                                 uint64_t desc, int acc) {
+  if constexpr (BF16) KVQ_WG_M64N128("bf16");
+  else KVQ_WG_M64N128("f16");
+}
+
+#undef KVQ_WG_M64N64
+#undef KVQ_WG_M64N128
+#undef KVQ_WG_ACC8
+
+#endif  // KVQ_HAS_WGMMA
+
+}  // namespace kvq
