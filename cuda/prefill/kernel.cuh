@@ -7,14 +7,16 @@
 // the keys. Tiles are numbered over the batch in the CTA itself (a scan of qo_indptr), each
 // sequence's last (longest, under the causal mask) tile first.
 //
-// Per step of 64 KV tokens each warp computes S = Q K^T and O += P V on tensor cores (mma.sync
-// m16n8k16, f32 accumulate) with an online softmax in the log2 domain, from 16-bit operand
-// tiles in shared memory. A side (K or V) whose cache format is its operand type (f16, bf16) is
-// copied straight into two alternating operand tiles; a quantized side is copied raw (codes and
-// metadata, runs of 16 tokens of one page) into two alternating staging areas and decoded by
-// every thread with the format's codec (codec/: the exact FORMATS.md values; FP8's per-head
-// scale is left out and applied to S and O) into one operand tile. The next step's copies fly
-// during this step's decode and MMAs.
+// Per step of 64 KV tokens each warp computes S = Q K^T and O += P V for its 16 rows on tensor
+// cores (f32 accumulate; on sm_90a at head_dim 64 / 128 as one warpgroup's wgmma, else mma.sync
+// m16n8k16) with an online softmax in the log2 domain, from 16-bit operand tiles in shared
+// memory. A side (K or V) whose cache format is its operand type (f16, bf16) is copied straight
+// into two alternating operand tiles; a quantized side is copied raw (codes and metadata, runs of
+// 16 tokens of one page) into two alternating staging areas and decoded by every thread with the
+// format's codec (codec/: the exact FORMATS.md values; FP8's per-head scale is left out and
+// applied to S and O) into an operand tile: a step ahead into the second tile up to head_dim 128
+// (pipelined), else into one tile between two barriers. The next step's copies fly during this
+// step's decode and MMAs.
 //
 // Operand types: bf16 for a bf16 side, else f16 (exact for FP8 codes; decoded INT4 values are
 // rounded once). bf16 queries over an f16 key operand are scaled per row by a power of two into

@@ -122,8 +122,8 @@ pub struct PrefillStep<'a, Q, O> {
     /// `[batch + 1]` offsets of each sequence's new tokens, on the host: checked against the
     /// tables (and used to cut the launch); it must equal `qo_indptr_dev`.
     pub qo_indptr: &'a [u32],
-    /// The same offsets on the device (i32), as the kernel reads them.
-    pub qo_indptr_dev: &'a CudaSlice<i32>,
+    /// The same offsets on the device (i32), as the kernel reads them: a `CudaSlice` or a view.
+    pub qo_indptr_dev: &'a dyn DevicePtr<i32>,
     /// Queries (f16 or bf16), rows at `q_rows`: strides multiples of 8, the buffer 16-byte
     /// aligned (cudarc's allocations are).
     pub q: &'a Q,
@@ -133,11 +133,13 @@ pub struct PrefillStep<'a, Q, O> {
     pub out: &'a mut O,
     /// Where the output rows go.
     pub out_rows: TokenRows,
-    /// Optional f32 log-sum-exps (natural log, sink included) and where they go (width 1).
-    pub lse: Option<(&'a mut CudaSlice<f32>, TokenRows)>,
+    /// Optional f32 log-sum-exps (natural log, sink included) and where they go (width 1): a
+    /// `CudaSlice` or a view into a larger buffer. Trait objects here and below, so that `None`
+    /// needs no type annotation.
+    pub lse: Option<(&'a mut dyn DevicePtrMut<f32>, TokenRows)>,
     /// Optional per-query-head sink logits `[num_q_heads]` (gpt-oss): each joins its head's
     /// softmax denominator, with a zero value.
-    pub sinks: Option<&'a CudaSlice<f32>>,
+    pub sinks: Option<&'a dyn DevicePtr<f32>>,
 }
 
 /// How prefill launches for one cache layout and capacity are made.
