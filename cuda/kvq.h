@@ -104,6 +104,16 @@ int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks, const int3
 int kvq_copy_blocks(const kvq_cache *cache, int64_t num_blocks, const int32_t *pairs,
                     int64_t num_pairs, unsigned long long *counters, void *stream);
 
+/* kvq_copy_blocks on every layer of a model in one launch: `pools` is a device array of
+ * num_layers pool addresses (each 16-byte aligned), every pool of num_blocks blocks of
+ * block_stride bytes (a multiple of 16); `pairs` and its rules are kvq_copy_blocks', applied to
+ * each pool. `counters`, a device array of num_layers counter addresses (or null, and an entry
+ * may be null), gets layer l's skipped pairs in counters[l][KVQ_COUNTER_OUT_OF_RANGE]. At most
+ * 65535 layers and 65535 pairs (grid y and z). */
+int kvq_copy_blocks_layers(uint8_t *const *pools, unsigned long long *const *counters,
+                           int32_t num_layers, int64_t block_stride, int64_t num_blocks,
+                           const int32_t *pairs, int64_t num_pairs, void *stream);
+
 /* Update device block tables in place from host memory the device reads directly (pinned and
  * mapped: CU_MEMHOSTALLOC_DEVICEMAP; `src` is its device address): lens_dst[i] = src[i] for
  * i < num_lens, then table_dst[src[num_lens + 2j]] = src[num_lens + 2j + 1] for j < num_pairs

@@ -112,7 +112,8 @@ pub enum Error {
     NoDevice(String),
     /// A layer of a multi-layer cache differs from what the cache was built with (a layer
     /// swapped in through `PagedKvCache::layers_mut`): writing it at the allocator's slots would
-    /// put tokens at wrong positions.
+    /// put tokens at wrong positions. Also a layer of an all-layer GPU call
+    /// (`kvq::cuda::copy_blocks_all`) that differs from layer 0 in shape or stream.
     #[error("layer {layer}: {what} is {actual}, the cache was built with {expected}")]
     LayerMismatch {
         layer: usize,

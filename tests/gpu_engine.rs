@@ -1,7 +1,8 @@
 //! The GPU path as an engine's step loop drives it, checked against the CPU reference on a host
 //! cache that receives the same operations: continuous batching through one capacity plan (a
 //! CUDA graph captured once and replayed over a changing batch with padding rows), block tables
-//! updated in place, fork → reserve → copy-on-write → decode, swapping blocks out and back in,
+//! updated in place, fork → reserve → copy-on-write → decode, swapping blocks out and back in
+//! (one layer, or every layer in one call), block copies of every layer in one launch,
 //! strided query / output views with independent output types, the engine's own streams
 //! (ordering across streams, a raw context and stream), fault counting, and reuse of freed
 //! blocks.
@@ -738,6 +739,178 @@ fn copy_lists_apply_in_order_as_on_the_host() {
     assert_eq!(dev.copy_blocks(&bad), want);
     assert!(dev.to_host().unwrap().pool() == host.pool());
     assert_eq!(dev.check_appends().unwrap(), 0);
+}
+
+/// `layers` host caches of `nb` blocks with different random tokens in every slot, and their
+/// device copies on `gpu`.
+fn random_layers(
+    gpu: &Gpu,
+    rng: &mut Rng,
+    layers: usize,
+    nb: usize,
+) -> (Vec<HostCache>, Vec<DeviceCache>) {
+    let config = CacheConfig::new(KV_HEADS, D, BS, KvFormat::F16, KvFormat::Int4Affine64).unwrap();
+    let slots: Vec<usize> = (0..nb * BS).collect();
+    let n = slots.len() * KV_HEADS * D;
+    let hosts: Vec<HostCache> = (0..layers)
+        .map(|_| {
+            let mut h = HostCache::new(config, nb).unwrap();
+            h.write(&slots, &rng.normals(n, 1.0), &rng.normals(n, 1.0))
+                .unwrap();
+            h
+        })
+        .collect();
+    let devs = hosts
+        .iter()
+        .map(|h| DeviceCache::from_host(gpu, h).unwrap())
+        .collect();
+    (hosts, devs)
+}
+
+/// `copy_blocks_all` applies one list to every layer's cache (one launch per wave for all of
+/// them) and leaves each layer the bytes `HostCache::apply_copies` leaves: chains, `src ==
+/// dst`, two copies into one block, a swap of two blocks, a long random list. Bad ids, layers
+/// of another shape or stream are typed errors before anything is copied.
+#[test]
+fn copy_lists_apply_to_every_layer_at_once() {
+    let Some(gpu) = require_gpu_or_skip("copy_lists_apply_to_every_layer_at_once") else {
+        return;
+    };
+    let mut rng = common::fresh_rng("copy_lists_apply_to_every_layer_at_once");
+    let nb = 12;
+    let (mut hosts, mut devs) = random_layers(&gpu, &mut rng, 5, nb);
+    let c = |src, dst| CopyBlock { src, dst };
+    let random: Vec<CopyBlock> = (0..2000).map(|_| c(rng.below(nb), rng.below(nb))).collect();
+    let lists = [
+        vec![c(0, 1), c(1, 2), c(2, 3)],
+        vec![c(4, 4)],
+        vec![c(5, 6), c(7, 6), c(6, 8)],
+        vec![c(9, 10), c(10, 9)],
+        vec![c(11, 0), c(1, 11), c(0, 5), c(3, 3), c(5, 1)],
+        vec![c(0, 4), c(1, 5), c(2, 6), c(3, 7)],
+        random,
+        vec![],
+    ];
+    let same = |hosts: &[HostCache], devs: &[DeviceCache], what: &str| {
+        for (l, (h, d)) in hosts.iter().zip(devs).enumerate() {
+            assert!(d.to_host().unwrap().pool() == h.pool(), "{what}, layer {l}");
+        }
+    };
+    for (i, list) in lists.iter().enumerate() {
+        for h in &mut hosts {
+            h.apply_copies(list).unwrap();
+        }
+        if i % 2 == 0 {
+            kvq::cuda::copy_blocks_all(&mut devs, list).unwrap();
+        } else {
+            // Caches the engine holds elsewhere, by reference.
+            let mut refs: Vec<&mut DeviceCache> = devs.iter_mut().collect();
+            kvq::cuda::copy_blocks_all(&mut refs, list).unwrap();
+        }
+        same(&hosts, &devs, &format!("list {i}"));
+    }
+    // One layer is the one-layer path.
+    hosts[2].apply_copies(&lists[0]).unwrap();
+    kvq::cuda::copy_blocks_all(&mut devs[2..3], &lists[0]).unwrap();
+    same(&hosts, &devs, "one layer");
+    kvq::cuda::copy_blocks_all::<DeviceCache>(&mut [], &lists[0]).unwrap();
+
+    let bad = [c(0, 1), c(2, nb)];
+    assert_eq!(
+        kvq::cuda::copy_blocks_all(&mut devs, &bad),
+        Err(Error::BlockIndex {
+            block: nb,
+            num_blocks: nb
+        })
+    );
+    // A layer of another pool size, or on another stream, is refused.
+    let (_, mut bigger) = random_layers(&gpu, &mut rng, 1, nb + 1);
+    let other = Gpu::from_stream(gpu.context().new_stream().unwrap()).unwrap();
+    let mut elsewhere = DeviceCache::from_host(&other, &hosts[0]).unwrap();
+    {
+        let (a, b) = devs.split_at_mut(1);
+        let mut mixed: Vec<&mut DeviceCache> = vec![&mut a[0], &mut b[0], &mut bigger[0]];
+        let e = kvq::cuda::copy_blocks_all(&mut mixed, &lists[0]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::LayerMismatch {
+                    layer: 2,
+                    what: "num_blocks",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let mut mixed: Vec<&mut DeviceCache> = vec![&mut a[0], &mut elsewhere];
+        let e = kvq::cuda::copy_blocks_all(&mut mixed, &lists[0]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::LayerMismatch {
+                    layer: 1,
+                    what: "stream",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+    same(&hosts, &devs, "after refused lists");
+    for d in &mut devs {
+        assert_eq!(d.check_appends().unwrap(), 0);
+    }
+}
+
+/// `swap_out_all` / `swap_in_all` move a block list of every layer through one swap space
+/// (all-layer slot `s` of layer `l` is space slot `s * layers + l`) and back into other
+/// blocks byte for byte, while the blocks are overwritten in between.
+#[test]
+fn swap_every_layer_out_and_back_in() {
+    let Some(gpu) = require_gpu_or_skip("swap_every_layer_out_and_back_in") else {
+        return;
+    };
+    let mut rng = common::fresh_rng("swap_every_layer_out_and_back_in");
+    let (layers, nb) = (3, 16);
+    let (mut hosts, mut devs) = random_layers(&gpu, &mut rng, layers, nb);
+    let before: Vec<HostCache> = devs.iter().map(|d| d.to_host().unwrap()).collect();
+    let mut space = SwapSpace::new(&devs[0], layers * 4).unwrap();
+    let out = [(3, 0), (7, 1), (1, 3)];
+    kvq::cuda::swap_out_all(&devs, &out, &mut space).unwrap();
+    // Preempted: the blocks are reused at once.
+    let c = |src, dst| CopyBlock { src, dst };
+    let overwrite = [c(0, 3), c(0, 7), c(0, 1)];
+    kvq::cuda::copy_blocks_all(&mut devs, &overwrite).unwrap();
+    let back = [(0, 10), (1, 11), (3, 12)];
+    kvq::cuda::swap_in_all(&mut devs, &back, &mut space).unwrap();
+    for h in &mut hosts {
+        h.apply_copies(&[c(3, 10), c(7, 11), c(1, 12)]).unwrap();
+        h.apply_copies(&overwrite).unwrap();
+    }
+    for (l, (h, d)) in hosts.iter().zip(&devs).enumerate() {
+        assert!(d.to_host().unwrap().pool() == h.pool(), "layer {l}");
+    }
+    // The documented slot layout: layer 2's copy of block 7 (all-layer slot 1) is slot 5.
+    devs[2].swap_in(&[(5, 13)], &mut space).unwrap();
+    let stride = hosts[0].layout().block_stride;
+    assert!(
+        devs[2].to_host().unwrap().pool()[13 * stride..14 * stride]
+            == before[2].pool()[7 * stride..8 * stride]
+    );
+    space.synchronize().unwrap();
+    // Slots past the space (4 * 3 = 12), blocks past the pool, mixed layers: typed errors.
+    assert!(kvq::cuda::swap_out_all(&devs, &[(0, 4)], &mut space).is_err());
+    assert!(kvq::cuda::swap_in_all(&mut devs, &[(0, nb)], &mut space).is_err());
+    let (_, bigger) = random_layers(&gpu, &mut rng, 1, nb + 1);
+    let mixed = [&devs[0], &bigger[0]];
+    assert!(matches!(
+        kvq::cuda::swap_out_all(&mixed, &[(0, 0)], &mut space),
+        Err(Error::LayerMismatch { layer: 1, .. })
+    ));
+    kvq::cuda::swap_out_all::<DeviceCache>(&[], &out, &mut space).unwrap();
+    for d in &mut devs {
+        assert_eq!(d.check_appends().unwrap(), 0);
+    }
 }
 
 /// Padding rows (length 0) read nothing; a raw decode whose table names a block outside the

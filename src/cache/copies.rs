@@ -54,6 +54,64 @@ pub(crate) fn waves(copies: &[CopyBlock]) -> Vec<Range<usize>> {
     out
 }
 
+/// Most layers one all-layer call serves (the kernels' grid y).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const MAX_LAYERS: usize = 65535;
+
+/// The `(block_stride, num_blocks)` every layer shares, from each layer's own, so that one
+/// launch can address every pool alike: [`Error::LayerMismatch`] naming the first layer that
+/// differs from layer 0, [`Error::Config`] past [`MAX_LAYERS`], `None` for no layer.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn shared_shape(
+    layers: impl IntoIterator<Item = (usize, usize)>,
+) -> Result<Option<(usize, usize)>> {
+    let mut first = None;
+    let mut count = 0;
+    for (layer, (stride, blocks)) in layers.into_iter().enumerate() {
+        count += 1;
+        let Some((s0, b0)) = first else {
+            first = Some((stride, blocks));
+            continue;
+        };
+        for (what, expected, actual) in [("block_stride", s0, stride), ("num_blocks", b0, blocks)] {
+            if actual != expected {
+                return Err(Error::LayerMismatch {
+                    layer,
+                    what,
+                    expected: format!("{expected} (layer 0's)"),
+                    actual: actual.to_string(),
+                });
+            }
+        }
+    }
+    if count > MAX_LAYERS {
+        return Err(Error::Config {
+            what: "layers in one all-layer call",
+            value: count,
+            expected: "at most 65535",
+        });
+    }
+    Ok(first)
+}
+
+/// One pair as the kernels read it, two int32 (`src`, then `dst`) in one u64, so that pairs
+/// and pool addresses go to the device in one upload. Ids are checked blocks (below 2³¹).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn pack_pair(c: CopyBlock) -> u64 {
+    let mut b = [0u8; 8];
+    b[..4].copy_from_slice(&(c.src as i32).to_ne_bytes());
+    b[4..].copy_from_slice(&(c.dst as i32).to_ne_bytes());
+    u64::from_ne_bytes(b)
+}
+
+/// Slot of a swap space that layer `layer` of `layers` uses for all-layer slot `slot`: slot
+/// `s` holds every layer's copy of one block, in space slots `s * layers ..`. Saturates, so
+/// an overflow reads as a slot past any space.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn layer_slot(slot: usize, layer: usize, layers: usize) -> usize {
+    slot.saturating_mul(layers).saturating_add(layer)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,6 +170,7 @@ mod tests {
         assert_eq!(waves(&[c(0, 1), c(1, 0)]), vec![0..1, 1..2]);
         assert_eq!(waves(&[c(0, 1), c(0, 2)]), vec![0..2]);
         assert!(waves(&[]).is_empty());
+        assert_eq!(waves(&[c(0, 1), c(0, 1)]), vec![0..1, 1..2]);
         assert_eq!(
             check_copies(&[c(0, 1), c(1, 7)], 7),
             Err(Error::BlockIndex {
@@ -119,5 +178,55 @@ mod tests {
                 num_blocks: 7
             })
         );
+    }
+
+    #[test]
+    fn all_layer_calls_need_one_shape() {
+        assert_eq!(shared_shape([]), Ok(None));
+        assert_eq!(shared_shape([(4096, 8); 3]), Ok(Some((4096, 8))));
+        assert_eq!(
+            shared_shape([(4096, 8), (4096, 8), (2048, 8)]),
+            Err(Error::LayerMismatch {
+                layer: 2,
+                what: "block_stride",
+                expected: "4096 (layer 0's)".into(),
+                actual: "2048".into(),
+            })
+        );
+        assert!(matches!(
+            shared_shape([(4096, 8), (4096, 9)]),
+            Err(Error::LayerMismatch {
+                layer: 1,
+                what: "num_blocks",
+                ..
+            })
+        ));
+        assert!(matches!(
+            shared_shape(std::iter::repeat_n((16, 1), MAX_LAYERS + 1)),
+            Err(Error::Config { value: 65536, .. })
+        ));
+        assert_eq!(
+            shared_shape(std::iter::repeat_n((16, 1), MAX_LAYERS)),
+            Ok(Some((16, 1)))
+        );
+    }
+
+    #[test]
+    fn pairs_pack_as_two_int32() {
+        let p = pack_pair(CopyBlock {
+            src: 7,
+            dst: 0x7fff_fffe,
+        });
+        let b = p.to_ne_bytes();
+        assert_eq!(i32::from_ne_bytes(b[..4].try_into().unwrap()), 7);
+        assert_eq!(i32::from_ne_bytes(b[4..].try_into().unwrap()), 0x7fff_fffe);
+    }
+
+    #[test]
+    fn all_layer_slots_are_slot_major() {
+        assert_eq!(layer_slot(0, 0, 3), 0);
+        assert_eq!(layer_slot(2, 1, 3), 7);
+        assert_eq!(layer_slot(5, 0, 1), 5);
+        assert_eq!(layer_slot(usize::MAX / 2, 1, 3), usize::MAX);
     }
 }

@@ -21,4 +21,6 @@ pub use tables::BlockTables;
 pub(crate) use tables::check_row;
 // The device's block copies follow the host's rules.
 #[cfg(feature = "cuda")]
-pub(crate) use copies::{check_copies, waves as copy_waves};
+pub(crate) use copies::{
+    MAX_LAYERS, check_copies, layer_slot, pack_pair, shared_shape, waves as copy_waves,
+};

@@ -135,6 +135,39 @@ pub(crate) unsafe fn copy_blocks(
     check_status(status, "kvq_copy_blocks")
 }
 
+/// `kvq_copy_blocks_layers`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_copy_blocks_layers`: `pools` and `counters` hold `num_layers`
+/// device addresses of live pools of `num_blocks` blocks (and their counters), `pairs` holds
+/// `2 * num_pairs` device int32, no destination repeated or also a source.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn copy_blocks_layers(
+    pools: *const *mut u8,
+    counters: *const *mut u64,
+    num_layers: i32,
+    block_stride: i64,
+    num_blocks: i64,
+    pairs: *const i32,
+    num_pairs: i64,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_copy_blocks_layers(
+            pools,
+            counters,
+            num_layers,
+            block_stride,
+            num_blocks,
+            pairs,
+            num_pairs,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_copy_blocks_layers")
+}
+
 /// `kvq_tables_update`.
 ///
 /// # Safety

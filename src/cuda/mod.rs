@@ -32,7 +32,7 @@ pub mod probe;
 pub mod sys;
 mod tables;
 
-pub use blocks::SwapSpace;
+pub use blocks::{SwapSpace, copy_blocks_all, swap_in_all, swap_out_all};
 pub use decode::{DecodePlan, DecodeStep, DecodeWorkspace, RowStrides};
 pub use device::{AppendCounters, DeviceCache};
 pub use prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows, merge_states};

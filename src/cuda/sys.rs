@@ -166,6 +166,19 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    #[doc = " kvq_copy_blocks on every layer of a model in one launch: `pools` is a device array of\n num_layers pool addresses (each 16-byte aligned), every pool of num_blocks blocks of\n block_stride bytes (a multiple of 16); `pairs` and its rules are kvq_copy_blocks', applied to\n each pool. `counters`, a device array of num_layers counter addresses (or null, and an entry\n may be null), gets layer l's skipped pairs in counters\\[l\\]\\[KVQ_COUNTER_OUT_OF_RANGE\\]. At most\n 65535 layers and 65535 pairs (grid y and z)."]
+    pub fn kvq_copy_blocks_layers(
+        pools: *const *mut u8,
+        counters: *const *mut ::std::os::raw::c_ulonglong,
+        num_layers: i32,
+        block_stride: i64,
+        num_blocks: i64,
+        pairs: *const i32,
+        num_pairs: i64,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     #[doc = " Update device block tables in place from host memory the device reads directly (pinned and\n mapped: CU_MEMHOSTALLOC_DEVICEMAP; `src` is its device address): lens_dst\\[i\\] = src\\[i\\] for\n i \\< num_lens, then table_dst\\[src\\[num_lens + 2j\\]\\] = src\\[num_lens + 2j + 1\\] for j \\< num_pairs\n (distinct indices, in elements). When every thread block has read its part, \\*done (mapped\n host memory too) becomes `generation`, so the host knows when it may write `src` again.\n `blocks_finished` is one device uint32, zero before the first launch (each launch leaves it\n zero). One launch, no copy: the per-step update of kvq::cuda::DeviceBlockTables."]
     pub fn kvq_tables_update(
         src: *const i32,
