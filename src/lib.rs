@@ -11,6 +11,7 @@
 //! | GPU | `cuda` (feature `cuda`) | device cache, append / dequantize kernels, fused decode and prefill attention |
 //!
 //! Beside the pipeline: [`dense`] quantizes whole tensors in the file layout of `kvq quantize`;
+//! [`calibrate`] computes per-KV-head FP8 scales from sample K/V (amax or a percentile of |x|);
 //! [`synth`] makes seeded synthetic activations with outlier channels; `report` (feature
 //! `bench`) holds benchmark results and the bytes a decode must read; `plot` (feature `plot`)
 //! draws bench charts.
@@ -24,6 +25,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod cache;
+pub mod calibrate;
 #[cfg(feature = "candle")]
 #[cfg_attr(docsrs, doc(cfg(feature = "candle")))]
 pub mod candle;

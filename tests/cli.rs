@@ -618,6 +618,394 @@ fn eval_on_real_minilm_kv() {
     assert!(int4 < 0.2, "{table}");
 }
 
+/// A file's F32 `[n]` tensor `name`.
+fn f32_vector(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap_or_else(|_| panic!("no {name}"));
+    assert_eq!((t.dtype(), t.shape().len()), (Dtype::F32, 1), "{name}");
+    t.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// Each joined head's |x| values of `[tokens, heads, d]` values, `pair` heads joined.
+fn joined_abs(values: &[f32], heads: usize, d: usize, pair: usize) -> Vec<Vec<f32>> {
+    let mut out = vec![Vec::new(); heads / pair];
+    for (r, row) in values.chunks_exact(d).enumerate() {
+        out[r % heads / pair].extend(row.iter().map(|x| x.abs()));
+    }
+    out
+}
+
+/// `kvq calibrate` under other tensor names, with joined heads, by amax and by percentile: the
+/// scales are recomputed here from FORMATS.md (amax / max_finite) and the nearest rank.
+#[test]
+fn calibrate_writes_per_head_scales() {
+    let dir = scratch("calibrate");
+    let (input, output) = (dir.join("dump.st"), dir.join("scales.st"));
+    let mut rng = Rng(23);
+    let mut t = |name| {
+        let shape = vec![24, 4, 32];
+        In {
+            name,
+            dtype: Dtype::F16,
+            values: rng.vec(shape.iter().product()),
+            shape,
+        }
+    };
+    let tensors = [
+        t("model.layers.0.k"),
+        t("model.layers.0.v"),
+        t("model.layers.1.k"),
+        t("model.layers.1.v"),
+        t("model.layers.2.k"), // no values: not a layer
+    ];
+    write_input(&input, &tensors);
+    let (i, o) = (arg(&input), arg(&output));
+    let patterns = [
+        "--key-pattern",
+        "model.layers.{L}.k",
+        "--value-pattern",
+        "model.layers.{L}.v",
+        "--pair-heads",
+        "2",
+    ];
+    for (method, kind_args, max_finite, format) in [
+        (
+            &["--method", "amax"][..],
+            &["--format", "e5m2"][..],
+            57344.0,
+            "fp8-e5m2",
+        ),
+        (
+            &["--method", "percentile", "--percentile", "50"],
+            &[],
+            448.0,
+            "fp8-e4m3",
+        ),
+    ] {
+        let mut args = vec!["calibrate", i, o];
+        args.extend(patterns);
+        args.extend(method);
+        args.extend(kind_args);
+        let out = kvq(&args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("2 layer(s) of 2 kv heads"), "{stdout}");
+        let bytes = fs::read(&output).unwrap();
+        let meta = metadata(&bytes);
+        assert_eq!(meta["kvq.format"], format);
+        assert_eq!(meta["kvq.method"], method[1]);
+        assert_eq!(meta["kvq.pair_heads"], "2");
+        assert_eq!(
+            meta.get("kvq.percentile").map(String::as_str),
+            method.get(3).copied()
+        );
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = st.names();
+        names.sort();
+        assert_eq!(names, ["k_scale.0", "k_scale.1", "v_scale.0", "v_scale.1"]);
+        for (j, tensor) in tensors[..4].iter().enumerate() {
+            let name = format!("{}_scale.{}", ["k", "v"][j % 2], j / 2);
+            let expected: Vec<f32> = joined_abs(&tensor.stored_values(), 4, 32, 2)
+                .into_iter()
+                .map(|mut abs| {
+                    abs.sort_by(f32::total_cmp);
+                    // amax, or the nearest rank of the 50th percentile: ⌈n / 2⌉.
+                    let c = if method[1] == "amax" {
+                        abs[abs.len() - 1]
+                    } else {
+                        abs[abs.len().div_ceil(2) - 1]
+                    };
+                    c / max_finite
+                })
+                .collect();
+            assert_eq!(f32_vector(&st, &name), expected, "{name} {method:?}");
+        }
+    }
+
+    let none = dir.join("none.st");
+    let n = arg(&none);
+    for (args, mention) in [
+        (
+            &["calibrate", i, n][..],
+            "holds no layer with both k.{L} and v.{L}",
+        ),
+        (
+            &["calibrate", i, n, "--percentile", "99"],
+            "only with --method percentile",
+        ),
+        (
+            &[
+                "calibrate",
+                i,
+                n,
+                "--method",
+                "percentile",
+                "--percentile",
+                "0",
+            ],
+            "percentile 0 is not in (0, 100]",
+        ),
+        (
+            &[
+                "calibrate",
+                i,
+                n,
+                "--method",
+                "percentile",
+                "--percentile",
+                "-5",
+            ],
+            "percentile -5 is not in",
+        ),
+    ] {
+        assert_fails(args, &none, mention);
+    }
+    let mut args = vec!["calibrate", i, n];
+    args.extend(patterns);
+    assert_fails(
+        &[&args[..], &["--layers", "2"]].concat(),
+        &none,
+        "layer 2 is not in",
+    );
+    args[8] = "3";
+    assert_fails(&args, &none, "--pair-heads 3");
+    assert_eq!(
+        kvq(&["calibrate", i, n, "--key-pattern", "k"])
+            .status
+            .code(),
+        Some(2)
+    );
+    assert!(!none.exists());
+}
+
+/// `eval --scales FILE`: the per-head rows of the file's format take its scales; scales of every
+/// token are exactly what `--calibrate-on all` calibrates, so the rows agree to the bit.
+#[test]
+fn eval_takes_scales_from_calibrate() {
+    let dir = scratch("eval-scales");
+    let (input, scales) = (dir.join("growing.st"), dir.join("scales.st"));
+    growing_layer(&input, 32, 4.0);
+    let (file, s) = (arg(&input), arg(&scales));
+    let out = kvq(&["calibrate", file, s]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let calibrated = eval_json(&["eval", file, "--json", "--calibrate-on", "all"]);
+    let from_file = eval_json(&[
+        "eval",
+        file,
+        "--json",
+        "--calibrate-on",
+        "all",
+        "--scales",
+        s,
+    ]);
+    assert_eq!(from_file["scales_file"], s);
+    for (head, file_row) in [
+        ("fp8-e4m3 / fp8-e4m3 (head)", "fp8-e4m3 / fp8-e4m3 (file)"),
+        ("int4-k32 / fp8-e4m3 (head)", "int4-k32 / fp8-e4m3 (file)"),
+        ("fp8-e4m3 / int4-v64 (head)", "fp8-e4m3 / int4-v64 (file)"),
+    ] {
+        assert_eq!(
+            pair(&calibrated, head)["errors"],
+            pair(&from_file, file_row)["errors"]
+        );
+        assert_eq!(pair(&from_file, file_row)["fp8_scales"], "file");
+    }
+    // E5M2 rows keep their own scales: the file is for E4M3.
+    let e5m2 = "fp8-e5m2 / fp8-e5m2 (head)";
+    assert_eq!(pair(&calibrated, e5m2), pair(&from_file, e5m2));
+    // Held out, the file's in-sample scales do not saturate the grown half.
+    let held = eval_json(&["eval", file, "--json"]);
+    let held_file = eval_json(&["eval", file, "--json", "--scales", s]);
+    let k_err =
+        |doc: &serde_json::Value, label| pair(doc, label)["errors"]["k_rel_l2"].as_f64().unwrap();
+    assert!(
+        k_err(&held_file, "fp8-e4m3 / fp8-e4m3 (file)")
+            < k_err(&held, "fp8-e4m3 / fp8-e4m3 (head)") / 5.0
+    );
+
+    // Scales of other heads, or of no FP8 format, or none at all, are refused.
+    let none = dir.join("none");
+    let joined = dir.join("joined.st");
+    let out = kvq(&["calibrate", file, arg(&joined), "--pair-heads", "2"]);
+    assert!(out.status.success());
+    assert_fails(
+        &["eval", file, "--scales", arg(&joined)],
+        &none,
+        "1 scales for layer 0",
+    );
+    assert_fails(
+        &["eval", file, "--scales", file],
+        &none,
+        "not written by `kvq calibrate`",
+    );
+    assert_fails(
+        &["eval", file, "--scales", arg(&none)],
+        &none,
+        "cannot read",
+    );
+}
+
+/// `eval --budget E`: the cheapest pair within `E` per layer, its plan file, and `--plan` scoring
+/// that plan again.
+#[test]
+fn eval_budget_plans_the_cheapest_pair() {
+    let dir = scratch("eval-budget");
+    let (input, plan) = (dir.join("growing.st"), dir.join("plan.json"));
+    growing_layer(&input, 32, 1.0);
+    let (file, p) = (arg(&input), arg(&plan));
+
+    // Any error allowed: the cheapest pair the kernels serve. None allowed: the file is f16,
+    // so f16 / f16 is exact.
+    for (budget, k, v, bpe) in [
+        ("1", "int4-k32", "int4-v64", 0.5625),
+        ("0", "f16", "f16", 2.0),
+    ] {
+        let doc = eval_json(&["eval", file, "--json", "--budget", budget, "--plan-out", p]);
+        let written: serde_json::Value = serde_json::from_slice(&fs::read(&plan).unwrap()).unwrap();
+        assert_eq!(doc["plan"], written);
+        assert_eq!(written["budget"], budget.parse::<f64>().unwrap());
+        let layers = written["layers"].as_array().unwrap();
+        assert_eq!(layers.len(), 1);
+        let l = &layers[0];
+        assert_eq!(
+            (&l["layer"], &l["k_format"], &l["v_format"]),
+            (&0.into(), &k.into(), &v.into())
+        );
+        assert_eq!(l["bytes_per_element"], bpe);
+        assert_eq!(l["within_budget"], true);
+        assert!(l["attn_err"].as_f64().unwrap() <= budget.parse::<f64>().unwrap());
+    }
+    // A budget between: every cheaper pair the kernels serve exceeds it.
+    let doc = eval_json(&["eval", file, "--json", "--budget", "0.03", "--plan-out", p]);
+    let chosen = &doc["plan"]["layers"][0];
+    let err = chosen["attn_err"].as_f64().unwrap();
+    assert!(
+        err <= 0.03 && chosen["bytes_per_element"].as_f64().unwrap() < 2.0,
+        "{doc}"
+    );
+
+    // The Markdown report, and the plan scored on the same data again.
+    let out = kvq(&["eval", file, "--budget", "0.03"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("plan for --budget 3.00e-2"), "{text}");
+    assert!(text.contains("bytes per element over 1 layer(s)"), "{text}");
+    let again = eval_json(&["eval", file, "--json", "--plan", p]);
+    let check = &again["plan_check"]["layers"][0];
+    assert_eq!(check["attn_err"], chosen["attn_err"]);
+    assert_eq!(check["within_budget"], true);
+    let out = kvq(&["eval", file, "--plan", p]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("| 0 | "));
+
+    let none = dir.join("none");
+    assert_fails(&["eval", file, "--budget", "-1"], &none, "budget -1");
+    assert_fails(&["eval", file, "--plan", file], &none, "is not a kvq plan");
+    for bad in [
+        &["eval", file, "--plan-out", p][..],
+        &["eval", file, "--budget", "1", "--plan", p],
+    ] {
+        assert_eq!(kvq(bad).status.code(), Some(2), "{bad:?}");
+    }
+}
+
+/// On the MiniLM dump: scales from `calibrate` give the in-sample per-head error, and a budget
+/// plan stays within its budget on every layer at less than FP8's bytes... or says so.
+#[test]
+fn calibrate_and_budget_on_real_minilm_kv() {
+    let Some(data) = common::minilm_data("calibrate_and_budget_on_real_minilm_kv") else {
+        return;
+    };
+    let dir = scratch("minilm-budget");
+    let (scales, plan) = (dir.join("scales.st"), dir.join("plan.json"));
+    let d = arg(&data);
+    let out = kvq(&["calibrate", d, arg(&scales), "--pair-heads", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc = eval_json(&[
+        "eval",
+        d,
+        "--json",
+        "--pair-heads",
+        "2",
+        "--layers",
+        "0,5",
+        "--scales",
+        arg(&scales),
+        "--budget",
+        "0.05",
+        "--plan-out",
+        arg(&plan),
+    ]);
+    let fp8 = pair(&doc, "fp8-e4m3 / fp8-e4m3 (file)")["errors"]["attn_rel_err"]
+        .as_f64()
+        .unwrap();
+    assert!(0.0 < fp8 && fp8 < 0.06, "{doc}");
+    let layers = doc["plan"]["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 2);
+    for l in layers {
+        assert_eq!(l["within_budget"], true, "{l}");
+        assert!(l["attn_err"].as_f64().unwrap() <= 0.05, "{l}");
+        assert!(l["bytes_per_element"].as_f64().unwrap() < 2.0, "{l}");
+    }
+}
+
+/// `eval --hadamard`: on the synthetic keys with outlier channels the rotation halves the INT4
+/// key error; a head_dim that is not a power of two cannot be rotated (a row of n/a).
+#[test]
+fn eval_hadamard_rotation_row() {
+    let doc = eval_json(&["eval", "--json", "--layers", "1", "--hadamard"]);
+    let k_err = |label| pair(&doc, label)["errors"]["k_rel_l2"].as_f64().unwrap();
+    let (plain, rotated) = (
+        k_err("int4-k32 / int4-v64"),
+        k_err("int4-k32 (hadamard) / int4-v64"),
+    );
+    assert!(rotated < 0.7 * plain, "{doc}");
+    let attn = |label| {
+        pair(&doc, label)["errors"]["attn_rel_err"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(
+        attn("int4-k32 (hadamard) / int4-v64") < attn("int4-k32 / int4-v64"),
+        "{doc}"
+    );
+    assert_eq!(doc["pairs"].as_array().unwrap().len(), 10);
+
+    let dir = scratch("eval-hadamard");
+    let input = dir.join("d96.st");
+    let mut rng = Rng(3);
+    let mut t = |name| {
+        let shape = vec![8, 2, 96];
+        In {
+            name,
+            dtype: Dtype::F32,
+            values: rng.vec(shape.iter().product()),
+            shape,
+        }
+    };
+    write_input(&input, &[t("q.0"), t("k.0"), t("v.0")]);
+    let doc = eval_json(&["eval", arg(&input), "--json", "--hadamard"]);
+    let row = pair(&doc, "int4-k32 (hadamard) / int4-v64");
+    assert!(row["errors"].is_null(), "{row}");
+    assert!(
+        row["skipped"].as_str().unwrap().contains("power-of-two"),
+        "{row}"
+    );
+}
+
 #[test]
 fn info_reports_the_build() {
     let out = kvq(&["info"]);
@@ -691,7 +1079,7 @@ fn arbitrary_file(
 }
 
 /// Random, truncated and corrupted files through every command that reads one: plain inputs
-/// (`quantize`, `eval`), kvq files whose parts have any dtype and shape (`dequantize`), and
+/// (`quantize`, `eval`, `calibrate`, `eval --scales`, `eval --plan`), kvq files whose parts have any dtype and shape (`dequantize`), and
 /// each of those cut short or with bytes flipped. `KVQ_FUZZ_CASES / 8` files (default 32).
 #[test]
 fn random_and_truncated_files_never_panic() {
@@ -796,6 +1184,10 @@ fn random_and_truncated_files_never_panic() {
             survives(&["quantize", "--format", format, inp, o], &out);
             survives(&["dequantize", inp, o], &out);
             survives(&["eval", inp, "--block-size", "4"], &out);
+            survives(&["calibrate", inp, o, "--method", "percentile"], &out);
+            // The file as calibrated scales and as a plan: refused, or read.
+            survives(&["eval", inp, "--block-size", "4", "--scales", inp], &out);
+            survives(&["eval", inp, "--block-size", "4", "--plan", inp], &out);
         }
     }
     // Pure noise, and an eval that asks for impossible blocks.

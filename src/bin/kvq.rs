@@ -5,7 +5,15 @@
 //! - `kvq dequantize IN OUT`: back to F32 `NAME`.
 //! - `kvq eval [IN] [--calibrate-on first-half|all] [--positions last|all] [--json]`:
 //!   reconstruction and attention error of each K/V format pair on `q.L`, `k.L`, `v.L` tensors
-//!   (synthetic ones without `IN`), scales calibrated on held-out tokens by default.
+//!   (synthetic ones without `IN`), scales calibrated on held-out tokens by default;
+//!   `--scales FILE` takes the FP8 per-head scales from `kvq calibrate`; `--budget E` picks per
+//!   layer the cheapest K/V pair whose attention error stays within `E` (`--plan-out FILE`
+//!   writes the plan as JSON, `--plan FILE` scores one again); `--hadamard` adds a row of INT4
+//!   keys rotated by a Walsh–Hadamard transform.
+//! - `kvq calibrate [--format e4m3|e5m2] [--method amax|percentile] [--percentile P] IN OUT`:
+//!   per-layer, per-KV-head FP8 scales of the keys and values `k.L`, `v.L` of `IN`
+//!   (`--key-pattern` / `--value-pattern` map other names): `OUT` holds `k_scale.L` and
+//!   `v_scale.L`, F32 `[kv_heads]`, with `kvq.format` and `kvq.method` in its metadata.
 //! - `kvq info`: version and what this build can run on.
 //! - `kvq bench`: decode bandwidth per cache format against the measured read ceiling (CUDA).
 //!
@@ -15,10 +23,16 @@
 // The binary's root is src/bin/kvq.rs (Cargo.toml), so its modules are named by path.
 #[path = "kvq/bench.rs"]
 mod bench;
+#[path = "kvq/calibrate.rs"]
+mod calibrate;
 #[path = "kvq/eval.rs"]
 mod eval;
 #[path = "kvq/files.rs"]
 mod files;
+#[path = "kvq/plan.rs"]
+mod plan;
+#[path = "kvq/rotate.rs"]
+mod rotate;
 
 use std::collections::HashMap;
 use std::fmt;
@@ -78,6 +92,9 @@ enum Command {
     /// Compare K/V format pairs on q.L, k.L, v.L tensors ([tokens, heads, head_dim]), or on
     /// synthetic ones.
     Eval(eval::EvalArgs),
+    /// Per-layer, per-KV-head FP8 scales from a K/V dump (k.L, v.L: [tokens, kv_heads,
+    /// head_dim]), by amax or a percentile of |x|: k_scale.L and v_scale.L, F32 [kv_heads].
+    Calibrate(calibrate::CalibrateArgs),
     /// Version, CUDA support compiled in, GPU architectures built, visible GPUs.
     Info,
     /// Decode bandwidth of every cache format over the standard shapes (needs CUDA and a GPU).
@@ -301,6 +318,7 @@ fn run(cli: Cli) -> Result<(), CliError> {
         } => quantize_file(&format, scale, per_head, &input, &output),
         Command::Dequantize { input, output } => dequantize_file(&input, &output),
         Command::Eval(args) => eval::run(&args),
+        Command::Calibrate(args) => calibrate::run(&args),
         Command::Info => info(),
         Command::Bench(args) => bench::run(&args),
     }

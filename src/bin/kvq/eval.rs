@@ -15,6 +15,13 @@
 //! values saturate). `--calibrate-on all` scores in-sample scales, an optimistic bound.
 //! `--positions last` scores one decode step (the last token's query); `--positions all` every
 //! scored position, causally, as a prefill would.
+//!
+//! `--scales FILE` (written by `kvq calibrate`) replaces the per-head scales of the FP8 rows of
+//! its format with the file's (those rows are marked `file`). `--budget E` measures, per layer,
+//! every pair the GPU decode kernels serve and picks the cheapest whose attention error is at
+//! most `E` (plan.rs; `--plan-out` writes it, `--plan` scores a written one again).
+//! `--hadamard` adds a row of INT4 keys rotated by a normalized Walsh–Hadamard transform
+//! (rotate.rs).
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -22,16 +29,20 @@ use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
 use kvq::cache::{BlockAllocator, HostCache};
+use kvq::calibrate::LayerScales;
 use kvq::cpu::{self, Accum, DecodeShape, DenseKv};
 use kvq::dense::DenseFormat;
-use kvq::format::{int4, sanitize, sanitized_amax};
+use kvq::format::{Fp8Kind, int4, sanitize, sanitized_amax};
 use kvq::layout::MAX_BLOCK_SIZE;
 use kvq::synth::Synth;
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
 use safetensors::SafeTensors;
 use serde_json::{Value, json};
 
-use crate::files::{self, InputFile};
+use crate::calibrate::ScalesFile;
+use crate::files::{self, InputFile, LayerPattern, Tensor3};
+use crate::plan::{self, Candidate, Choice, Plan};
+use crate::rotate;
 use crate::{CliError, print_out, progress};
 
 /// Arguments of `kvq eval`.
@@ -62,6 +73,26 @@ pub struct EvalArgs {
     /// Print one JSON object instead of Markdown tables.
     #[arg(long)]
     json: bool,
+    /// FP8 per-head scales written by `kvq calibrate` (k_scale.L, v_scale.L): the per-head
+    /// rows of its format use them instead of scales from the --calibrate-on tokens.
+    #[arg(long)]
+    scales: Option<PathBuf>,
+    /// Per layer, pick the cheapest K/V pair (bytes per element) whose attention relative error
+    /// is at most E, among the pairs the GPU decode kernels serve (FP8 scales per head).
+    #[arg(long, allow_negative_numbers = true)]
+    budget: Option<f64>,
+    /// With --budget: write the per-layer plan to FILE as JSON.
+    #[arg(long, requires = "budget")]
+    plan_out: Option<PathBuf>,
+    /// Also score int4-k32 keys rotated by a normalized Walsh-Hadamard transform over head_dim
+    /// (queries alike, so the logits do not change), with int4-v64 values, as its own row
+    /// (head_dim a power of two).
+    #[arg(long)]
+    hadamard: bool,
+    /// Score a plan written by --plan-out on this input: each layer's pair, its error now and
+    /// whether it still meets the plan's budget.
+    #[arg(long, conflicts_with = "budget")]
+    plan: Option<PathBuf>,
 }
 
 /// Where the per-tensor / per-head scales come from (`--calibrate-on`).
@@ -115,19 +146,23 @@ enum Storage {
     Cache(KvFormat),
     /// Per-tensor INT4, the baseline without groups.
     Uniform,
+    /// Keys in a cache format after a normalized Walsh–Hadamard rotation (`--hadamard`; the
+    /// queries are rotated alike, rotate.rs).
+    Hadamard(KvFormat),
 }
 
 impl Storage {
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Storage::Cache(f) => f.name(),
-            Storage::Uniform => DenseFormat::Int4Uniform.name(),
+            Storage::Cache(f) => f.name().to_string(),
+            Storage::Uniform => DenseFormat::Int4Uniform.name().to_string(),
+            Storage::Hadamard(f) => format!("{f} (hadamard)"),
         }
     }
 
     fn bytes_per_element(self) -> f64 {
         match self {
-            Storage::Cache(f) => f.bytes_per_element(),
+            Storage::Cache(f) | Storage::Hadamard(f) => f.bytes_per_element(),
             Storage::Uniform => 0.5, // plus one f32 per tensor
         }
     }
@@ -136,24 +171,56 @@ impl Storage {
         match self {
             Storage::Cache(f) => f.check_head_dim(head_dim),
             Storage::Uniform => DenseFormat::Int4Uniform.check_head_dim(head_dim),
+            Storage::Hadamard(_) if !rotate::supports(head_dim) => {
+                Err(kvq::Error::InvalidArgument(format!(
+                    "the Hadamard rotation needs a power-of-two head_dim, not {head_dim}"
+                )))
+            }
+            Storage::Hadamard(f) => f.check_head_dim(head_dim),
         }
     }
 
     fn is_fp8(self) -> bool {
-        matches!(self, Storage::Cache(f) if f.fp8_kind().is_some())
+        matches!(self, Storage::Cache(f) | Storage::Hadamard(f) if f.fp8_kind().is_some())
     }
 }
 
-/// A K format, a V format, and the FP8 scale granularity (when either side is FP8).
+/// Where a pair's FP8 scales come from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scales {
+    /// One scale per tensor, calibrated on the --calibrate-on tokens.
+    Tensor,
+    /// One scale per KV head, calibrated on the --calibrate-on tokens.
+    Head,
+    /// One scale per KV head, from the --scales file.
+    File,
+}
+
+/// A K format, a V format, and where the FP8 scales come from (when either side is FP8).
+#[derive(Clone, Copy)]
 struct Pair {
     k: Storage,
     v: Storage,
-    scales: ScaleGranularity,
+    scales: Scales,
 }
 
 impl Pair {
-    const fn new(k: Storage, v: Storage, scales: ScaleGranularity) -> Self {
+    const fn new(k: Storage, v: Storage, scales: Scales) -> Self {
         Pair { k, v, scales }
+    }
+
+    /// The pair with per-head scales from a --scales file of FP8 `kind`, where a side is FP8 of
+    /// that kind and the scales are per head; else as it is.
+    fn with_file_scales(self, kind: Option<Fp8Kind>) -> Self {
+        let is_kind = |s: Storage| matches!(s, Storage::Cache(f) if f.fp8_kind() == kind);
+        if kind.is_some() && self.scales == Scales::Head && (is_kind(self.k) || is_kind(self.v)) {
+            Pair {
+                scales: Scales::File,
+                ..self
+            }
+        } else {
+            self
+        }
     }
 
     fn label(&self) -> String {
@@ -168,20 +235,34 @@ impl Pair {
 /// The pairs in the table, from full precision down.
 const PAIRS: [Pair; 9] = {
     use KvFormat::*;
-    use ScaleGranularity::*;
+    use Scales::{Head, Tensor};
     use Storage::{Cache as C, Uniform as U};
     [
-        Pair::new(C(F16), C(F16), PerTensor),
-        Pair::new(C(Bf16), C(Bf16), PerTensor),
-        Pair::new(C(Fp8E4m3), C(Fp8E4m3), PerTensor),
-        Pair::new(C(Fp8E4m3), C(Fp8E4m3), PerHead),
-        Pair::new(C(Fp8E5m2), C(Fp8E5m2), PerHead),
-        Pair::new(C(Int4Sym32), C(Int4Affine64), PerTensor),
-        Pair::new(C(Int4Sym32), C(Fp8E4m3), PerHead),
-        Pair::new(C(Fp8E4m3), C(Int4Affine64), PerHead),
-        Pair::new(U, U, PerTensor),
+        Pair::new(C(F16), C(F16), Tensor),
+        Pair::new(C(Bf16), C(Bf16), Tensor),
+        Pair::new(C(Fp8E4m3), C(Fp8E4m3), Tensor),
+        Pair::new(C(Fp8E4m3), C(Fp8E4m3), Head),
+        Pair::new(C(Fp8E5m2), C(Fp8E5m2), Head),
+        Pair::new(C(Int4Sym32), C(Int4Affine64), Tensor),
+        Pair::new(C(Int4Sym32), C(Fp8E4m3), Head),
+        Pair::new(C(Fp8E4m3), C(Int4Affine64), Head),
+        Pair::new(U, U, Tensor),
     ]
 };
+
+/// The pairs a `--budget` plan chooses from: those the GPU decode kernels serve
+/// (`kvq::cuda::decode::kernel_available`): f16, bf16, fp8-e4m3 and INT4 (keys `int4-k32`,
+/// values `int4-v64`) mixed freely, and fp8-e5m2 with itself; FP8 scales per KV head.
+fn plan_candidates() -> Vec<Pair> {
+    use KvFormat::*;
+    let keys = [F16, Bf16, Fp8E4m3, Int4Sym32];
+    let values = [F16, Bf16, Fp8E4m3, Int4Affine64];
+    keys.iter()
+        .flat_map(|&k| values.iter().map(move |&v| (k, v)))
+        .chain([(Fp8E5m2, Fp8E5m2)])
+        .map(|(k, v)| Pair::new(Storage::Cache(k), Storage::Cache(v), Scales::Head))
+        .collect()
+}
 
 /// One layer's tensors, heads already joined.
 struct Layer {
@@ -199,6 +280,8 @@ struct Layer {
     scored: Range<usize>,
     /// Query positions scored: the last `q_len` tokens.
     q_len: usize,
+    /// This layer's scales of the --scales file.
+    file_scales: Option<LayerScales>,
 }
 
 /// Sums from which the pooled errors are computed.
@@ -252,39 +335,6 @@ impl ErrorSums {
     }
 }
 
-/// Layer indices `L` for which `q.L`, `k.L` and `v.L` all exist, ascending.
-fn layers_in(st: &SafeTensors<'_>) -> Vec<usize> {
-    let names = st.names();
-    let mut layers: Vec<usize> = names
-        .iter()
-        .filter_map(|n| n.strip_prefix("q.")?.parse().ok())
-        .filter(|l| {
-            ["k", "v"]
-                .iter()
-                .all(|p| names.contains(&&*format!("{p}.{l}")))
-        })
-        .collect();
-    layers.sort_unstable();
-    layers
-}
-
-/// A `[tokens, heads, head_dim]` tensor as f32 with its three axes.
-type Tensor3 = (Vec<f32>, [usize; 3]);
-
-/// A `[tokens, heads, head_dim]` tensor of the file as f32.
-fn load3(st: &SafeTensors<'_>, name: &str) -> Result<Tensor3, CliError> {
-    let view = st
-        .tensor(name)
-        .map_err(|_| CliError::new(format!("tensor '{name}' is missing")))?;
-    let &[t, h, d] = view.shape() else {
-        return Err(CliError::new(format!(
-            "tensor '{name}' has shape {:?}; expected [tokens, heads, head_dim]",
-            view.shape()
-        )));
-    };
-    Ok((files::to_f32(name, &view)?, [t, h, d]))
-}
-
 /// Where the layers come from: a file, or the synthetic stand-in.
 enum Source<'a> {
     File { path: &'a Path, st: SafeTensors<'a> },
@@ -304,7 +354,10 @@ impl Source<'_> {
 
     fn layers(&self) -> Vec<usize> {
         match self {
-            Source::File { st, .. } => layers_in(st),
+            Source::File { st, .. } => {
+                let [q, k, v] = ["q.", "k.", "v."].map(LayerPattern::with_prefix);
+                files::layers_with(st, &[&q, &k, &v])
+            }
             Source::Synthetic => (0..SYNTH_LAYERS).collect(),
         }
     }
@@ -313,9 +366,9 @@ impl Source<'_> {
     fn tensors(&self, index: usize) -> Result<[Tensor3; 3], CliError> {
         match self {
             Source::File { st, .. } => Ok([
-                load3(st, &format!("q.{index}"))?,
-                load3(st, &format!("k.{index}"))?,
-                load3(st, &format!("v.{index}"))?,
+                files::load3(st, &format!("q.{index}"))?,
+                files::load3(st, &format!("k.{index}"))?,
+                files::load3(st, &format!("v.{index}"))?,
             ]),
             Source::Synthetic => {
                 let (t, kvh, d) = (SYNTH_TOKENS, SYNTH_KV_HEADS, SYNTH_HEAD_DIM);
@@ -361,7 +414,12 @@ fn plan(
     Ok((calib, scored, q_len))
 }
 
-fn load_layer(source: &Source<'_>, index: usize, args: &EvalArgs) -> Result<Layer, CliError> {
+fn load_layer(
+    source: &Source<'_>,
+    index: usize,
+    args: &EvalArgs,
+    scales: Option<&ScalesFile>,
+) -> Result<Layer, CliError> {
     let [(q, qs), (k, ks), (v, vs)] = source.tensors(index)?;
     if ks != vs
         || qs[0] != ks[0]
@@ -384,12 +442,17 @@ fn load_layer(source: &Source<'_>, index: usize, args: &EvalArgs) -> Result<Laye
         )));
     }
     let (calib, scored, q_len) = plan(ks[0], args.calibrate_on, args.positions)?;
+    let kv_heads = ks[1] / pair_heads;
+    let file_scales = match scales {
+        Some(f) => Some(f.layer(index, kv_heads)?.clone()),
+        None => None,
+    };
     // Adjacent heads are adjacent in memory, so joining them only changes the shape.
     Ok(Layer {
         index,
         tokens: ks[0],
         q_heads: qs[1] / pair_heads,
-        kv_heads: ks[1] / pair_heads,
+        kv_heads,
         head_dim: ks[2] * pair_heads,
         q,
         k,
@@ -397,6 +460,7 @@ fn load_layer(source: &Source<'_>, index: usize, args: &EvalArgs) -> Result<Laye
         calib,
         scored,
         q_len,
+        file_scales,
     })
 }
 
@@ -440,12 +504,14 @@ impl Layer {
     }
 
     /// K, V and attention output through a paged cache of `k_format` / `v_format`, with FP8
-    /// scales from the calibration tokens only.
+    /// scales from the calibration tokens only, or from the --scales file. `k` is the layer's
+    /// keys, or the rotated keys of `--hadamard` (with `q` rotated alike).
     fn through_cache(
         &self,
         q: &[f32],
+        k: &[f32],
         (k_format, v_format): (KvFormat, KvFormat),
-        scales: ScaleGranularity,
+        scales: Scales,
         block_size: usize,
     ) -> Result<[Vec<f32>; 3], CliError> {
         let config =
@@ -454,14 +520,42 @@ impl Layer {
         let mut allocator = BlockAllocator::new(blocks, block_size)?;
         let mut cache = HostCache::new(config, blocks)?;
         let calib = self.rows(&self.calib);
-        cache.calibrate_fp8_scales(&self.k[calib.clone()], &self.v[calib], scales)?;
+        let (k_calib, v_calib) = (&k[calib.clone()], &self.v[calib]);
+        match (scales, &self.file_scales) {
+            (Scales::Tensor, _) => {
+                cache.calibrate_fp8_scales(k_calib, v_calib, ScaleGranularity::PerTensor)?;
+            }
+            (Scales::Head, _) => {
+                cache.calibrate_fp8_scales(k_calib, v_calib, ScaleGranularity::PerHead)?;
+            }
+            (Scales::File, Some(s)) => cache.set_scales(&s.k, &s.v)?,
+            (Scales::File, None) => return Err(CliError::new("no --scales file was given")),
+        }
         let seq = allocator.create_sequence();
         let reservation = allocator.reserve(seq, self.tokens)?;
-        cache.write(&reservation.slots, &self.k, &self.v)?;
+        cache.write(&reservation.slots, k, &self.v)?;
         let tables = allocator.block_tables(&[seq])?;
-        let (mut k, mut v) = (vec![0f32; self.k.len()], vec![0f32; self.v.len()]);
+        let (mut k, mut v) = (vec![0f32; k.len()], vec![0f32; self.v.len()]);
         cache.gather(tables.row(0), self.tokens, &mut k, &mut v)?;
         let out = cpu::decode_attention(&cache, &tables, q, &self.shape(), Accum::F64)?.out;
+        Ok([k, v, out])
+    }
+
+    /// [`through_cache`](Self::through_cache) with the keys and queries rotated by the
+    /// normalized Walsh–Hadamard matrix first (the logits do not change, rotate.rs); the keys
+    /// read back are rotated back for their error.
+    fn through_rotated(
+        &self,
+        q: &[f32],
+        formats: (KvFormat, KvFormat),
+        scales: Scales,
+        block_size: usize,
+    ) -> Result<[Vec<f32>; 3], CliError> {
+        let (mut q, mut k) = (q.to_vec(), self.k.clone());
+        rotate::hadamard_rows(&mut q, self.head_dim);
+        rotate::hadamard_rows(&mut k, self.head_dim);
+        let [mut k, v, out] = self.through_cache(&q, &k, formats, scales, block_size)?;
+        rotate::hadamard_rows(&mut k, self.head_dim);
         Ok([k, v, out])
     }
 
@@ -491,12 +585,16 @@ impl Layer {
     ) -> Result<ErrorSums, CliError> {
         let [k, v, out] = match (pair.k, pair.v) {
             (Storage::Cache(kf), Storage::Cache(vf)) => {
-                self.through_cache(q, (kf, vf), pair.scales, block_size)?
+                self.through_cache(q, &self.k, (kf, vf), pair.scales, block_size)?
+            }
+            (Storage::Hadamard(kf), Storage::Cache(vf)) => {
+                self.through_rotated(q, (kf, vf), pair.scales, block_size)?
             }
             (Storage::Uniform, Storage::Uniform) => self.through_uniform(q)?,
             _ => {
                 return Err(CliError::new(
-                    "int4-uniform pairs only with itself (it is not a cache format)",
+                    "int4-uniform pairs only with itself (it is not a cache format), and only \
+                     keys are rotated",
                 ));
             }
         };
@@ -526,11 +624,12 @@ impl Pair {
         (self.k.bytes_per_element() + self.v.bytes_per_element()) / 2.0
     }
 
-    /// The FP8 scale granularity, when a side is FP8.
+    /// Where the FP8 scales come from, when a side is FP8.
     fn scale_name(&self) -> Option<&'static str> {
         (self.k.is_fp8() || self.v.is_fp8()).then_some(match self.scales {
-            ScaleGranularity::PerTensor => "tensor",
-            ScaleGranularity::PerHead => "head",
+            Scales::Tensor => "tensor",
+            Scales::Head => "head",
+            Scales::File => "file",
         })
     }
 }
@@ -572,6 +671,111 @@ fn json_row(pair: &Pair, e: Option<&ErrorSums>, skipped: Option<&str>) -> Value 
     })
 }
 
+impl Pair {
+    /// The K and V cache formats (`None` for int4-uniform, which is not one).
+    fn formats(&self) -> Option<(KvFormat, KvFormat)> {
+        match (self.k, self.v) {
+            (Storage::Cache(k), Storage::Cache(v)) => Some((k, v)),
+            _ => None,
+        }
+    }
+}
+
+/// Per layer, the measured candidates of a `--budget` plan and the choice among them.
+fn choose_for_layer(
+    layer: &Layer,
+    candidates: &[Pair],
+    budget: f64,
+    measure: &mut dyn FnMut(&Pair) -> Result<ErrorSums, CliError>,
+) -> Result<Choice, CliError> {
+    let mut measured = Vec::with_capacity(candidates.len());
+    for pair in candidates {
+        let Some((k, v)) = pair.formats() else {
+            continue;
+        };
+        if unsupported(pair, layer.head_dim).is_some() {
+            continue;
+        }
+        measured.push(Candidate {
+            k,
+            v,
+            bytes_per_element: pair.bytes_per_element(),
+            attn_err: measure(pair)?.out.rel_l2(),
+        });
+    }
+    plan::choose(layer.index, budget, &measured).ok_or_else(|| {
+        CliError::new(format!(
+            "layer {}: no pair of the plan's candidates supports head_dim {}",
+            layer.index, layer.head_dim
+        ))
+    })
+}
+
+/// The `--budget` plan as a Markdown table, with the mean bytes per element.
+fn plan_text(plan: &Plan, scales: &str) -> String {
+    let mut text = format!(
+        "\nplan for --budget {:.2e}: per layer, the cheapest pair the GPU decode kernels serve \
+         whose attn rel err is within it (FP8 scales {scales}):\n\n\
+         | layer | K format | V format | B/elem | attn rel err |\n|---:|---|---|---:|---:|\n",
+        plan.budget
+    );
+    for c in &plan.layers {
+        let over = if c.within_budget {
+            ""
+        } else {
+            " (over budget: the most accurate pair)"
+        };
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} | {:.4} | {:.2e}{over} |",
+            c.layer, c.pair.k, c.pair.v, c.pair.bytes_per_element, c.pair.attn_err
+        );
+    }
+    let n = plan.layers.len().max(1) as f64;
+    let mean = plan
+        .layers
+        .iter()
+        .map(|c| c.pair.bytes_per_element)
+        .sum::<f64>()
+        / n;
+    let _ = writeln!(
+        text,
+        "\nmean {mean:.4} bytes per element over {} layer(s) (f16: 2.0000)",
+        plan.layers.len()
+    );
+    text
+}
+
+/// A `--plan` scored again: each layer's planned choice and its error on this input.
+struct PlanCheck {
+    planned: Choice,
+    now: f64,
+}
+
+fn plan_check_text(path: &Path, budget: f64, checks: &[PlanCheck]) -> String {
+    let mut text = format!(
+        "\nplan '{}' (budget {budget:.2e}) on this input:\n\n\
+         | layer | K format | V format | B/elem | attn rel err, planned | attn rel err, now | \
+         within budget |\n|---:|---|---|---:|---:|---:|---|\n",
+        path.display()
+    );
+    for c in checks {
+        let p = &c.planned.pair;
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} | {:.4} | {:.2e} | {:.2e} | {} |",
+            c.planned.layer,
+            p.k,
+            p.v,
+            p.bytes_per_element,
+            p.attn_err,
+            c.now,
+            if c.now <= budget { "yes" } else { "no" }
+        );
+    }
+    text
+}
+
 /// Run `kvq eval`.
 pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     if args.pair_heads == 0 {
@@ -583,6 +787,10 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             args.block_size
         )));
     }
+    let budget = args.budget.map(plan::check_budget).transpose()?;
+    let scales = args.scales.as_deref().map(ScalesFile::read).transpose()?;
+    let given_plan = args.plan.as_deref().map(Plan::read).transpose()?;
+    let file_kind = scales.as_ref().map(ScalesFile::kind);
     let file = match &args.input {
         Some(path) => Some(InputFile::read(path)?),
         None => None,
@@ -601,36 +809,53 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             source.describe()
         )));
     }
-    let chosen = if args.layers.is_empty() {
-        available.clone()
-    } else if let Some(l) = args.layers.iter().find(|l| !available.contains(l)) {
-        return Err(CliError::new(format!(
-            "layer {l} is not in '{}' (it has layers {available:?})",
-            source.describe()
-        )));
-    } else {
-        args.layers.clone()
+    let chosen = files::choose_layers(&args.layers, &available, &source.describe())?;
+    let mut pairs: Vec<Pair> = PAIRS
+        .iter()
+        .map(|p| p.with_file_scales(file_kind))
+        .collect();
+    if args.hadamard {
+        // Beside the unrotated pair it is compared with.
+        let (k, v) = (KvFormat::Int4Sym32, KvFormat::Int4Affine64);
+        let at = pairs
+            .iter()
+            .position(|p| p.formats() == Some((k, v)))
+            .map_or(pairs.len(), |i| i + 1);
+        let rotated = Pair::new(Storage::Hadamard(k), Storage::Cache(v), Scales::Tensor);
+        pairs.insert(at, rotated);
+    }
+    let candidates: Vec<Pair> = match budget {
+        Some(_) => plan_candidates()
+            .into_iter()
+            .map(|p| p.with_file_scales(file_kind))
+            .collect(),
+        None => Vec::new(),
     };
 
-    let bar = progress(chosen.len() * PAIRS.len(), "eval");
-    let mut pooled: Vec<Option<ErrorSums>> = vec![Some(ErrorSums::default()); PAIRS.len()];
-    let mut skipped: Vec<Option<String>> = vec![None; PAIRS.len()];
+    let bar = progress(chosen.len() * (pairs.len() + candidates.len()), "eval");
+    let mut pooled: Vec<Option<ErrorSums>> = vec![Some(ErrorSums::default()); pairs.len()];
+    let mut skipped: Vec<Option<String>> = vec![None; pairs.len()];
     let (mut per_layer, mut per_layer_json) = (String::new(), Vec::new());
+    let (mut choices, mut checks) = (Vec::new(), Vec::new());
     let mut first = None;
     for &index in &chosen {
-        let layer = load_layer(&source, index, args)?;
+        let layer = load_layer(&source, index, args, scales.as_ref())?;
         let q = layer.queries();
         let reference = layer.reference(&q)?;
-        for (i, pair) in PAIRS.iter().enumerate() {
+        let mut measure = |pair: &Pair| {
             bar.inc(1);
+            layer
+                .measure(pair, &q, &reference, args.block_size)
+                .map_err(|e| CliError::new(format!("layer {index}, {}: {e}", pair.label())))
+        };
+        for (i, pair) in pairs.iter().enumerate() {
             if let Some(why) = unsupported(pair, layer.head_dim) {
+                bar.inc(1);
                 pooled[i] = None;
                 skipped[i] = Some(why);
                 continue;
             }
-            let e = layer
-                .measure(pair, &q, &reference, args.block_size)
-                .map_err(|e| CliError::new(format!("layer {index}, {}: {e}", pair.label())))?;
+            let e = measure(pair)?;
             if let Some(p) = &mut pooled[i] {
                 p.add(e);
             }
@@ -644,6 +869,22 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
                 r["layer"] = json!(layer.index);
                 per_layer_json.push(r);
             }
+        }
+        if let Some(budget) = budget {
+            choices.push(choose_for_layer(&layer, &candidates, budget, &mut measure)?);
+        }
+        if let Some(p) = &given_plan {
+            let planned = *p.layer(index).ok_or_else(|| {
+                CliError::new(format!("the plan has no layer {index} (--layers)"))
+            })?;
+            let (k, v) = (planned.pair.k, planned.pair.v);
+            let pair = Pair::new(Storage::Cache(k), Storage::Cache(v), Scales::Head)
+                .with_file_scales(file_kind);
+            if let Some(why) = unsupported(&pair, layer.head_dim) {
+                return Err(CliError::new(format!("layer {index} of the plan: {why}")));
+            }
+            let now = measure(&pair)?.out.rel_l2();
+            checks.push(PlanCheck { planned, now });
         }
         if first.is_none() {
             // Drop the tensors: only the geometry is reported.
@@ -659,9 +900,20 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     let Some(g) = first else {
         return Err(CliError::new("no layer was evaluated"));
     };
+    let plan = budget.map(|budget| Plan {
+        budget,
+        layers: choices,
+    });
+    if let (Some(plan), Some(path)) = (&plan, &args.plan_out) {
+        plan.write(path)?;
+    }
+    let scales_note = match &args.scales {
+        Some(path) => format!("per head, from '{}' for its format", path.display()),
+        None => "per head from the calibration tokens".to_string(),
+    };
 
     if args.json {
-        let pairs: Vec<Value> = PAIRS
+        let pairs: Vec<Value> = pairs
             .iter()
             .zip(pooled.iter().zip(&skipped))
             .map(|(pair, (e, why))| json_row(pair, e.as_ref(), why.as_deref()))
@@ -683,10 +935,30 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             "positions": args.positions.name(),
             "query_positions": g.q_len,
             "accumulation": "f64",
+            "scales_file": args.scales.as_ref().map(|p| p.display().to_string()),
             "pairs": pairs,
         });
         if args.per_layer {
             doc["per_layer"] = Value::Array(per_layer_json);
+        }
+        if let Some(plan) = &plan {
+            doc["plan"] = plan.to_json();
+        }
+        if let Some(p) = &given_plan {
+            let rows: Vec<Value> = checks
+                .iter()
+                .map(|c| {
+                    json!({
+                        "layer": c.planned.layer,
+                        "k_format": c.planned.pair.k.name(),
+                        "v_format": c.planned.pair.v.name(),
+                        "planned_attn_err": c.planned.pair.attn_err,
+                        "attn_err": c.now,
+                        "within_budget": c.now <= p.budget,
+                    })
+                })
+                .collect();
+            doc["plan_check"] = json!({ "budget": p.budget, "layers": rows });
         }
         let text = serde_json::to_string_pretty(&doc)
             .map_err(|e| CliError::new(format!("cannot format the JSON output: {e}")))?;
@@ -718,6 +990,13 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
                              errors on every token"
             .to_string(),
     };
+    let calibration = match &args.scales {
+        Some(path) => format!(
+            "{calibration} (rows marked (file): FP8 scales from '{}')",
+            path.display()
+        ),
+        None => calibration,
+    };
     let queries = match args.positions {
         Positions::Last => "decode of the last token's query over all tokens".to_string(),
         Positions::All => format!(
@@ -731,10 +1010,10 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
          layers (rel L2 = sqrt(sum err^2 / sum ref^2))\n"
     );
     text += HEADER;
-    for (pair, e) in PAIRS.iter().zip(&pooled) {
+    for (pair, e) in pairs.iter().zip(&pooled) {
         text += &row(&pair.label(), pair, e.as_ref());
     }
-    for (pair, why) in PAIRS.iter().zip(&skipped) {
+    for (pair, why) in pairs.iter().zip(&skipped) {
         if let Some(why) = why {
             let _ = writeln!(text, "\n{}: n/a, {why}", pair.label());
         }
@@ -743,6 +1022,12 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         text += "\nper layer:\n\n";
         text += HEADER;
         text += &per_layer;
+    }
+    if let Some(plan) = &plan {
+        text += &plan_text(plan, &scales_note);
+    }
+    if let (Some(p), Some(path)) = (&given_plan, &args.plan) {
+        text += &plan_check_text(path, p.budget, &checks);
     }
     print_out(&text)
 }

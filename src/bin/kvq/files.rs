@@ -150,10 +150,15 @@ pub fn write_atomic(
         .collect::<Result<Vec<_>, _>>()?;
     let bytes = safetensors::serialize(views, Some(metadata))
         .map_err(|e| CliError::new(format!("cannot encode safetensors: {e}")))?;
+    write_bytes_atomic(path, &bytes)
+}
+
+/// Write `bytes` to `path` all or nothing, through `path.tmp` as [`write_atomic`] does.
+pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
     let mut tmp = OsString::from(path.as_os_str());
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
-    let written = fs::write(&tmp, &bytes).and_then(|()| fs::rename(&tmp, path));
+    let written = fs::write(&tmp, bytes).and_then(|()| fs::rename(&tmp, path));
     if let Err(e) = written {
         // Best effort: the write already failed, and a leftover temp file must not linger.
         let _ = fs::remove_file(&tmp);
@@ -163,6 +168,113 @@ pub fn write_atomic(
         )));
     }
     Ok(())
+}
+
+/// A `[tokens, heads, head_dim]` tensor as f32 with its three axes.
+pub type Tensor3 = (Vec<f32>, [usize; 3]);
+
+/// A `[tokens, heads, head_dim]` tensor of the file as f32.
+pub fn load3(st: &SafeTensors<'_>, name: &str) -> Result<Tensor3, CliError> {
+    let view = st
+        .tensor(name)
+        .map_err(|_| CliError::new(format!("tensor '{name}' is missing")))?;
+    let &[t, h, d] = view.shape() else {
+        return Err(CliError::new(format!(
+            "tensor '{name}' has shape {:?}; expected [tokens, heads, head_dim]",
+            view.shape()
+        )));
+    };
+    Ok((to_f32(name, &view)?, [t, h, d]))
+}
+
+/// The name of a layer's tensor, `{L}` standing for the layer index: `k.{L}`,
+/// `model.layers.{L}.self_attn.k`. Dumps name their tensors in many ways; a pattern maps them.
+#[derive(Clone, Debug)]
+pub struct LayerPattern {
+    prefix: String,
+    suffix: String,
+}
+
+impl LayerPattern {
+    /// `{prefix}{L}`, such as `k.{L}`.
+    pub fn with_prefix(prefix: &str) -> Self {
+        LayerPattern {
+            prefix: prefix.to_string(),
+            suffix: String::new(),
+        }
+    }
+
+    /// The name of layer `layer`'s tensor.
+    pub fn name(&self, layer: usize) -> String {
+        format!("{}{layer}{}", self.prefix, self.suffix)
+    }
+
+    /// The layer whose tensor `name` is, if it is one: the index in place of `{L}` exactly as
+    /// [`name`](Self::name) writes it (`k.01` and `k.+1` are no layer's).
+    pub fn layer_of(&self, name: &str) -> Option<usize> {
+        let index = name
+            .strip_prefix(&self.prefix)?
+            .strip_suffix(&self.suffix)?;
+        let layer = index.parse().ok()?;
+        (self.name(layer) == name).then_some(layer)
+    }
+}
+
+impl std::str::FromStr for LayerPattern {
+    type Err = String;
+
+    /// A pattern holds `{L}` exactly once.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once("{L}") {
+            Some((prefix, suffix)) if !suffix.contains("{L}") => Ok(LayerPattern {
+                prefix: prefix.to_string(),
+                suffix: suffix.to_string(),
+            }),
+            _ => Err(format!(
+                "'{s}' must hold {{L}} (the layer index) exactly once, e.g. model.layers.{{L}}.k"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for LayerPattern {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}{{L}}{}", self.prefix, self.suffix)
+    }
+}
+
+/// Layers `L` for which every pattern names a tensor of `st`, ascending.
+pub fn layers_with(st: &SafeTensors<'_>, patterns: &[&LayerPattern]) -> Vec<usize> {
+    let names = st.names();
+    let Some((first, rest)) = patterns.split_first() else {
+        return Vec::new();
+    };
+    let mut layers: Vec<usize> = names
+        .iter()
+        .filter_map(|n| first.layer_of(n))
+        .filter(|&l| rest.iter().all(|p| names.contains(&&*p.name(l))))
+        .collect();
+    layers.sort_unstable();
+    layers
+}
+
+/// The layers `requested` (all of `available` when empty), each of which must be available;
+/// `source` names the file in the error.
+pub fn choose_layers(
+    requested: &[usize],
+    available: &[usize],
+    source: &str,
+) -> Result<Vec<usize>, CliError> {
+    if let Some(l) = requested.iter().find(|l| !available.contains(l)) {
+        return Err(CliError::new(format!(
+            "layer {l} is not in '{source}' (it has layers {available:?})"
+        )));
+    }
+    Ok(if requested.is_empty() {
+        available.to_vec()
+    } else {
+        requested.to_vec()
+    })
 }
 
 #[cfg(test)]
@@ -268,6 +380,43 @@ mod tests {
 
     fn meta() -> impl Strategy<Value = Vec<(String, String)>> {
         prop::collection::vec(("[a-z.]{1,8}", "[ -~]{0,12}"), 0..3)
+    }
+
+    #[test]
+    fn layer_patterns_name_and_find_layers() {
+        let p: LayerPattern = "model.layers.{L}.k".parse().unwrap();
+        assert_eq!(p.name(12), "model.layers.12.k");
+        assert_eq!(p.to_string(), "model.layers.{L}.k");
+        assert_eq!(p.layer_of("model.layers.12.k"), Some(12));
+        for other in [
+            "model.layers.12.v",
+            "model.layers..k",
+            "model.layers.01.k",
+            "k.1",
+        ] {
+            assert_eq!(p.layer_of(other), None, "{other}");
+        }
+        for bad in ["k", "k.{L}.{L}", "{l}"] {
+            assert!(bad.parse::<LayerPattern>().is_err(), "{bad}");
+        }
+        let bytes = file(
+            &[(1, vec![1, 1, 8]), (1, vec![1, 1, 8]), (1, vec![1, 1, 8])],
+            &[],
+            0,
+        );
+        let f = InputFile {
+            path: PathBuf::from("layers.safetensors"),
+            bytes,
+        };
+        let st = f.parse().unwrap();
+        // The file's tensors are t0, t1, t2.
+        let t: LayerPattern = "t{L}".parse().unwrap();
+        assert_eq!(layers_with(&st, &[&t]), [0, 1, 2]);
+        let x: LayerPattern = "x{L}".parse().unwrap();
+        assert!(layers_with(&st, &[&t, &x]).is_empty());
+        assert_eq!(choose_layers(&[], &[0, 1, 2], "f").unwrap(), [0, 1, 2]);
+        assert_eq!(choose_layers(&[2, 0], &[0, 1, 2], "f").unwrap(), [2, 0]);
+        assert!(choose_layers(&[3], &[0, 1, 2], "f").is_err());
     }
 
     #[test]
