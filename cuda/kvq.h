@@ -270,8 +270,9 @@ int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim, i
 
 /* ---- attention over the paged cache for any query length (cuda/prefill.cu) ---- */
 
-/* Query rows (new tokens x query heads of one KV head, token-major) one thread block serves,
- * KV tokens it takes per step, and the longest split-KV fan-out of one launch. */
+/* Query rows (new tokens x query heads of one KV head, token-major) one thread block serves
+ * (twice that, two warpgroups, at head_dim 64 / 128 when a launch's sequences average as many
+ * rows), KV tokens it takes per step, and the longest split-KV fan-out of one launch. */
 #define KVQ_PREFILL_TILE_ROWS 64
 #define KVQ_PREFILL_TILE_TOKENS 64
 #define KVQ_PREFILL_MAX_SPLITS 64
@@ -337,8 +338,9 @@ typedef struct kvq_prefill_args {
  * side is bf16. A host function. */
 int kvq_prefill_supported(int32_t k_format, int32_t v_format, int32_t head_dim, int32_t q_dtype);
 
-/* Dynamic shared memory one prefill thread block of this layout and q_dtype uses (0 when
- * unsupported); also raises the kernel's limit, so call it once outside graph capture. */
+/* Dynamic shared memory one prefill thread block of this layout and q_dtype uses (the larger
+ * of the narrow and wide tiles'; 0 when unsupported); also raises the kernels' limits, so call
+ * it once outside graph capture. */
 int kvq_prefill_prepare(const kvq_layout *layout, int32_t q_dtype, int32_t *smem_bytes);
 
 /* Enqueue the prefill kernel (and the split merge when num_splits > 1) on `stream`. */

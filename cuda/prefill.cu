@@ -12,13 +12,27 @@
 namespace kvq_prefill {
 namespace {
 
-/// Call fn.template run<D, KB, VB>() for a head_dim and the operand types of K and V, or return
-/// KVQ_ERR_UNSUPPORTED.
-template <class Fn> int dispatch(int d, bool kb, bool vb, Fn &fn) {
-  auto go = [&](auto dim) -> int {
+/// Whether (head_dim, K and V operand types) has a wide-tile instance (kWideRows rows a block,
+/// two warpgroups): the head dims wgmma serves, one operand type on both sides.
+template <int D, bool KB, bool VB> constexpr bool has_wide() {
+  return (D == 64 || D == 128) && KB == VB;
+}
+
+/// Call fn.template run<D, KB, VB, R>() for a head_dim, the operand types of K and V and the
+/// tile rows (wide where the instance exists), or return KVQ_ERR_UNSUPPORTED.
+template <class Fn> int dispatch(int d, bool kb, bool vb, bool wide, Fn &fn) {
+  auto rows = [&](auto dim, auto k_bf16, auto v_bf16) -> int {
     constexpr int D = decltype(dim)::value;
-    if (kb) return vb ? fn.template run<D, true, true>() : fn.template run<D, true, false>();
-    return vb ? fn.template run<D, false, true>() : fn.template run<D, false, false>();
+    constexpr bool KB = decltype(k_bf16)::value, VB = decltype(v_bf16)::value;
+    if constexpr (has_wide<D, KB, VB>())
+      if (wide) return fn.template run<D, KB, VB, kWideRows>();
+    return fn.template run<D, KB, VB, kRows>();
+  };
+  auto go = [&](auto dim) -> int {
+    using T = std::true_type;
+    using F = std::false_type;
+    if (kb) return vb ? rows(dim, T{}, T{}) : rows(dim, T{}, F{});
+    return vb ? rows(dim, F{}, T{}) : rows(dim, F{}, F{});
   };
   switch (d) {
     case 64: return go(std::integral_constant<int, 64>{});
@@ -68,14 +82,14 @@ bool supported(int32_t k, int32_t v, int32_t d, int32_t q_dtype) {
 /// Raise the instance's dynamic shared-memory limit to all the device gives a block beside its
 /// static shared memory, once per device (launches after the first, e.g. under graph capture,
 /// make no attribute calls); `*limit` gets that limit.
-template <int D, bool KB, bool VB> cudaError_t prepare(int *limit) {
+template <int D, bool KB, bool VB, int R> cudaError_t prepare(int *limit) {
   static std::atomic<uint64_t> done{0};  // bit d: done on device d (< 64)
   int dev = 0, optin = 0;
   cudaFuncAttributes attr{};
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, prefill_kernel<D, KB, VB>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, prefill_kernel<D, KB, VB, R>);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // not left pending for the next launcher to report
     return e;
@@ -83,46 +97,60 @@ template <int D, bool KB, bool VB> cudaError_t prepare(int *limit) {
   *limit = optin - (int)attr.sharedSizeBytes;
   const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  e = cudaFuncSetAttribute(prefill_kernel<D, KB, VB>,
+  e = cudaFuncSetAttribute(prefill_kernel<D, KB, VB, R>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, *limit);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   else (void)cudaGetLastError();
   return e;
 }
 
+/// Prepare an instance (its shared-memory limit) and check that its layout fits; *smem gets
+/// the largest layout prepared.
 struct Prepare {
+  const Side &k, &v;
   int32_t *smem;
-  int bytes;
-  template <int D, bool KB, bool VB> int run() {
+  template <int D, bool KB, bool VB, int R> int run() {
     int limit = 0;
-    const cudaError_t e = prepare<D, KB, VB>(&limit);
+    const cudaError_t e = prepare<D, KB, VB, R>(&limit);
     if (e != cudaSuccess) {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
     }
+    const int bytes = smem_layout<D, R>(k, v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
-    *smem = bytes;
+    *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
   }
 };
 
 struct Launch {
   const Params &p;
-  dim3 grid;
-  int bytes;
+  unsigned kv_heads;
   cudaStream_t stream;
-  template <int D, bool KB, bool VB> int run() {
+  template <int D, bool KB, bool VB, int R> int run() {
+    // Tiles of the capacity: sum over sequences of ceil(n_b G / R) <= ceil(total G / R) + batch.
+    const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
+    if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
     int limit = 0;
-    const cudaError_t e = prepare<D, KB, VB>(&limit);
+    const cudaError_t e = prepare<D, KB, VB, R>(&limit);
     if (e != cudaSuccess) {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
     }
+    const int bytes = smem_layout<D, R>(p.k, p.v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
-    prefill_kernel<D, KB, VB><<<grid, kThreads, bytes, stream>>>(p);
+    const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
+    prefill_kernel<D, KB, VB, R><<<grid, threads_of<R>(), bytes, stream>>>(p);
     return launch_status();
   }
 };
+
+/// Wide tiles when the launch's sequences average at least kWideRows query rows (capacity over
+/// batch): long prompts and chunks; extend and decode rows keep narrow ones, whose MMAs are
+/// not padded past the rows.
+bool wide_tiles(const Params &p) {
+  return (int64_t)p.max_tokens * p.group >= (int64_t)kWideRows * p.batch;
+}
 
 constexpr int kMergeWarps = 8;
 
@@ -163,7 +191,7 @@ struct MergeSplits {
   const Params &p;
   unsigned blocks;
   cudaStream_t stream;
-  template <int D, bool, bool> int run() {
+  template <int D, bool, bool, int> int run() {
     merge_splits<D><<<blocks, kMergeWarps * 32, 0, stream>>>(p);
     return launch_status();
   }
@@ -220,8 +248,9 @@ extern "C" int kvq_prefill_prepare(const kvq_layout *l, int32_t q_dtype, int32_t
   const Side v = side_of(l->v_format, l->v_codes_offset, l->v_codes_row, l->v_meta_offset,
                          l->v_meta_row);
   const bool kb = role_of(l->k_format, false).bf16, vb = role_of(l->v_format, true).bf16;
-  Prepare fn{smem_bytes, smem_layout(l->head_dim, k, v).bytes};
-  return dispatch(l->head_dim, kb, vb, fn);
+  Prepare fn{k, v, smem_bytes};
+  const int status = dispatch(l->head_dim, kb, vb, false, fn);
+  return status != KVQ_OK ? status : dispatch(l->head_dim, kb, vb, true, fn);
 }
 
 extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
@@ -287,18 +316,14 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   p.sm_scale = a->softmax_scale;
   p.soft_cap = a->logits_soft_cap > 0.f ? a->logits_soft_cap : 0.f;
 
-  // Tiles of the capacity: sum over sequences of ceil(n_b G / rows) <= ceil(total G / rows) +
-  // batch.
-  const int64_t tiles = ((int64_t)a->max_tokens * p.group + kRows - 1) / kRows + a->batch;
-  if (tiles > INT32_MAX || l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
+  if (l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
   const bool kb = rk.bf16, vb = rv.bf16;
-  Launch fn{p, dim3((unsigned)tiles, (unsigned)l.num_kv_heads, (unsigned)a->num_splits),
-            smem_layout(l.head_dim, p.k, p.v).bytes, (cudaStream_t)stream};
-  const int status = dispatch(l.head_dim, kb, vb, fn);
+  Launch fn{p, (unsigned)l.num_kv_heads, (cudaStream_t)stream};
+  const int status = dispatch(l.head_dim, kb, vb, wide_tiles(p), fn);
   if (status != KVQ_OK || a->num_splits == 1) return status;
   const int64_t rows = p.ws_rows;
   MergeSplits merge{p, (unsigned)((rows + kMergeWarps - 1) / kMergeWarps), (cudaStream_t)stream};
-  return dispatch(l.head_dim, kb, vb, merge);
+  return dispatch(l.head_dim, kb, vb, false, merge);
 }
 
 extern "C" int kvq_merge_states(const void *a, const float *a_lse, const void *b,

@@ -1,10 +1,11 @@
 // prefill/kernel.cuh: attention of many query rows over the paged cache (chunked prefill,
 // prefix hits, speculative verification), for every cache format.
 //
-// Grid (tiles, num_kv_heads, splits), 4 warps per CTA. A sequence's query rows are its new
-// tokens x the G query heads of one KV head, token-major (row r = token r / G, head r % G), so
-// the G heads share every KV byte read; a CTA serves 64 of them (16 a warp) over one split of
-// the keys. Tiles are numbered over the batch in the CTA itself (a scan of qo_indptr), each
+// Grid (tiles, num_kv_heads, splits), R / 16 warps per CTA. A sequence's query rows are its
+// new tokens x the G query heads of one KV head, token-major (row r = token r / G, head r % G),
+// so the G heads share every KV byte read; a CTA serves R of them (16 a warp) over one split of
+// the keys: R = 64, or 128 (wide tiles, two warpgroups sharing every KV tile and its decode)
+// when the launch's sequences average that many rows. Tiles are numbered over the batch in the CTA itself (a scan of qo_indptr), each
 // sequence's last (longest, under the causal mask) tile first.
 //
 // Per step of 64 KV tokens each warp computes S = Q K^T and O += P V for its 16 rows on tensor
@@ -44,10 +45,11 @@ namespace kvq_prefill {
 
 using namespace kvq;
 
-constexpr int kRows = KVQ_PREFILL_TILE_ROWS;    // query rows per CTA
+constexpr int kRows = KVQ_PREFILL_TILE_ROWS;      // query rows per CTA (narrow tiles)
+constexpr int kWideRows = 2 * kRows;                // query rows per CTA (wide tiles)
 constexpr int kTokens = KVQ_PREFILL_TILE_TOKENS;  // KV tokens per step
-constexpr int kWarps = kRows / 16;
-constexpr int kThreads = kWarps * 32;
+/// Threads of a CTA serving R rows: a warp per 16.
+template <int R> __host__ __device__ constexpr int threads_of() { return R * 2; }
 constexpr int kRun = 16;  // tokens per copied run: pages hold a multiple of 16 tokens
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -101,9 +103,10 @@ template <int D> __host__ __device__ constexpr bool uses_wgmma() {
   return KVQ_HAS_WGMMA && D <= 128 && D % 64 == 0;
 }
 
-/// Byte offset of 16-byte chunk `chunk` of row `row` in an operand (or Q) tile.
-template <int D, bool SW> __device__ __forceinline__ int tile_at(int row, int chunk) {
-  if constexpr (SW) return b128_at<KVQ_PREFILL_TILE_ROWS>(row, chunk);
+/// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `ROWS` rows: an operand tile
+/// (kTokens rows) or the Q tile (a CTA's rows).
+template <int D, bool SW, int ROWS> __device__ __forceinline__ int tile_at(int row, int chunk) {
+  if constexpr (SW) return b128_at<ROWS>(row, chunk);
   else return row * (D * 2 + 16) + chunk * 16;
 }
 
@@ -113,27 +116,34 @@ template <int D, bool SW> __device__ __forceinline__ int tile_at(int row, int ch
 /// barriers into one operand tile, so two blocks still fit an SM.
 __host__ __device__ constexpr bool pipelined(int d) { return d <= 128; }
 
-/// Whether Q's fragments stay in registers across the steps (else each step reads them from the
-/// Q tile). Not at head_dim 64: there ptxas 13.0 gave the registers of held fragments that feed
-/// wgmma to other values inside the loop (the tests found it; the SASS showed it).
-__host__ __device__ constexpr bool q_in_registers(int d) { return pipelined(d) && d > 64; }
+/// Whether Q's fragments stay in registers across the steps. Else each step reads them from the
+/// Q tile: wgmma takes them straight from shared memory (a descriptor, as for K), mma.sync by
+/// ldmatrix. With wgmma only narrow tiles at head_dim 128 hold them (and alias the Q tile, so
+/// that two blocks fit an SM beside quantized sides); at 64 ptxas 13.0 gave the registers of
+/// held fragments that feed wgmma to other values inside the loop (the SASS showed it), and wide
+/// tiles need those registers for their accumulators.
+template <int D, int R> __host__ __device__ constexpr bool q_in_registers() {
+  return pipelined(D) && D > 64 && (!uses_wgmma<D>() || R == kRows);
+}
 
 /// Where a launch's dynamic shared memory goes (offsets from its first 1024-byte boundary; the
 /// size has room for the alignment): the Q tile, then per side its operand tiles (two, or one for
 /// a quantized side off the pipelined schedule) and for a quantized side two staging areas.
-/// Pipelined above head_dim 64, the Q tile is K's second operand tile: Q is in registers before
-/// step 1's copies or decode write there. Tiles are sized for rows of pitch<D>() bytes, which also holds a B128
-/// tile (a multiple of 1024 bytes at every supported head_dim).
+/// When Q is held in registers and its tile is the size of an operand tile, the Q tile is K's
+/// second operand tile: Q is in registers before step 1's copies or decode write there. Tiles are
+/// sized for rows of pitch<D>() bytes, which also holds a B128 tile (a multiple of 1024 bytes at
+/// every supported head_dim).
 struct Layout {
   int q, k_op, k_stage, v_op, v_stage, bytes;
 };
-__host__ __device__ inline Layout smem_layout(int d, const Side &k, const Side &v) {
+template <int D, int R> __host__ __device__ inline Layout smem_layout(const Side &k, const Side &v) {
+  constexpr int d = D;
   const bool pipe = pipelined(d);
-  const int tile = kRows * (2 * d + 16);
+  const int tile = kTokens * (2 * d + 16);
   Layout l;
   int at = 0;
-  const bool q_alias = q_in_registers(d);
-  l.q = at, at += q_alias ? 0 : tile;
+  const bool q_alias = q_in_registers<D, R>() && R == kTokens;
+  l.q = at, at += q_alias ? 0 : R * (2 * d + 16);
   l.k_op = at, at += (k.direct || pipe) ? 2 * tile : tile;
   l.k_stage = at, at += k.direct ? 0 : 2 * stage_bytes(k);
   l.v_op = at, at += (v.direct || pipe) ? 2 * tile : tile;
@@ -167,14 +177,14 @@ struct HasF16Rows<C, std::void_t<decltype(&C::decode_f16)>> : std::true_type {};
 /// Decode the staged rows of one side (kTokens rows of codes, then of metadata) into an operand
 /// tile; rows outside [lo, hi) become zeros (past the sequence or the split: never-written or
 /// stale codes must not reach the MMAs, where 0 * NaN would poison the sum).
-template <int F, bool BF16, int D, bool SW>
+template <int F, bool BF16, int D, bool SW, int NT>
 __device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t *meta,
                                             const Side &s, uint8_t *tile, int lo, int hi) {
   using C = Codec<F>;
   constexpr int E = C::kEpt;
   constexpr int kChunks = D / E;
   static_assert(D % E == 0, "head_dim is whole chunks of the codec (kvq_prefill_supported)");
-  for (int u = threadIdx.x; u < kTokens * kChunks; u += kThreads) {
+  for (int u = threadIdx.x; u < kTokens * kChunks; u += NT) {
     const int j = u / kChunks, c = u % kChunks;
     const bool live = j >= lo && j < hi;
     RowRef r;
@@ -206,7 +216,7 @@ __device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t 
     }
 #pragma unroll
     for (int w = 0; w < E / 8; ++w)
-      *reinterpret_cast<uint4 *>(tile + tile_at<D, SW>(j, c * E / 8 + w)) =
+      *reinterpret_cast<uint4 *>(tile + tile_at<D, SW, kTokens>(j, c * E / 8 + w)) =
           make_uint4(h[4 * w], h[4 * w + 1], h[4 * w + 2], h[4 * w + 3]);
   }
 }
@@ -218,7 +228,7 @@ template <int F, int D> __host__ __device__ constexpr bool fits() {
 
 /// decode_side for the side's run-time format: a fold over every stored format (AllFormats),
 /// so a new codec is decoded here without an edit.
-template <bool BF16, int D, bool SW, int... F>
+template <bool BF16, int D, bool SW, int NT, int... F>
 __device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes,
                                           const uint8_t *meta, const Side &s, uint8_t *tile,
                                           int lo, int hi) {
@@ -226,15 +236,15 @@ __device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes
     constexpr int G = decltype(f)::value;
     // 16-bit formats are always their operand type: copied, never decoded.
     if constexpr (fits<G, D>() && Codec<G>::kBits < 16)
-      decode_side<G, BF16, D, SW>(codes, meta, s, tile, lo, hi);
+      decode_side<G, BF16, D, SW, NT>(codes, meta, s, tile, lo, hi);
   };
   (void)((s.format == F && (one(FormatTag<F>{}), true)) || ...);
 }
 
-template <bool BF16, int D, bool SW>
+template <bool BF16, int D, bool SW, int NT>
 __device__ __forceinline__ void decode_any(const uint8_t *codes, const uint8_t *meta,
                                            const Side &s, uint8_t *tile, int lo, int hi) {
-  decode_in<BF16, D, SW>(AllFormats{}, codes, meta, s, tile, lo, hi);
+  decode_in<BF16, D, SW, NT>(AllFormats{}, codes, meta, s, tile, lo, hi);
 }
 
 /// New tokens of sequence b and the first one's index over the batch; 0 tokens (and `*bad`)
@@ -248,9 +258,11 @@ __device__ __forceinline__ int seq_tokens(const Params &p, int b, int *q0, bool 
 }
 
 /// Which sequence and which of its tiles CTA `tile` serves: a block-wide scan of the tiles per
-/// sequence (ceil(n_b * G / kRows)). False when `tile` is past the batch's last.
+/// sequence (ceil(n_b * G / R)). False when `tile` is past the batch's last.
+template <int R>
 __device__ __forceinline__ bool find_tile(const Params &p, int tile, int *seq, int *index,
                                           int *count) {
+  constexpr int kThreads = threads_of<R>(), kWarps = kThreads / 32;
   __shared__ int s_seq, s_index, s_count, s_warp[kWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if (tid == 0) s_seq = -1;
@@ -261,7 +273,7 @@ __device__ __forceinline__ bool find_tile(const Params &p, int tile, int *seq, i
     int n = 0, q0;
     bool bad;
     if (b < p.batch) n = seq_tokens(p, b, &q0, &bad);
-    const int tiles = (int)(((int64_t)n * p.group + kRows - 1) / kRows);
+    const int tiles = (int)(((int64_t)n * p.group + R - 1) / R);
     int incl = tiles;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -301,7 +313,7 @@ struct StepPages {
 /// Queue the copies of a direct side's rows of one step into operand tile `op`: thread t copies
 /// 16-byte unit t of every kThreads, rows at or past `hi` (relative to the step) zero-filled so
 /// that never-written codes cannot reach the MMAs.
-template <int D, bool SW>
+template <int D, bool SW, int kThreads>
 __device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_off,
                                              const StepPages &pg, int hi, uint8_t *op) {
   constexpr int P = pitch<D>();
@@ -322,7 +334,7 @@ __device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_
     // multiple of 8, so a B128 tile's swizzle is the same in every pass).
     static_assert(!SW || RPI % 8 == 0, "one swizzle per thread");
     const int row0 = threadIdx.x / UR, c = threadIdx.x % UR;
-    const uint32_t dst = smem_u32(op) + tile_at<D, SW>(row0, c);
+    const uint32_t dst = smem_u32(op) + tile_at<D, SW, kTokens>(row0, c);
     constexpr int kRowBytes = SW ? 128 : P;
     const int in_row = row0 * (D * 2) + c * 16;
 #pragma unroll
@@ -340,7 +352,7 @@ __device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_
           run == 0 ? first[0] : run == 1 ? first[1] : run == 2 ? first[2] : first[3];
       const bool live = at >= 0 && row < hi;
       const uint8_t *src = head + (live ? at + (int64_t)(row % kRun) * (D * 2) + c * 16 : 0);
-      cp_async16(smem_u32(op + tile_at<D, SW>(row, c)), src, live ? 16u : 0u);
+      cp_async16(smem_u32(op + tile_at<D, SW, kTokens>(row, c)), src, live ? 16u : 0u);
     }
   }
 }
@@ -348,6 +360,7 @@ __device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_
 /// Queue the copies of a quantized side's codes and metadata of one step into staging area
 /// `st` (kTokens rows of codes, then of metadata); runs past the keys are skipped (never
 /// decoded), runs of blocks outside the pool read as zeros.
+template <int kThreads>
 __device__ __forceinline__ void issue_raw(const Side &s, const uint8_t *head, const StepPages &pg,
                                           int nruns, uint8_t *st) {
   const int cr = s.codes_row, mr = s.meta_row;  // 16-byte units of a run's codes, metadata
@@ -366,26 +379,26 @@ __device__ __forceinline__ void issue_raw(const Side &s, const uint8_t *head, co
   }
 }
 
-template <int D, bool KB, bool VB>
-__global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
+template <int D, bool KB, bool VB, int R>
+__global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p) {
+  constexpr int kThreads = threads_of<R>(), kWarps = kThreads / 32;
   constexpr int P = pitch<D>();
-  constexpr int TILE = kRows * P;
-  // Pipelined (Q fragments in registers, decode a step ahead) up to head_dim 128; wider rows
-  // read Q per k-step and decode between two barriers.
+  constexpr int TILE = kTokens * P;
+  // Pipelined (decode a step ahead) up to head_dim 128; wider rows decode between two barriers.
   constexpr bool PIPE = pipelined(D);
-  constexpr bool QREG = q_in_registers(D);
-  // wgmma (one warpgroup: the block) on B128 tiles, else mma.sync per warp on padded rows.
+  constexpr bool QREG = q_in_registers<D, R>();
+  // wgmma (a warpgroup per 64 rows) on B128 tiles, else mma.sync per warp on padded rows.
   constexpr bool WG = uses_wgmma<D>();
-  static_assert(!WG || (kThreads == 128 && kRows == 64 && kTokens == 64), "one warpgroup");
+  static_assert(!WG || (kTokens == 64 && R % 64 == 0), "warpgroups of 64 rows, 64-token steps");
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t *const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  __shared__ int row_lo[kRows], row_hi[kRows];  // keys [lo, hi) each row sees in this split
-  __shared__ int64_t row_out[kRows], row_lse[kRows];
-  __shared__ int row_head[kRows];
-  __shared__ float row_qs[kRows];  // factor of each row's scores (q's power-of-two scaling)
+  __shared__ int row_lo[R], row_hi[R];  // keys [lo, hi) each row sees in this split
+  __shared__ int64_t row_out[R], row_lse[R];
+  __shared__ int row_head[R];
+  __shared__ float row_qs[R];  // factor of each row's scores (q's power-of-two scaling)
 
   int b, index, count;
-  if (!find_tile(p, blockIdx.x, &b, &index, &count)) return;
+  if (!find_tile<R>(p, blockIdx.x, &b, &index, &count)) return;
   const int kvh = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int G = p.group;
@@ -398,11 +411,11 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   const bool bad_len = bad_q || len < n || len > cap;
   len = min(max(len, 0), cap);
   const int rows = n * G;
-  const int r0 = (count - 1 - index) * kRows;  // the last tile first: it has the most keys
+  const int r0 = (count - 1 - index) * R;  // the last tile first: it has the most keys
   const int past = len - n;                    // position of the first new token
   const int s_lo = split * p.split_tokens, s_hi = min(len, s_lo + p.split_tokens);
 
-  if (tid < kRows) {
+  if (tid < R) {
     const int r = r0 + tid;
     int lo = 0, hi = 0;
     if (r < rows) {
@@ -420,13 +433,13 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   }
 
   const bool k_direct = p.k.direct, v_direct = p.v.direct;
-  const Layout L = smem_layout(D, p.k, p.v);
+  const Layout L = smem_layout<D, R>(p.k, p.v);
   uint8_t *qs = smem + L.q;
 
   // ---- Q tile: cp.async of each row (rows past the sequence: zeros). Commit group 1 of 3.
   {
     constexpr int U = D * 2 / 16;
-    for (int u = tid; u < kRows * U; u += kThreads) {
+    for (int u = tid; u < R * U; u += kThreads) {
       const int rr = u / U, c = u % U, r = r0 + rr;
       const uint8_t *src = static_cast<const uint8_t *>(p.q);
       uint32_t bytes = 0;
@@ -435,7 +448,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
                c * 16;
         bytes = 16;
       }
-      cp_async16(smem_u32(qs + tile_at<D, WG>(rr, c)), src, bytes);
+      cp_async16(smem_u32(qs + tile_at<D, WG, R>(rr, c)), src, bytes);
     }
     cp_async_commit();
   }
@@ -443,7 +456,7 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
 
   // Keys this CTA's rows see in this split: [kv_lo, kv_hi).
   int kv_lo = INT32_MAX, kv_hi = 0;
-  for (int r = 0; r < kRows; ++r)
+  for (int r = 0; r < R; ++r)
     if (row_hi[r] > row_lo[r]) kv_lo = min(kv_lo, row_lo[r]), kv_hi = max(kv_hi, row_hi[r]);
   const int base = kv_hi > kv_lo ? kv_lo / kRun * kRun : 0;
   const int nsteps = kv_hi > kv_lo ? (kv_hi - base + kTokens - 1) / kTokens : 0;
@@ -486,14 +499,16 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     const int d_hi = kv_hi - (base + ds * kTokens), r_hi = kv_hi - (base + rs * kTokens);
     const int r_runs = min(kTokens / kRun, (r_hi + kRun - 1) / kRun);
     if (k_direct) {
-      if (ds < nsteps) issue_direct<D, WG>(head, p.k.codes_off, pages[ds & 3], d_hi, k_op(ds));
+      if (ds < nsteps)
+        issue_direct<D, WG, kThreads>(head, p.k.codes_off, pages[ds & 3], d_hi, k_op(ds));
     } else if (rs < nsteps) {
-      issue_raw(p.k, head, pages[rs & 3], r_runs, k_stage(rs));
+      issue_raw<kThreads>(p.k, head, pages[rs & 3], r_runs, k_stage(rs));
     }
     if (v_direct) {
-      if (ds < nsteps) issue_direct<D, WG>(head, p.v.codes_off, pages[ds & 3], d_hi, v_op(ds));
+      if (ds < nsteps)
+        issue_direct<D, WG, kThreads>(head, p.v.codes_off, pages[ds & 3], d_hi, v_op(ds));
     } else if (rs < nsteps) {
-      issue_raw(p.v, head, pages[rs & 3], r_runs, v_stage(rs));
+      issue_raw<kThreads>(p.v, head, pages[rs & 3], r_runs, v_stage(rs));
     }
     cp_async_commit();
   };
@@ -504,11 +519,11 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
     if (!k_direct) {
       const uint8_t *raw = k_stage(s);
-      decode_any<KB, D, WG>(raw, raw + kTokens * p.k.codes_row, p.k, k_op(s), lo, hi);
+      decode_any<KB, D, WG, kThreads>(raw, raw + kTokens * p.k.codes_row, p.k, k_op(s), lo, hi);
     }
     if (!v_direct) {
       const uint8_t *raw = v_stage(s);
-      decode_any<VB, D, WG>(raw, raw + kTokens * p.v.codes_row, p.v, v_op(s), lo, hi);
+      decode_any<VB, D, WG, kThreads>(raw, raw + kTokens * p.v.codes_row, p.v, v_op(s), lo, hi);
     }
   };
   find_pages(0);
@@ -523,8 +538,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   // bf16 queries over an f16 key operand: each row scaled by a power of two into f16's range.
   if (p.q_bf16 && !KB) {
     // Element d of row r, in the Q tile's layout.
-    auto q_elem = [&](int r, int d) { return qs + tile_at<D, WG>(r, d / 8) + (d % 8) * 2; };
-    for (int r = warp; r < kRows; r += kWarps) {
+    auto q_elem = [&](int r, int d) { return qs + tile_at<D, WG, R>(r, d / 8) + (d % 8) * 2; };
+    for (int r = warp; r < R; r += kWarps) {
       float mx = 0.f;
       for (int d = lane; d < D; d += 32)
         mx = fmaxf(mx, fabsf(__bfloat162float(*reinterpret_cast<__nv_bfloat16 *>(q_elem(r, d)))));
@@ -581,7 +596,8 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
   // warp * 16 + lane % 16.
   auto q_frag = [&](int kk, uint32_t(&a)[4]) {
     if constexpr (WG)
-      ldmatrix_x4(smem_u32(qs) + tile_at<D, true>(warp * 16 + lane % 16, 2 * kk + lane / 16), a);
+      ldmatrix_x4(smem_u32(qs) + tile_at<D, true, R>(warp * 16 + lane % 16, 2 * kk + lane / 16),
+                  a);
     else ldmatrix_x4(q_addr + kk * 32, a);
   };
   if constexpr (QREG) {
@@ -622,16 +638,19 @@ __global__ void __launch_bounds__(kThreads) prefill_kernel(const Params p) {
     for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #if KVQ_HAS_WGMMA
     if constexpr (WG) {
-      // K-major B: 64-column block kk / 4 of the keys' rows, 32 bytes per k-step within it.
-      const uint32_t kt = smem_u32(k_op(st));
+      // K-major A and B: 64-column block kk / 4 of the rows, 32 bytes per k-step within it; A
+      // is this warpgroup's 64 rows of the Q tile (or, held, its registers).
+      const uint32_t kt = smem_u32(k_op(st)), qt = smem_u32(qs) + (warp / 4) * 64 * 128;
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        if constexpr (QREG) a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3];
-        else q_frag(kk, a);
-        wgmma_m64n64k16<KB, 0>(s, a, b128_desc(kt + (kk / 4) * 8192 + (kk % 4) * 32, 8192),
-                               kk > 0);
+        const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
+        if constexpr (QREG) {
+          wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
+        } else {
+          const uint64_t qd = b128_desc(qt + (kk / 4) * (R * 128) + (kk % 4) * 32, R * 128);
+          wgmma_m64n64k16_ss<KB>(s, qd, kd, kk > 0);
+        }
       }
       wgmma_commit();
       wgmma_wait<0>();

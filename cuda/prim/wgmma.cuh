@@ -1,6 +1,6 @@
 // prim/wgmma.cuh: Hopper warpgroup MMA (wgmma.mma_async, sm_90a) with the A operand in
-// registers and B read from shared memory through a matrix descriptor, and the 128-byte
-// swizzled tile layout those descriptors describe.
+// registers or shared memory and B read from shared memory through matrix descriptors, and the
+// 128-byte swizzled tile layout those descriptors describe.
 //
 // Tile layout (B128): a [rows x cols] tile of 16-bit elements is stored as cols / 64 column
 // blocks of rows x 128 bytes; in row r the 16-byte chunk c (elements 8c..8c+7 of the block) sits
@@ -88,12 +88,30 @@ __device__ __forceinline__ void fence_operand(uint32_t &x) {
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(acc), "l"(desc),           \
                  "n"(kTransB))
 
+#define KVQ_WG_M64N64_SS(T)                                                                \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " "                    \
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "    \
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, " \
+               "%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                          \
+               : KVQ_WG_ACC8(0), KVQ_WG_ACC8(2), KVQ_WG_ACC8(4), KVQ_WG_ACC8(6)             \
+               : "l"(a_desc), "l"(b_desc), "r"(acc))
+
 /// d[8][4] (+)= A (64 x 16, registers) * B (16 x 64, descriptor); `acc` 0 overwrites d.
 template <bool BF16, int kTransB>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], const uint32_t (&a)[4],
                                                 uint64_t desc, int acc) {
   if constexpr (BF16) KVQ_WG_M64N64("bf16");
   else KVQ_WG_M64N64("f16");
+}
+
+/// d[8][4] (+)= A (64 x 16, K-major descriptor) * B (16 x 64, K-major descriptor); `acc` 0
+/// overwrites d.
+template <bool BF16>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[8][4], uint64_t a_desc,
+                                                   uint64_t b_desc, int acc) {
+  if constexpr (BF16) KVQ_WG_M64N64_SS("bf16");
+  else KVQ_WG_M64N64_SS("f16");
 }
 
 /// d[16][4] (+)= A (64 x 16, registers) * B (16 x 128, descriptor); `acc` 0 overwrites d.
@@ -106,6 +124,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], const uint32
 
 #undef KVQ_WG_M64N64
 #undef KVQ_WG_M64N128
+#undef KVQ_WG_M64N64_SS
 #undef KVQ_WG_ACC8
 
 #endif  // KVQ_HAS_WGMMA
