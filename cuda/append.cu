@@ -188,6 +188,15 @@ struct DenseRows {
 
 // ---- kernels --------------------------------------------------------------------------
 
+// The extremes codec C quantizes a thread's chunk with: its group's (C::group_extremes), or for a
+// codec whose group is the row, the row's over its shape.tpr lanes (format_info's row_lanes_ok
+// keeps them inside one warp). Every lane of the warp must call it.
+template <class C>
+__device__ __forceinline__ Extremes extremes_for(const Extremes &own, const RowShape &shape) {
+  if constexpr (RowGroupOf<C>::value) return C::row_extremes(own, shape.tpr);
+  else return C::group_extremes(own);
+}
+
 // Whether append quantizes straight from the packed 16-bit input (INT4 formats, f16 / bf16).
 template <typename In, int F>
 constexpr bool kPackedInt4 = sizeof(In) == 2 && Codec<F>::kPackedExtremes;
@@ -278,7 +287,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In>::kMinBlocks
       float v[E] = {};
       if (active) non_finite += sanitize_raw<In, E>(p.raw, v);
       const Extremes own = C::extremes(v);
-      C::encode([&](int i) { return v[i]; }, own, C::group_extremes(own), chunk, r, active);
+      C::encode([&](int i) { return v[i]; }, own, extremes_for<C>(own, shape), chunk, r, active);
     }
   };
 
@@ -334,7 +343,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     r = dst.row(g.row);
   }
   const Extremes own = C::extremes(v);
-  C::encode([&](int i) { return v[i]; }, own, C::group_extremes(own), g.chunk, r,
+  C::encode([&](int i) { return v[i]; }, own, extremes_for<C>(own, shape), g.chunk, r,
                      active);
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
 }
@@ -480,9 +489,11 @@ template <typename Fn> int with_dtype(int32_t dtype, Fn &&fn) {
   }
 }
 
-// head_dim rule of a format (mirrors KvFormat::head_dim_multiple) plus the kernels' own limit.
+// head_dim rule of a format (mirrors KvFormat::head_dim_multiple) plus the kernels' own limits
+// (a row-group codec's row within one warp: INT8 at head_dim 16, 32, 64, 128, 256 or 512).
 bool head_dim_ok(const FormatInfo &f, int head_dim) {
-  return head_dim > 0 && head_dim % f.head_dim_multiple == 0 && head_dim <= kMaxHeadDim;
+  return head_dim > 0 && head_dim % f.head_dim_multiple == 0 && head_dim <= kMaxHeadDim &&
+         f.row_lanes_ok(head_dim);
 }
 
 // A side of the cache, or false when the layout's fields are inconsistent.

@@ -27,7 +27,9 @@ typedef enum kvq_format {
   KVQ_FP8_E4M3 = 2,
   KVQ_FP8_E5M2 = 3,
   KVQ_INT4_SYM32 = 4,
-  KVQ_INT4_AFFINE64 = 5
+  KVQ_INT4_AFFINE64 = 5,
+  KVQ_INT8_PTH = 6,  /* INT8, symmetric, an f32 scale per row (token and KV head) */
+  KVQ_FP4_E2M1 = 7   /* FP4 E2M1, an E4M3 scale per 16 elements, an f32 scale per KV head */
 } kvq_format;
 
 /* Byte layout of a paged cache block: kvq::layout::BlockLayout, field for field. Offsets are
@@ -47,8 +49,8 @@ typedef struct kvq_layout {
   int64_t block_stride;
 } kvq_layout;
 
-/* A cache in device memory: the block pool and FP8's per-KV-head f32 scales (each
- * [num_kv_heads]; ignored for other formats, may then be null). */
+/* A cache in device memory: the block pool and the per-KV-head f32 scales of FP8 (s) and FP4
+ * (g) (each [num_kv_heads]; ignored for other formats, may then be null). */
 typedef struct kvq_cache {
   uint8_t *pool;
   const float *k_scales;
@@ -80,7 +82,10 @@ typedef enum kvq_dtype {
  * at least num_kv_heads * head_dim; k and v are 16-byte aligned. Token t goes to slot slots[t]
  * (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.
  * A negative slot skips the token (padding); a slot >= num_blocks * block_size skips it too and
- * counts it in counters[KVQ_COUNTER_OUT_OF_RANGE]. FP8 formats read cache->k_scales/v_scales. */
+ * counts it in counters[KVQ_COUNTER_OUT_OF_RANGE]. FP8 and FP4 formats read
+ * cache->k_scales/v_scales. int8-pth (and kvq_gather_dequantize of it) needs a head_dim whose
+ * rows of 16-element chunks fit a warp evenly: 16, 32, 64, 128, 256 or 512; else
+ * KVQ_ERR_INVALID. */
 int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void *slots, int32_t slots_i64,
                int64_t num_tokens, const void *k, const void *v, int32_t dtype,
                int64_t k_token_stride, int64_t v_token_stride, unsigned long long *counters,
@@ -126,9 +131,9 @@ int kvq_tables_update(const int32_t *src, int32_t num_lens, int32_t *lens_dst, i
                       unsigned int generation, void *stream);
 
 /* Calibration scales of a dense tensor x ([rows, head_dim], rows cycling through `heads` heads,
- * so row r belongs to head r % heads) for `format` (FP8, or KVQ_DENSE_INT4_UNIFORM): FP8
- * amax / max_finite (1 when amax is 0), one per head when per_head != 0, else one for the tensor;
- * uniform INT4 one amax / 7. amax runs over the sanitized inputs. `amax_scratch` holds
+ * so row r belongs to head r % heads) for `format` (FP8, FP4, or KVQ_DENSE_INT4_UNIFORM): FP8
+ * amax / max_finite, FP4's global scale amax / 2688 (both 1 when the quotient is 0), one per head
+ * when per_head != 0, else one for the tensor; uniform INT4 one amax / 7. amax runs over the sanitized inputs. `amax_scratch` holds
  * (per_head ? heads : 1) uint32 of device scratch. */
 int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, int64_t rows, int32_t heads,
                      int32_t head_dim, int32_t per_head, float *scales_out,
@@ -137,7 +142,8 @@ int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, int64_t rows,
 /* Quantize a dense tensor [rows, head_dim] (the layout of src/dense.rs): codes [rows, code
  * bytes]; FP8 and uniform INT4 take num_head_scales (1, or `heads` for FP8) f32 scales; INT4 K
  * writes f16 group_scales [rows, head_dim / 32]; INT4 V writes group_scales and group_zeros
- * [rows, head_dim / 64]. Uniform INT4 packs the flat tensor (head_dim even). */
+ * [rows, head_dim / 64]. Uniform INT4 packs the flat tensor (head_dim even). KVQ_INT8_PTH and
+ * KVQ_FP4_E2M1 have no dense kernels (KVQ_ERR_INVALID). */
 int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, int64_t rows, int32_t heads,
                        int32_t head_dim, const float *head_scales, int32_t num_head_scales,
                        uint8_t *codes, uint16_t *group_scales, uint16_t *group_zeros,
@@ -250,8 +256,9 @@ typedef struct kvq_decode_args {
 /* 1 when this build has a decode kernel for keys in k_format and values in v_format
  * (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3 and int4 (K: KVQ_INT4_SYM32, V:
  * KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80, 96, 112, 128, 192 or
- * 256, a multiple of 32 with INT4 keys and of 64 with INT4 values. A host function: no device
- * is needed. */
+ * 256, a multiple of 32 with INT4 keys and of 64 with INT4 values. Never int8-pth or fp4-e2m1
+ * (no fragment kind for a per-row or E4M3 group scale; prefill serves them). A host function:
+ * no device is needed. */
 int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim);
 
 /* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. */
@@ -333,8 +340,8 @@ typedef struct kvq_prefill_args {
 } kvq_prefill_args;
 
 /* 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every
- * cache format for K and V (INT4 sym32 as K, affine64 as V), head_dim 64, 80, 96, 112, 128, 192
- * or 256 (a multiple of each format's group), f16 or bf16 queries, and bf16 queries whenever a
+ * cache format for K and V (INT4 sym32 as K, affine64 as V; int8-pth and fp4-e2m1 either), head_dim
+ * 64, 80, 96, 112, 128, 192 or 256 (a multiple of each format's group and of 32 for fp4-e2m1), f16 or bf16 queries, and bf16 queries whenever a
  * side is bf16. A host function. */
 int kvq_prefill_supported(int32_t k_format, int32_t v_format, int32_t head_dim, int32_t q_dtype);
 

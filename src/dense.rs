@@ -13,17 +13,25 @@
 //! | `fp8-e4m3`, `fp8-e5m2` | `[..., head_dim]` | F32 `[1]` per tensor or `[heads]` per head | — |
 //! | `int4-k32` | `[..., head_dim / 2]` | F16 `[..., head_dim / 32]` | — |
 //! | `int4-v64` | `[..., head_dim / 2]` | F16 `[..., head_dim / 64]` | F16 `[..., head_dim / 64]` |
+//! | `int8-pth` | `[..., head_dim]` | F32 `[..., 1]` (one per row) | — |
+//! | `fp4-e2m1` | `[..., head_dim / 2]` | U8 `[..., head_dim / 16]` (E4M3) | — |
 //! | `int4-uniform` | `[..., head_dim / 2]` | F32 `[1]` | — |
 //!
-//! INT4 codes are packed two per byte, element `2i` in the low nibble. All multi-byte values are
-//! little-endian.
+//! `fp4-e2m1` has a fourth part, `global_scales`: F32 `[heads]`, the global scale `g` of each
+//! head, always calibrated from the tensor (`amax / 2688`, FORMATS.md).
+//!
+//! INT4 and FP4 codes are packed two per byte, element `2i` in the low nibble. All multi-byte
+//! values are little-endian.
 
 use crate::error::{Error, Result, filled};
-use crate::format::{Element, Fp8Kind, KvFormat, SPECS, head_amax, int4, sanitize, sanitized_amax};
+use crate::format::{
+    Element, Fp8Kind, HeadScale, KvFormat, SPECS, fp4, head_amax, int4, int8, sanitize,
+    sanitized_amax,
+};
 use half::f16;
 use std::fmt;
 
-/// A dense-tensor quantization format: the four quantized cache formats plus a per-tensor INT4
+/// A dense-tensor quantization format: the quantized cache formats plus a per-tensor INT4
 /// baseline that exists only to show what grouping buys.
 ///
 /// The format table ([`SPECS`]) is the source of truth: a dense format is the `dense` form of
@@ -41,6 +49,11 @@ pub enum DenseFormat {
     Int4K32,
     /// [`KvFormat::Int4Affine64`]: affine INT4, groups of 64, f16 scale and zero per group.
     Int4V64,
+    /// [`KvFormat::Int8Pth`]: symmetric INT8, an f32 scale per row.
+    Int8Pth,
+    /// [`KvFormat::Fp4E2m1`]: E2M1 codes, an E4M3 scale per 16 elements, an f32 global scale
+    /// per head.
+    Fp4E2m1,
     /// Symmetric INT4 with one f32 scale for the whole tensor (reference baseline only).
     Int4Uniform,
 }
@@ -79,8 +92,8 @@ impl DenseFormat {
     }
 
     /// Name used by the CLI and in file metadata: the [`KvFormat::name`] of
-    /// [`kv_format`](Self::kv_format) (`fp8-e4m3`, `fp8-e5m2`, `int4-k32`, `int4-v64`), or
-    /// `int4-uniform`.
+    /// [`kv_format`](Self::kv_format) (`fp8-e4m3`, `fp8-e5m2`, `int4-k32`, `int4-v64`,
+    /// `int8-pth`, `fp4-e2m1`), or `int4-uniform`.
     pub const fn name(self) -> &'static str {
         match self.kv_format() {
             Some(kv) => kv.name(),
@@ -97,6 +110,14 @@ impl DenseFormat {
     pub const fn fp8_kind(self) -> Option<Fp8Kind> {
         match self.kv_format() {
             Some(kv) => kv.fp8_kind(),
+            None => None,
+        }
+    }
+
+    /// The f32 scale per head (or tensor) outside the rows: FP8's `s`, FP4's `g`.
+    pub const fn head_scale(self) -> Option<HeadScale> {
+        match self.kv_format() {
+            Some(kv) => kv.head_scale(),
             None => None,
         }
     }
@@ -189,8 +210,9 @@ impl std::str::FromStr for DenseFormat {
     }
 }
 
-/// Where an FP8 tensor's scale comes from. Grouped INT4 and `int4-uniform` always derive their
-/// scales from the data, and accept only the default, [`PerTensorAmax`](Self::PerTensorAmax).
+/// Where an FP8 tensor's scale comes from. The other formats (INT4, INT8, FP4's global scales
+/// per head, `int4-uniform`) always derive their scales from the data, and accept only the
+/// default, [`PerTensorAmax`](Self::PerTensorAmax).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum Fp8ScaleChoice {
     /// One given scale for the whole tensor: positive, finite, and small enough that
@@ -206,11 +228,11 @@ pub enum Fp8ScaleChoice {
 /// Element type of a stored part of a quantized tensor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum StoredDtype {
-    /// Bytes: codes.
+    /// Bytes: codes, and FP4's E4M3 group scales.
     U8,
     /// IEEE binary16, little-endian: INT4 group scales and zeros.
     F16,
-    /// IEEE binary32, little-endian: FP8 and uniform INT4 scales.
+    /// IEEE binary32, little-endian: FP8, INT8 row, FP4 global and uniform INT4 scales.
     F32,
 }
 
@@ -290,8 +312,9 @@ impl StoredTensor {
     }
 }
 
-/// A quantized dense tensor: codes, scales and (for `int4-v64`) zeros, laid out as the module
-/// documentation's table says. Its parts are always consistent with each other.
+/// A quantized dense tensor: codes, scales, (for `int4-v64`) zeros and (for `fp4-e2m1`) global
+/// scales, laid out as the module documentation's table says. Its parts are always consistent
+/// with each other.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantizedTensor {
     format: DenseFormat,
@@ -299,17 +322,28 @@ pub struct QuantizedTensor {
     codes: StoredTensor,
     scales: StoredTensor,
     zeros: Option<StoredTensor>,
+    global_scales: Option<StoredTensor>,
     non_finite: u64,
 }
 
+/// A quantized tensor's stored parts: codes, scales, zeros (`int4-v64`) and global scales
+/// (`fp4-e2m1`), as [`QuantizedTensor::into_parts`] gives them.
+pub type Parts = (
+    StoredTensor,
+    StoredTensor,
+    Option<StoredTensor>,
+    Option<StoredTensor>,
+);
+
 impl QuantizedTensor {
     /// Reassemble a tensor from its stored parts (e.g. read back from a file), checking every
-    /// dtype and shape against `format` and every scale and zero for validity.
+    /// dtype and shape against `format` and every scale, zero and global scale for validity.
     pub fn from_parts(
         format: DenseFormat,
         codes: StoredTensor,
         scales: StoredTensor,
         zeros: Option<StoredTensor>,
+        global_scales: Option<StoredTensor>,
     ) -> Result<Self> {
         let bad = |msg: String| Error::InvalidArgument(format!("{format} tensor: {msg}"));
         if codes.dtype != StoredDtype::U8 {
@@ -367,7 +401,21 @@ impl QuantizedTensor {
             }
             (false, None) => {}
         }
-        check_scale_values(format, &scales, zeros.as_ref())?;
+        let global = format.head_scale() == Some(HeadScale::Fp4);
+        match (global, &global_scales) {
+            (true, Some(g)) => expect_part(
+                g,
+                "global scales",
+                StoredDtype::F32,
+                &[vec![geometry.heads]],
+            )?,
+            (true, None) => return Err(bad("global scales are missing".into())),
+            (false, Some(_)) => {
+                return Err(bad("has global scales, which only FP4 uses".into()));
+            }
+            (false, None) => {}
+        }
+        check_scale_values(format, &scales, zeros.as_ref(), global_scales.as_ref())?;
         check_codes(format, &codes)?;
         Ok(QuantizedTensor {
             format,
@@ -375,6 +423,7 @@ impl QuantizedTensor {
             codes,
             scales,
             zeros,
+            global_scales,
             non_finite: 0,
         })
     }
@@ -404,6 +453,11 @@ impl QuantizedTensor {
         self.zeros.as_ref()
     }
 
+    /// Global scales, one per head (`fp4-e2m1` only).
+    pub fn global_scales(&self) -> Option<&StoredTensor> {
+        self.global_scales.as_ref()
+    }
+
     /// Non-finite inputs met while quantizing (stored as the sanitized values, FORMATS.md);
     /// 0 for a tensor built with [`from_parts`](Self::from_parts).
     pub fn non_finite(&self) -> u64 {
@@ -415,11 +469,12 @@ impl QuantizedTensor {
         self.codes.data.len()
             + self.scales.data.len()
             + self.zeros.as_ref().map_or(0, |z| z.data.len())
+            + self.global_scales.as_ref().map_or(0, |g| g.data.len())
     }
 
-    /// Split into `(codes, scales, zeros)`.
-    pub fn into_parts(self) -> (StoredTensor, StoredTensor, Option<StoredTensor>) {
-        (self.codes, self.scales, self.zeros)
+    /// Split into `(codes, scales, zeros, global_scales)`.
+    pub fn into_parts(self) -> Parts {
+        (self.codes, self.scales, self.zeros, self.global_scales)
     }
 }
 
@@ -461,16 +516,25 @@ impl Geometry {
         s
     }
 
-    /// Dtype and shape of the scales of grouped INT4 (per group) and of `int4-uniform` (one);
-    /// FP8 is `[1]` or `[heads]`, chosen at quantize time.
+    /// Dtype and shape of the scales of grouped INT4 (f16 per group), FP4 (E4M3 bytes per
+    /// group), INT8 (f32 per row) and `int4-uniform` (one f32); FP8 is `[1]` or `[heads]`,
+    /// chosen at quantize time.
     fn group_scale_shape(&self, format: DenseFormat) -> (StoredDtype, Vec<usize>) {
-        match format.kv_format().and_then(KvFormat::group_size) {
-            Some(g) => {
-                let mut s = self.prefix.clone();
-                s.push(self.head_dim / g);
-                (StoredDtype::F16, s)
+        let mut s = self.prefix.clone();
+        match format.kv_format().map(KvFormat::spec) {
+            Some(spec) if spec.group.is_some() => {
+                s.push(self.head_dim / spec.group.unwrap_or(1));
+                let dtype = match spec.meta_bytes_per_group {
+                    1 => StoredDtype::U8,
+                    _ => StoredDtype::F16,
+                };
+                (dtype, s)
             }
-            None => (StoredDtype::F32, vec![1]),
+            Some(spec) if spec.meta_bytes_per_row > 0 => {
+                s.push(1);
+                (StoredDtype::F32, s)
+            }
+            _ => (StoredDtype::F32, vec![1]),
         }
     }
 }
@@ -483,18 +547,45 @@ fn element_count(shape: &[usize]) -> Result<usize> {
         .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} is too large")))
 }
 
-/// Reject scales and zeros that would decode to non-finite or sign-flipped values.
+/// Reject scales and zeros that would decode to non-finite or sign-flipped values, and FP4
+/// block scales that are NaN or carry a sign.
 fn check_scale_values(
     format: DenseFormat,
     scales: &StoredTensor,
     zeros: Option<&StoredTensor>,
+    global_scales: Option<&StoredTensor>,
 ) -> Result<()> {
-    // FP8 divides by its scale, so it must be positive; INT4 scales are 0 for all-zero groups.
-    // An f32 scale must also keep the largest code finite: FP8's max_finite, INT4's 8 (f16
-    // scales always do: 15 × 65504 + 65504 is far below f32's range).
+    // FP8 divides by its scale, so it must be positive; INT4 and INT8 scales are 0 for all-zero
+    // groups (rows). An f32 scale must also keep the largest code finite: FP8's max_finite,
+    // INT8's 128 (0x80, never written), INT4's 8 (f16 scales always do: 15 × 65504 + 65504 is
+    // far below f32's range); FP4's global scale its 2688.
     let fp8 = format.fp8_kind().is_some();
-    let max_code = format.fp8_kind().map_or(8.0, Fp8Kind::max_finite);
+    let max_code = match format.kv_format() {
+        Some(KvFormat::Int8Pth) => int8::MAX_DECODED,
+        _ => format.fp8_kind().map_or(8.0, Fp8Kind::max_finite),
+    };
+    if let Some(i) = (scales.dtype == StoredDtype::U8)
+        .then(|| scales.data.iter().position(|&b| b > fp4::MAX_BLOCK_SCALE))
+        .flatten()
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{format} tensor: block scale {i} is {:#04x}, not an E4M3 code of 0x00..=0x7e",
+            scales.data[i]
+        )));
+    }
+    for g in global_scales
+        .and_then(StoredTensor::floats)
+        .unwrap_or_default()
+    {
+        if !f32_scale_decodes_finite(g, fp4::GLOBAL_MAX) {
+            return Err(Error::Scale {
+                what: "stored FP4 global scale (positive; 2688 × scale finite)",
+                value: g,
+            });
+        }
+    }
     for s in scales.floats().unwrap_or_default() {
+        // `s == 0.0` holds for -0.0 too, which decodes every code to a zero.
         let zero_ok = !fp8 && s == 0.0;
         if !(zero_ok || f32_scale_decodes_finite(s, max_code)) {
             return Err(Error::Scale {
@@ -522,7 +613,7 @@ fn f32_scale_decodes_finite(s: f32, max_code: f32) -> bool {
 /// 0xFC..=0xFF in E5M2): the encoder never writes them, and they decode to non-finite values.
 fn check_codes(format: DenseFormat, codes: &StoredTensor) -> Result<()> {
     let Some(kind) = format.fp8_kind() else {
-        return Ok(()); // every 4-bit code decodes to a finite value
+        return Ok(()); // every INT4, INT8 and E2M1 code decodes to a finite value
     };
     match codes.data.iter().position(|&c| !kind.decode(c).is_finite()) {
         Some(i) => Err(Error::InvalidArgument(format!(
@@ -601,9 +692,14 @@ fn quantize_rows<T: Element>(
     choice: Fp8ScaleChoice,
 ) -> Result<QuantizedTensor> {
     let d = geometry.head_dim;
-    let head_scales = match kv.fp8_kind() {
-        Some(kind) => fp8_scales(kind, data, geometry, choice)?,
-        None => vec![1.0], // unused by INT4
+    let head_scales = match kv.head_scale() {
+        Some(HeadScale::Fp8(kind)) => fp8_scales(kind, data, geometry, choice)?,
+        // FP4's g: always per head, from that head's amax.
+        Some(h @ HeadScale::Fp4) => head_amax(data, geometry.heads, geometry.head_dim)?
+            .into_iter()
+            .map(|a| h.scale_from_amax(a))
+            .collect(),
+        None => vec![1.0], // unused by INT4 and INT8
     };
     // Both fit: the codes and metadata of a row are no larger than its f32 elements.
     let (code_len, meta_len) = (kv.code_bytes(d), kv.meta_bytes(d));
@@ -616,6 +712,7 @@ fn quantize_rows<T: Element>(
         .enumerate()
     {
         // Indexing rather than chunks_exact_mut: FP8 rows have no metadata (meta_len == 0).
+        // One head scale is FP8's per-tensor scale (or one head's).
         let m = &mut meta[r * meta_len..(r + 1) * meta_len];
         let s = head_scales[if head_scales.len() == 1 {
             0
@@ -627,12 +724,16 @@ fn quantize_rows<T: Element>(
 
     let codes = StoredTensor::new(StoredDtype::U8, geometry.codes_shape(format), codes)?;
     let spec = kv.spec();
-    let (scales, zeros) = if spec.group.is_none() {
-        let bytes = head_scales.iter().flat_map(|s| s.to_le_bytes()).collect();
-        (
-            StoredTensor::new(StoredDtype::F32, vec![head_scales.len()], bytes)?,
-            None,
-        )
+    let f32_part = |values: &[f32]| {
+        let bytes = values.iter().flat_map(|s| s.to_le_bytes()).collect();
+        StoredTensor::new(StoredDtype::F32, vec![values.len()], bytes)
+    };
+    let global_scales = match spec.head_scale {
+        Some(HeadScale::Fp4) => Some(f32_part(&head_scales)?),
+        _ => None,
+    };
+    let (scales, zeros) = if spec.group.is_none() && spec.meta_bytes_per_row == 0 {
+        (f32_part(&head_scales)?, None) // FP8: the head scales are the scales
     } else if spec.group_zeros() {
         // The row metadata interleaves (scale, zero) per group; files keep them apart.
         let (dtype, shape) = geometry.group_scale_shape(format);
@@ -656,6 +757,7 @@ fn quantize_rows<T: Element>(
         codes,
         scales,
         zeros,
+        global_scales,
         non_finite,
     })
 }
@@ -683,6 +785,7 @@ fn quantize_uniform<T: Element>(data: &[T], geometry: &Geometry) -> Result<Quant
         codes: StoredTensor::new(StoredDtype::U8, geometry.codes_shape(format), codes)?,
         scales: StoredTensor::new(StoredDtype::F32, vec![1], s.to_le_bytes().to_vec())?,
         zeros: None,
+        global_scales: None,
         non_finite,
     })
 }
@@ -695,38 +798,45 @@ pub fn dequantize(q: &QuantizedTensor) -> Vec<f32> {
     if out.is_empty() {
         return out;
     }
-    let scales = q.scales.floats().expect("scales are floats");
     let Some(kv) = q.format.kv_format() else {
+        let scales = q.scales.floats().expect("uniform scales are floats");
         for (i, o) in out.iter_mut().enumerate() {
             *o = int4::dequantize_uniform(int4::signed_nibble(&q.codes.data, i), scales[0]);
         }
         return out;
     };
+    // The per-head (or per-tensor) scales: FP8's are the scales, FP4's the global scales.
+    let head_scales = match kv.head_scale() {
+        Some(HeadScale::Fp8(_)) => q.scales.floats(),
+        Some(HeadScale::Fp4) => q.global_scales.as_ref().and_then(StoredTensor::floats),
+        None => None,
+    }
+    .unwrap_or_else(|| vec![1.0]);
     let code_len = kv.code_bytes(d);
-    let groups = kv.group_size().map_or(0, |g| d / g);
-    let mut meta = vec![0u8; kv.meta_bytes(d)];
+    let meta_len = kv.meta_bytes(d);
+    let mut meta = vec![0u8; meta_len];
     for (r, (o, c)) in out
         .chunks_exact_mut(d)
         .zip(q.codes.data.chunks_exact(code_len))
         .enumerate()
     {
-        // Rebuild the row metadata the row decoder expects from the stored scales (and zeros).
-        let s_row = &q.scales.data[r * groups * 2..][..groups * 2];
+        // Rebuild the row metadata the row decoder expects from the stored scales (and zeros):
+        // the scales of a row are its metadata, but for affine INT4's interleaved zeros.
         match &q.zeros {
             Some(z) => {
-                let z_row = &z.data[r * groups * 2..][..groups * 2];
+                let half = meta_len / 2;
+                let s_row = &q.scales.data[r * half..][..half];
+                let z_row = &z.data[r * half..][..half];
                 for (g, m) in meta.chunks_exact_mut(4).enumerate() {
                     m[..2].copy_from_slice(&s_row[g * 2..g * 2 + 2]);
                     m[2..].copy_from_slice(&z_row[g * 2..g * 2 + 2]);
                 }
             }
-            None if groups > 0 => meta.copy_from_slice(s_row),
-            None => {}
+            None => meta.copy_from_slice(&q.scales.data[r * meta_len..][..meta_len]),
         }
-        let head_scale = match scales.len() {
-            _ if kv.fp8_kind().is_none() => 1.0,
-            1 => scales[0],
-            _ => scales[r % geometry.heads],
+        let head_scale = match head_scales.len() {
+            1 => head_scales[0],
+            _ => head_scales[r % geometry.heads],
         };
         kv.decode_row(c, &meta, head_scale, o);
     }
@@ -755,6 +865,8 @@ mod tests {
                 DenseFormat::Fp8E5m2,
                 DenseFormat::Int4K32,
                 DenseFormat::Int4V64,
+                DenseFormat::Int8Pth,
+                DenseFormat::Fp4E2m1,
                 DenseFormat::Int4Uniform,
             ]
         );
@@ -766,8 +878,8 @@ mod tests {
         let x: Vec<f32> = (0..2 * 3 * 64).map(|i| (i as f32 * 0.37).sin()).collect();
         for f in DenseFormat::ALL {
             let q = quantize(f, &x, &[2, 3, 64], Fp8ScaleChoice::default()).unwrap();
-            let (c, s, z) = q.clone().into_parts();
-            let back = QuantizedTensor::from_parts(f, c, s, z).unwrap();
+            let (c, s, z, g) = q.clone().into_parts();
+            let back = QuantizedTensor::from_parts(f, c, s, z, g).unwrap();
             assert_eq!(back, q);
             assert_eq!(dequantize(&back), dequantize(&q));
         }

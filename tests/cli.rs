@@ -141,7 +141,11 @@ fn round_trip(format: DenseFormat, extra_args: &[&str], per_head: bool, fixed: O
     let qbytes = fs::read(&quant).unwrap();
     assert_eq!(metadata(&qbytes)["kvq.format"], format.name());
     let q = SafeTensors::deserialize(&qbytes).unwrap();
-    let expected_names = tensors.len() * if format == DenseFormat::Int4V64 { 3 } else { 2 };
+    let parts = match format {
+        DenseFormat::Int4V64 | DenseFormat::Fp4E2m1 => 3,
+        _ => 2,
+    };
+    let expected_names = tensors.len() * parts;
     assert_eq!(q.len(), expected_names);
     let mut wants = Vec::new();
     for t in &tensors {
@@ -158,11 +162,7 @@ fn round_trip(format: DenseFormat, extra_args: &[&str], per_head: bool, fixed: O
             t.name
         );
         let prefix = &t.shape[..t.shape.len() - 1];
-        let code_dim = if format.fp8_kind().is_some() {
-            d
-        } else {
-            d / 2
-        };
+        let code_dim = if format.bits() == 8 { d } else { d / 2 };
         assert_eq!(codes.shape(), [prefix, &[code_dim]].concat());
         let (scale_dtype, scale_shape) = match format {
             DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => {
@@ -171,6 +171,8 @@ fn round_trip(format: DenseFormat, extra_args: &[&str], per_head: bool, fixed: O
             DenseFormat::Int4K32 => (Dtype::F16, [prefix, &[d / 32]].concat()),
             DenseFormat::Int4V64 => (Dtype::F16, [prefix, &[d / 64]].concat()),
             DenseFormat::Int4Uniform => (Dtype::F32, vec![1]),
+            DenseFormat::Int8Pth => (Dtype::F32, [prefix, &[1]].concat()),
+            DenseFormat::Fp4E2m1 => (Dtype::U8, [prefix, &[d / 16]].concat()),
         };
         assert_eq!(
             (scales.dtype(), scales.shape()),
@@ -183,6 +185,14 @@ fn round_trip(format: DenseFormat, extra_args: &[&str], per_head: bool, fixed: O
                 assert_eq!(Some(z.data().to_vec()), want.zeros);
             }
             Err(_) => assert_ne!(format, DenseFormat::Int4V64),
+        }
+        match q.tensor(&format!("{}.global_scales", t.name)) {
+            Ok(g) => {
+                assert_eq!(format, DenseFormat::Fp4E2m1);
+                assert_eq!((g.dtype(), g.shape()), (Dtype::F32, &[heads][..]));
+                assert_eq!(Some(g.data().to_vec()), want.global_scales);
+            }
+            Err(_) => assert_ne!(format, DenseFormat::Fp4E2m1),
         }
         wants.push((heads, d, want));
     }
@@ -489,7 +499,7 @@ fn eval_json_held_out_calibration_and_positions() {
     assert_eq!(held["tokens"], 32);
     assert_eq!(held["q_heads"], 4);
     assert_eq!(held["kv_heads"], 2);
-    assert_eq!(held["pairs"].as_array().unwrap().len(), 9);
+    assert_eq!(held["pairs"].as_array().unwrap().len(), 11);
     assert!(held.get("per_layer").is_none());
     for p in held["pairs"].as_array().unwrap() {
         assert!(p["skipped"].is_null() && p["errors"].is_object(), "{p}");
@@ -513,7 +523,7 @@ fn eval_json_held_out_calibration_and_positions() {
     // Every scored position: the held-out half, or every token.
     let every = eval_json(&["eval", file, "--json", "--positions", "all", "--per-layer"]);
     assert_eq!(every["query_positions"], 16);
-    assert_eq!(every["per_layer"].as_array().unwrap().len(), 9);
+    assert_eq!(every["per_layer"].as_array().unwrap().len(), 11);
     assert_eq!(every["per_layer"][0]["layer"], 0);
     assert_eq!(pair(&every, "f16 / f16")["errors"]["attn_rel_err"], 0.0);
     let every_all = eval_json(&[
@@ -982,7 +992,7 @@ fn eval_hadamard_rotation_row() {
         attn("int4-k32 (hadamard) / int4-v64") < attn("int4-k32 / int4-v64"),
         "{doc}"
     );
-    assert_eq!(doc["pairs"].as_array().unwrap().len(), 10);
+    assert_eq!(doc["pairs"].as_array().unwrap().len(), 12);
 
     let dir = scratch("eval-hadamard");
     let input = dir.join("d96.st");

@@ -20,6 +20,11 @@ fn check_bytes(q: &QuantizedTensor, e: &Expected, what: &str) {
         e.zeros.clone(),
         "{what}: zeros"
     );
+    assert_eq!(
+        q.global_scales().map(|g| g.data().to_vec()),
+        e.global_scales.clone(),
+        "{what}: global scales"
+    );
 }
 
 #[test]
@@ -89,6 +94,25 @@ fn stored_shapes_follow_the_file_layout() {
     assert_eq!(u.scales().shape(), &[1]);
     // 0.5 + 2/32 bytes per element for grouped INT4 K.
     assert_eq!(k.stored_bytes(), 4 * 6 * 64 * 9 / 16);
+    let i8 = q(DenseFormat::Int8Pth, Fp8ScaleChoice::default());
+    assert_eq!(i8.codes().shape(), &[4, 6, 64]);
+    assert_eq!(
+        (i8.scales().dtype(), i8.scales().shape()),
+        (StoredDtype::F32, &[4, 6, 1][..])
+    );
+    assert!(i8.zeros().is_none() && i8.global_scales().is_none());
+    assert_eq!(i8.stored_bytes(), 4 * 6 * (64 + 4));
+    let f4 = q(DenseFormat::Fp4E2m1, Fp8ScaleChoice::default());
+    assert_eq!(f4.codes().shape(), &[4, 6, 32]);
+    assert_eq!(
+        (f4.scales().dtype(), f4.scales().shape()),
+        (StoredDtype::U8, &[4, 6, 4][..])
+    );
+    let g = f4.global_scales().unwrap();
+    assert_eq!((g.dtype(), g.shape()), (StoredDtype::F32, &[6][..]));
+    assert!(f4.zeros().is_none());
+    // 0.5 + 1/16 bytes per element, plus 4 per head.
+    assert_eq!(f4.stored_bytes(), 4 * 6 * 64 * 9 / 16 + 6 * 4);
 }
 
 #[test]
@@ -127,6 +151,7 @@ fn dequantize_decodes_every_element_per_spec() {
                 codes: q.codes().data().to_vec(),
                 scales: q.scales().data().to_vec(),
                 zeros: q.zeros().map(|z| z.data().to_vec()),
+                global_scales: q.global_scales().map(|g| g.data().to_vec()),
             };
             let want = decode(format, &stored, 3, 64);
             let got = dequantize(&q);
@@ -298,32 +323,46 @@ fn from_parts_rejects_inconsistent_parts() {
     ));
 
     // Codes of the wrong dtype.
-    let (c, s, _) = parts(DenseFormat::Int4K32);
+    let (c, s, _, _) = parts(DenseFormat::Int4K32);
     let c16 = t(StoredDtype::F16, &[2, 2, 16], c.data().to_vec()).unwrap();
-    assert!(QuantizedTensor::from_parts(DenseFormat::Int4K32, c16, s.clone(), None).is_err());
+    assert!(QuantizedTensor::from_parts(DenseFormat::Int4K32, c16, s.clone(), None, None).is_err());
     // Scales of the wrong shape.
     let s_bad = t(StoredDtype::F16, &[2, 2, 1], s.data()[..8].to_vec()).unwrap();
-    assert!(QuantizedTensor::from_parts(DenseFormat::Int4K32, c.clone(), s_bad, None).is_err());
+    assert!(
+        QuantizedTensor::from_parts(DenseFormat::Int4K32, c.clone(), s_bad, None, None).is_err()
+    );
     // Codes whose head_dim the format cannot use (int4-k32 codes read as int4-v64: 64 → ok,
     // but scales then have the wrong group count).
-    assert!(QuantizedTensor::from_parts(DenseFormat::Int4V64, c.clone(), s.clone(), None).is_err());
+    assert!(
+        QuantizedTensor::from_parts(DenseFormat::Int4V64, c.clone(), s.clone(), None, None)
+            .is_err()
+    );
     // Zeros where none belong.
     assert!(
-        QuantizedTensor::from_parts(DenseFormat::Int4K32, c.clone(), s.clone(), Some(s.clone()))
-            .is_err()
+        QuantizedTensor::from_parts(
+            DenseFormat::Int4K32,
+            c.clone(),
+            s.clone(),
+            Some(s.clone()),
+            None
+        )
+        .is_err()
     );
     // A NaN group scale.
     let mut nan = s.data().to_vec();
     nan[..2].copy_from_slice(&f16::NAN.to_le_bytes());
     let nan = t(StoredDtype::F16, s.shape(), nan).unwrap();
     assert!(matches!(
-        QuantizedTensor::from_parts(DenseFormat::Int4K32, c, nan, None),
+        QuantizedTensor::from_parts(DenseFormat::Int4K32, c, nan, None, None),
         Err(Error::Scale { .. })
     ));
 
     // int4-v64 needs its zeros, and finite ones.
-    let (c, s, z) = parts(DenseFormat::Int4V64);
-    assert!(QuantizedTensor::from_parts(DenseFormat::Int4V64, c.clone(), s.clone(), None).is_err());
+    let (c, s, z, _) = parts(DenseFormat::Int4V64);
+    assert!(
+        QuantizedTensor::from_parts(DenseFormat::Int4V64, c.clone(), s.clone(), None, None)
+            .is_err()
+    );
     let z = z.unwrap();
     let inf = t(
         StoredDtype::F16,
@@ -331,19 +370,55 @@ fn from_parts_rejects_inconsistent_parts() {
         [f16::INFINITY.to_le_bytes(); 4].concat(),
     )
     .unwrap();
-    assert!(QuantizedTensor::from_parts(DenseFormat::Int4V64, c, s, Some(inf)).is_err());
+    assert!(QuantizedTensor::from_parts(DenseFormat::Int4V64, c, s, Some(inf), None).is_err());
 
     // FP8 scales: [1] or [heads] only, and positive.
-    let (c, _, _) = parts(DenseFormat::Fp8E4m3);
+    let (c, _, _, _) = parts(DenseFormat::Fp8E4m3);
     let three = t(StoredDtype::F32, &[3], [1f32.to_le_bytes(); 3].concat()).unwrap();
-    assert!(QuantizedTensor::from_parts(DenseFormat::Fp8E4m3, c.clone(), three, None).is_err());
+    assert!(
+        QuantizedTensor::from_parts(DenseFormat::Fp8E4m3, c.clone(), three, None, None).is_err()
+    );
     let two = t(StoredDtype::F32, &[2], [1f32.to_le_bytes(); 2].concat()).unwrap();
-    assert!(QuantizedTensor::from_parts(DenseFormat::Fp8E4m3, c.clone(), two, None).is_ok());
+    assert!(QuantizedTensor::from_parts(DenseFormat::Fp8E4m3, c.clone(), two, None, None).is_ok());
     let zero = t(StoredDtype::F32, &[1], 0f32.to_le_bytes().to_vec()).unwrap();
     assert!(matches!(
-        QuantizedTensor::from_parts(DenseFormat::Fp8E4m3, c, zero, None),
+        QuantizedTensor::from_parts(DenseFormat::Fp8E4m3, c, zero, None, None),
         Err(Error::Scale { .. })
     ));
+
+    // int8-pth: F32 row scales, non-negative and finite (0 is an all-zero row).
+    let (c, s, _, _) = parts(DenseFormat::Int8Pth);
+    let i8 = |v: f32| t(StoredDtype::F32, s.shape(), [v.to_le_bytes(); 4].concat()).unwrap();
+    let from = |sc| QuantizedTensor::from_parts(DenseFormat::Int8Pth, c.clone(), sc, None, None);
+    assert!(from(s.clone()).is_ok());
+    assert!(from(i8(0.0)).is_ok());
+    for bad in [-1.0, f32::NAN, f32::INFINITY, f32::MAX] {
+        assert!(matches!(from(i8(bad)), Err(Error::Scale { .. })), "{bad}");
+    }
+    let global = Some(i8(1.0));
+    assert!(QuantizedTensor::from_parts(DenseFormat::Int8Pth, c.clone(), s, None, global).is_err());
+
+    // fp4-e2m1: U8 block scales of 0x00..=0x7e, F32 global scales [heads], positive.
+    let (c, s, _, g) = parts(DenseFormat::Fp4E2m1);
+    let g = g.unwrap();
+    let fp4 = |s, g| QuantizedTensor::from_parts(DenseFormat::Fp4E2m1, c.clone(), s, None, g);
+    assert!(fp4(s.clone(), Some(g.clone())).is_ok());
+    assert!(fp4(s.clone(), None).is_err());
+    for bad_sb in [0x7Fu8, 0x80, 0xFE] {
+        let mut b = s.data().to_vec();
+        b[1] = bad_sb;
+        let sb = t(StoredDtype::U8, s.shape(), b).unwrap();
+        assert!(fp4(sb, Some(g.clone())).is_err(), "{bad_sb:#x}");
+    }
+    for bad_g in [0.0, -1.0, f32::NAN, f32::INFINITY, f32::MAX] {
+        let gs = t(StoredDtype::F32, &[2], [bad_g.to_le_bytes(); 2].concat()).unwrap();
+        assert!(
+            matches!(fp4(s.clone(), Some(gs)), Err(Error::Scale { .. })),
+            "{bad_g}"
+        );
+    }
+    let one = t(StoredDtype::F32, &[1], 1f32.to_le_bytes().to_vec()).unwrap();
+    assert!(fp4(s, Some(one)).is_err()); // one per head
 }
 
 #[test]

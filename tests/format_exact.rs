@@ -592,3 +592,325 @@ fn f16_and_bf16_pass_through() {
             .all(|(&o, v)| o == bf16::from_f32(v.to_f32()).to_f32())
     );
 }
+
+// ---------------------------------------------------------------- INT8 per token-head
+
+/// INT8 of one row, encoded through the cache format: (codes, f32 scale, non-finite count).
+fn encode_int8(x: &[f32]) -> (Vec<u8>, f32, u64) {
+    let f = KvFormat::Int8Pth;
+    let (mut codes, mut meta) = (vec![0xEEu8; x.len()], [0xEEu8; 4]);
+    let n = f.try_encode_row(x, 1.0, &mut codes, &mut meta).unwrap();
+    (codes, f32::from_le_bytes(meta), n)
+}
+
+#[test]
+fn int8_edge_rows() {
+    // s = 127 / 127 = 1: codes are rne(x), ties to even, clamped; a negative that rounds to
+    // zero is +0 (0x00), never 0x80.
+    let mut x = vec![0f32; 16];
+    x[..8].copy_from_slice(&[127.0, -63.5, 0.5, -0.5, 1.5, -127.0, 2.5, -0.0]);
+    let (codes, s, n) = encode_int8(&x);
+    assert_eq!((s, n), (1.0, 0));
+    assert_eq!(
+        &codes[..8],
+        &[0x7F, 0xC0, 0x00, 0x00, 0x02, 0x81, 0x02, 0x00]
+    );
+    assert!(codes[8..].iter().all(|&c| c == 0));
+    // Decode is f32(q) * s; 0x80 (never written) is -128 s.
+    let mut out = vec![0f32; 16];
+    let mut bytes = codes.clone();
+    bytes[15] = 0x80;
+    KvFormat::Int8Pth.decode_row(&bytes, &0.25f32.to_le_bytes(), 1.0, &mut out);
+    assert_eq!(&out[..3], &[31.75, -16.0, 0.0]);
+    assert_eq!(out[15], -32.0);
+
+    // All zero: s = 0 and every code 0.
+    let (codes, s, _) = encode_int8(&[0.0; 32]);
+    assert_eq!(s.to_bits(), 0);
+    assert!(codes.iter().all(|&c| c == 0));
+
+    // amax ≤ 63 · 2^-149: amax / 127 underflows to 0, so every code is 0 ...
+    let tiny = |m: u32| f32::from_bits(m); // m · 2^-149
+    let mut x = vec![0f32; 16];
+    x[3] = -tiny(63);
+    let (codes, s, _) = encode_int8(&x);
+    assert_eq!(s, 0.0);
+    assert!(codes.iter().all(|&c| c == 0));
+    // ... and 64 · 2^-149 gives s = 2^-149, the amax element's code 64 (x / s = 64, exact).
+    x[3] = -tiny(64);
+    let (codes, s, _) = encode_int8(&x);
+    assert_eq!(s, tiny(1));
+    assert_eq!(codes[3], (-64i8) as u8);
+
+    // Non-finite inputs are sanitized (NaN → 0, ±Inf → ±65504) and counted; 1e9 is clamped
+    // but finite.
+    let mut x = vec![1.0f32; 16];
+    x[0] = f32::NAN;
+    x[1] = f32::INFINITY;
+    x[2] = f32::NEG_INFINITY;
+    x[3] = 1e9;
+    let (codes, s, n) = encode_int8(&x);
+    assert_eq!(n, 3);
+    assert_eq!(s, 65504.0 / 127.0);
+    assert_eq!(&codes[..5], &[0x00, 0x7F, 0x81, 0x7F, 0x00]); // 1 / 515.8 rounds to 0
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// INT8 rows against a literal transcription of FORMATS.md.
+    #[test]
+    fn int8_matches_spec(x in row(64)) {
+        let clean: Vec<f32> = x.iter().map(|&v| sanitize(v).0).collect();
+        let s = clean.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+        let want: Vec<u8> = clean
+            .iter()
+            .map(|&v| {
+                if s == 0.0 {
+                    0
+                } else {
+                    (v / s).round_ties_even().clamp(-127.0, 127.0) as i8 as u8
+                }
+            })
+            .collect();
+        let (codes, got_s, _) = encode_int8(&x);
+        prop_assert_eq!(got_s.to_bits(), s.to_bits());
+        prop_assert_eq!(&codes, &want);
+        let out = decode(KvFormat::Int8Pth, &x);
+        for (i, &o) in out.iter().enumerate() {
+            prop_assert_eq!(o.to_bits(), (want[i] as i8 as f32 * s).to_bits());
+        }
+    }
+}
+
+// ---------------------------------------------------------------- FP4 E2M1
+
+/// FP4 of one row under global scale `g`: (codes, block scales, non-finite count).
+fn encode_fp4(x: &[f32], g: f32) -> (Vec<u8>, Vec<u8>, u64) {
+    let f = KvFormat::Fp4E2m1;
+    let (mut codes, mut meta) = (vec![0xEEu8; x.len() / 2], vec![0xEEu8; x.len() / 16]);
+    let n = f.try_encode_row(x, g, &mut codes, &mut meta).unwrap();
+    (codes, meta, n)
+}
+
+/// Codes of a packed FP4 row, element i at nibble i.
+fn nibbles(codes: &[u8]) -> Vec<u8> {
+    (0..codes.len() * 2)
+        .map(|i| int4::nibble(codes, i))
+        .collect()
+}
+
+#[test]
+fn e2m1_table_and_ties() {
+    use kvq::format::fp4::{e2m1, e2m1_value};
+    // Every boundary: ties go to the even mantissa, one ulp either side to the neighbours.
+    for (b, at, below, above) in [
+        (0.25f32, 0, 0, 1),
+        (0.75, 2, 1, 2),
+        (1.25, 2, 2, 3),
+        (1.75, 4, 3, 4),
+        (2.5, 4, 4, 5),
+        (3.5, 6, 5, 6),
+        (5.0, 6, 6, 7),
+    ] {
+        assert_eq!(e2m1(b), at, "{b}");
+        assert_eq!(e2m1(next_down(b)), below, "below {b}");
+        assert_eq!(e2m1(next_up(b)), above, "above {b}");
+        assert_eq!(e2m1(-b), if at == 0 { 0 } else { at | 8 }, "-{b}");
+    }
+    // Saturation, and magnitude-0 results as +0.
+    for (y, code) in [
+        (6.0f32, 7),
+        (1e30, 7),
+        (f32::INFINITY, 7),
+        (-7.0, 0xF),
+        (f32::NEG_INFINITY, 0xF),
+        (0.0, 0),
+        (-0.0, 0),
+        (-0.25, 0),
+        (-f32::from_bits(1), 0),
+        (-0.2500001, 9),
+    ] {
+        assert_eq!(e2m1(y), code, "{y}");
+    }
+    let values = [0.0f32, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    for c in 0..16u8 {
+        let want = if c & 8 != 0 {
+            -values[c as usize & 7]
+        } else {
+            values[c as usize & 7]
+        };
+        assert_eq!(e2m1_value(c).to_bits(), want.to_bits(), "{c:#x}");
+    }
+    assert_eq!(e2m1_value(8).to_bits(), (-0.0f32).to_bits());
+}
+
+#[test]
+fn fp4_edge_groups() {
+    let f = KvFormat::Fp4E2m1;
+    // g = 1, amax16 = 6: t = 1, u = 1, sb = E4M3(1) = 0x38, d = 1: codes are e2m1(x).
+    let mut x = vec![0f32; 32];
+    x[..10].copy_from_slice(&[6.0, 3.0, -1.5, 0.5, 0.25, -0.25, 5.0, -5.0, 2.5, -0.1]);
+    // Second group: g = 1, amax16 = 12: u = 2, sb = 0x40, d = 2.
+    x[16..20].copy_from_slice(&[12.0, -7.0, 3.0, 1.0]);
+    let (codes, sb, n) = encode_fp4(&x, 1.0);
+    assert_eq!(n, 0);
+    assert_eq!(sb, [0x38, 0x40]);
+    let c = nibbles(&codes);
+    assert_eq!(&c[..10], &[7, 5, 0xB, 1, 0, 0, 6, 0xE, 4, 0]);
+    assert!(c[10..16].iter().all(|&q| q == 0));
+    // 12 / 2 = 6 → 7; -7 / 2 = -3.5 → tie to 4 → 0xE; 3 / 2 = 1.5 → 3; 1 / 2 = 0.5 → 1.
+    assert_eq!(&c[16..20], &[7, 0xE, 3, 1]);
+    let mut out = vec![0f32; 32];
+    f.decode_row(&codes, &sb, 1.0, &mut out);
+    assert_eq!(&out[..4], &[6.0, 3.0, -1.5, 0.5]);
+    assert_eq!(&out[16..20], &[12.0, -8.0, 3.0, 1.0]);
+    assert_eq!(out[5].to_bits(), 0); // +0.0, not -0.0
+
+    // g = 0.5 and amax16 = 12: u = 12 / 6 / 0.5 = 4, sb = E4M3(4) = 0x48, d = 2.
+    let mut x = vec![0f32; 32];
+    x[0] = 12.0;
+    x[1] = -2.9;
+    let (codes, sb, _) = encode_fp4(&x, 0.5);
+    assert_eq!(sb[0], 0x48);
+    assert_eq!(&nibbles(&codes)[..2], &[7, 0xB]); // -1.45 → 1.5
+
+    // Block-scale underflow: u = 2^-10 is a tie to 0x00, so d = 0 and every code is 0; just
+    // above it gives the smallest subnormal, 0x01.
+    let mut x = vec![0f32; 32];
+    x[0] = 6.0 * 2f32.powi(-10);
+    x[1] = -x[0];
+    let (codes, sb, _) = encode_fp4(&x, 1.0);
+    assert_eq!(sb[0], 0x00);
+    assert!(codes.iter().all(|&b| b == 0));
+    x[0] = next_up(6.0 * 2f32.powi(-10));
+    let (codes, sb, _) = encode_fp4(&x, 1.0);
+    assert_eq!(sb[0], 0x01);
+    // d = 2^-9: x / d is just above 3 (→ 3, code 5) and -3 (code 0xD).
+    assert_eq!(&nibbles(&codes)[..2], &[5, 0xD]);
+
+    // Block-scale saturation: u = 1000 → 0x7E (448), d = 448; everything saturates to ±6 d.
+    let mut x = vec![0f32; 32];
+    x[0] = 6000.0;
+    x[1] = -2688.0;
+    let (codes, sb, _) = encode_fp4(&x, 1.0);
+    assert_eq!(sb[0], 0x7E);
+    assert_eq!(&nibbles(&codes)[..2], &[7, 0xF]);
+    f.decode_row(&codes, &sb, 1.0, &mut out);
+    assert_eq!(&out[..2], &[2688.0, -2688.0]);
+
+    // Non-finite inputs are sanitized and counted: ±65504 then set amax16.
+    let mut x = vec![1.0f32; 32];
+    x[0] = f32::NAN;
+    x[1] = f32::INFINITY;
+    x[17] = f32::NEG_INFINITY;
+    let g = kvq::format::fp4::global_scale_from_amax(sanitized_amax(&x));
+    assert_eq!(g, 65504.0 / 2688.0);
+    let (codes, sb, n) = encode_fp4(&x, g);
+    assert_eq!(n, 3);
+    let c = nibbles(&codes);
+    assert_eq!((c[0], c[1], c[17]), (0, 7, 0xF));
+    f.decode_row(&codes, &sb, g, &mut out);
+    assert!(out.iter().all(|v| v.is_finite()));
+}
+
+#[test]
+fn fp4_decode_order_and_global_scale() {
+    // Decode is (value(c) · value(sb)) · g, one rounding of the exact product, not
+    // value(c) · (value(sb) · g): with c = 1.5 (0x3), sb = 1.625 (0x3D), g = 1 + 2^-23 the two
+    // differ in the last bit.
+    let g = f32::from_bits(0x3F80_0001);
+    let mut codes = vec![0u8; 16];
+    codes[0] = 0x03;
+    let mut meta = [0u8; 2];
+    meta[0] = 0x3D;
+    let mut out = vec![0f32; 32];
+    KvFormat::Fp4E2m1.decode_row(&codes, &meta, g, &mut out);
+    assert_eq!(out[0].to_bits(), 0x401C_0001);
+    assert_ne!(out[0], 1.5 * (1.625 * g));
+    assert_eq!(out[1], 0.0);
+
+    // g = amax / 2688, 1.0 when that underflows: 1344 · 2^-149 / 2688 is a tie to 0.
+    use kvq::format::fp4::global_scale_from_amax;
+    assert_eq!(global_scale_from_amax(2688.0), 1.0);
+    assert_eq!(global_scale_from_amax(0.0), 1.0);
+    assert_eq!(global_scale_from_amax(f32::from_bits(1344)), 1.0);
+    assert_eq!(
+        global_scale_from_amax(f32::from_bits(1345)),
+        f32::from_bits(1)
+    );
+    // A head scale must be positive and finite.
+    let mut c = vec![0u8; 16];
+    let mut m = [0u8; 2];
+    for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        assert!(matches!(
+            KvFormat::Fp4E2m1.try_encode_row(&[0f32; 32], bad, &mut c, &mut m),
+            Err(kvq::Error::Scale { .. })
+        ));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// FP4 rows against a literal transcription of FORMATS.md, under the calibrated g and under
+    /// any positive g.
+    #[test]
+    fn fp4_matches_spec(x in row(64), log_g in -30f32..10.0, calibrated in any::<bool>()) {
+        let clean: Vec<f32> = x.iter().map(|&v| sanitize(v).0).collect();
+        let amax = clean.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let g = if calibrated {
+            let g = amax / 2688.0;
+            if g == 0.0 { 1.0 } else { g }
+        } else {
+            2f32.powf(log_g)
+        };
+        let (codes, sb, _) = encode_fp4(&x, g);
+        let got = nibbles(&codes);
+        let mut out = vec![0f32; 64];
+        KvFormat::Fp4E2m1.decode_row(&codes, &sb, g, &mut out);
+        for (k, grp) in clean.chunks(16).enumerate() {
+            let a16 = grp.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let want_sb = Fp8Kind::E4M3.encode(a16 / 6.0 / g);
+            prop_assert_eq!(sb[k], want_sb);
+            let d = Fp8Kind::E4M3.decode(want_sb) * g;
+            for (i, &v) in grp.iter().enumerate() {
+                let want = if d == 0.0 { 0 } else { spec_e2m1(v / d) };
+                prop_assert_eq!(got[k * 16 + i], want);
+                let value = spec_e2m1_value(want) * Fp8Kind::E4M3.decode(want_sb) * g;
+                prop_assert_eq!(out[k * 16 + i].to_bits(), value.to_bits());
+            }
+        }
+    }
+}
+
+/// E2M1 from FORMATS.md's table, independently of the crate: the count of boundaries `a` has
+/// passed (a tie passes the boundaries whose upper neighbour has mantissa 0).
+fn spec_e2m1(y: f32) -> u8 {
+    let a = y.abs();
+    let passes = [
+        (0.25f32, false),
+        (0.75, true),
+        (1.25, false),
+        (1.75, true),
+        (2.5, false),
+        (3.5, true),
+        (5.0, false),
+    ];
+    let m = passes
+        .iter()
+        .filter(|&&(b, tie_up)| a > b || (tie_up && a == b))
+        .count() as u8;
+    if y < 0.0 && m != 0 { m | 8 } else { m }
+}
+
+/// E2M1 value from the fields: exp 0 subnormal (`mant · 0.5`), else `(1 + mant/2) · 2^(exp-1)`.
+fn spec_e2m1_value(c: u8) -> f32 {
+    let (e, m) = ((c >> 1) & 3, (c & 1) as f32);
+    let mag = if e == 0 {
+        m * 0.5
+    } else {
+        (1.0 + m / 2.0) * 2f32.powi(e as i32 - 1)
+    };
+    if c & 8 != 0 { -mag } else { mag }
+}

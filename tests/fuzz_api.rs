@@ -17,7 +17,7 @@ use half::{bf16, f16};
 use kvq::cache::{BlockAllocator, BlockTables, CopyBlock, HostCache, PagedKvCache, SeqId};
 use kvq::cpu::{self, Accum, AttentionOutput, DecodeShape, DenseKv};
 use kvq::dense::{self, DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor};
-use kvq::format::{Fp8Kind, head_amax, int4, sanitize, sanitized_amax};
+use kvq::format::{Fp8Kind, fp4, head_amax, int4, sanitize, sanitized_amax};
 use kvq::layout::MAX_BLOCK_SIZE;
 use kvq::synth::Synth;
 use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
@@ -354,8 +354,8 @@ fn check_row_case(c: &RowCase) -> Result<(), TestCaseError> {
     let f = c.format;
     let d = c.x.len();
     let scale = c.scale.unwrap_or_else(|| {
-        f.fp8_kind()
-            .map_or(1.0, |k| k.scale_from_amax(sanitized_amax(&c.x)))
+        f.head_scale()
+            .map_or(1.0, |h| h.scale_from_amax(sanitized_amax(&c.x)))
     });
     let valid = f.check_head_dim(d).is_ok()
         && c.codes_len == f.code_bytes(d)
@@ -417,6 +417,15 @@ fn check_row_case(c: &RowCase) -> Result<(), TestCaseError> {
         out
     );
     match f.group_size() {
+        // INT8's group is the row: half a step of s = amax / 127, plus s's own rounding.
+        None if f == KvFormat::Int8Pth => {
+            let s = sanitized_amax(&c.x) / 127.0;
+            for (&x, &o) in c.x.iter().zip(&out) {
+                let v = sanitize(x).0;
+                let bound = 0.5 * s * (1.0 + 1e-5) + v.abs() * 1e-6;
+                prop_assert!((v - o).abs() <= bound, "{} {} -> {} (s {})", f, v, o, s);
+            }
+        }
         None => {
             for (i, (&x, &o)) in c.x.iter().zip(&out).enumerate() {
                 let want = scalar_round_trip(f, x, scale).unwrap();
@@ -439,6 +448,22 @@ fn check_row_case(c: &RowCase) -> Result<(), TestCaseError> {
                         o,
                         scale
                     );
+                }
+            }
+        }
+        // FP4 under a calibrated g (no block scale saturates): half its largest step d, or
+        // what a block scale rounded down leaves past 6 d.
+        Some(g) if f == KvFormat::Fp4E2m1 => {
+            if c.scale.is_some() {
+                return Ok(()); // any g: block scales may saturate; decoded values stay finite
+            }
+            for (gx, go) in c.x.chunks(g).zip(out.chunks(g)) {
+                let amax16 = sanitized_amax(gx);
+                let d = Fp8Kind::E4M3.decode(fp4::block_scale(amax16, scale)) * scale;
+                let bound = d.max(amax16 - 6.0 * d) * (1.0 + 1e-5) + amax16 * 1e-6;
+                for (&x, &o) in gx.iter().zip(go) {
+                    let v = sanitize(x).0;
+                    prop_assert!((v - o).abs() <= bound, "{} {} -> {} (d {})", f, v, o, d);
                 }
             }
         }
@@ -1760,6 +1785,28 @@ fn check_dense(
             .collect()
     };
     match format.kv_format() {
+        // Half a step of the row's stored scale.
+        Some(KvFormat::Int8Pth) => {
+            let scales = f32s(q.scales());
+            for (i, (&a, &b)) in x.iter().zip(y).enumerate() {
+                let v = sanitize(a).0;
+                prop_assert!((v - b).abs() <= 0.5 * scales[i / d] * (1.0 + 1e-5) + v.abs() * 1e-6);
+            }
+        }
+        // Half the largest step of the group's d = value(sb) · g, or what saturation leaves.
+        Some(KvFormat::Fp4E2m1) => {
+            let globals = f32s(q.global_scales().unwrap());
+            let sb = q.scales().data();
+            for (k, (gx, gy)) in x.chunks(16).zip(y.chunks(16)).enumerate() {
+                let g = globals[(k * 16 / d) % heads];
+                let dd = Fp8Kind::E4M3.decode(sb[k]) * g;
+                let amax16 = sanitized_amax(gx);
+                let bound = dd.max(amax16 - 6.0 * dd) * (1.0 + 1e-5) + amax16 * 1e-6;
+                for (&a, &b) in gx.iter().zip(gy) {
+                    prop_assert!((sanitize(a).0 - b).abs() <= bound);
+                }
+            }
+        }
         Some(kv) if kv.group_size().is_some() => {
             let g = kv.group_size().unwrap();
             for (gx, gy) in x.chunks(g).zip(y.chunks(g)) {
@@ -1866,9 +1913,9 @@ fn dense_quantize_round_trip() {
                     let y = call("dense::dequantize", || dense::dequantize(&q))?;
                     check_dense(format, &xs, &shape, &q, &y)?;
                     call("QuantizedTensor::stored_bytes", || q.stored_bytes())?;
-                    let (c, s, z) = q.clone().into_parts();
+                    let (c, s, z, g) = q.clone().into_parts();
                     let back = try_call("QuantizedTensor::from_parts", || {
-                        QuantizedTensor::from_parts(format, c, s, z)
+                        QuantizedTensor::from_parts(format, c, s, z, g)
                     })?
                     .map_err(|e| TestCaseError::fail(format!("from_parts of quantize: {e}")))?;
                     prop_assert_eq!(back.scales(), q.scales());
@@ -1924,17 +1971,29 @@ fn dense_from_parts_any() {
                     .try_fold(1usize, |n, &a| n.checked_mul(a))
                     .filter(|&n| n <= 1 << 14)
             };
-            // Most cases derive the scale / zero shapes from the codes, as a valid file would.
+            // Most cases derive the scale / zero / global scale shapes from the codes, as a valid
+            // file would.
+            let mut globals = None;
             let (scale_shape, scale_dtype, zeros) = match code_shape.split_last() {
                 Some((&last, prefix)) if derive => {
                     let mut s = prefix.to_vec();
+                    let per_byte = 8 / format.bits() as usize;
                     let dtype = match format.kv_format().and_then(KvFormat::group_size) {
                         Some(g) => {
-                            s.push(last.saturating_mul(2) / g);
-                            StoredDtype::F16
+                            s.push(last.saturating_mul(per_byte) / g);
+                            if format == DenseFormat::Fp4E2m1 {
+                                globals = Some(vec![*prefix.last().unwrap_or(&1)]);
+                                StoredDtype::U8
+                            } else {
+                                StoredDtype::F16
+                            }
                         }
                         None if format.fp8_kind().is_some() => {
                             s = vec![*prefix.last().unwrap_or(&1)];
+                            StoredDtype::F32
+                        }
+                        None if format == DenseFormat::Int8Pth => {
+                            s.push(1);
                             StoredDtype::F32
                         }
                         None => {
@@ -1983,18 +2042,31 @@ fn dense_from_parts_any() {
                 Some((None, _)) => return Ok(()),
                 None => None,
             };
-            let (codes, scales, zeros) = match (codes, scales, zeros.transpose()) {
-                (Ok(c), Ok(s), Ok(z)) => (c, s, z),
-                (c, s, z) => {
-                    for e in [c.err(), s.err(), z.err()].into_iter().flatten() {
-                        check_error("StoredTensor::new", &e)?;
-                    }
-                    prop_assert!(len_delta > 0, "StoredTensor::new refused consistent bytes");
-                    return Ok(());
+            let globals = match globals.map(|g| (count(&g), g)) {
+                Some((Some(ng), g)) => {
+                    let data = (0..ng)
+                        .flat_map(|i| special.unwrap_or(i as f32 + 0.5).to_le_bytes())
+                        .collect();
+                    Some(try_call("StoredTensor::new", || {
+                        StoredTensor::new(StoredDtype::F32, g, data)
+                    })?)
                 }
+                Some((None, _)) => return Ok(()),
+                None => None,
             };
+            let (codes, scales, zeros, globals) =
+                match (codes, scales, zeros.transpose(), globals.transpose()) {
+                    (Ok(c), Ok(s), Ok(z), Ok(g)) => (c, s, z, g),
+                    (c, s, z, g) => {
+                        for e in [c.err(), s.err(), z.err(), g.err()].into_iter().flatten() {
+                            check_error("StoredTensor::new", &e)?;
+                        }
+                        prop_assert!(len_delta > 0, "StoredTensor::new refused consistent bytes");
+                        return Ok(());
+                    }
+                };
             match try_call("QuantizedTensor::from_parts", || {
-                QuantizedTensor::from_parts(format, codes, scales, zeros)
+                QuantizedTensor::from_parts(format, codes, scales, zeros, globals)
             })? {
                 Err(e) => check_error("from_parts", &e)?,
                 Ok(q) => {

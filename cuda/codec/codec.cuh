@@ -8,9 +8,11 @@
 
 #include "codec/f16.cuh"
 #include "codec/format.cuh"
+#include "codec/fp4.cuh"
 #include "codec/fp8.cuh"
 #include "codec/int4_affine.cuh"
 #include "codec/int4_sym.cuh"
+#include "codec/int8.cuh"
 #include "codec/sanitize.cuh"
 #include "kvq.h"
 
@@ -42,8 +44,14 @@ struct FormatInfo {
   int group_entries;      // f16 metadata entries per group: a scale (1), a scale and a zero (2)
   int head_dim_multiple;  // whole chunks of a thread and whole groups (KvFormat::head_dim_multiple)
   bool head_scale;        // an f32 scale per head (or tensor) outside the rows
+  bool row_group;         // the row is one group, its lanes reduced in one warp (RowGroupOf)
 
   int code_bytes(int head_dim) const { return head_dim * bits / 8; }
+  // Whether the row kernels can serve head_dim: a row-group codec's lanes per row
+  // (head_dim / head_dim_multiple, one chunk each) must divide a warp.
+  bool row_lanes_ok(int head_dim) const {
+    return !row_group || 32 % (head_dim / head_dim_multiple) == 0;
+  }
 };
 
 // The constants of a kvq_format; false for an unknown one.
@@ -51,7 +59,7 @@ inline bool format_info(int32_t format, FormatInfo &out) {
   return with_format<false>(format, [&](auto f) {
            using C = Codec<decltype(f)::value>;
            out = {C::kBits, C::kGroup, C::kGroupMeta / 2, C::kGroup > C::kEpt ? C::kGroup : C::kEpt,
-                  C::kHeadScale};
+                  C::kHeadScale, RowGroupOf<C>::value};
            return (int)KVQ_OK;
          }) == KVQ_OK;
 }

@@ -6,6 +6,8 @@
 
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "kvq.h"
 
 namespace kvq {
@@ -18,6 +20,8 @@ enum Format : int {
   kFp8E5m2 = 3,
   kInt4Sym32 = 4,
   kInt4Affine64 = 5,
+  kInt8Pth = 6,
+  kFp4E2m1 = 7,
 };
 // The ids are kvq.h's (Rust's side: src/format/spec.rs checks its table against kvq.h).
 static_assert(int(kF16) == int(KVQ_F16), "kF16 must be kvq.h's KVQ_F16");
@@ -27,10 +31,13 @@ static_assert(int(kFp8E5m2) == int(KVQ_FP8_E5M2), "kFp8E5m2 must be kvq.h's KVQ_
 static_assert(int(kInt4Sym32) == int(KVQ_INT4_SYM32), "kInt4Sym32 must be kvq.h's KVQ_INT4_SYM32");
 static_assert(int(kInt4Affine64) == int(KVQ_INT4_AFFINE64),
               "kInt4Affine64 must be kvq.h's KVQ_INT4_AFFINE64");
+static_assert(int(kInt8Pth) == int(KVQ_INT8_PTH), "kInt8Pth must be kvq.h's KVQ_INT8_PTH");
+static_assert(int(kFp4E2m1) == int(KVQ_FP4_E2M1), "kFp4E2m1 must be kvq.h's KVQ_FP4_E2M1");
 
 // Every stored format: the cases of the run-time format switch (with_format, codec/codec.cuh).
 template <int... F> struct FormatList {};
-using AllFormats = FormatList<kF16, kBf16, kFp8E4m3, kFp8E5m2, kInt4Sym32, kInt4Affine64>;
+using AllFormats =
+    FormatList<kF16, kBf16, kFp8E4m3, kFp8E5m2, kInt4Sym32, kInt4Affine64, kInt8Pth, kFp4E2m1>;
 
 // Whether a list holds the ids 0, 1, ... in order: none missing, none twice.
 template <int... F> constexpr bool ids_in_order(FormatList<F...>) {
@@ -44,9 +51,13 @@ static_assert(ids_in_order(AllFormats{}), "AllFormats lists the ids 0 to N-1 in 
 //              kGroupMeta (metadata bytes per group), kEpt (elements one thread of the row
 //              kernels handles: one 16-byte vector of codes), kDense (served by the dense
 //              quantize / dequantize), kHeadScale (an f32 scale per head, outside the rows),
-//              kPackedExtremes (packed_extremes exists);
-//   row role   extremes, group_extremes, [packed_extremes,] encode, decode: the exact
-//              FORMATS.md math of one thread's chunk of a row (append, gather, dense);
+//              kPackedExtremes (packed_extremes exists), optionally kRowGroup (the whole row is
+//              one group: row_extremes reduces over the row's lanes, which must lie in one
+//              warp; INT8) and kFusedDecode = false (the decode kernel does not take it though
+//              kDecodeK / kDecodeV say the attention kernels may: prefill does);
+//   row role   extremes, group_extremes (or row_extremes), [packed_extremes,] encode, decode:
+//              the exact FORMATS.md math of one thread's chunk of a row (append, gather,
+//              dense);
 //   K / V role the decode kernel's fragments (decode/frag.cuh): kBf16Operands, kGroupFrags
 //              (which fragment kind), unit() with kHeadScale, q_scale, then per kind either
 //              k_pair_elem, k_unpack / v_unpack (codes unpacked word by word into operands) or
@@ -59,15 +70,28 @@ static_assert(ids_in_order(AllFormats{}), "AllFormats lists the ids 0 to N-1 in 
 //   calibration with kHeadScale, scale_from_amax: the dense path's per-head (tensor) scale.
 template <int F> struct Codec;
 
+// Whether codec C's group is its whole row (kRowGroup, default false).
+template <class C, class = void> struct RowGroupOf : std::false_type {};
+template <class C>
+struct RowGroupOf<C, std::void_t<decltype(C::kRowGroup)>> : std::bool_constant<C::kRowGroup> {};
+
+// Whether the decode kernel takes codec C in the roles kDecodeK / kDecodeV name (kFusedDecode,
+// default true); prefill takes it either way.
+template <class C, class = void> struct FusedDecodeOf : std::true_type {};
+template <class C>
+struct FusedDecodeOf<C, std::void_t<decltype(C::kFusedDecode)>>
+    : std::bool_constant<C::kFusedDecode> {};
+
 // Where one row's codes and metadata live: in a paged head section or in dense arrays. Group g's
 // f16 scale (zero) is at scales[g * meta_step] (zeros[...]): the paged affine layout interleaves
-// scale and zero (step 2), everything else is contiguous (step 1).
+// scale and zero (step 2), everything else is contiguous (step 1). Codecs whose metadata is not
+// f16 read `scales` as the row's metadata bytes: FP4's E4M3 byte per group, INT8's f32 scale.
 struct RowRef {
   uint8_t *codes;
   uint16_t *scales;
   uint16_t *zeros;
   int meta_step;
-  float head_scale;  // FP8
+  float head_scale;  // FP8's s, FP4's g
 };
 
 // E input elements as loaded: raw 16-byte vectors, converted later, so that several rows'

@@ -48,10 +48,13 @@ namespace kvq_decode {
 
 using namespace kvq;
 
-/// Whether codec F is taken in the V (values) or K role (its kDecodeV / kDecodeK).
+/// Whether codec F is taken in the V (values) or K role (its kDecodeV / kDecodeK), unless the
+/// decode kernel has no fragment kind for it (kFusedDecode false: INT8's per-row scale, FP4's
+/// E4M3 group scales; prefill still takes those).
 template <int F, bool V>
 constexpr bool has_role() {
-  return V ? Codec<F>::kDecodeV : Codec<F>::kDecodeK;
+  if constexpr (FusedDecodeOf<Codec<F>>::value) return V ? Codec<F>::kDecodeV : Codec<F>::kDecodeK;
+  else return false;
 }
 
 /// Whether codec F stands for kernel format M in the K (V = false) or V role.

@@ -187,11 +187,14 @@ fn quantize_file(
         non_finite += q.non_finite();
         bytes_in += view.data().len();
         bytes_out += q.stored_bytes();
-        let (codes, scales, zeros) = q.into_parts();
+        let (codes, scales, zeros, global_scales) = q.into_parts();
         out.push((format!("{name}.codes"), OutTensor::stored(codes)));
         out.push((format!("{name}.scales"), OutTensor::stored(scales)));
         if let Some(z) = zeros {
             out.push((format!("{name}.zeros"), OutTensor::stored(z)));
+        }
+        if let Some(g) = global_scales {
+            out.push((format!("{name}.global_scales"), OutTensor::stored(g)));
         }
         bar.inc(1);
     }
@@ -230,20 +233,22 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
     let format = DenseFormat::from_name(format_name)?;
     let mut names = st.names();
     names.sort();
-    // Every tensor must belong to exactly one NAME: its codes, scales or zeros.
+    // Every tensor must belong to exactly one NAME: its codes, scales, zeros or global scales.
     let bases: Vec<&str> = names
         .iter()
         .filter_map(|n| n.strip_suffix(".codes"))
         .collect();
     if let Some(stray) = names.iter().find(|n| {
-        !["codes", "scales", "zeros"].iter().any(|part| {
-            n.strip_suffix(part)
-                .and_then(|b| b.strip_suffix('.'))
-                .is_some_and(|b| bases.contains(&b))
-        })
+        !["codes", "scales", "zeros", "global_scales"]
+            .iter()
+            .any(|part| {
+                n.strip_suffix(part)
+                    .and_then(|b| b.strip_suffix('.'))
+                    .is_some_and(|b| bases.contains(&b))
+            })
     }) {
         return Err(CliError::new(format!(
-            "tensor '{stray}' is not the codes, scales or zeros of any NAME.codes"
+            "tensor '{stray}' is not the codes, scales, zeros or global_scales of any NAME.codes"
         )));
     }
     let bar = progress(bases.len(), "dequantize");
@@ -259,8 +264,14 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
         let codes = part("codes")?.expect("listed above");
         let scales = part("scales")?
             .ok_or_else(|| CliError::new(format!("tensor '{base}.scales' is missing")))?;
-        let q = QuantizedTensor::from_parts(format, codes, scales, part("zeros")?)
-            .map_err(|e| CliError::new(format!("tensor '{base}': {e}")))?;
+        let q = QuantizedTensor::from_parts(
+            format,
+            codes,
+            scales,
+            part("zeros")?,
+            part("global_scales")?,
+        )
+        .map_err(|e| CliError::new(format!("tensor '{base}': {e}")))?;
         out.push((
             base.to_string(),
             OutTensor::f32(q.shape().to_vec(), &dense::dequantize(&q)),

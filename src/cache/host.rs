@@ -5,7 +5,7 @@ use super::allocator::CopyBlock;
 use super::copies::check_copies;
 use super::tables::check_row;
 use crate::error::{Error, Result, filled};
-use crate::format::{Element, KvFormat, ScaleGranularity, head_amax};
+use crate::format::{Element, HeadScale, KvFormat, ScaleGranularity, head_amax};
 use crate::layout::{BlockLayout, CacheConfig, Region};
 
 /// Byte a new pool is filled with, so that tests can tell unwritten slots from written ones.
@@ -20,8 +20,8 @@ enum Side {
     V,
 }
 
-/// Quantized K/V storage of one layer: a pool of `num_blocks` blocks plus the FP8 per-KV-head
-/// scales (1.0 until set; ignored by non-FP8 formats).
+/// Quantized K/V storage of one layer: a pool of `num_blocks` blocks plus the per-KV-head scales
+/// of FP8 (`s`) and FP4 (`g`) (1.0 until set; ignored by the other formats).
 #[derive(Debug, Clone)]
 pub struct HostCache {
     layout: BlockLayout,
@@ -92,17 +92,17 @@ impl HostCache {
         &mut self.pool
     }
 
-    /// FP8 key scales, one per KV head.
+    /// Key head scales (FP8 `s`, FP4 `g`), one per KV head.
     pub fn k_scales(&self) -> &[f32] {
         &self.k_scales
     }
 
-    /// FP8 value scales, one per KV head.
+    /// Value head scales (FP8 `s`, FP4 `g`), one per KV head.
     pub fn v_scales(&self) -> &[f32] {
         &self.v_scales
     }
 
-    /// Set the FP8 scales (`num_kv_heads` each, positive and finite). Rows already written keep
+    /// Set the head scales of FP8 and FP4 sides (`num_kv_heads` each, positive and finite). Rows already written keep
     /// the codes they were quantized with, so set scales before writing.
     pub fn set_scales(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
         let heads = self.layout.config.num_kv_heads;
@@ -123,9 +123,11 @@ impl HostCache {
         Ok(())
     }
 
-    /// Set the FP8 scales from sample data `k`, `v` laid out `[tokens, num_kv_heads, head_dim]`:
-    /// `s = amax / max_finite` (1.0 when amax is 0) over the sanitized samples, per tensor or per
-    /// KV head. A side whose format is not FP8 keeps scale 1.0.
+    /// Set the head scales from sample data `k`, `v` laid out `[tokens, num_kv_heads, head_dim]`,
+    /// over the sanitized samples (FORMATS.md): an FP8 side gets `s = amax / max_finite` per
+    /// tensor or per KV head as `granularity` says; an FP4 side its global scales
+    /// `g = amax / 2688` per KV head whatever `granularity` says (FORMATS.md defines `g` per
+    /// head); both 1.0 when amax is 0. A side without a head scale keeps 1.0.
     pub fn calibrate_fp8_scales<T: Element>(
         &mut self,
         k: &[T],
@@ -146,16 +148,16 @@ impl HostCache {
                     actual: x.len(),
                 });
             }
-            let Some(kind) = format.fp8_kind() else {
+            let Some(head_scale) = format.head_scale() else {
                 continue;
             };
             let mut amax = head_amax(x, c.num_kv_heads, c.head_dim)?;
-            if granularity == ScaleGranularity::PerTensor {
+            if granularity == ScaleGranularity::PerTensor && head_scale != HeadScale::Fp4 {
                 let all = amax.iter().copied().fold(0.0, f32::max);
                 amax.fill(all);
             }
             for (s, a) in out.iter_mut().zip(amax) {
-                *s = kind.scale_from_amax(a);
+                *s = head_scale.scale_from_amax(a);
             }
         }
         let [ks, vs] = scales;

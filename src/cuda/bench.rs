@@ -379,10 +379,8 @@ impl PreparedDecode {
         let kh = synth.with_outlier_channels(FILL_CHUNK, case.num_kv_heads, case.head_dim, 4, 8.0);
         let vh = synth.normal(FILL_CHUNK * row, 1.0);
         let amax = |x: &[f32]| x.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let scale = |f: KvFormat, x: &[f32]| {
-            f.fp8_kind()
-                .map_or(1.0, |kind| kind.scale_from_amax(amax(x)))
-        };
+        let scale =
+            |f: KvFormat, x: &[f32]| f.head_scale().map_or(1.0, |h| h.scale_from_amax(amax(x)));
         cache.set_scales(
             &vec![scale(k, &kh); case.num_kv_heads],
             &vec![scale(v, &vh); case.num_kv_heads],

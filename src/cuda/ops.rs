@@ -10,7 +10,7 @@ use super::device::MAX_GPU_HEAD_DIM;
 use super::{DeviceCache, Gpu, driver_err, launch, sys};
 use crate::dense::{DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor};
 use crate::error::{Error, Result};
-use crate::format::Element;
+use crate::format::{Element, KvFormat};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use std::ffi::c_void;
@@ -226,6 +226,7 @@ pub unsafe fn append_raw(
     stream: CUstream,
 ) -> Result<()> {
     let l = &cache.layout;
+    check_row_kernels(l.k_format, l.v_format, l.head_dim.max(0) as usize)?;
     let row = (l.num_kv_heads.max(0) as usize) * (l.head_dim.max(0) as usize);
     for (what, stride) in [
         ("k_token_stride", k_token_stride),
@@ -274,6 +275,7 @@ pub fn gather_dequantize<T: DeviceElement>(
 ) -> Result<(CudaSlice<T>, CudaSlice<T>)> {
     let gpu = cache.gpu();
     let c = cache.config();
+    check_row_kernels(c.k_format as i32, c.v_format as i32, c.head_dim)?;
     let used = len.div_ceil(c.block_size);
     crate::cache::check_row(block_table, None, len, c.block_size, cache.num_blocks())?;
     let n = len * c.num_kv_heads * c.head_dim;
@@ -428,6 +430,35 @@ impl DenseGeometry {
     }
 }
 
+/// The row kernels (append, gather) reduce an `int8-pth` row's amax across its lanes in one
+/// warp: its 16-element chunks, `head_dim / 16` lanes, must divide 32 (head_dim 16, 32, 64, 128,
+/// 256 or 512; `format_info`'s `row_lanes_ok` in `cuda/codec/codec.cuh`). Other head dims are
+/// [`Error::Unsupported`] there, not a launch error (prefill reads such caches all the same).
+fn check_row_kernels(k_format: i32, v_format: i32, head_dim: usize) -> Result<()> {
+    let int8 = KvFormat::Int8Pth as i32;
+    let lanes = head_dim / KvFormat::Int8Pth.head_dim_multiple();
+    if (k_format == int8 || v_format == int8) && (lanes == 0 || 32 % lanes != 0) {
+        return Err(Error::Unsupported(format!(
+            "int8-pth append / gather at head_dim {head_dim} on the GPU (16, 32, 64, 128, 256 \
+             or 512)"
+        )));
+    }
+    Ok(())
+}
+
+/// The dense kernels store FP8 head scales and f16 group scales (and zeros): INT8's f32 row
+/// scales and FP4's E4M3 group scales with their global scales have no device dense path yet
+/// (their codecs' `kDense` is false), so those formats are [`Error::Unsupported`] here rather
+/// than a launch error; `crate::dense` quantizes them on the host.
+fn check_device_dense(format: DenseFormat) -> Result<()> {
+    match format.kv_format() {
+        Some(kv @ (KvFormat::Int8Pth | KvFormat::Fp4E2m1)) => Err(Error::Unsupported(format!(
+            "{kv} has no GPU dense quantize / dequantize; use kvq::dense on the host"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 fn format_id(format: DenseFormat) -> i32 {
     match format.kv_format() {
         Some(kv) => kv as i32,
@@ -451,6 +482,7 @@ pub fn quantize_dense<T: DeviceElement>(
     shape: &[usize],
     scale: Fp8ScaleChoice,
 ) -> Result<DeviceQuantized> {
+    check_device_dense(format)?;
     let g = DenseGeometry::of(format, shape)?;
     if data.len() != g.elements() {
         return Err(Error::Length {
@@ -611,6 +643,7 @@ pub fn dequantize_dense<T: DeviceElement>(gpu: &Gpu, q: &DeviceQuantized) -> Res
 impl DeviceQuantized {
     /// Upload a host [`QuantizedTensor`] (for dequantizing it on the device).
     pub fn from_host(gpu: &Gpu, q: &QuantizedTensor) -> Result<Self> {
+        check_device_dense(q.format())?;
         let s = gpu.stream();
         gpu.bind()?;
         let up_u8 = |d: &[u8]| s.clone_htod(d).map_err(driver_err("uploading codes"));
@@ -729,6 +762,6 @@ impl DeviceQuantized {
             .as_ref()
             .map(|z| StoredTensor::new(StoredDtype::F16, with_last(groups), read_halves(z)?))
             .transpose()?;
-        QuantizedTensor::from_parts(self.format, codes, scales, zeros)
+        QuantizedTensor::from_parts(self.format, codes, scales, zeros, None)
     }
 }

@@ -30,6 +30,10 @@ pub const KVQ_FP8_E4M3: kvq_format = 2;
 pub const KVQ_FP8_E5M2: kvq_format = 3;
 pub const KVQ_INT4_SYM32: kvq_format = 4;
 pub const KVQ_INT4_AFFINE64: kvq_format = 5;
+#[doc = " INT8, symmetric, an f32 scale per row (token and KV head)"]
+pub const KVQ_INT8_PTH: kvq_format = 6;
+#[doc = " FP4 E2M1, an E4M3 scale per 16 elements, an f32 scale per KV head"]
+pub const KVQ_FP4_E2M1: kvq_format = 7;
 #[doc = " Element formats: the discriminants of kvq::KvFormat."]
 pub type kvq_format = ::std::os::raw::c_uint;
 #[doc = " Byte layout of a paged cache block: kvq::layout::BlockLayout, field for field. Offsets are\n relative to a head section; a head section of (block, head) starts at\n block \\* block_stride + head \\* head_stride in the pool."]
@@ -89,7 +93,7 @@ const _: () = {
     ["Offset of field: kvq_layout::block_stride"]
         [::std::mem::offset_of!(kvq_layout, block_stride) - 64usize];
 };
-#[doc = " A cache in device memory: the block pool and FP8's per-KV-head f32 scales (each\n \\[num_kv_heads\\]; ignored for other formats, may then be null)."]
+#[doc = " A cache in device memory: the block pool and the per-KV-head f32 scales of FP8 (s) and FP4\n (g) (each \\[num_kv_heads\\]; ignored for other formats, may then be null)."]
 #[repr(C)]
 #[derive(Debug, Copy, Clone, PartialEq, Eq)]
 pub struct kvq_cache {
@@ -124,7 +128,7 @@ pub const KVQ_DTYPE_BF16: kvq_dtype = 2;
 #[doc = " Element type of dense tensors (K/V inputs, dequantized outputs)."]
 pub type kvq_dtype = ::std::os::raw::c_uint;
 unsafe extern "C" {
-    #[doc = " Quantize-on-append. k and v are \\[num_tokens, num_kv_heads, head_dim\\] of `dtype` (kvq_dtype),\n row t starting at element t \\* k_token_stride (resp. v_token_stride), a multiple of 8 that is\n at least num_kv_heads \\* head_dim; k and v are 16-byte aligned. Token t goes to slot slots\\[t\\]\n (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.\n A negative slot skips the token (padding); a slot \\>= num_blocks \\* block_size skips it too and\n counts it in counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. FP8 formats read cache-\\>k_scales/v_scales."]
+    #[doc = " Quantize-on-append. k and v are \\[num_tokens, num_kv_heads, head_dim\\] of `dtype` (kvq_dtype),\n row t starting at element t \\* k_token_stride (resp. v_token_stride), a multiple of 8 that is\n at least num_kv_heads \\* head_dim; k and v are 16-byte aligned. Token t goes to slot slots\\[t\\]\n (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.\n A negative slot skips the token (padding); a slot \\>= num_blocks \\* block_size skips it too and\n counts it in counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. FP8 and FP4 formats read\n cache-\\>k_scales/v_scales. int8-pth (and kvq_gather_dequantize of it) needs a head_dim whose\n rows of 16-element chunks fit a warp evenly: 16, 32, 64, 128, 256 or 512; else\n KVQ_ERR_INVALID."]
     pub fn kvq_append(
         cache: *const kvq_cache,
         num_blocks: i64,
@@ -193,7 +197,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Calibration scales of a dense tensor x (\\[rows, head_dim\\], rows cycling through `heads` heads,\n so row r belongs to head r % heads) for `format` (FP8, or KVQ_DENSE_INT4_UNIFORM): FP8\n amax / max_finite (1 when amax is 0), one per head when per_head != 0, else one for the tensor;\n uniform INT4 one amax / 7. amax runs over the sanitized inputs. `amax_scratch` holds\n (per_head ? heads : 1) uint32 of device scratch."]
+    #[doc = " Calibration scales of a dense tensor x (\\[rows, head_dim\\], rows cycling through `heads` heads,\n so row r belongs to head r % heads) for `format` (FP8, FP4, or KVQ_DENSE_INT4_UNIFORM): FP8\n amax / max_finite, FP4's global scale amax / 2688 (both 1 when the quotient is 0), one per head\n when per_head != 0, else one for the tensor; uniform INT4 one amax / 7. amax runs over the sanitized inputs. `amax_scratch` holds\n (per_head ? heads : 1) uint32 of device scratch."]
     pub fn kvq_dense_scales(
         format: i32,
         x: *const ::std::os::raw::c_void,
@@ -208,7 +212,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Quantize a dense tensor \\[rows, head_dim\\] (the layout of src/dense.rs): codes \\[rows, code\n bytes\\]; FP8 and uniform INT4 take num_head_scales (1, or `heads` for FP8) f32 scales; INT4 K\n writes f16 group_scales \\[rows, head_dim / 32\\]; INT4 V writes group_scales and group_zeros\n \\[rows, head_dim / 64\\]. Uniform INT4 packs the flat tensor (head_dim even)."]
+    #[doc = " Quantize a dense tensor \\[rows, head_dim\\] (the layout of src/dense.rs): codes \\[rows, code\n bytes\\]; FP8 and uniform INT4 take num_head_scales (1, or `heads` for FP8) f32 scales; INT4 K\n writes f16 group_scales \\[rows, head_dim / 32\\]; INT4 V writes group_scales and group_zeros\n \\[rows, head_dim / 64\\]. Uniform INT4 packs the flat tensor (head_dim even). KVQ_INT8_PTH and\n KVQ_FP4_E2M1 have no dense kernels (KVQ_ERR_INVALID)."]
     pub fn kvq_quantize_dense(
         format: i32,
         x: *const ::std::os::raw::c_void,
@@ -364,7 +368,7 @@ impl Default for kvq_decode_args {
     }
 }
 unsafe extern "C" {
-    #[doc = " 1 when this build has a decode kernel for keys in k_format and values in v_format\n (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3 and int4 (K: KVQ_INT4_SYM32, V:\n KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80, 96, 112, 128, 192 or\n 256, a multiple of 32 with INT4 keys and of 64 with INT4 values. A host function: no device\n is needed."]
+    #[doc = " 1 when this build has a decode kernel for keys in k_format and values in v_format\n (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3 and int4 (K: KVQ_INT4_SYM32, V:\n KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80, 96, 112, 128, 192 or\n 256, a multiple of 32 with INT4 keys and of 64 with INT4 values. Never int8-pth or fp4-e2m1\n (no fragment kind for a per-row or E4M3 group scale; prefill serves them). A host function:\n no device is needed."]
     pub fn kvq_decode_supported(
         k_format: i32,
         v_format: i32,
@@ -504,7 +508,7 @@ impl Default for kvq_prefill_args {
     }
 }
 unsafe extern "C" {
-    #[doc = " 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every\n cache format for K and V (INT4 sym32 as K, affine64 as V), head_dim 64, 80, 96, 112, 128, 192\n or 256 (a multiple of each format's group), f16 or bf16 queries, and bf16 queries whenever a\n side is bf16. A host function."]
+    #[doc = " 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every\n cache format for K and V (INT4 sym32 as K, affine64 as V; int8-pth and fp4-e2m1 either), head_dim\n 64, 80, 96, 112, 128, 192 or 256 (a multiple of each format's group and of 32 for fp4-e2m1), f16 or bf16 queries, and bf16 queries whenever a\n side is bf16. A host function."]
     pub fn kvq_prefill_supported(
         k_format: i32,
         v_format: i32,

@@ -1,19 +1,22 @@
 //! Element formats of the KV cache: pure math, no memory layout beyond one token's row.
 //!
 //! A *row* is the `head_dim` values of one token for one KV head. Every format turns a row into
-//! `code_bytes(head_dim)` bytes of codes plus `meta_bytes(head_dim)` bytes of per-group metadata
-//! (f16 scales, and zeros for affine INT4). FP8 formats additionally take one f32 scale per KV
-//! head (or per tensor) that lives outside the rows. The normative definition is FORMATS.md; the
+//! `code_bytes(head_dim)` bytes of codes plus `meta_bytes(head_dim)` bytes of per-group or per-row
+//! metadata (f16 scales, and zeros for affine INT4; FP4's E4M3 block scales; INT8's f32 row
+//! scale). FP8 and FP4 formats additionally take one f32 scale per KV head (or per tensor) that
+//! lives outside the rows. The normative definition is FORMATS.md; the
 //! CUDA kernels implement the same functions in `cuda/codec/` (one codec per format), bit for bit.
 
+pub mod fp4;
 pub mod fp8;
 pub mod int4;
+pub mod int8;
 pub mod sanitize;
 pub mod spec;
 
 pub use fp8::Fp8Kind;
 pub use sanitize::{Element, sanitize};
-pub use spec::{FormatSpec, SPECS};
+pub use spec::{FormatSpec, HeadScale, SPECS};
 
 use crate::error::{Error, Result, filled};
 use half::{bf16, f16};
@@ -37,6 +40,10 @@ pub enum KvFormat {
     Int4Sym32 = 4,
     /// INT4, affine, groups of 64 along head_dim, f16 scale + f16 zero per group (the value format).
     Int4Affine64 = 5,
+    /// INT8, symmetric, one f32 scale per row (token and KV head).
+    Int8Pth = 6,
+    /// FP4 E2M1, an E4M3 block scale per 16 elements, an f32 global scale per KV head.
+    Fp4E2m1 = 7,
 }
 
 impl KvFormat {
@@ -57,7 +64,7 @@ impl KvFormat {
     }
 
     /// Short name used by the CLI and in tables: `f16`, `bf16`, `fp8-e4m3`, `fp8-e5m2`,
-    /// `int4-k32`, `int4-v64`.
+    /// `int4-k32`, `int4-v64`, `int8-pth`, `fp4-e2m1`.
     pub const fn name(self) -> &'static str {
         self.spec().name
     }
@@ -89,12 +96,20 @@ impl KvFormat {
 
     /// The FP8 encoding, for FP8 formats.
     pub const fn fp8_kind(self) -> Option<Fp8Kind> {
-        self.spec().fp8
+        match self.spec().head_scale {
+            Some(HeadScale::Fp8(kind)) => Some(kind),
+            _ => None,
+        }
     }
 
-    /// Whether the format takes an f32 scale per KV head from outside the rows (FP8).
+    /// The f32 scale per KV head the format takes from outside the rows (FP8, FP4), if any.
+    pub const fn head_scale(self) -> Option<HeadScale> {
+        self.spec().head_scale
+    }
+
+    /// Whether the format takes an f32 scale per KV head from outside the rows (FP8, FP4).
     pub const fn has_head_scale(self) -> bool {
-        self.fp8_kind().is_some()
+        self.head_scale().is_some()
     }
 
     /// `head_dim` must be a positive multiple of this: the group size for INT4, and one 16-byte
@@ -128,25 +143,27 @@ impl KvFormat {
             .saturating_add(head_dim % 8 * bits / 8)
     }
 
-    /// Bytes of per-group metadata in one row (f16 scales; scale+zero pairs for affine INT4).
+    /// Bytes of metadata in one row: per group (f16 scales; scale+zero pairs for affine INT4;
+    /// E4M3 block scales for FP4) or per row (INT8's f32 scale).
     pub const fn meta_bytes(self, head_dim: usize) -> usize {
         let s = self.spec();
         match s.group {
             Some(g) => head_dim / g * s.meta_bytes_per_group,
-            None => 0,
+            None => s.meta_bytes_per_row,
         }
     }
 
-    /// Bytes per element including in-row metadata (not the per-head FP8 scale).
+    /// Bytes per element including in-row metadata (not the per-head FP8 / FP4 scale), at
+    /// head_dim 128 (a per-row scale's share depends on head_dim; the grouped formats' does not).
     pub fn bytes_per_element(self) -> f64 {
-        let d = 256; // any valid head_dim gives the same ratio
+        let d = 128;
         (self.code_bytes(d) + self.meta_bytes(d)) as f64 / d as f64
     }
 
     /// Check the arguments of one row of `head_dim` elements: `head_dim` suits the format
     /// ([`Error::HeadDim`]), `codes` and `meta` hold [`code_bytes`](Self::code_bytes) and
-    /// [`meta_bytes`](Self::meta_bytes) bytes ([`Error::Length`]), and for FP8 the head scale
-    /// is positive and finite ([`Error::Scale`]; other formats ignore it).
+    /// [`meta_bytes`](Self::meta_bytes) bytes ([`Error::Length`]), and for FP8 and FP4 the head
+    /// scale is positive and finite ([`Error::Scale`]; other formats ignore it).
     pub fn check_row(
         self,
         head_dim: usize,
@@ -177,7 +194,7 @@ impl KvFormat {
         }
         if self.has_head_scale() && !(head_scale.is_finite() && head_scale > 0.0) {
             return Err(Error::Scale {
-                what: "FP8 head scale",
+                what: "head scale (FP8 s, FP4 g)",
                 value: head_scale,
             });
         }
@@ -185,8 +202,8 @@ impl KvFormat {
     }
 
     /// Quantize one row (`head_dim = x.len()`). Inputs are sanitized first (FORMATS.md); the
-    /// number of non-finite inputs is returned. `head_scale` is the FP8 scale (ignored by other
-    /// formats). `codes` must be `code_bytes(x.len())` long and `meta` `meta_bytes(x.len())`;
+    /// number of non-finite inputs is returned. `head_scale` is the FP8 scale or FP4's global
+    /// scale `g` (ignored by other formats). `codes` must be `code_bytes(x.len())` long and `meta` `meta_bytes(x.len())`;
     /// every argument is checked first ([`check_row`](Self::check_row)) and on an error nothing
     /// is written.
     pub fn try_encode_row<T: Element>(
@@ -272,6 +289,29 @@ impl KvFormat {
                     meta[i * 4 + 2..i * 4 + 4].copy_from_slice(&z.to_le_bytes());
                 }
             }
+            KvFormat::Int8Pth => {
+                // The row is one group of any length: two passes over the input (amax, counting
+                // the non-finite inputs once; then the codes), sanitizing element by element.
+                let mut amax = 0.0f32;
+                for &v in x {
+                    amax = amax.max(clean(v).abs());
+                }
+                let s = amax / 127.0;
+                for (c, &v) in codes.iter_mut().zip(x) {
+                    *c = int8::quantize(sanitize(v.to_f32()).0, s) as u8;
+                }
+                meta[..int8::ROW_META].copy_from_slice(&s.to_le_bytes());
+            }
+            KvFormat::Fp4E2m1 => {
+                let g = fp4::GROUP;
+                let mut vals = [0f32; fp4::GROUP];
+                let mut q = [0u8; fp4::GROUP];
+                for (i, group) in x.chunks_exact(g).enumerate() {
+                    sanitize::sanitize_into(group, &mut vals, &mut non_finite);
+                    meta[i] = fp4::quantize_group(&vals, head_scale, &mut q);
+                    int4::pack_nibbles(q.iter().copied(), &mut codes[i * g / 2..][..g / 2]);
+                }
+            }
         }
         non_finite
     }
@@ -331,6 +371,18 @@ impl KvFormat {
                     let s = f16::from_le_bytes([meta[g * 4], meta[g * 4 + 1]]);
                     let z = f16::from_le_bytes([meta[g * 4 + 2], meta[g * 4 + 3]]);
                     *o = int4::dequantize_affine(int4::nibble(codes, i), s, z);
+                }
+            }
+            KvFormat::Int8Pth => {
+                let s = int8::row_scale(meta);
+                for (o, &c) in out.iter_mut().zip(codes) {
+                    *o = int8::dequantize(c, s);
+                }
+            }
+            KvFormat::Fp4E2m1 => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    let sb = meta[i / fp4::GROUP];
+                    *o = fp4::dequantize(int4::nibble(codes, i), sb, head_scale);
                 }
             }
         }
@@ -419,29 +471,78 @@ mod tests {
         assert_eq!(KvFormat::Int4Affine64.bytes_per_element(), 0.5625);
         assert_eq!(KvFormat::Fp8E4m3.bytes_per_element(), 1.0);
         assert_eq!(KvFormat::Bf16.bytes_per_element(), 2.0);
+        assert_eq!(KvFormat::Int8Pth.bytes_per_element(), 1.03125);
+        assert_eq!(KvFormat::Fp4E2m1.bytes_per_element(), 0.5625);
     }
 
     /// FORMATS.md's storage of each format, stated independently of the table the methods read.
     #[test]
     fn storage_matches_formats_md() {
         use Fp8Kind::{E4M3, E5M2};
-        // (format, bits, group, head_dim multiple, row bytes at head_dim 128 (codes, meta), FP8)
+        use HeadScale::{Fp4, Fp8};
+        // (format, bits, group, head_dim multiple, row bytes at head_dim 128 (codes, meta) and
+        // at 64, head scale)
         let expected = [
-            (KvFormat::F16, 16, None, 8, (256, 0), None),
-            (KvFormat::Bf16, 16, None, 8, (256, 0), None),
-            (KvFormat::Fp8E4m3, 8, None, 16, (128, 0), Some(E4M3)),
-            (KvFormat::Fp8E5m2, 8, None, 16, (128, 0), Some(E5M2)),
-            (KvFormat::Int4Sym32, 4, Some(32), 32, (64, 8), None),
-            (KvFormat::Int4Affine64, 4, Some(64), 64, (64, 8), None),
+            (KvFormat::F16, 16, None, 8, (256, 0), (128, 0), None),
+            (KvFormat::Bf16, 16, None, 8, (256, 0), (128, 0), None),
+            (
+                KvFormat::Fp8E4m3,
+                8,
+                None,
+                16,
+                (128, 0),
+                (64, 0),
+                Some(Fp8(E4M3)),
+            ),
+            (
+                KvFormat::Fp8E5m2,
+                8,
+                None,
+                16,
+                (128, 0),
+                (64, 0),
+                Some(Fp8(E5M2)),
+            ),
+            (KvFormat::Int4Sym32, 4, Some(32), 32, (64, 8), (32, 4), None),
+            (
+                KvFormat::Int4Affine64,
+                4,
+                Some(64),
+                64,
+                (64, 8),
+                (32, 4),
+                None,
+            ),
+            // one f32 scale per row
+            (KvFormat::Int8Pth, 8, None, 16, (128, 4), (64, 4), None),
+            // an E4M3 byte per 16 elements; whole 16-byte code vectors ask for 32
+            (
+                KvFormat::Fp4E2m1,
+                4,
+                Some(16),
+                32,
+                (64, 8),
+                (32, 4),
+                Some(Fp4),
+            ),
         ];
         assert_eq!(expected.len(), KvFormat::ALL.len());
-        for (f, bits, group, multiple, row, fp8) in expected {
+        for (f, bits, group, multiple, row, row64, head) in expected {
             assert_eq!(f.bits(), bits, "{f}");
             assert_eq!(f.group_size(), group, "{f}");
             assert_eq!(f.head_dim_multiple(), multiple, "{f}");
             assert_eq!((f.code_bytes(128), f.meta_bytes(128)), row, "{f}");
-            assert_eq!(f.fp8_kind(), fp8, "{f}");
-            assert_eq!(f.has_head_scale(), fp8.is_some(), "{f}");
+            assert_eq!((f.code_bytes(64), f.meta_bytes(64)), row64, "{f}");
+            assert_eq!(f.head_scale(), head, "{f}");
+            assert_eq!(
+                f.fp8_kind(),
+                head.and_then(|h| match h {
+                    Fp8(k) => Some(k),
+                    Fp4 => None,
+                }),
+                "{f}"
+            );
+            assert_eq!(f.has_head_scale(), head.is_some(), "{f}");
         }
     }
 
@@ -455,8 +556,8 @@ mod tests {
             let mut codes = vec![0u8; f.code_bytes(d)];
             let mut meta = vec![0u8; f.meta_bytes(d)];
             let s = f
-                .fp8_kind()
-                .map_or(1.0, |k| k.scale_from_amax(sanitized_amax(&x)));
+                .head_scale()
+                .map_or(1.0, |h| h.scale_from_amax(sanitized_amax(&x)));
             assert_eq!(f.encode_row(&x, s, &mut codes, &mut meta), 0);
             let mut out = vec![0f32; d];
             f.decode_row(&codes, &meta, s, &mut out);
@@ -465,7 +566,9 @@ mod tests {
                 .zip(&out)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0.0, f32::max);
-            assert!(err < 1.0, "{f}: max error {err}");
+            // FP4's top step is 2 · amax16 / 6 (amax ≈ 7.1 here); the others' far less.
+            let bound = if f == KvFormat::Fp4E2m1 { 1.5 } else { 1.0 };
+            assert!(err < bound, "{f}: max error {err}");
         }
     }
 }

@@ -6,7 +6,7 @@
 //! [`DenseFormat`]: crate::dense::DenseFormat
 
 use super::fp8::Fp8Kind;
-use super::{KvFormat, int4};
+use super::{KvFormat, fp4, int4};
 use crate::dense::DenseFormat;
 
 /// One cache format's identity and storage, as FORMATS.md defines them.
@@ -23,14 +23,49 @@ pub struct FormatSpec {
     pub bits: u32,
     /// Elements per group along head_dim, for grouped formats.
     pub group: Option<usize>,
-    /// Metadata bytes per group, in the row after the codes: an f16 scale (2), or an f16 scale
-    /// and then an f16 zero (4); 0 without groups.
+    /// Metadata bytes per group, in the row after the codes: an E4M3 scale (1, FP4), an f16
+    /// scale (2), or an f16 scale and then an f16 zero (4); 0 without groups.
     pub meta_bytes_per_group: usize,
-    /// The FP8 encoding, for the formats that take an f32 scale per KV head (or per tensor)
-    /// from outside the rows.
-    pub fp8: Option<Fp8Kind>,
+    /// Metadata bytes per row for a format whose one group is the whole row (INT8's f32 scale,
+    /// 4); 0 otherwise.
+    pub meta_bytes_per_row: usize,
+    /// The f32 scale per KV head (or per tensor) from outside the rows that the format takes,
+    /// and how it is calibrated.
+    pub head_scale: Option<HeadScale>,
     /// The dense-tensor format with the same element math; none for the formats stored as is.
     pub dense: Option<DenseFormat>,
+}
+
+/// A format's f32 scale per KV head (or per tensor), which lives beside the pool rather than in
+/// the rows: which format it scales, and so which largest value its calibration maps amax to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HeadScale {
+    /// FP8's scale `s`: codes are `x / s`; calibrated as `amax / max_finite`.
+    Fp8(Fp8Kind),
+    /// FP4's global scale `g`: group scales are E4M3 codes of `amax16 / 6 / g`; calibrated as
+    /// `amax / 2688` (448 · 6), always per KV head.
+    Fp4,
+}
+
+impl HeadScale {
+    /// The scale from calibration data (FORMATS.md): `amax / max` (448, 57344 or 2688), or 1.0
+    /// when that quotient is 0, so it is always positive and finite. `amax` is sanitized first
+    /// and its sign ignored.
+    pub fn scale_from_amax(self, amax: f32) -> f32 {
+        match self {
+            HeadScale::Fp8(kind) => kind.scale_from_amax(amax),
+            HeadScale::Fp4 => fp4::global_scale_from_amax(amax),
+        }
+    }
+
+    /// Largest value a code can decode to under scale 1: a stored scale `s` must keep
+    /// `max_value × s` finite.
+    pub const fn max_value(self) -> f32 {
+        match self {
+            HeadScale::Fp8(kind) => kind.max_finite(),
+            HeadScale::Fp4 => fp4::GLOBAL_MAX,
+        }
+    }
 }
 
 impl FormatSpec {
@@ -59,7 +94,8 @@ pub const SPECS: &[FormatSpec] = &[
         bits: 16,
         group: None,
         meta_bytes_per_group: 0,
-        fp8: None,
+        meta_bytes_per_row: 0,
+        head_scale: None,
         dense: None,
     },
     FormatSpec {
@@ -69,7 +105,8 @@ pub const SPECS: &[FormatSpec] = &[
         bits: 16,
         group: None,
         meta_bytes_per_group: 0,
-        fp8: None,
+        meta_bytes_per_row: 0,
+        head_scale: None,
         dense: None,
     },
     FormatSpec {
@@ -79,7 +116,8 @@ pub const SPECS: &[FormatSpec] = &[
         bits: 8,
         group: None,
         meta_bytes_per_group: 0,
-        fp8: Some(Fp8Kind::E4M3),
+        meta_bytes_per_row: 0,
+        head_scale: Some(HeadScale::Fp8(Fp8Kind::E4M3)),
         dense: Some(DenseFormat::Fp8E4m3),
     },
     FormatSpec {
@@ -89,7 +127,8 @@ pub const SPECS: &[FormatSpec] = &[
         bits: 8,
         group: None,
         meta_bytes_per_group: 0,
-        fp8: Some(Fp8Kind::E5M2),
+        meta_bytes_per_row: 0,
+        head_scale: Some(HeadScale::Fp8(Fp8Kind::E5M2)),
         dense: Some(DenseFormat::Fp8E5m2),
     },
     FormatSpec {
@@ -99,7 +138,8 @@ pub const SPECS: &[FormatSpec] = &[
         bits: 4,
         group: Some(int4::SYM_GROUP),
         meta_bytes_per_group: 2,
-        fp8: None,
+        meta_bytes_per_row: 0,
+        head_scale: None,
         dense: Some(DenseFormat::Int4K32),
     },
     FormatSpec {
@@ -109,8 +149,31 @@ pub const SPECS: &[FormatSpec] = &[
         bits: 4,
         group: Some(int4::AFFINE_GROUP),
         meta_bytes_per_group: 4,
-        fp8: None,
+        meta_bytes_per_row: 0,
+        head_scale: None,
         dense: Some(DenseFormat::Int4V64),
+    },
+    FormatSpec {
+        format: KvFormat::Int8Pth,
+        name: "int8-pth",
+        c_name: "KVQ_INT8_PTH",
+        bits: 8,
+        group: None,
+        meta_bytes_per_group: 0,
+        meta_bytes_per_row: 4,
+        head_scale: None,
+        dense: Some(DenseFormat::Int8Pth),
+    },
+    FormatSpec {
+        format: KvFormat::Fp4E2m1,
+        name: "fp4-e2m1",
+        c_name: "KVQ_FP4_E2M1",
+        bits: 4,
+        group: Some(fp4::GROUP),
+        meta_bytes_per_group: 1,
+        meta_bytes_per_row: 0,
+        head_scale: Some(HeadScale::Fp4),
+        dense: Some(DenseFormat::Fp4E2m1),
     },
 ];
 
@@ -134,13 +197,23 @@ const _: () = {
             Some(g) => assert!(
                 g > 0
                     && g * s.bits as usize % 8 == 0
-                    && matches!(s.meta_bytes_per_group, 2 | 4)
-                    && s.fp8.is_none(),
-                "a group is whole bytes of codes with an f16 scale (and zero), and no head scale"
+                    && s.meta_bytes_per_row == 0
+                    && match s.meta_bytes_per_group {
+                        // an f16 scale (and zero), and no head scale
+                        2 | 4 => s.head_scale.is_none(),
+                        // an E4M3 scale under FP4's global scale
+                        1 => matches!(s.head_scale, Some(HeadScale::Fp4)),
+                        _ => false,
+                    },
+                "a group is whole bytes of codes with an f16 scale (and zero), or an E4M3 scale \
+                 and a global head scale"
             ),
             None => assert!(
-                s.meta_bytes_per_group == 0,
-                "formats without groups have no metadata"
+                s.meta_bytes_per_group == 0
+                    && matches!(s.meta_bytes_per_row, 0 | 4)
+                    && !(s.meta_bytes_per_row > 0 && s.head_scale.is_some())
+                    && !matches!(s.head_scale, Some(HeadScale::Fp4)),
+                "formats without groups have no metadata but an f32 row scale, or a head scale"
             ),
         }
         i += 1;

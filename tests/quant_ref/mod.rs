@@ -38,6 +38,49 @@ pub struct Expected {
     pub codes: Vec<u8>,
     pub scales: Vec<u8>,
     pub zeros: Option<Vec<u8>>,
+    /// FP4's global scales `g`, one f32 per head.
+    pub global_scales: Option<Vec<u8>>,
+}
+
+/// E2M1 of `y`, transcribed from FORMATS.md's table: nearest grid value, ties to the even
+/// mantissa, saturation above 5; a magnitude-0 result is +0.
+pub fn spec_e2m1(y: f32) -> u8 {
+    let a = y.abs();
+    let bounds = [0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0];
+    // A tie on an even boundary index goes down (to the code with mantissa 0), on an odd one up.
+    let m = bounds
+        .iter()
+        .enumerate()
+        .filter(|&(i, &b)| if i % 2 == 0 { a > b } else { a >= b })
+        .count() as u8;
+    if y < 0.0 && m != 0 { m | 8 } else { m }
+}
+
+/// Value of an E2M1 code's low nibble, from its fields: exp 0 is `mant · 0.5`, else
+/// `(1 + mant / 2) · 2^(exp - 1)`.
+pub fn spec_e2m1_value(code: u8) -> f32 {
+    let (exp, mant) = ((code >> 1) & 3, code & 1);
+    let mag = if exp == 0 {
+        mant as f32 * 0.5
+    } else {
+        (1.0 + mant as f32 / 2.0) * 2f32.powi(exp as i32 - 1)
+    };
+    if code & 8 != 0 { -mag } else { mag }
+}
+
+/// FP4's global scale of each head: `amax / 2688`, 1.0 when that is 0.
+pub fn fp4_globals(clean: &[f32], heads: usize, d: usize) -> Vec<f32> {
+    (0..heads)
+        .map(|h| {
+            let a = clean
+                .chunks(d)
+                .enumerate()
+                .filter(|(r, _)| r % heads == h)
+                .fold(0f32, |m, (_, row)| m.max(amax(row)));
+            let g = a / 2688.0;
+            if g == 0.0 { 1.0 } else { g }
+        })
+        .collect()
 }
 
 fn fp8_kind(format: DenseFormat) -> Fp8Kind {
@@ -110,6 +153,7 @@ pub fn expected(
                 codes,
                 scales: scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
                 zeros: None,
+                global_scales: None,
             }
         }
         DenseFormat::Int4K32 => {
@@ -130,6 +174,7 @@ pub fn expected(
                 codes: pack(&nibbles),
                 scales,
                 zeros: None,
+                global_scales: None,
             }
         }
         DenseFormat::Int4V64 => {
@@ -156,6 +201,7 @@ pub fn expected(
                 codes: pack(&nibbles),
                 scales,
                 zeros: Some(zeros),
+                global_scales: None,
             }
         }
         DenseFormat::Int4Uniform => {
@@ -168,6 +214,50 @@ pub fn expected(
                 codes: pack(&nibbles),
                 scales: s.to_le_bytes().to_vec(),
                 zeros: None,
+                global_scales: None,
+            }
+        }
+        DenseFormat::Int8Pth => {
+            let (mut codes, mut scales) = (Vec::new(), Vec::new());
+            for row in clean.chunks(d) {
+                let s = amax(row) / 127.0;
+                scales.extend(s.to_le_bytes());
+                for &v in row {
+                    let q = if s == 0.0 {
+                        0
+                    } else {
+                        (v / s).round_ties_even().clamp(-127.0, 127.0) as i8
+                    };
+                    codes.push(q as u8);
+                }
+            }
+            Expected {
+                codes,
+                scales,
+                zeros: None,
+                global_scales: None,
+            }
+        }
+        DenseFormat::Fp4E2m1 => {
+            let globals = fp4_globals(&clean, heads, d);
+            let (mut nibbles, mut scales) = (Vec::new(), Vec::new());
+            for (r, row) in clean.chunks(d).enumerate() {
+                let g = globals[r % heads];
+                for grp in row.chunks(16) {
+                    let u = amax(grp) / 6.0 / g;
+                    let sb = Fp8Kind::E4M3.encode(u);
+                    scales.push(sb);
+                    let dd = Fp8Kind::E4M3.decode(sb) * g;
+                    for &v in grp {
+                        nibbles.push(if dd == 0.0 { 0 } else { spec_e2m1(v / dd) });
+                    }
+                }
+            }
+            Expected {
+                codes: pack(&nibbles),
+                scales,
+                zeros: None,
+                global_scales: Some(globals.iter().flat_map(|g| g.to_le_bytes()).collect()),
             }
         }
     }
@@ -179,7 +269,7 @@ pub fn decode(format: DenseFormat, e: &Expected, heads: usize, d: usize) -> Vec<
     let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[2 * i], b[2 * i + 1]]);
     let f32_at = |b: &[u8], i: usize| f32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
     let n = match format {
-        DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 => e.codes.len(),
+        DenseFormat::Fp8E4m3 | DenseFormat::Fp8E5m2 | DenseFormat::Int8Pth => e.codes.len(),
         _ => e.codes.len() * 2,
     };
     (0..n)
@@ -199,6 +289,12 @@ pub fn decode(format: DenseFormat, e: &Expected, heads: usize, d: usize) -> Vec<
             ),
             DenseFormat::Int4Uniform => {
                 int4::dequantize_uniform(int4::signed_nibble(&e.codes, i), f32_at(&e.scales, 0))
+            }
+            DenseFormat::Int8Pth => e.codes[i] as i8 as f32 * f32_at(&e.scales, i / d),
+            DenseFormat::Fp4E2m1 => {
+                let g = f32_at(e.global_scales.as_ref().unwrap(), (i / d) % heads);
+                let sb = Fp8Kind::E4M3.decode(e.scales[i / 16]);
+                spec_e2m1_value(int4::nibble(&e.codes, i)) * sb * g
             }
         })
         .collect()

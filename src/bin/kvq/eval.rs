@@ -180,8 +180,9 @@ impl Storage {
         }
     }
 
-    fn is_fp8(self) -> bool {
-        matches!(self, Storage::Cache(f) | Storage::Hadamard(f) if f.fp8_kind().is_some())
+    /// Whether the storage takes calibrated scales per head or tensor (FP8's `s`, FP4's `g`).
+    fn has_head_scale(self) -> bool {
+        matches!(self, Storage::Cache(f) | Storage::Hadamard(f) if f.has_head_scale())
     }
 }
 
@@ -233,7 +234,7 @@ impl Pair {
 }
 
 /// The pairs in the table, from full precision down.
-const PAIRS: [Pair; 9] = {
+const PAIRS: [Pair; 11] = {
     use KvFormat::*;
     use Scales::{Head, Tensor};
     use Storage::{Cache as C, Uniform as U};
@@ -246,6 +247,8 @@ const PAIRS: [Pair; 9] = {
         Pair::new(C(Int4Sym32), C(Int4Affine64), Tensor),
         Pair::new(C(Int4Sym32), C(Fp8E4m3), Head),
         Pair::new(C(Fp8E4m3), C(Int4Affine64), Head),
+        Pair::new(C(Int8Pth), C(Int8Pth), Tensor),
+        Pair::new(C(Fp4E2m1), C(Fp4E2m1), Head),
         Pair::new(U, U, Tensor),
     ]
 };
@@ -624,9 +627,10 @@ impl Pair {
         (self.k.bytes_per_element() + self.v.bytes_per_element()) / 2.0
     }
 
-    /// Where the FP8 scales come from, when a side is FP8.
+    /// Where the head scales come from, when a side is FP8 or FP4 (whose `g` is always per
+    /// head).
     fn scale_name(&self) -> Option<&'static str> {
-        (self.k.is_fp8() || self.v.is_fp8()).then_some(match self.scales {
+        (self.k.has_head_scale() || self.v.has_head_scale()).then_some(match self.scales {
             Scales::Tensor => "tensor",
             Scales::Head => "head",
             Scales::File => "file",
