@@ -742,7 +742,8 @@ fn copy_lists_apply_in_order_as_on_the_host() {
 }
 
 /// `layers` host caches of `nb` blocks with different random tokens in every slot, and their
-/// device copies on `gpu`.
+/// device copies on `gpu`: layers of one allocation (`DeviceCache::new_layers`, as an engine
+/// sizes its whole cache), each uploaded from its host cache.
 fn random_layers(
     gpu: &Gpu,
     rng: &mut Rng,
@@ -760,10 +761,10 @@ fn random_layers(
             h
         })
         .collect();
-    let devs = hosts
-        .iter()
-        .map(|h| DeviceCache::from_host(gpu, h).unwrap())
-        .collect();
+    let mut devs = DeviceCache::new_layers(gpu, config, nb, layers).unwrap();
+    for (d, h) in devs.iter_mut().zip(&hosts) {
+        d.upload(h).unwrap();
+    }
     (hosts, devs)
 }
 
@@ -860,6 +861,21 @@ fn copy_lists_apply_to_every_layer_at_once() {
     for d in &mut devs {
         assert_eq!(d.check_appends().unwrap(), 0);
     }
+    // A layer outlives the others of its allocation, and a shape mismatch is refused.
+    let last = devs.pop().unwrap();
+    drop(devs);
+    assert!(last.to_host().unwrap().pool() == hosts[4].pool());
+    let other = HostCache::new(*last.config(), nb + 1).unwrap();
+    let mut last = last;
+    assert!(matches!(
+        last.upload(&other),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(
+        DeviceCache::new_layers(&gpu, *last.config(), nb, 0)
+            .unwrap()
+            .is_empty()
+    );
 }
 
 /// `swap_out_all` / `swap_in_all` move a block list of every layer through one swap space

@@ -2,11 +2,13 @@
 //! a [`HostCache`] (both follow [`BlockLayout`]), plus the FP8 per-KV-head scales and the device
 //! counters the append kernels report into.
 
+use std::sync::Arc;
+
 use super::{Gpu, driver_err, owned_ptr, sys};
 use crate::cache::{HostCache, POISON};
 use crate::error::{Error, Result};
 use crate::layout::{BlockLayout, CacheConfig};
-use cudarc::driver::{CudaSlice, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
 
 /// Largest `head_dim` the CUDA kernels serve (a row's lanes fit in one thread block).
 pub const MAX_GPU_HEAD_DIM: usize = 2048;
@@ -25,6 +27,22 @@ pub struct AppendCounters {
     pub out_of_range: u64,
 }
 
+/// Where a layer's pool lives: an allocation of its own, or a range of one allocation that
+/// several layers share ([`DeviceCache::new_layers`]; the allocation is freed with its last
+/// layer). Each layer alone reads and writes its range.
+#[derive(Debug)]
+enum PoolMemory {
+    Own(CudaSlice<u8>),
+    Shared {
+        memory: Arc<CudaSlice<u8>>,
+        offset: usize,
+        len: usize,
+    },
+}
+
+/// Alignment of each layer's range in a shared allocation (the kernels need 16 bytes).
+const LAYER_ALIGN: usize = 256;
+
 /// Quantized K/V storage of one layer in device memory.
 #[derive(Debug)]
 pub struct DeviceCache {
@@ -32,7 +50,7 @@ pub struct DeviceCache {
     layout: BlockLayout,
     raw_layout: sys::kvq_layout,
     num_blocks: usize,
-    pool: CudaSlice<u8>,
+    pool: PoolMemory,
     k_scales: CudaSlice<f32>,
     v_scales: CudaSlice<f32>,
     host_k_scales: Vec<f32>,
@@ -96,49 +114,58 @@ impl DeviceCache {
     /// An all-[`POISON`] pool of `num_blocks` blocks for `config` on `gpu`, FP8 scales 1.0,
     /// exactly what [`HostCache::new`] builds on the host.
     pub fn new(gpu: &Gpu, config: CacheConfig, num_blocks: usize) -> Result<Self> {
-        config.validate()?;
-        if config.head_dim > MAX_GPU_HEAD_DIM {
-            return Err(Error::Unsupported(format!(
-                "head_dim {} on the GPU (at most {MAX_GPU_HEAD_DIM})",
-                config.head_dim
-            )));
-        }
-        if num_blocks == 0 || num_blocks > i32::MAX as usize {
-            return Err(Error::Config {
-                what: "num_blocks",
-                value: num_blocks,
-                expected: "1..=i32::MAX",
-            });
-        }
-        // The kernels count slots (and rows) in 31 bits.
-        let slots = num_blocks.saturating_mul(config.block_size);
-        if slots > MAX_GPU_SLOTS {
-            return Err(Error::Unsupported(format!(
-                "{slots} slots in one GPU pool (at most {MAX_GPU_SLOTS})"
-            )));
-        }
-        let layout = config.layout();
-        let raw_layout = raw_layout(&layout)?;
-        let bytes = layout
-            .block_stride
-            .checked_mul(num_blocks)
-            .filter(|&b| b <= isize::MAX as usize)
+        let (layout, bytes) = pool_bytes(config, num_blocks)?;
+        let pool = poisoned(gpu, bytes, "allocating the pool")?;
+        Self::with_pool(gpu, layout, num_blocks, PoolMemory::Own(pool))
+    }
+
+    /// `layers` caches as [`new`](Self::new) builds them, whose pools are ranges of one device
+    /// allocation (each 256-byte aligned): one `cuMemAlloc` for a model's whole KV cache, as
+    /// engines that size it once at start-up ask. Each cache is used and dropped on its own;
+    /// the allocation is freed when the last of them is.
+    pub fn new_layers(
+        gpu: &Gpu,
+        config: CacheConfig,
+        num_blocks: usize,
+        layers: usize,
+    ) -> Result<Vec<Self>> {
+        let (layout, bytes) = pool_bytes(config, num_blocks)?;
+        let stride = bytes.next_multiple_of(LAYER_ALIGN);
+        let total = stride
+            .checked_mul(layers)
+            .filter(|&t| t <= isize::MAX as usize)
             .ok_or(Error::Config {
-                what: "num_blocks",
-                value: num_blocks,
-                expected: "a pool size that fits in memory",
+                what: "layers",
+                value: layers,
+                expected: "pools whose total size fits in memory",
             })?;
-        gpu.bind()?;
-        let s = gpu.stream();
-        // SAFETY: filled with POISON right below, before anything can read it.
-        let mut pool =
-            unsafe { s.alloc::<u8>(bytes) }.map_err(driver_err("allocating the pool"))?;
-        {
-            let (ptr, _guard) = pool.device_ptr_mut(s);
-            // SAFETY: `ptr` is a live allocation of `bytes` bytes on this stream.
-            unsafe { cudarc::driver::result::memset_d8_async(ptr, POISON, bytes, s.cu_stream()) }
-                .map_err(driver_err("filling the pool"))?;
+        if layers == 0 {
+            return Ok(Vec::new());
         }
+        let memory = Arc::new(poisoned(gpu, total, "allocating the layers' pools")?);
+        (0..layers)
+            .map(|l| {
+                let pool = PoolMemory::Shared {
+                    memory: memory.clone(),
+                    offset: l * stride,
+                    len: bytes,
+                };
+                Self::with_pool(gpu, layout, num_blocks, pool)
+            })
+            .collect()
+    }
+
+    /// The cache around `pool` (POISON-filled, `layout.block_stride * num_blocks` bytes): FP8
+    /// scales 1.0, counters zero.
+    fn with_pool(
+        gpu: &Gpu,
+        layout: BlockLayout,
+        num_blocks: usize,
+        pool: PoolMemory,
+    ) -> Result<Self> {
+        let config = layout.config;
+        let raw_layout = raw_layout(&layout)?;
+        let s = gpu.stream();
         let ones = vec![1.0f32; config.num_kv_heads];
         let k_scales = s
             .clone_htod(&ones)
@@ -149,8 +176,12 @@ impl DeviceCache {
         let counters = s
             .alloc_zeros::<u64>(sys::KVQ_NUM_COUNTERS)
             .map_err(driver_err("allocating counters"))?;
+        let pool_ptr = match &pool {
+            PoolMemory::Own(p) => owned_ptr(p),
+            PoolMemory::Shared { memory, offset, .. } => owned_ptr(memory) + *offset as u64,
+        };
         let ptrs = [
-            owned_ptr(&pool),
+            pool_ptr,
             owned_ptr(&k_scales),
             owned_ptr(&v_scales),
             owned_ptr(&counters),
@@ -174,19 +205,92 @@ impl DeviceCache {
     /// A device copy of `host`: pool bytes and FP8 scales.
     pub fn from_host(gpu: &Gpu, host: &HostCache) -> Result<Self> {
         let mut d = DeviceCache::new(gpu, *host.config(), host.num_blocks())?;
-        gpu.stream()
-            .memcpy_htod(host.pool(), &mut d.pool)
-            .map_err(driver_err("uploading the pool"))?;
-        d.set_scales(host.k_scales(), host.v_scales())?;
+        d.upload(host)?;
         Ok(d)
     }
 
+    /// Overwrite this cache with `host`'s pool bytes and FP8 scales (same configuration and
+    /// block count), e.g. to restore a saved cache into a layer of [`new_layers`](Self::new_layers).
+    pub fn upload(&mut self, host: &HostCache) -> Result<()> {
+        if host.config() != self.config() || host.num_blocks() != self.num_blocks {
+            return Err(Error::InvalidArgument(format!(
+                "a host cache of {} blocks of {:?} into a device cache of {} blocks of {:?}",
+                host.num_blocks(),
+                host.config(),
+                self.num_blocks,
+                self.config()
+            )));
+        }
+        self.gpu.bind()?;
+        let s = self.gpu.stream();
+        let src = host.pool();
+        // SAFETY: ptrs[0] is this cache's pool, `src.len()` bytes (same layout and block count),
+        // written by no one else (a shared allocation gives each layer its own range); the copy
+        // is queued on the pool's stream, and returns once the pageable `src` is staged.
+        unsafe { cudarc::driver::result::memcpy_htod_async(self.ptrs[0], src, s.cu_stream()) }
+            .map_err(driver_err("uploading the pool"))?;
+        self.set_scales(host.k_scales(), host.v_scales())
+    }
+}
+
+/// The layout of a pool of `num_blocks` blocks of `config` on the GPU and its size in bytes.
+fn pool_bytes(config: CacheConfig, num_blocks: usize) -> Result<(BlockLayout, usize)> {
+    config.validate()?;
+    if config.head_dim > MAX_GPU_HEAD_DIM {
+        return Err(Error::Unsupported(format!(
+            "head_dim {} on the GPU (at most {MAX_GPU_HEAD_DIM})",
+            config.head_dim
+        )));
+    }
+    if num_blocks == 0 || num_blocks > i32::MAX as usize {
+        return Err(Error::Config {
+            what: "num_blocks",
+            value: num_blocks,
+            expected: "1..=i32::MAX",
+        });
+    }
+    // The kernels count slots (and rows) in 31 bits.
+    let slots = num_blocks.saturating_mul(config.block_size);
+    if slots > MAX_GPU_SLOTS {
+        return Err(Error::Unsupported(format!(
+            "{slots} slots in one GPU pool (at most {MAX_GPU_SLOTS})"
+        )));
+    }
+    let layout = config.layout();
+    let bytes = layout
+        .block_stride
+        .checked_mul(num_blocks)
+        .filter(|&b| b <= isize::MAX as usize)
+        .ok_or(Error::Config {
+            what: "num_blocks",
+            value: num_blocks,
+            expected: "a pool size that fits in memory",
+        })?;
+    Ok((layout, bytes))
+}
+
+/// `bytes` of device memory on `gpu`'s stream, filled with [`POISON`].
+fn poisoned(gpu: &Gpu, bytes: usize, what: &'static str) -> Result<CudaSlice<u8>> {
+    gpu.bind()?;
+    let s = gpu.stream();
+    // SAFETY: filled with POISON right below, before anything can read it.
+    let mut pool = unsafe { s.alloc::<u8>(bytes) }.map_err(driver_err(what))?;
+    {
+        let (ptr, _guard) = pool.device_ptr_mut(s);
+        // SAFETY: `ptr` is a live allocation of `bytes` bytes on this stream.
+        unsafe { cudarc::driver::result::memset_d8_async(ptr, POISON, bytes, s.cu_stream()) }
+            .map_err(driver_err("filling the pool"))?;
+    }
+    Ok(pool)
+}
+
+impl DeviceCache {
     /// Copy the cache back to the host (waits for queued work): for tests and inspection.
     pub fn to_host(&self) -> Result<HostCache> {
         let mut h = HostCache::new(*self.config(), self.num_blocks)?;
         self.gpu
             .stream()
-            .memcpy_dtoh(&self.pool, h.pool_mut())
+            .memcpy_dtoh(&self.pool(), h.pool_mut())
             .map_err(driver_err("downloading the pool"))?;
         self.gpu.synchronize()?;
         h.set_scales(&self.host_k_scales, &self.host_v_scales)?;
@@ -242,9 +346,17 @@ impl DeviceCache {
         &self.host_v_scales
     }
 
-    /// The pool in device memory.
-    pub fn pool(&self) -> &CudaSlice<u8> {
-        &self.pool
+    /// The pool in device memory (its range of a shared allocation for
+    /// [`new_layers`](Self::new_layers)' caches).
+    pub fn pool(&self) -> CudaView<'_, u8> {
+        match &self.pool {
+            PoolMemory::Own(p) => p.as_view(),
+            PoolMemory::Shared {
+                memory,
+                offset,
+                len,
+            } => memory.slice(*offset..*offset + *len),
+        }
     }
 
     /// The C view of this cache for the launchers in [`sys`].
