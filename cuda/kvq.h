@@ -297,7 +297,9 @@ int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim, i
  *               strides that are multiples of 8
  *   lse         f32 [total_tokens, num_q_heads] at lse strides, natural log of the softmax
  *               denominator (sink included); may be null
- *   qo_indptr   [batch + 1] int32, non-decreasing from 0, qo_indptr[batch] <= max_tokens
+ *   qo_indptr   [batch + 1] int32, non-decreasing, qo_indptr[batch] <= max_tokens; the rows of
+ *               q / out / lse are tokens qo_indptr[0] .. qo_indptr[batch] (qo_indptr[0] is 0
+ *               unless the launch serves the tail of a batch whose first rows went elsewhere)
  *   sinks       [num_q_heads] f32 or null: a logit per head that joins every row's softmax
  *               denominator only (gpt-oss); not scaled, not capped
  *   logits      softmax_scale * q.k, then logits_soft_cap * tanh(logits / logits_soft_cap)

@@ -154,14 +154,16 @@ bool wide_tiles(const Params &p) {
 
 constexpr int kMergeWarps = 8;
 
-/// Merge the splits' partials of every row of the step (warp per row) and apply the sinks.
+/// Merge the splits' partials of every row of the launch's tokens (qo_indptr[0] up to
+/// qo_indptr[batch]; warp per row) and apply the sinks.
 template <int D>
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits(const Params p) {
-  const int64_t total =
-      (int64_t)min(max(p.qo_indptr[p.batch], 0), p.max_tokens) * p.num_q_heads;
-  const int64_t row = (int64_t)blockIdx.x * kMergeWarps + threadIdx.x / 32;
+  auto rows_before = [&](int b) {
+    return (int64_t)min(max(p.qo_indptr[b], 0), p.max_tokens) * p.num_q_heads;
+  };
+  const int64_t row = rows_before(0) + (int64_t)blockIdx.x * kMergeWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  if (row >= total) return;
+  if (row >= rows_before(p.batch)) return;
   const int h = (int)(row % p.num_q_heads);
   const int64_t tok = row / p.num_q_heads;
   float M = p.sinks != nullptr ? p.sinks[h] : -INFINITY;

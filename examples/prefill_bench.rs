@@ -23,10 +23,19 @@ const Q_HEADS: usize = 32;
 const D: usize = 128;
 const BLOCK: usize = 16;
 
-/// A step: per sequence (new tokens, context).
+/// A step: per sequence (new tokens, context); `route`: its leading one-token rows through
+/// the decode kernel (`PrefillPlan::with_decode_rows`).
 struct Shape {
     name: &'static str,
     seqs: Vec<(usize, usize)>,
+    route: bool,
+}
+
+/// A mixed step: 63 decode rows after 16k tokens, then a 1k-token chunk after 3k.
+fn mixed() -> Vec<(usize, usize)> {
+    let mut seqs = vec![(1, 16384); 63];
+    seqs.push((1024, 4096));
+    seqs
 }
 
 fn shapes() -> Vec<Shape> {
@@ -34,26 +43,42 @@ fn shapes() -> Vec<Shape> {
         Shape {
             name: "prompt 4k, B=1",
             seqs: vec![(4096, 4096)],
+            route: false,
         },
         Shape {
             name: "prompt 4k, B=4",
             seqs: vec![(4096, 4096); 4],
+            route: false,
         },
         Shape {
             name: "2k chunk after 30k, B=1",
             seqs: vec![(2048, 32768)],
+            route: false,
         },
         Shape {
             name: "extend 16 after 16k, B=32",
             seqs: vec![(16, 16384); 32],
+            route: false,
         },
         Shape {
             name: "extend 64 after 16k, B=8",
             seqs: vec![(64, 16384); 8],
+            route: false,
         },
         Shape {
             name: "extend 16 after 128k, B=1",
             seqs: vec![(16, 131072)],
+            route: false,
+        },
+        Shape {
+            name: "mixed: 63 decodes after 16k + 1k chunk",
+            seqs: mixed(),
+            route: false,
+        },
+        Shape {
+            name: "mixed, decode rows routed",
+            seqs: mixed(),
+            route: true,
         },
     ]
 }
@@ -141,6 +166,13 @@ fn measure(
         Q_HEADS,
         max_len,
     )?;
+    let plan = if shape.route {
+        let decode =
+            kvq::cuda::DecodePlan::new(gpu, cache.layout(), shape.seqs.len(), Q_HEADS, 1, max_len)?;
+        plan.with_decode_rows(decode)?
+    } else {
+        plan
+    };
     let mut ws = PrefillWorkspace::new(&plan)?;
     let q: Vec<half::bf16> = (0..total * Q_HEADS * D)
         .map(|_| half::bf16::from_f32(rnd() * 0.25))

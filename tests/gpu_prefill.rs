@@ -100,6 +100,8 @@ struct Case {
     splits: Option<usize>,
     /// Extra elements between tokens of q (a fused-QKV view) and an f32 output.
     strided: bool,
+    /// Leading one-token rows through the decode kernel (`with_decode_rows`).
+    route: bool,
 }
 
 impl Case {
@@ -118,11 +120,12 @@ impl Case {
             sinks: false,
             splits: None,
             strided: false,
+            route: false,
         }
     }
     fn name(&self) -> String {
         format!(
-            "{}/{} d{} bs{} kv{} G{} {} seqs{:?} window{:?} cap{:?} sinks{} splits{:?}{}",
+            "{}/{} d{} bs{} kv{} G{} {} seqs{:?} window{:?} cap{:?} sinks{} splits{:?}{}{}",
             self.k,
             self.v,
             self.head_dim,
@@ -135,7 +138,8 @@ impl Case {
             self.cap,
             self.sinks,
             self.splits,
-            if self.strided { " strided/f32" } else { "" }
+            if self.strided { " strided/f32" } else { "" },
+            if self.route { " routed" } else { "" }
         )
     }
 }
@@ -239,6 +243,14 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     .with_logits_soft_cap(case.cap)
     .expect("cap")
     .with_num_splits(case.splits);
+    let plan = if case.route {
+        let decode =
+            kvq::cuda::DecodePlan::new(gpu, dcache.layout(), case.seqs.len(), heads, 1, max_len)
+                .unwrap_or_else(|e| panic!("{name}: decode plan: {e}"));
+        plan.with_decode_rows(decode).expect("routing")
+    } else {
+        plan
+    };
     let mut ws = PrefillWorkspace::new(&plan).expect("workspace");
     let s = gpu.stream();
     // A strided view: each token's q rows sit inside a wider row (as in a fused QKV buffer).
@@ -472,6 +484,48 @@ fn windows_caps_sinks_and_splits() {
         vec![(32, 20_000)],
     );
     check(&gpu, &mut rng, &c);
+}
+
+/// Decode rows batched first go to the decode kernel, the rest of the step to the prefill
+/// kernel, in one call: every format pair the decode kernel serves, with and without split
+/// prefill partials, f16 / bf16 queries, strided views; a step of decode rows only, and one
+/// whose decode rows are not first (all of it through the prefill kernel).
+#[test]
+fn decode_rows_routed_to_the_decode_kernel() {
+    let Some(gpu) = require_gpu_or_skip("decode_rows_routed_to_the_decode_kernel") else {
+        return;
+    };
+    let mut rng = rng("decode_rows_routed_to_the_decode_kernel");
+    let seqs = vec![(1, 77), (1, 300), (1, 1), (40, 40), (0, 0), (25, 600)];
+    for (k, v, q_bf16) in pairs(128) {
+        if !kvq::cuda::decode::kernel_available_for(k, v, 128) {
+            continue;
+        }
+        let mut c = Case::new(k, v, 128, seqs.clone());
+        c.q_bf16 = q_bf16;
+        c.route = true;
+        check(&gpu, &mut rng, &c);
+    }
+    for (k, v) in [
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+    ] {
+        let mut c = Case::new(k, v, 128, seqs.clone());
+        c.route = true;
+        c.splits = Some(3);
+        check(&gpu, &mut rng, &c);
+        c.strided = true;
+        check(&gpu, &mut rng, &c);
+        c.splits = None;
+        c.strided = false;
+        c.seqs = vec![(1, 90), (1, 2000), (1, 5)];
+        check(&gpu, &mut rng, &c);
+        c.seqs = vec![(30, 30), (1, 90), (1, 200)];
+        check(&gpu, &mut rng, &c);
+        c.seqs = seqs.clone();
+        c.window = Some(20);
+        check(&gpu, &mut rng, &c);
+    }
 }
 
 #[test]

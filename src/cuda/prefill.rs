@@ -22,6 +22,7 @@
 //! the keys that run side by side and are merged by a second kernel; [`merge_states`] is the
 //! same merge for an engine's own partial attentions (cascade / shared-prefix attention).
 
+use super::decode::{DecodePlan, DecodeWorkspace, RawDecodeArgs, RowStrides};
 use super::device::{DeviceCache, raw_layout};
 use super::ops::{DeviceElement, Dtype, need_len, to_i32};
 use super::tables::DeviceBlockTables;
@@ -157,6 +158,8 @@ pub struct PrefillPlan {
     split_budget: usize,
     forced_splits: Option<usize>,
     graph_grid: bool,
+    /// The decode plan a step's leading one-token rows are routed to (`with_decode_rows`).
+    decode_rows: Option<DecodePlan>,
 }
 
 impl PrefillPlan {
@@ -218,6 +221,7 @@ impl PrefillPlan {
             split_budget: DEFAULT_SPLIT_BUDGET,
             forced_splits: None,
             graph_grid: false,
+            decode_rows: None,
         })
     }
 
@@ -229,6 +233,43 @@ impl PrefillPlan {
             )));
         }
         self.softmax_scale = softmax_scale;
+        if let Some(d) = self.decode_rows.take() {
+            self.decode_rows = Some(d.with_softmax_scale(softmax_scale)?);
+        }
+        Ok(self)
+    }
+
+    /// Route each step's decode rows to the decode kernel: the leading run of sequences with
+    /// one new token (engines batch their decodes first) goes to `decode`'s kernel, the rest to
+    /// the prefill kernel, in two launches on the stream of one call, with the same tables. The
+    /// decode kernel reads a quantized cache at its full bandwidth, where the prefill kernel
+    /// pads one-token rows to its tile. Rows are served by the prefill kernel alone when a step
+    /// has a window, a soft cap or sinks (the decode kernel has none of them) and under
+    /// [`with_graph_grid`](Self::with_graph_grid) (the cut is made on the host per step).
+    ///
+    /// `decode` must be for this plan's GPU, layout and query heads, with at least this plan's
+    /// batch and context capacity; it takes this plan's softmax scale. Errors:
+    /// [`Error::InvalidArgument`] otherwise.
+    pub fn with_decode_rows(mut self, decode: DecodePlan) -> Result<Self> {
+        let why = if decode.gpu().context() != self.gpu.context() {
+            Some("another GPU")
+        } else if decode.layout() != &self.layout {
+            Some("another layout")
+        } else if decode.num_q_heads() != self.num_q_heads {
+            Some("another number of query heads")
+        } else if decode.batch() < self.max_batch {
+            Some("a smaller batch")
+        } else if decode.max_context_len() < self.max_context_len {
+            Some("a shorter max_context_len")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(Error::InvalidArgument(format!(
+                "the decode plan for routed rows is for {why} than the prefill plan"
+            )));
+        }
+        self.decode_rows = Some(decode.with_softmax_scale(self.softmax_scale)?);
         Ok(self)
     }
 
@@ -370,6 +411,25 @@ impl PrefillPlan {
         }
         let (heads, d) = (self.num_q_heads, c.head_dim);
         let group = heads / c.num_kv_heads;
+        // Decode rows routed to the decode kernel: the leading one-token sequences.
+        let route = match (&self.decode_rows, &ws.decode) {
+            (Some(plan), Some(dws))
+                if !self.graph_grid
+                    && self.window_left.is_none()
+                    && self.soft_cap.is_none()
+                    && step.sinks.is_none() =>
+            {
+                Some((plan, dws.device_ptrs()))
+            }
+            _ => None,
+        };
+        let lead = match route {
+            Some(_) => qo
+                .windows(2)
+                .take_while(|w| w[1].checked_sub(w[0]) == Some(1))
+                .count(),
+            None => 0,
+        };
         let (mut tiles, mut max_len) = (0usize, 0usize);
         for b in 0..batch {
             if qo[b + 1] < qo[b] {
@@ -392,7 +452,7 @@ impl PrefillPlan {
                     self.max_context_len
                 )));
             }
-            if n > 0 {
+            if n > 0 && b >= lead {
                 tiles += (n * group).div_ceil(TILE_ROWS);
                 max_len = max_len.max(len);
             }
@@ -436,6 +496,9 @@ impl PrefillPlan {
             need_len("sinks ([num_q_heads])", heads, s.len())?;
         }
         ws.check(self)?;
+        if let (Some((plan, _)), Some(dws)) = (route, &ws.decode) {
+            dws.check(plan)?;
+        }
         for g in [cache.gpu(), tables.gpu(), ws.gpu()] {
             if g.context() != self.gpu.context() {
                 return Err(Error::InvalidArgument(format!(
@@ -495,9 +558,49 @@ impl PrefillPlan {
                     }
                     None => (0, None),
                 };
+                if let Some((plan, dws)) = route.filter(|_| lead > 0) {
+                    // Sequence b < lead is token b: rows b of the token-major views.
+                    let rows = |r: TokenRows| RowStrides {
+                        seq: r.token,
+                        token: r.token,
+                        head: r.head,
+                    };
+                    let args = RawDecodeArgs {
+                        cache: cache.as_raw(),
+                        num_blocks: cache.num_blocks(),
+                        batch: lead,
+                        q_len: 1,
+                        q: q_p,
+                        q_dtype: Q::DTYPE,
+                        q_rows: rows(q_rows),
+                        out: o_p,
+                        out_dtype: O::DTYPE,
+                        out_rows: rows(out_rows),
+                        lse: lse_p,
+                        lse_rows: rows(lse_rows),
+                        block_tables,
+                        max_blocks: tables.max_blocks(),
+                        context_lens: ctx_lens,
+                        workspace_o: dws[0],
+                        workspace_lse: dws[1],
+                        workspace_counters: dws[2],
+                        counters: cache.counters_ptr() as CUdeviceptr,
+                    };
+                    // SAFETY: rows 0..lead of the checked tables (each context holds its one
+                    // new token and fits both plans: with_decode_rows), q / out / lse rows of
+                    // tokens 0..lead (checked above for every token), the decode plan's own
+                    // workspace (checked), all on this stream.
+                    unsafe { plan.decode_raw(&args, s.cu_stream()) }?;
+                }
+                if lead == batch || tiles == 0 {
+                    return Ok(());
+                }
                 let (q_tok, q_head) = q_rows.raw()?;
                 let (o_tok, o_head) = out_rows.raw()?;
                 let (l_tok, l_head) = lse_rows.raw()?;
+                // The prefill kernel serves sequences lead..batch: their rows of the tables and
+                // of qo_indptr (whose offsets still count tokens from the batch's first).
+                let i32_at = |p: CUdeviceptr, i: usize| (p + 4 * i as CUdeviceptr) as *const i32;
                 let a = sys::kvq_prefill_args {
                     cache: cache.as_raw(),
                     num_blocks: i64::try_from(cache.num_blocks())
@@ -511,16 +614,16 @@ impl PrefillPlan {
                     out_head_stride: o_head,
                     lse_token_stride: l_tok,
                     lse_head_stride: l_head,
-                    qo_indptr: qo_p as *const i32,
-                    block_tables: block_tables as *const i32,
-                    context_lens: ctx_lens as *const i32,
+                    qo_indptr: i32_at(qo_p, lead),
+                    block_tables: i32_at(block_tables, lead * tables.max_blocks()),
+                    context_lens: i32_at(ctx_lens, lead),
                     sinks: sink_p as *const f32,
                     ws_o: ws.ptrs[0] as *mut f32,
                     ws_lse: ws.ptrs[1] as *mut f32,
                     counters: cache.counters_ptr(),
                     q_dtype: Q::DTYPE.raw(),
                     out_dtype: O::DTYPE.raw(),
-                    batch: to_i32("batch", batch)?,
+                    batch: to_i32("batch", batch - lead)?,
                     num_q_heads: to_i32("num_q_heads", heads)?,
                     max_blocks: to_i32("max_blocks", tables.max_blocks())?,
                     max_tokens: to_i32("max_tokens", launch_tokens)?,
@@ -552,6 +655,8 @@ pub struct PrefillWorkspace {
     _buffers: (CudaSlice<f32>, CudaSlice<f32>),
     ptrs: [CUdeviceptr; 2],
     elems: (usize, usize),
+    /// The workspace of the plan's routed decode rows (`with_decode_rows`).
+    decode: Option<DecodeWorkspace>,
 }
 
 impl PrefillWorkspace {
@@ -568,11 +673,17 @@ impl PrefillWorkspace {
         let lse = unsafe { s.alloc::<f32>(elems.1.max(1)) }
             .map_err(driver_err("allocating the prefill workspace"))?;
         let ptrs = [owned_ptr(&o), owned_ptr(&lse)];
+        let decode = plan
+            .decode_rows
+            .as_ref()
+            .map(DecodeWorkspace::new)
+            .transpose()?;
         Ok(PrefillWorkspace {
             gpu,
             _buffers: (o, lse),
             ptrs,
             elems,
+            decode,
         })
     }
 
@@ -582,7 +693,10 @@ impl PrefillWorkspace {
 
     fn check(&self, plan: &PrefillPlan) -> Result<()> {
         let want = plan.workspace_elems();
-        if self.elems.0 < want.0 || self.elems.1 < want.1 {
+        if self.elems.0 < want.0
+            || self.elems.1 < want.1
+            || (plan.decode_rows.is_some() && self.decode.is_none())
+        {
             return Err(Error::InvalidArgument(
                 "the prefill workspace is smaller than the plan needs (make it from this plan)"
                     .into(),

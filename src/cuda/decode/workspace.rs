@@ -55,7 +55,12 @@ impl DecodeWorkspace {
         self.elems
     }
 
-    pub(super) fn check(&self, plan: &DecodePlan) -> Result<()> {
+    /// Device addresses of the partial outputs, partial lse and split counters.
+    pub(crate) fn device_ptrs(&self) -> [CUdeviceptr; 3] {
+        self.ptrs
+    }
+
+    pub(crate) fn check(&self, plan: &DecodePlan) -> Result<()> {
         let need = plan.workspace_elems();
         if self.elems.0 < need.0 || self.elems.1 < need.1 || self.elems.2 < need.2 {
             return Err(Error::Length {
