@@ -107,6 +107,14 @@ struct Extremes {
   float lo, hi;
 };
 
+// The extremes of a symmetric code: the largest |x| of a thread's N values in hi (lo 0).
+template <int N> __device__ __forceinline__ Extremes abs_max_extremes(const float (&v)[N]) {
+  Extremes ex = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < N; ++i) ex.hi = fmaxf(ex.hi, fabsf(v[i]));
+  return ex;
+}
+
 // The row role of the formats without groups (16-bit, FP8): no metadata in the rows, no extremes
 // to find; EPT elements a thread, one 16-byte vector of BITS-bit codes.
 template <int EPT, int BITS> struct UngroupedRows {

@@ -28,10 +28,7 @@ template <> struct Codec<kInt8Pth> {
   // ---- row role ----
 
   static __device__ __forceinline__ Extremes extremes(const float (&v)[kEpt]) {
-    Extremes ex = {0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < kEpt; ++i) ex.hi = fmaxf(ex.hi, fabsf(v[i]));
-    return ex;
+    return abs_max_extremes(v);
   }
   static __device__ __forceinline__ Extremes group_extremes(const Extremes &own) { return own; }
 

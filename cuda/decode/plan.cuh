@@ -51,14 +51,6 @@ __device__ __forceinline__ float load_elem(const void *p, int64_t i, bool bf16) 
   return bf16 ? __bfloat162float(reinterpret_cast<const __nv_bfloat16 *>(p)[i])
               : __half2float(reinterpret_cast<const __half *>(p)[i]);
 }
-__device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t dtype) {
-  if (dtype == KVQ_DTYPE_BF16)
-    reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
-  else if (dtype == KVQ_DTYPE_F16)
-    reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
-  else
-    reinterpret_cast<float *>(p)[i] = x;
-}
 
 /// Offset (elements) of query row `b, h, i` in a tensor whose rows are at `r` (kvq_rows).
 __device__ __forceinline__ int64_t row_at(const kvq_rows &r, int b, int h, int i) {

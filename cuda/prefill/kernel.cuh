@@ -153,15 +153,6 @@ template <int D, int R> __host__ __device__ inline Layout smem_layout(const Side
   return l;
 }
 
-__device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t dtype) {
-  if (dtype == KVQ_DTYPE_BF16)
-    reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
-  else if (dtype == KVQ_DTYPE_F16)
-    reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
-  else
-    reinterpret_cast<float *>(p)[i] = x;
-}
-
 /// x rounded to the operand type's bits; f16 saturates (a decoded INT4 value can round past
 /// 65504, and f16 inputs never exceed it).
 template <bool BF16> __device__ __forceinline__ uint16_t operand_bits(float x) {

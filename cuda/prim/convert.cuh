@@ -7,6 +7,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "kvq.h"
+
 namespace kvq {
 
 // Exact widening of the accepted input element types.
@@ -35,6 +37,17 @@ __device__ __forceinline__ uint16_t bf16_bits(float x) {
 }
 __device__ __forceinline__ float bf16_from_bits(uint16_t b) {
   return __bfloat162float(__ushort_as_bfloat16(b));
+}
+
+// Element i of an output of run-time type `dtype` (KVQ_DTYPE_BF16, _F16, else f32) set to x,
+// rounded to nearest even.
+__device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t dtype) {
+  if (dtype == KVQ_DTYPE_BF16)
+    reinterpret_cast<__nv_bfloat16 *>(p)[i] = __float2bfloat16_rn(x);
+  else if (dtype == KVQ_DTYPE_F16)
+    reinterpret_cast<__half *>(p)[i] = __float2half_rn(x);
+  else
+    reinterpret_cast<float *>(p)[i] = x;
 }
 
 }  // namespace kvq
