@@ -20,10 +20,20 @@
 //! `fp4-e2m1` has a fourth part, `global_scales`: F32 `[heads]`, the global scale `g` of each
 //! head, always calibrated from the tensor (`amax / 2688`, FORMATS.md).
 //!
+//! `int4-kc` (per-channel INT4 keys, [`int4_kc`]) is not a [`DenseFormat`]: its groups run along
+//! tokens, across rows, so the row encoders (and the GPU dense kernels that mirror them) do not
+//! apply. [`quantize_int4_kc`] writes it in FORMATS.md's layout, the tensor read as
+//! `[T, heads, head_dim]` (T the product of the axes before the head axis) and G = 32:
+//!
+//! | format | `codes` (U8) | `scales` | `zeros` |
+//! |---|---|---|---|
+//! | `int4-kc` | `[..., head_dim / 2]` | F16 `[ceil(T / 32), heads, head_dim]` | F16, as `scales` |
+//!
 //! INT4 and FP4 codes are packed two per byte, element `2i` in the low nibble. All multi-byte
 //! values are little-endian.
 
 use crate::error::{Error, Result, filled};
+use crate::format::int4_kc::{self, Int4KcTensor, KcShape};
 use crate::format::{
     Element, Fp8Kind, HeadScale, KvFormat, SPECS, fp4, head_amax, int4, int8, sanitize,
     sanitized_amax,
@@ -843,9 +853,166 @@ pub fn dequantize(q: &QuantizedTensor) -> Vec<f32> {
     out
 }
 
+/// A dense tensor in per-channel INT4 keys (`int4-kc`, G = 32), laid out as the module
+/// documentation's second table says. Its parts are always consistent with each other.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantizedChannels {
+    shape: Vec<usize>,
+    tensor: Int4KcTensor,
+}
+
+/// The `[T, heads, head_dim]` reading of a dense shape `[..., heads, head_dim]` (T = 1 for a
+/// rank below 3), with the dense file's group size.
+fn kc_shape(shape: &[usize]) -> Result<KcShape> {
+    let Some((&head_dim, prefix)) = shape.split_last() else {
+        return Err(Error::InvalidArgument(
+            "a tensor to quantize needs at least one axis (head_dim)".into(),
+        ));
+    };
+    element_count(shape)?;
+    let (heads, tokens) = match prefix.split_last() {
+        Some((&heads, before)) => (heads, before.iter().product()),
+        None => (1, 1),
+    };
+    KcShape::new(tokens, heads, head_dim, int4_kc::DENSE_GROUP)
+}
+
+/// Quantize a dense tensor of `shape` (`[..., heads, head_dim]`, row-major, head_dim even)
+/// held in `data` to `int4-kc` (FORMATS.md's dense file: G = 32, a last group of `T mod 32`
+/// tokens quantized over those). Inputs are sanitized and counted as [`quantize`] does.
+/// Errors: `data.len()` not matching `shape`, an odd or zero `head_dim`.
+pub fn quantize_int4_kc<T: Element>(data: &[T], shape: &[usize]) -> Result<QuantizedChannels> {
+    let kc = kc_shape(shape)?;
+    Ok(QuantizedChannels {
+        shape: shape.to_vec(),
+        tensor: int4_kc::quantize(data, kc, int4_kc::Mode::Dense)?,
+    })
+}
+
+impl QuantizedChannels {
+    /// Reassemble a tensor from its stored parts (e.g. read back from a file): U8 codes
+    /// `[..., head_dim / 2]`, F16 scales and zeros `[ceil(T / 32), heads, head_dim]`, checked
+    /// as [`Int4KcTensor::from_parts`] checks them (scales 0 or positive and finite, zeros
+    /// finite).
+    pub fn from_parts(
+        codes: StoredTensor,
+        scales: StoredTensor,
+        zeros: StoredTensor,
+    ) -> Result<Self> {
+        let bad = |msg: String| Error::InvalidArgument(format!("{} tensor: {msg}", int4_kc::NAME));
+        if codes.dtype != StoredDtype::U8 {
+            return Err(bad(format!("codes must be U8, not {:?}", codes.dtype)));
+        }
+        let Some((&code_dim, prefix)) = codes.shape.split_last() else {
+            return Err(bad("codes have no axes".into()));
+        };
+        let head_dim = code_dim.checked_mul(2).ok_or(Error::Overflow {
+            what: "head_dim of the codes (last axis × 2)",
+            lhs: code_dim,
+            rhs: 2,
+        })?;
+        let mut shape = prefix.to_vec();
+        shape.push(head_dim);
+        let kc = kc_shape(&shape)?;
+        let meta_shape = vec![kc.groups(int4_kc::Mode::Dense), kc.heads(), kc.head_dim()];
+        let halves = |part: &StoredTensor, what: &str| -> Result<Vec<f16>> {
+            if part.dtype != StoredDtype::F16 || part.shape != meta_shape {
+                return Err(bad(format!(
+                    "{what} must be F16 {meta_shape:?}, not {:?} {:?}",
+                    part.dtype, part.shape
+                )));
+            }
+            Ok(part
+                .data
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]))
+                .collect())
+        };
+        let (s, z) = (halves(&scales, "scales")?, halves(&zeros, "zeros")?);
+        let tensor =
+            Int4KcTensor::from_parts(kc, int4_kc::Mode::Dense, codes.data, s, z, Vec::new())?;
+        Ok(QuantizedChannels { shape, tensor })
+    }
+
+    /// Shape of the original (and the dequantized) tensor.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// The quantized keys: codes, scales and zeros as values.
+    pub fn tensor(&self) -> &Int4KcTensor {
+        &self.tensor
+    }
+
+    /// Non-finite inputs met while quantizing; 0 for a tensor built with
+    /// [`from_parts`](Self::from_parts).
+    pub fn non_finite(&self) -> u64 {
+        self.tensor.non_finite()
+    }
+
+    /// Bytes of all parts together.
+    pub fn stored_bytes(&self) -> usize {
+        self.tensor.stored_bytes()
+    }
+
+    /// Dequantize into f32 values of [`shape`](Self::shape), exactly as FORMATS.md defines.
+    pub fn dequantize(&self) -> Result<Vec<f32>> {
+        self.tensor.dequantize()
+    }
+
+    /// Split into `(codes, scales, zeros)`.
+    pub fn into_parts(self) -> (StoredTensor, StoredTensor, StoredTensor) {
+        let kc = self.tensor.shape();
+        let meta_shape = vec![kc.groups(int4_kc::Mode::Dense), kc.heads(), kc.head_dim()];
+        let mut codes_shape = self.shape;
+        if let Some(last) = codes_shape.last_mut() {
+            *last /= 2;
+        }
+        let (codes, s, z, _) = self.tensor.into_parts();
+        // The lengths agree with the shapes by construction (quantize, from_parts).
+        let part = |dtype, shape, data| StoredTensor { dtype, shape, data };
+        let bytes = |v: Vec<f16>| v.into_iter().flat_map(f16::to_le_bytes).collect();
+        (
+            part(StoredDtype::U8, codes_shape, codes),
+            part(StoredDtype::F16, meta_shape.clone(), bytes(s)),
+            part(StoredDtype::F16, meta_shape, bytes(z)),
+        )
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `int4-kc` parts have FORMATS.md's shapes and read back to the same tensor.
+    #[test]
+    fn int4_kc_parts_round_trip() {
+        // [2, 35, 2, 8]: T = 70 tokens (three groups, the last of 6), 2 heads, head_dim 8.
+        let shape = [2, 35, 2, 8];
+        let x: Vec<f32> = (0..2 * 35 * 2 * 8)
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let q = quantize_int4_kc(&x, &shape).unwrap();
+        let (c, s, z) = q.clone().into_parts();
+        assert_eq!(c.shape(), [2, 35, 2, 4]);
+        assert_eq!((s.shape(), z.shape()), (&[3, 2, 8][..], &[3, 2, 8][..]));
+        let back = QuantizedChannels::from_parts(c.clone(), s.clone(), z).unwrap();
+        assert_eq!(back.shape(), shape);
+        assert_eq!(back.dequantize().unwrap(), q.dequantize().unwrap());
+        assert!(QuantizedChannels::from_parts(c.clone(), s.clone(), s.clone()).is_ok());
+        let wrong = StoredTensor::new(StoredDtype::F16, vec![2, 2, 8], vec![0; 64]).unwrap();
+        assert!(QuantizedChannels::from_parts(c, s, wrong).is_err());
+        // Rank 1 and 2 are one token; an odd head_dim is refused.
+        assert_eq!(
+            quantize_int4_kc(&[1f32; 6], &[3, 2])
+                .unwrap()
+                .tensor()
+                .shape()
+                .tokens(),
+            1
+        );
+        assert!(quantize_int4_kc(&[1f32; 3], &[3]).is_err());
+    }
 
     #[test]
     fn names_round_trip() {

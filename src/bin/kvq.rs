@@ -9,7 +9,8 @@
 //!   `--scales FILE` takes the FP8 per-head scales from `kvq calibrate`; `--budget E` picks per
 //!   layer the cheapest K/V pair whose attention error stays within `E` (`--plan-out FILE`
 //!   writes the plan as JSON, `--plan FILE` scores one again); `--hadamard` adds a row of INT4
-//!   keys rotated by a Walsh–Hadamard transform.
+//!   keys rotated by a Walsh–Hadamard transform; `int4-kc` rows score per-channel INT4 keys
+//!   (`--kc-group G`), `--outliers N:SCALE` sets the synthetic keys' outlier channels.
 //! - `kvq calibrate [--format e4m3|e5m2] [--method amax|percentile] [--percentile P] IN OUT`:
 //!   per-layer, per-KV-head FP8 scales of the keys and values `k.L`, `v.L` of `IN`
 //!   (`--key-pattern` / `--value-pattern` map other names): `OUT` holds `k_scale.L` and
@@ -42,7 +43,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use kvq::dense::{self, DenseFormat, Fp8ScaleChoice, QuantizedTensor};
+use kvq::dense::{self, DenseFormat, Fp8ScaleChoice, QuantizedChannels, QuantizedTensor};
+use kvq::format::int4_kc;
 
 use files::{InputFile, OutTensor};
 
@@ -68,7 +70,8 @@ struct Cli {
 enum Command {
     /// Quantize every tensor ([..., heads, head_dim], F16/BF16/F32) of a safetensors file.
     Quantize {
-        /// fp8-e4m3, fp8-e5m2, int4-k32, int4-v64 or int4-uniform.
+        /// fp8-e4m3, fp8-e5m2, int4-k32, int4-v64, int8-pth, fp4-e2m1, int4-uniform or
+        /// int4-kc (per-channel INT4 keys, groups of 32 tokens).
         #[arg(long)]
         format: String,
         /// FP8 only: use this scale for every tensor instead of amax / max_finite.
@@ -147,6 +150,49 @@ pub fn print_out(text: &str) -> Result<(), CliError> {
     }
 }
 
+/// A dense file's format: one of the row formats of [`DenseFormat`], or per-channel INT4 keys
+/// (`int4-kc`), whose groups run across rows ([`dense::quantize_int4_kc`]).
+#[derive(Clone, Copy)]
+enum FileFormat {
+    Rows(DenseFormat),
+    Int4Kc,
+}
+
+impl FileFormat {
+    /// A [`DenseFormat`] name or `int4-kc`.
+    fn from_name(name: &str) -> Result<Self, CliError> {
+        if name == int4_kc::NAME {
+            return Ok(FileFormat::Int4Kc);
+        }
+        DenseFormat::from_name(name)
+            .map(FileFormat::Rows)
+            .map_err(|_| {
+                let known: Vec<_> = DenseFormat::ALL.iter().map(|f| f.name()).collect();
+                CliError::new(format!(
+                    "unknown format '{name}' (known: {}, {})",
+                    known.join(", "),
+                    int4_kc::NAME
+                ))
+            })
+    }
+
+    fn fp8_kind(self) -> Option<kvq::format::Fp8Kind> {
+        match self {
+            FileFormat::Rows(f) => f.fp8_kind(),
+            FileFormat::Int4Kc => None,
+        }
+    }
+}
+
+impl fmt::Display for FileFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FileFormat::Rows(d) => d.fmt(f),
+            FileFormat::Int4Kc => f.write_str(int4_kc::NAME),
+        }
+    }
+}
+
 fn quantize_file(
     format: &str,
     scale: Option<f32>,
@@ -154,7 +200,7 @@ fn quantize_file(
     input: &std::path::Path,
     output: &std::path::Path,
 ) -> Result<(), CliError> {
-    let format = DenseFormat::from_name(format)?;
+    let format = FileFormat::from_name(format)?;
     let (choice, scale_note) = match (scale, per_head) {
         (Some(s), _) => (Fp8ScaleChoice::Fixed(s), format!("fixed {s}")),
         (None, true) => (Fp8ScaleChoice::PerHeadAmax, "per-head amax".into()),
@@ -182,12 +228,23 @@ fn quantize_file(
             .tensor(name)
             .map_err(|e| CliError::new(format!("tensor '{name}': {e}")))?;
         let x = files::to_f32(name, &view)?;
-        let q = dense::quantize(format, &x, view.shape(), choice)
-            .map_err(|e| CliError::new(format!("tensor '{name}': {e}")))?;
-        non_finite += q.non_finite();
+        let in_tensor = |e: kvq::Error| CliError::new(format!("tensor '{name}': {e}"));
+        let (codes, scales, zeros, global_scales) = match format {
+            FileFormat::Rows(format) => {
+                let q = dense::quantize(format, &x, view.shape(), choice).map_err(in_tensor)?;
+                non_finite += q.non_finite();
+                bytes_out += q.stored_bytes();
+                q.into_parts()
+            }
+            FileFormat::Int4Kc => {
+                let q = dense::quantize_int4_kc(&x, view.shape()).map_err(in_tensor)?;
+                non_finite += q.non_finite();
+                bytes_out += q.stored_bytes();
+                let (codes, scales, zeros) = q.into_parts();
+                (codes, scales, Some(zeros), None)
+            }
+        };
         bytes_in += view.data().len();
-        bytes_out += q.stored_bytes();
-        let (codes, scales, zeros, global_scales) = q.into_parts();
         out.push((format!("{name}.codes"), OutTensor::stored(codes)));
         out.push((format!("{name}.scales"), OutTensor::stored(scales)));
         if let Some(z) = zeros {
@@ -200,7 +257,7 @@ fn quantize_file(
     }
     bar.finish_and_clear();
     let metadata = HashMap::from([
-        (META_FORMAT.to_string(), format.name().to_string()),
+        (META_FORMAT.to_string(), format.to_string()),
         (
             META_VERSION.to_string(),
             env!("CARGO_PKG_VERSION").to_string(),
@@ -230,7 +287,7 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
             file.path().display()
         ))
     })?;
-    let format = DenseFormat::from_name(format_name)?;
+    let format = FileFormat::from_name(format_name)?;
     let mut names = st.names();
     names.sort();
     // Every tensor must belong to exactly one NAME: its codes, scales, zeros or global scales.
@@ -264,18 +321,32 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
         let codes = part("codes")?.expect("listed above");
         let scales = part("scales")?
             .ok_or_else(|| CliError::new(format!("tensor '{base}.scales' is missing")))?;
-        let q = QuantizedTensor::from_parts(
-            format,
-            codes,
-            scales,
-            part("zeros")?,
-            part("global_scales")?,
-        )
-        .map_err(|e| CliError::new(format!("tensor '{base}': {e}")))?;
-        out.push((
-            base.to_string(),
-            OutTensor::f32(q.shape().to_vec(), &dense::dequantize(&q)),
-        ));
+        let in_tensor = |e: kvq::Error| CliError::new(format!("tensor '{base}': {e}"));
+        let (shape, values) = match format {
+            FileFormat::Rows(format) => {
+                let q = QuantizedTensor::from_parts(
+                    format,
+                    codes,
+                    scales,
+                    part("zeros")?,
+                    part("global_scales")?,
+                )
+                .map_err(in_tensor)?;
+                (q.shape().to_vec(), dense::dequantize(&q))
+            }
+            FileFormat::Int4Kc => {
+                if part("global_scales")?.is_some() {
+                    return Err(CliError::new(format!(
+                        "tensor '{base}': has global scales, which only FP4 uses"
+                    )));
+                }
+                let zeros = part("zeros")?
+                    .ok_or_else(|| CliError::new(format!("tensor '{base}.zeros' is missing")))?;
+                let q = QuantizedChannels::from_parts(codes, scales, zeros).map_err(in_tensor)?;
+                (q.shape().to_vec(), q.dequantize().map_err(in_tensor)?)
+            }
+        };
+        out.push((base.to_string(), OutTensor::f32(shape, &values)));
         bar.inc(1);
     }
     bar.finish_and_clear();

@@ -6,10 +6,14 @@
 //! scale). FP8 and FP4 formats additionally take one f32 scale per KV head (or per tensor) that
 //! lives outside the rows. The normative definition is FORMATS.md; the
 //! CUDA kernels implement the same functions in `cuda/codec/` (one codec per format), bit for bit.
+//! [`int4_kc`] is the exception: per-channel INT4 keys group along tokens, not within a row, so
+//! its module quantizes whole `[tokens, heads, head_dim]` tensors; it is a CPU reference and a
+//! dense-file format, not a cache format yet.
 
 pub mod fp4;
 pub mod fp8;
 pub mod int4;
+pub mod int4_kc;
 pub mod int8;
 pub mod sanitize;
 pub mod spec;

@@ -22,6 +22,12 @@
 //! most `E` (plan.rs; `--plan-out` writes it, `--plan` scores a written one again).
 //! `--hadamard` adds a row of INT4 keys rotated by a normalized Walsh–Hadamard transform
 //! (rotate.rs).
+//!
+//! `int4-kc` (per-channel INT4 keys, groups of G tokens, `--kc-group`) is not a cache format
+//! yet either: its keys are quantized as a paged cache of block size G would hold them
+//! ([`int4_kc::Mode::Paged`]) and attended with `attention_dense`, its values go through the
+//! cache of their format as in the other rows. `--outliers N:SCALE` sets the synthetic keys'
+//! outlier channels (default 2:8).
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -32,6 +38,7 @@ use kvq::cache::{BlockAllocator, HostCache};
 use kvq::calibrate::LayerScales;
 use kvq::cpu::{self, Accum, DecodeShape, DenseKv};
 use kvq::dense::DenseFormat;
+use kvq::format::int4_kc::{self, KcShape};
 use kvq::format::{Fp8Kind, int4, sanitize, sanitized_amax};
 use kvq::layout::MAX_BLOCK_SIZE;
 use kvq::synth::Synth;
@@ -93,6 +100,36 @@ pub struct EvalArgs {
     /// whether it still meets the plan's budget.
     #[arg(long, conflicts_with = "budget")]
     plan: Option<PathBuf>,
+    /// Tokens per group (G) of the int4-kc rows: 16, 32 or 64.
+    #[arg(long, default_value_t = 32)]
+    kc_group: usize,
+    /// Synthetic keys only: N channels per head scaled SCALE times the rest (e.g. 4:50).
+    #[arg(long, conflicts_with = "input", default_value = "2:8")]
+    outliers: Outliers,
+}
+
+/// The synthetic keys' outlier channels (`--outliers N:SCALE`).
+#[derive(Clone, Copy, Debug)]
+pub struct Outliers {
+    channels: usize,
+    scale: f32,
+}
+
+impl std::str::FromStr for Outliers {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let parsed = s.split_once(':').and_then(|(n, x)| {
+            let scale: f32 = x.parse().ok()?;
+            (scale.is_finite() && scale > 0.0).then_some(Outliers {
+                channels: n.parse().ok()?,
+                scale,
+            })
+        });
+        parsed.ok_or_else(|| {
+            format!("'{s}' is not N:SCALE (a channel count and a positive finite scale, e.g. 4:50)")
+        })
+    }
 }
 
 /// Where the per-tensor / per-head scales come from (`--calibrate-on`).
@@ -149,6 +186,8 @@ enum Storage {
     /// Keys in a cache format after a normalized Walsh–Hadamard rotation (`--hadamard`; the
     /// queries are rotated alike, rotate.rs).
     Hadamard(KvFormat),
+    /// Keys in per-channel INT4 (`int4-kc`) with groups of this many tokens.
+    KeysPerChannel(usize),
 }
 
 impl Storage {
@@ -157,6 +196,7 @@ impl Storage {
             Storage::Cache(f) => f.name().to_string(),
             Storage::Uniform => DenseFormat::Int4Uniform.name().to_string(),
             Storage::Hadamard(f) => format!("{f} (hadamard)"),
+            Storage::KeysPerChannel(g) => format!("{} (G={g})", int4_kc::NAME),
         }
     }
 
@@ -164,6 +204,7 @@ impl Storage {
         match self {
             Storage::Cache(f) | Storage::Hadamard(f) => f.bytes_per_element(),
             Storage::Uniform => 0.5, // plus one f32 per tensor
+            Storage::KeysPerChannel(g) => int4_kc::bytes_per_element(g),
         }
     }
 
@@ -177,6 +218,7 @@ impl Storage {
                 )))
             }
             Storage::Hadamard(f) => f.check_head_dim(head_dim),
+            Storage::KeysPerChannel(_) => int4_kc::check_head_dim(head_dim),
         }
     }
 
@@ -234,10 +276,10 @@ impl Pair {
 }
 
 /// The pairs in the table, from full precision down.
-const PAIRS: [Pair; 11] = {
+const PAIRS: [Pair; 13] = {
     use KvFormat::*;
     use Scales::{Head, Tensor};
-    use Storage::{Cache as C, Uniform as U};
+    use Storage::{Cache as C, KeysPerChannel as KC, Uniform as U};
     [
         Pair::new(C(F16), C(F16), Tensor),
         Pair::new(C(Bf16), C(Bf16), Tensor),
@@ -246,6 +288,9 @@ const PAIRS: [Pair; 11] = {
         Pair::new(C(Fp8E5m2), C(Fp8E5m2), Head),
         Pair::new(C(Int4Sym32), C(Int4Affine64), Tensor),
         Pair::new(C(Int4Sym32), C(Fp8E4m3), Head),
+        // The group size is --kc-group's.
+        Pair::new(KC(int4_kc::DENSE_GROUP), C(Int4Affine64), Tensor),
+        Pair::new(KC(int4_kc::DENSE_GROUP), C(Fp8E4m3), Head),
         Pair::new(C(Fp8E4m3), C(Int4Affine64), Head),
         Pair::new(C(Int8Pth), C(Int8Pth), Tensor),
         Pair::new(C(Fp4E2m1), C(Fp4E2m1), Head),
@@ -341,16 +386,17 @@ impl ErrorSums {
 /// Where the layers come from: a file, or the synthetic stand-in.
 enum Source<'a> {
     File { path: &'a Path, st: SafeTensors<'a> },
-    Synthetic,
+    Synthetic(Outliers),
 }
 
 impl Source<'_> {
     fn describe(&self) -> String {
         match self {
             Source::File { path, .. } => path.display().to_string(),
-            Source::Synthetic => format!(
-                "synthetic (seed {SYNTH_SEED}, keys with outlier channels; pass a file for \
-                 real data)"
+            Source::Synthetic(o) => format!(
+                "synthetic (seed {SYNTH_SEED}, keys with {} outlier channel(s) at {}x; pass a \
+                 file for real data)",
+                o.channels, o.scale
             ),
         }
     }
@@ -361,7 +407,7 @@ impl Source<'_> {
                 let [q, k, v] = ["q.", "k.", "v."].map(LayerPattern::with_prefix);
                 files::layers_with(st, &[&q, &k, &v])
             }
-            Source::Synthetic => (0..SYNTH_LAYERS).collect(),
+            Source::Synthetic(_) => (0..SYNTH_LAYERS).collect(),
         }
     }
 
@@ -373,10 +419,10 @@ impl Source<'_> {
                 files::load3(st, &format!("k.{index}"))?,
                 files::load3(st, &format!("v.{index}"))?,
             ]),
-            Source::Synthetic => {
+            Source::Synthetic(o) => {
                 let (t, kvh, d) = (SYNTH_TOKENS, SYNTH_KV_HEADS, SYNTH_HEAD_DIM);
                 let mut s = Synth::new(SYNTH_SEED + index as u64);
-                let k = s.with_outlier_channels(t, kvh, d, 2, 8.0);
+                let k = s.with_outlier_channels(t, kvh, d, o.channels, o.scale);
                 // Values with a per-channel offset (what affine INT4's zero point absorbs).
                 let offsets = s.uniform(kvh * d, -1.0, 1.0);
                 let mut v = s.normal(t * kvh * d, 0.5);
@@ -577,6 +623,26 @@ impl Layer {
         Ok([k, v, out])
     }
 
+    /// Keys through `int4-kc` with groups of `group` tokens as a paged cache of that block size
+    /// would hold them (f16 first, full groups quantized per channel, an unfilled tail f16),
+    /// values through a paged cache of `v_format` (with f16 keys, whose output is not used:
+    /// V's scales and values are then exactly those of the other rows), attended densely.
+    fn through_kc(
+        &self,
+        q: &[f32],
+        group: usize,
+        v_format: KvFormat,
+        scales: Scales,
+        block_size: usize,
+    ) -> Result<[Vec<f32>; 3], CliError> {
+        let shape = KcShape::new(self.tokens, self.kv_heads, self.head_dim, group)?;
+        let k = int4_kc::quantize(&self.k, shape, int4_kc::Mode::Paged)?.dequantize()?;
+        let formats = (KvFormat::F16, v_format);
+        let [_, v, _] = self.through_cache(q, &self.k, formats, scales, block_size)?;
+        let out = self.attend_dense(q, &k, &v)?;
+        Ok([k, v, out])
+    }
+
     /// Error sums of one pair on this layer: K/V over the scored tokens, the output over the
     /// scored queries.
     fn measure(
@@ -593,11 +659,14 @@ impl Layer {
             (Storage::Hadamard(kf), Storage::Cache(vf)) => {
                 self.through_rotated(q, (kf, vf), pair.scales, block_size)?
             }
+            (Storage::KeysPerChannel(g), Storage::Cache(vf)) => {
+                self.through_kc(q, g, vf, pair.scales, block_size)?
+            }
             (Storage::Uniform, Storage::Uniform) => self.through_uniform(q)?,
             _ => {
                 return Err(CliError::new(
                     "int4-uniform pairs only with itself (it is not a cache format), and only \
-                     keys are rotated",
+                     keys are rotated or per channel",
                 ));
             }
         };
@@ -804,7 +873,7 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             path: f.path(),
             st: f.parse()?,
         },
-        None => Source::Synthetic,
+        None => Source::Synthetic(args.outliers),
     };
     let available = source.layers();
     if available.is_empty() {
@@ -814,8 +883,16 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         )));
     }
     let chosen = files::choose_layers(&args.layers, &available, &source.describe())?;
+    int4_kc::check_group(args.kc_group).map_err(|e| CliError::new(format!("--kc-group: {e}")))?;
     let mut pairs: Vec<Pair> = PAIRS
         .iter()
+        .map(|p| match p.k {
+            Storage::KeysPerChannel(_) => Pair {
+                k: Storage::KeysPerChannel(args.kc_group),
+                ..*p
+            },
+            _ => *p,
+        })
         .map(|p| p.with_file_scales(file_kind))
         .collect();
     if args.hadamard {
