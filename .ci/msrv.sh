@@ -2,8 +2,8 @@
 # rust-version (Cargo.toml) must be true for every feature: at least the highest rust-version
 # declared by any crate of the resolved dependency tree (normal and build dependencies, this
 # host, the locked versions), and at least 1.85 (edition 2024). Checked per feature set without
-# building or the network, since CI has no older toolchain to build with: a dependency update
-# that raises the floor fails here instead of on a user's machine. `candle` is printed, not
+# building or the network, so that a dependency update that raises the floor fails here with the
+# crate that raised it named (.ci/run then also type-checks the crate with that toolchain). `candle` is printed, not
 # checked: its locked zip 9.8 wants 1.89, while an MSRV-aware resolver picks zip 9.5 (1.88).
 # Usage: .ci/msrv.sh [FEATURES...]   (default: the default features, cuda, cli)
 set -euo pipefail
