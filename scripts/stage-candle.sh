@@ -44,7 +44,9 @@ export KVQ_CUDA_ARCHS=${KVQ_CUDA_ARCHS:-90a} CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/candle}
 RUSTFLAGS="-L native=$lib" cargo build --release --features candle --example candle_llama
 mkdir -p .gpu-stage
-grep -qxF '/.gpu-stage/' .git/info/exclude 2>/dev/null || echo '/.gpu-stage/' >> .git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)  # a worktree's .git is a file
+mkdir -p "$(dirname "$exclude")"
+grep -qxF '/.gpu-stage/' "$exclude" 2>/dev/null || echo '/.gpu-stage/' >> "$exclude"
 cp "$CARGO_TARGET_DIR/release/examples/candle_llama" .gpu-stage/candle_llama
 strip .gpu-stage/candle_llama
 rm -f .gpu-stage/candle_llama.xz && xz -T2 .gpu-stage/candle_llama
