@@ -130,6 +130,54 @@ impl Synth {
         }
         x
     }
+
+    /// [`with_outlier_channels`](Self::with_outlier_channels) whose outlier channels also
+    /// carry a mean: each (head, outlier channel) gets `±offset` (in units of the base standard
+    /// deviation, 1) added to every token, its sign drawn per head and channel. Real outlier
+    /// channels are mostly such an offset, which a group along tokens absorbs in its zero
+    /// point. The signs are drawn after the values, and only when `offset != 0`, so an offset
+    /// of 0 gives exactly `with_outlier_channels`'s data for the same seed.
+    ///
+    /// # Panics
+    ///
+    /// As [`with_outlier_channels`](Self::with_outlier_channels).
+    pub fn with_offset_outlier_channels(
+        &mut self,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        outlier_channels: usize,
+        outlier_scale: f32,
+        offset: f32,
+    ) -> Vec<f32> {
+        // The channels are the first draws, as in `with_outlier_channels`.
+        let mut probe = self.clone();
+        let channels: Vec<usize> = (0..outlier_channels.min(head_dim))
+            .map(|_| probe.below(head_dim))
+            .collect();
+        let mut x =
+            self.with_outlier_channels(tokens, heads, head_dim, outlier_channels, outlier_scale);
+        if offset == 0.0 || head_dim == 0 || heads == 0 {
+            return x;
+        }
+        let means: Vec<f32> = (0..heads * channels.len())
+            .map(|_| {
+                if self.next_u64() >> 63 == 0 {
+                    offset
+                } else {
+                    -offset
+                }
+            })
+            .collect();
+        for row in x.chunks_exact_mut(heads * head_dim) {
+            for (h, head) in row.chunks_exact_mut(head_dim).enumerate() {
+                for (&c, &m) in channels.iter().zip(&means[h * channels.len()..]) {
+                    head[c] += m;
+                }
+            }
+        }
+        x
+    }
 }
 
 #[cfg(test)]
@@ -143,6 +191,20 @@ mod tests {
         assert_eq!(a, b);
         assert_ne!(a, Synth::new(8).with_outlier_channels(4, 2, 64, 3, 20.0));
         assert_eq!(a.len(), 4 * 2 * 64);
+        // An offset of 0 is the plain generator; an offset moves only the outlier channels.
+        let z = Synth::new(7).with_offset_outlier_channels(4, 2, 64, 3, 20.0, 0.0);
+        assert_eq!(a, z);
+        let o = Synth::new(7).with_offset_outlier_channels(4, 2, 64, 3, 20.0, 10.0);
+        let moved: Vec<usize> = (0..a.len()).filter(|&i| a[i] != o[i]).collect();
+        assert!(!moved.is_empty() && moved.len() <= 4 * 2 * 3);
+        for &i in &moved {
+            assert!(((o[i] - a[i]).abs() - 10.0).abs() < 1e-3, "{i}");
+            // The same channel and head move alike in every token.
+            assert!(
+                ((o[i] - a[i]) - (o[i % 128] - a[i % 128])).abs() < 1e-3,
+                "{i}"
+            );
+        }
         let n = Synth::new(1).normal(10_000, 2.0);
         let mean = n.iter().sum::<f32>() / n.len() as f32;
         let var = n.iter().map(|x| x * x).sum::<f32>() / n.len() as f32;

@@ -641,7 +641,7 @@ fn eval_json_held_out_calibration_and_positions() {
     assert_eq!(held["tokens"], 32);
     assert_eq!(held["q_heads"], 4);
     assert_eq!(held["kv_heads"], 2);
-    assert_eq!(held["pairs"].as_array().unwrap().len(), 13);
+    assert_eq!(held["pairs"].as_array().unwrap().len(), 15);
     assert!(held.get("per_layer").is_none());
     for p in held["pairs"].as_array().unwrap() {
         assert!(p["skipped"].is_null() && p["errors"].is_object(), "{p}");
@@ -665,7 +665,7 @@ fn eval_json_held_out_calibration_and_positions() {
     // Every scored position: the held-out half, or every token.
     let every = eval_json(&["eval", file, "--json", "--positions", "all", "--per-layer"]);
     assert_eq!(every["query_positions"], 16);
-    assert_eq!(every["per_layer"].as_array().unwrap().len(), 13);
+    assert_eq!(every["per_layer"].as_array().unwrap().len(), 15);
     assert_eq!(every["per_layer"][0]["layer"], 0);
     assert_eq!(pair(&every, "f16 / f16")["errors"]["attn_rel_err"], 0.0);
     let every_all = eval_json(&[
@@ -770,6 +770,63 @@ fn eval_int4_kc_on_outlier_channels() {
     for bad in [
         &["eval", "--outliers", "4"][..],
         &["eval", "--outliers", "4:-1"],
+    ] {
+        assert_eq!(kvq(bad).status.code(), Some(2), "{bad:?}");
+    }
+}
+
+/// Outlier-aware sub-4-bit key rows (`int3` / `int2 + topK f16`): their bytes per element count
+/// codes, row metadata and the f16 channels; keeping the outlier channels beats plain INT3 rows
+/// (`--keep-channels 0`); a --keep-channels that leaves no channel to quantize, or a malformed
+/// --outliers offset, is refused.
+#[test]
+fn eval_outlier_aware_sub_4_bit_keys() {
+    let args = ["eval", "--json", "--layers", "0", "--outliers", "4:20:10"];
+    let doc = eval_json(&args);
+    assert!(
+        doc["source"]
+            .as_str()
+            .unwrap()
+            .contains("4 outlier channel(s) at 20x, offset +-10 std"),
+        "{doc}"
+    );
+    let bpe = |doc: &serde_json::Value, label: &str| pair(doc, label)["bytes_per_element"].clone();
+    let attn = |doc: &serde_json::Value, label: &str| {
+        pair(doc, label)["errors"]["attn_rel_err"].as_f64().unwrap()
+    };
+    // head_dim 128: (ceil(124 × b / 8) + 4 + 2 × 4) / 128 for K, 0.5625 for int4-v64.
+    let (int3, int2) = ("int3 + top4 f16 / int4-v64", "int2 + top4 f16 / int4-v64");
+    assert_eq!(bpe(&doc, int3), (59.0 / 128.0 + 0.5625) / 2.0);
+    assert_eq!(bpe(&doc, int2), (43.0 / 128.0 + 0.5625) / 2.0);
+    // V goes the int4-k32 / int4-v64 row's way: the same V error.
+    let v = |label| pair(&doc, label)["errors"]["v_rel_l2"].clone();
+    assert_eq!(v(int3), v("int4-k32 / int4-v64"));
+    assert_eq!(v(int2), v("int4-k32 / int4-v64"));
+    let (e3, e2, k32) = (
+        attn(&doc, int3),
+        attn(&doc, int2),
+        attn(&doc, "int4-k32 / int4-v64"),
+    );
+    assert!(e3 < e2 && e3 < k32, "{e3} {e2} {k32}");
+
+    let none = eval_json(&[&args[..], &["--keep-channels", "0"]].concat());
+    let plain3 = "int3 + top0 f16 / int4-v64";
+    assert_eq!(bpe(&none, plain3), (52.0 / 128.0 + 0.5625) / 2.0);
+    assert!(
+        e3 < 0.5 * attn(&none, plain3),
+        "{e3} vs {}",
+        attn(&none, plain3)
+    );
+
+    assert_fails(
+        &["eval", "--layers", "0", "--keep-channels", "128"],
+        Path::new("none"),
+        "--keep-channels 128 at head_dim 128",
+    );
+    for bad in [
+        &["eval", "--keep-channels", "-1"][..],
+        &["eval", "--outliers", "4:20:-1"],
+        &["eval", "--outliers", "4:20:10:1"],
     ] {
         assert_eq!(kvq(bad).status.code(), Some(2), "{bad:?}");
     }
@@ -1175,7 +1232,7 @@ fn eval_hadamard_rotation_row() {
         attn("int4-k32 (hadamard) / int4-v64") < attn("int4-k32 / int4-v64"),
         "{doc}"
     );
-    assert_eq!(doc["pairs"].as_array().unwrap().len(), 14);
+    assert_eq!(doc["pairs"].as_array().unwrap().len(), 16);
 
     let dir = scratch("eval-hadamard");
     let input = dir.join("d96.st");

@@ -10,7 +10,9 @@
 //!   layer the cheapest K/V pair whose attention error stays within `E` (`--plan-out FILE`
 //!   writes the plan as JSON, `--plan FILE` scores one again); `--hadamard` adds a row of INT4
 //!   keys rotated by a Walsh–Hadamard transform; `int4-kc` rows score per-channel INT4 keys
-//!   (`--kc-group G`), `--outliers N:SCALE` sets the synthetic keys' outlier channels.
+//!   (`--kc-group G`), `int3` / `int2 + topK f16` rows score per-token INT3 / INT2 keys with
+//!   each head's K largest channels in f16 (`--keep-channels K`), `--outliers N:SCALE[:OFFSET]`
+//!   sets the synthetic keys' outlier channels.
 //! - `kvq calibrate [--format e4m3|e5m2] [--method amax|percentile] [--percentile P] IN OUT`:
 //!   per-layer, per-KV-head FP8 scales of the keys and values `k.L`, `v.L` of `IN`
 //!   (`--key-pattern` / `--value-pattern` map other names): `OUT` holds `k_scale.L` and

@@ -8,13 +8,15 @@
 //! CUDA kernels implement the same functions in `cuda/codec/` (one codec per format), bit for bit.
 //! [`int4_kc`] is the exception: per-channel INT4 keys group along tokens, not within a row, so
 //! its module quantizes whole `[tokens, heads, head_dim]` tensors; it is a CPU reference and a
-//! dense-file format, not a cache format yet.
+//! dense-file format, not a cache format yet. [`outlier`] (INT2 / INT3 key rows with each
+//! head's top-k channels in f16) is a CPU reference only, scored by `kvq eval`.
 
 pub mod fp4;
 pub mod fp8;
 pub mod int4;
 pub mod int4_kc;
 pub mod int8;
+pub mod outlier;
 pub mod sanitize;
 pub mod spec;
 

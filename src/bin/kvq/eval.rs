@@ -26,8 +26,13 @@
 //! `int4-kc` (per-channel INT4 keys, groups of G tokens, `--kc-group`) is not a cache format
 //! yet either: its keys are quantized as a paged cache of block size G would hold them
 //! ([`int4_kc::Mode::Paged`]) and attended with `attention_dense`, its values go through the
-//! cache of their format as in the other rows. `--outliers N:SCALE` sets the synthetic keys'
-//! outlier channels (default 2:8).
+//! cache of their format as in the other rows. `--outliers N:SCALE[:OFFSET]` sets the synthetic
+//! keys' outlier channels (default 2:8; OFFSET gives them a mean of ±OFFSET base stds).
+//!
+//! `int3 + topK f16` and `int2 + topK f16` ([`outlier`]: per-token affine INT3 / INT2 key rows
+//! with each KV head's K channels of largest RMS over the calibration tokens kept in f16,
+//! `--keep-channels K`, default 4) are CPU references too: the keys are dequantized and attended
+//! with `attention_dense`, the values go through the cache as in the `int4-kc` rows.
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -39,6 +44,7 @@ use kvq::calibrate::LayerScales;
 use kvq::cpu::{self, Accum, DecodeShape, DenseKv};
 use kvq::dense::DenseFormat;
 use kvq::format::int4_kc::{self, KcShape};
+use kvq::format::outlier::{self, OutlierKeys};
 use kvq::format::{Fp8Kind, int4, sanitize, sanitized_amax};
 use kvq::layout::MAX_BLOCK_SIZE;
 use kvq::synth::Synth;
@@ -103,31 +109,52 @@ pub struct EvalArgs {
     /// Tokens per group (G) of the int4-kc rows: 16, 32 or 64.
     #[arg(long, default_value_t = 32)]
     kc_group: usize,
-    /// Synthetic keys only: N channels per head scaled SCALE times the rest (e.g. 4:50).
+    /// Synthetic keys only: N channels per head scaled SCALE times the rest (e.g. 4:50); with
+    /// N:SCALE:OFFSET they also get a mean of +-OFFSET times the base std (e.g. 4:20:10).
     #[arg(long, conflicts_with = "input", default_value = "2:8")]
     outliers: Outliers,
+    /// Channels per KV head kept in f16 by the int3 / int2 + topK f16 rows (fewer than
+    /// head_dim; 0 quantizes whole rows).
+    #[arg(long, default_value_t = 4)]
+    keep_channels: usize,
 }
 
-/// The synthetic keys' outlier channels (`--outliers N:SCALE`).
+/// The synthetic keys' outlier channels (`--outliers N:SCALE[:OFFSET]`).
 #[derive(Clone, Copy, Debug)]
 pub struct Outliers {
     channels: usize,
     scale: f32,
+    /// Mean of each outlier channel in base standard deviations, its sign drawn per head and
+    /// channel ([`Synth::with_offset_outlier_channels`]); 0 without the third field.
+    offset: f32,
 }
 
 impl std::str::FromStr for Outliers {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        let parsed = s.split_once(':').and_then(|(n, x)| {
+        let fields: Vec<&str> = s.split(':').collect();
+        let parsed = match fields[..] {
+            [n, x] => Some((n, x, "0")),
+            [n, x, o] => Some((n, x, o)),
+            _ => None,
+        }
+        .and_then(|(n, x, o)| {
             let scale: f32 = x.parse().ok()?;
-            (scale.is_finite() && scale > 0.0).then_some(Outliers {
-                channels: n.parse().ok()?,
-                scale,
-            })
+            let offset: f32 = o.parse().ok()?;
+            (scale.is_finite() && scale > 0.0 && offset.is_finite() && offset >= 0.0).then_some(
+                Outliers {
+                    channels: n.parse().ok()?,
+                    scale,
+                    offset,
+                },
+            )
         });
         parsed.ok_or_else(|| {
-            format!("'{s}' is not N:SCALE (a channel count and a positive finite scale, e.g. 4:50)")
+            format!(
+                "'{s}' is not N:SCALE or N:SCALE:OFFSET (a channel count, a positive finite \
+                 scale and a finite offset >= 0, e.g. 4:50 or 4:20:10)"
+            )
         })
     }
 }
@@ -188,6 +215,9 @@ enum Storage {
     Hadamard(KvFormat),
     /// Keys in per-channel INT4 (`int4-kc`) with groups of this many tokens.
     KeysPerChannel(usize),
+    /// Keys in per-token affine rows of `bits` bits with each head's `keep` largest channels in
+    /// f16 ([`outlier`]).
+    KeepOutliers { bits: u32, keep: usize },
 }
 
 impl Storage {
@@ -197,14 +227,21 @@ impl Storage {
             Storage::Uniform => DenseFormat::Int4Uniform.name().to_string(),
             Storage::Hadamard(f) => format!("{f} (hadamard)"),
             Storage::KeysPerChannel(g) => format!("{} (G={g})", int4_kc::NAME),
+            Storage::KeepOutliers { bits, keep } => format!("int{bits} + top{keep} f16"),
         }
     }
 
-    fn bytes_per_element(self) -> f64 {
+    /// Bytes per element at `head_dim` (only the outlier-aware rows depend on it; a head_dim
+    /// they cannot take counts their codes alone).
+    fn bytes_per_element(self, head_dim: usize) -> f64 {
         match self {
             Storage::Cache(f) | Storage::Hadamard(f) => f.bytes_per_element(),
             Storage::Uniform => 0.5, // plus one f32 per tensor
             Storage::KeysPerChannel(g) => int4_kc::bytes_per_element(g),
+            Storage::KeepOutliers { bits, keep } if keep < head_dim => {
+                outlier::bytes_per_element(bits, keep, head_dim)
+            }
+            Storage::KeepOutliers { bits, .. } => bits as f64 / 8.0,
         }
     }
 
@@ -219,6 +256,7 @@ impl Storage {
             }
             Storage::Hadamard(f) => f.check_head_dim(head_dim),
             Storage::KeysPerChannel(_) => int4_kc::check_head_dim(head_dim),
+            Storage::KeepOutliers { keep, .. } => outlier::check_keep(keep, head_dim),
         }
     }
 
@@ -276,10 +314,10 @@ impl Pair {
 }
 
 /// The pairs in the table, from full precision down.
-const PAIRS: [Pair; 13] = {
+const PAIRS: [Pair; 15] = {
     use KvFormat::*;
     use Scales::{Head, Tensor};
-    use Storage::{Cache as C, KeysPerChannel as KC, Uniform as U};
+    use Storage::{Cache as C, KeepOutliers as KO, KeysPerChannel as KC, Uniform as U};
     [
         Pair::new(C(F16), C(F16), Tensor),
         Pair::new(C(Bf16), C(Bf16), Tensor),
@@ -291,6 +329,9 @@ const PAIRS: [Pair; 13] = {
         // The group size is --kc-group's.
         Pair::new(KC(int4_kc::DENSE_GROUP), C(Int4Affine64), Tensor),
         Pair::new(KC(int4_kc::DENSE_GROUP), C(Fp8E4m3), Head),
+        // The kept channels are --keep-channels'.
+        Pair::new(KO { bits: 3, keep: 4 }, C(Int4Affine64), Tensor),
+        Pair::new(KO { bits: 2, keep: 4 }, C(Int4Affine64), Tensor),
         Pair::new(C(Fp8E4m3), C(Int4Affine64), Head),
         Pair::new(C(Int8Pth), C(Int8Pth), Tensor),
         Pair::new(C(Fp4E2m1), C(Fp4E2m1), Head),
@@ -394,9 +435,15 @@ impl Source<'_> {
         match self {
             Source::File { path, .. } => path.display().to_string(),
             Source::Synthetic(o) => format!(
-                "synthetic (seed {SYNTH_SEED}, keys with {} outlier channel(s) at {}x; pass a \
+                "synthetic (seed {SYNTH_SEED}, keys with {} outlier channel(s) at {}x{}; pass a \
                  file for real data)",
-                o.channels, o.scale
+                o.channels,
+                o.scale,
+                if o.offset > 0.0 {
+                    format!(", offset +-{} std", o.offset)
+                } else {
+                    String::new()
+                }
             ),
         }
     }
@@ -422,7 +469,7 @@ impl Source<'_> {
             Source::Synthetic(o) => {
                 let (t, kvh, d) = (SYNTH_TOKENS, SYNTH_KV_HEADS, SYNTH_HEAD_DIM);
                 let mut s = Synth::new(SYNTH_SEED + index as u64);
-                let k = s.with_outlier_channels(t, kvh, d, o.channels, o.scale);
+                let k = s.with_offset_outlier_channels(t, kvh, d, o.channels, o.scale, o.offset);
                 // Values with a per-channel offset (what affine INT4's zero point absorbs).
                 let offsets = s.uniform(kvh * d, -1.0, 1.0);
                 let mut v = s.normal(t * kvh * d, 0.5);
@@ -492,6 +539,13 @@ fn load_layer(
     }
     let (calib, scored, q_len) = plan(ks[0], args.calibrate_on, args.positions)?;
     let kv_heads = ks[1] / pair_heads;
+    let head_dim = ks[2] * pair_heads;
+    outlier::check_keep(args.keep_channels, head_dim).map_err(|e| {
+        CliError::new(format!(
+            "--keep-channels {} at head_dim {head_dim} of layer {index}: {e}",
+            args.keep_channels
+        ))
+    })?;
     let file_scales = match scales {
         Some(f) => Some(f.layer(index, kv_heads)?.clone()),
         None => None,
@@ -502,7 +556,7 @@ fn load_layer(
         tokens: ks[0],
         q_heads: qs[1] / pair_heads,
         kv_heads,
-        head_dim: ks[2] * pair_heads,
+        head_dim,
         q,
         k,
         v,
@@ -643,6 +697,26 @@ impl Layer {
         Ok([k, v, out])
     }
 
+    /// Keys as INT`bits` rows with each head's `keep` channels of largest RMS over the
+    /// calibration tokens in f16 ([`OutlierKeys`]), values through a paged cache of `v_format`
+    /// as in [`through_kc`](Self::through_kc), attended densely.
+    fn through_outliers(
+        &self,
+        q: &[f32],
+        (bits, keep): (u32, usize),
+        v_format: KvFormat,
+        scales: Scales,
+        block_size: usize,
+    ) -> Result<[Vec<f32>; 3], CliError> {
+        let calib = &self.k[self.rows(&self.calib)];
+        let keys = OutlierKeys::calibrate(calib, self.kv_heads, self.head_dim, bits, keep)?;
+        let k = keys.round_trip(&self.k)?;
+        let formats = (KvFormat::F16, v_format);
+        let [_, v, _] = self.through_cache(q, &self.k, formats, scales, block_size)?;
+        let out = self.attend_dense(q, &k, &v)?;
+        Ok([k, v, out])
+    }
+
     /// Error sums of one pair on this layer: K/V over the scored tokens, the output over the
     /// scored queries.
     fn measure(
@@ -662,11 +736,14 @@ impl Layer {
             (Storage::KeysPerChannel(g), Storage::Cache(vf)) => {
                 self.through_kc(q, g, vf, pair.scales, block_size)?
             }
+            (Storage::KeepOutliers { bits, keep }, Storage::Cache(vf)) => {
+                self.through_outliers(q, (bits, keep), vf, pair.scales, block_size)?
+            }
             (Storage::Uniform, Storage::Uniform) => self.through_uniform(q)?,
             _ => {
                 return Err(CliError::new(
                     "int4-uniform pairs only with itself (it is not a cache format), and only \
-                     keys are rotated or per channel",
+                     keys are rotated, per channel or outlier-aware",
                 ));
             }
         };
@@ -691,9 +768,9 @@ const HEADER: &str = "| K / V format | B/elem | K rel L2 | K max abs | V rel L2 
                       |---|---:|---:|---:|---:|---:|---:|\n";
 
 impl Pair {
-    /// Mean of the K and V storage cost.
-    fn bytes_per_element(&self) -> f64 {
-        (self.k.bytes_per_element() + self.v.bytes_per_element()) / 2.0
+    /// Mean of the K and V storage cost at `head_dim`.
+    fn bytes_per_element(&self, head_dim: usize) -> f64 {
+        (self.k.bytes_per_element(head_dim) + self.v.bytes_per_element(head_dim)) / 2.0
     }
 
     /// Where the head scales come from, when a side is FP8 or FP4 (whose `g` is always per
@@ -707,8 +784,8 @@ impl Pair {
     }
 }
 
-fn row(label: &str, pair: &Pair, e: Option<&ErrorSums>) -> String {
-    let bpe = pair.bytes_per_element();
+fn row(label: &str, pair: &Pair, head_dim: usize, e: Option<&ErrorSums>) -> String {
+    let bpe = pair.bytes_per_element(head_dim);
     match e {
         Some(e) => format!(
             "| {label} | {bpe:.4} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} |\n",
@@ -723,7 +800,7 @@ fn row(label: &str, pair: &Pair, e: Option<&ErrorSums>) -> String {
 }
 
 /// One pair's row as JSON (`errors` null when the pair cannot run at this head_dim).
-fn json_row(pair: &Pair, e: Option<&ErrorSums>, skipped: Option<&str>) -> Value {
+fn json_row(pair: &Pair, head_dim: usize, e: Option<&ErrorSums>, skipped: Option<&str>) -> Value {
     let errors = e.map(|e| {
         json!({
             "k_rel_l2": e.k.rel_l2(),
@@ -738,7 +815,7 @@ fn json_row(pair: &Pair, e: Option<&ErrorSums>, skipped: Option<&str>) -> Value 
         "k_format": pair.k.name(),
         "v_format": pair.v.name(),
         "fp8_scales": pair.scale_name(),
-        "bytes_per_element": pair.bytes_per_element(),
+        "bytes_per_element": pair.bytes_per_element(head_dim),
         "errors": errors,
         "skipped": skipped,
     })
@@ -772,7 +849,7 @@ fn choose_for_layer(
         measured.push(Candidate {
             k,
             v,
-            bytes_per_element: pair.bytes_per_element(),
+            bytes_per_element: pair.bytes_per_element(layer.head_dim),
             attn_err: measure(pair)?.out.rel_l2(),
         });
     }
@@ -891,6 +968,13 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
                 k: Storage::KeysPerChannel(args.kc_group),
                 ..*p
             },
+            Storage::KeepOutliers { bits, .. } => Pair {
+                k: Storage::KeepOutliers {
+                    bits,
+                    keep: args.keep_channels,
+                },
+                ..*p
+            },
             _ => *p,
         })
         .map(|p| p.with_file_scales(file_kind))
@@ -944,9 +1028,10 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
                 per_layer += &row(
                     &format!("L{} {}", layer.index, pair.label()),
                     pair,
+                    layer.head_dim,
                     Some(&e),
                 );
-                let mut r = json_row(pair, Some(&e), None);
+                let mut r = json_row(pair, layer.head_dim, Some(&e), None);
                 r["layer"] = json!(layer.index);
                 per_layer_json.push(r);
             }
@@ -997,7 +1082,7 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         let pairs: Vec<Value> = pairs
             .iter()
             .zip(pooled.iter().zip(&skipped))
-            .map(|(pair, (e, why))| json_row(pair, e.as_ref(), why.as_deref()))
+            .map(|(pair, (e, why))| json_row(pair, g.head_dim, e.as_ref(), why.as_deref()))
             .collect();
         let mut doc = json!({
             "kvq_version": env!("CARGO_PKG_VERSION"),
@@ -1092,7 +1177,7 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     );
     text += HEADER;
     for (pair, e) in pairs.iter().zip(&pooled) {
-        text += &row(&pair.label(), pair, e.as_ref());
+        text += &row(&pair.label(), pair, g.head_dim, e.as_ref());
     }
     for (pair, why) in pairs.iter().zip(&skipped) {
         if let Some(why) = why {
