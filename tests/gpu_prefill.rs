@@ -245,7 +245,7 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     .with_num_splits(case.splits);
     let plan = if case.route {
         let decode =
-            kvq::cuda::DecodePlan::new(gpu, dcache.layout(), case.seqs.len(), heads, 1, max_len)
+            kvq::cuda::DecodePlan::new(gpu, dcache.layout(), case.seqs.len(), heads, 4, max_len)
                 .unwrap_or_else(|e| panic!("{name}: decode plan: {e}"));
         plan.with_decode_rows(decode).expect("routing")
     } else {
@@ -488,8 +488,9 @@ fn windows_caps_sinks_and_splits() {
 
 /// Decode rows batched first go to the decode kernel, the rest of the step to the prefill
 /// kernel, in one call: every format pair the decode kernel serves, with and without split
-/// prefill partials, f16 / bf16 queries, strided views; a step of decode rows only, and one
-/// whose decode rows are not first (all of it through the prefill kernel).
+/// prefill partials, f16 / bf16 queries, strided views; a step of decode rows only, rows of 3
+/// draft tokens, and a step whose decode rows are not first (all of it through the prefill
+/// kernel).
 #[test]
 fn decode_rows_routed_to_the_decode_kernel() {
     let Some(gpu) = require_gpu_or_skip("decode_rows_routed_to_the_decode_kernel") else {
@@ -521,6 +522,9 @@ fn decode_rows_routed_to_the_decode_kernel() {
         c.seqs = vec![(1, 90), (1, 2000), (1, 5)];
         check(&gpu, &mut rng, &c);
         c.seqs = vec![(30, 30), (1, 90), (1, 200)];
+        check(&gpu, &mut rng, &c);
+        // Speculative verification: 3 tokens a row (the decode plan's q_len is 4), then a 5.
+        c.seqs = vec![(3, 50), (3, 400), (3, 3), (5, 70), (20, 100)];
         check(&gpu, &mut rng, &c);
         c.seqs = seqs.clone();
         c.window = Some(20);

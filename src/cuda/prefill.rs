@@ -240,10 +240,11 @@ impl PrefillPlan {
     }
 
     /// Route each step's decode rows to the decode kernel: the leading run of sequences with
-    /// one new token (engines batch their decodes first) goes to `decode`'s kernel, the rest to
-    /// the prefill kernel, in two launches on the stream of one call, with the same tables. The
-    /// decode kernel reads a quantized cache at its full bandwidth, where the prefill kernel
-    /// pads one-token rows to its tile. Rows are served by the prefill kernel alone when a step
+    /// the same number of new tokens, 1 up to `decode`'s `q_len` (decodes, or speculative
+    /// verification of a few draft tokens; engines batch these first), goes to `decode`'s
+    /// kernel, the rest to the prefill kernel, in two launches on the stream of one call, with
+    /// the same tables. The decode kernel reads a quantized cache at its full bandwidth, where
+    /// the prefill kernel pads a few-token row to its 64-row tile. Rows are served by the prefill kernel alone when a step
     /// has a window, a soft cap or sinks (the decode kernel has none of them) and under
     /// [`with_graph_grid`](Self::with_graph_grid) (the cut is made on the host per step).
     ///
@@ -411,7 +412,8 @@ impl PrefillPlan {
         }
         let (heads, d) = (self.num_q_heads, c.head_dim);
         let group = heads / c.num_kv_heads;
-        // Decode rows routed to the decode kernel: the leading one-token sequences.
+        // Decode rows routed to the decode kernel: the leading sequences with the first one's
+        // number of new tokens, n_0 in 1..=the decode plan's q_len.
         let route = match (&self.decode_rows, &ws.decode) {
             (Some(plan), Some(dws))
                 if !self.graph_grid
@@ -423,12 +425,13 @@ impl PrefillPlan {
             }
             _ => None,
         };
+        let lead_len = qo[1].wrapping_sub(qo[0]) as usize;
         let lead = match route {
-            Some(_) => qo
+            Some((plan, _)) if (1..=plan.q_len()).contains(&lead_len) => qo
                 .windows(2)
-                .take_while(|w| w[1].checked_sub(w[0]) == Some(1))
+                .take_while(|w| w[1].checked_sub(w[0]) == Some(lead_len as u32))
                 .count(),
-            None => 0,
+            _ => 0,
         };
         let (mut tiles, mut max_len) = (0usize, 0usize);
         for b in 0..batch {
@@ -559,9 +562,9 @@ impl PrefillPlan {
                     None => (0, None),
                 };
                 if let Some((plan, dws)) = route.filter(|_| lead > 0) {
-                    // Sequence b < lead is token b: rows b of the token-major views.
+                    // Token i of sequence b < lead is token b * lead_len + i of the views.
                     let rows = |r: TokenRows| RowStrides {
-                        seq: r.token,
+                        seq: lead_len * r.token,
                         token: r.token,
                         head: r.head,
                     };
@@ -569,7 +572,7 @@ impl PrefillPlan {
                         cache: cache.as_raw(),
                         num_blocks: cache.num_blocks(),
                         batch: lead,
-                        q_len: 1,
+                        q_len: lead_len,
                         q: q_p,
                         q_dtype: Q::DTYPE,
                         q_rows: rows(q_rows),
@@ -586,10 +589,10 @@ impl PrefillPlan {
                         workspace_counters: dws[2],
                         counters: cache.counters_ptr() as CUdeviceptr,
                     };
-                    // SAFETY: rows 0..lead of the checked tables (each context holds its one
-                    // new token and fits both plans: with_decode_rows), q / out / lse rows of
-                    // tokens 0..lead (checked above for every token), the decode plan's own
-                    // workspace (checked), all on this stream.
+                    // SAFETY: rows 0..lead of the checked tables (each context holds its
+                    // lead_len new tokens and fits both plans: with_decode_rows), q / out / lse
+                    // rows of their tokens (checked above for every token), the decode plan's
+                    // own workspace (checked), all on this stream.
                     unsafe { plan.decode_raw(&args, s.cu_stream()) }?;
                 }
                 if lead == batch || tiles == 0 {
