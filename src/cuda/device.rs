@@ -210,7 +210,8 @@ impl DeviceCache {
     }
 
     /// Overwrite this cache with `host`'s pool bytes and FP8 scales (same configuration and
-    /// block count), e.g. to restore a saved cache into a layer of [`new_layers`](Self::new_layers).
+    /// block count), e.g. to restore a saved cache into a layer of
+    /// [`new_layers`](Self::new_layers).
     pub fn upload(&mut self, host: &HostCache) -> Result<()> {
         if host.config() != self.config() || host.num_blocks() != self.num_blocks {
             return Err(Error::InvalidArgument(format!(

@@ -158,7 +158,7 @@ pub struct PrefillPlan {
     split_budget: usize,
     forced_splits: Option<usize>,
     graph_grid: bool,
-    /// The decode plan a step's leading one-token rows are routed to (`with_decode_rows`).
+    /// The decode plan a step's leading decode rows are routed to (`with_decode_rows`).
     decode_rows: Option<DecodePlan>,
 }
 
@@ -244,9 +244,10 @@ impl PrefillPlan {
     /// verification of a few draft tokens; engines batch these first), goes to `decode`'s
     /// kernel, the rest to the prefill kernel, in two launches on the stream of one call, with
     /// the same tables. The decode kernel reads a quantized cache at its full bandwidth, where
-    /// the prefill kernel pads a few-token row to its 64-row tile. Rows are served by the prefill kernel alone when a step
-    /// has a window, a soft cap or sinks (the decode kernel has none of them) and under
-    /// [`with_graph_grid`](Self::with_graph_grid) (the cut is made on the host per step).
+    /// the prefill kernel pads a few-token row to its 64-row tile. Rows are served by the
+    /// prefill kernel alone when a step has a window, a soft cap or sinks (the decode kernel has
+    /// none of them) and under [`with_graph_grid`](Self::with_graph_grid) (the cut is made on
+    /// the host per step).
     ///
     /// `decode` must be for this plan's GPU, layout and query heads, with at least this plan's
     /// batch and context capacity; it takes this plan's softmax scale. Errors:
