@@ -115,9 +115,7 @@ impl Synth {
         outlier_channels: usize,
         outlier_scale: f32,
     ) -> Vec<f32> {
-        let channels: Vec<usize> = (0..outlier_channels.min(head_dim))
-            .map(|_| self.below(head_dim))
-            .collect();
+        let channels = self.outlier_channels(outlier_channels, head_dim);
         let n = tokens.saturating_mul(heads).saturating_mul(head_dim);
         let mut x = self.normal(n, 1.0);
         if head_dim == 0 {
@@ -129,6 +127,14 @@ impl Synth {
             }
         }
         x
+    }
+
+    /// The outlier channels of [`with_outlier_channels`](Self::with_outlier_channels): its
+    /// first draws.
+    fn outlier_channels(&mut self, count: usize, head_dim: usize) -> Vec<usize> {
+        (0..count.min(head_dim))
+            .map(|_| self.below(head_dim))
+            .collect()
     }
 
     /// [`with_outlier_channels`](Self::with_outlier_channels) whose outlier channels also
@@ -150,11 +156,8 @@ impl Synth {
         outlier_scale: f32,
         offset: f32,
     ) -> Vec<f32> {
-        // The channels are the first draws, as in `with_outlier_channels`.
-        let mut probe = self.clone();
-        let channels: Vec<usize> = (0..outlier_channels.min(head_dim))
-            .map(|_| probe.below(head_dim))
-            .collect();
+        // The channels are the first draws of `with_outlier_channels`: seen on a copy.
+        let channels = self.clone().outlier_channels(outlier_channels, head_dim);
         let mut x =
             self.with_outlier_channels(tokens, heads, head_dim, outlier_channels, outlier_scale);
         if offset == 0.0 || head_dim == 0 || heads == 0 {
