@@ -27,10 +27,12 @@ const BLOCK_SIZE: usize = 16;
 const TOKENS: usize = (1 << 30) / (2 * HEADS * HEAD_DIM * 2);
 const COPY_BYTES: usize = 2 << 30;
 
-const PAIRS: [(KvFormat, KvFormat); 4] = [
+const PAIRS: [(KvFormat, KvFormat); 6] = [
     (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
     (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
     (KvFormat::Fp8E5m2, KvFormat::Fp8E5m2),
+    (KvFormat::Int8Pth, KvFormat::Int8Pth),
+    (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
     (KvFormat::F16, KvFormat::F16),
 ];
 
@@ -93,11 +95,16 @@ impl Inputs {
         }
     }
 
-    /// A fresh cache for a format pair, FP8 scales set so the data uses the range.
+    /// A fresh cache for a format pair, FP8 (FP4) head scales set so the data uses the range.
     fn cache(&self, k: KvFormat, v: KvFormat) -> DeviceCache {
         let c = CacheConfig::new(HEADS, HEAD_DIM, BLOCK_SIZE, k, v).expect("config");
         let mut d = DeviceCache::new(&self.gpu, c, TOKENS / BLOCK_SIZE).expect("device cache");
-        let s = vec![10.0 / 448.0; HEADS];
+        let max = if k == KvFormat::Fp4E2m1 {
+            2688.0
+        } else {
+            448.0
+        };
+        let s = vec![10.0 / max; HEADS];
         d.set_scales(&s, &s).expect("scales");
         d
     }

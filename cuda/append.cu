@@ -7,6 +7,10 @@
 // INT4 V group 2 lanes, reduced with warp shuffles. A thread block holds whole rows (RowShape).
 // Per-thread work is sized so that quantizing stays under the memory time (the codecs' fast
 // exact paths avoid per-element division).
+//
+// A codec whose group is the whole row (INT8) reduces the row's extremes across its lanes: with
+// xor shuffles when a row's lanes divide a warp (rows then tile warps evenly), else through
+// shared memory (kBlockRows: rows that straddle warps, or span several).
 #include <array>
 #include <type_traits>
 
@@ -164,7 +168,9 @@ struct PagedSide {
   }
 };
 
-// Dense [rows, head_dim] quantized arrays (src/dense.rs): codes, f16 group scales / zeros.
+// Dense [rows, head_dim] quantized arrays (src/dense.rs): codes, and the scales of each row: f16
+// per group (INT4; zeros apart), an E4M3 byte per group (FP4) or one f32 (INT8), contiguous
+// rows; `scales` points to bytes of that type. Head scales: FP8's s, FP4's g.
 struct DenseRows {
   uint8_t *codes;
   uint16_t *scales;
@@ -173,10 +179,17 @@ struct DenseRows {
   const float *head_scales;
   FastDiv by_heads;
 
-  __device__ __forceinline__ RowRef row(uint32_t r) const {
+  // Row r of codec C's arrays.
+  template <class C> __device__ __forceinline__ RowRef row(uint32_t r) const {
     RowRef ref;
     ref.codes = codes + (int64_t)r * code_bytes;
-    ref.scales = scales != nullptr ? scales + (int64_t)r * groups : nullptr;
+    uint8_t *const meta = reinterpret_cast<uint8_t *>(scales);
+    if constexpr (RowGroupOf<C>::value)  // the row's one scale
+      ref.scales = reinterpret_cast<uint16_t *>(meta + (int64_t)r * C::kRowMeta);
+    else if constexpr (C::kGroupMeta == 1)  // a byte per group
+      ref.scales = reinterpret_cast<uint16_t *>(meta + (int64_t)r * groups);
+    else
+      ref.scales = scales != nullptr ? scales + (int64_t)r * groups : nullptr;
     ref.zeros = zeros != nullptr ? zeros + (int64_t)r * groups : nullptr;
     ref.meta_step = 1;
     ref.head_scale = head_scales == nullptr ? 1.0f
@@ -188,18 +201,45 @@ struct DenseRows {
 
 // ---- kernels --------------------------------------------------------------------------
 
-// The extremes codec C quantizes a thread's chunk with: its group's (C::group_extremes), or for a
-// codec whose group is the row, the row's over its shape.tpr lanes (format_info's row_lanes_ok
-// keeps them inside one warp). Every lane of the warp must call it.
-template <class C>
+// The quantizing kernels' format argument F: a kvq_format id, or a row-group codec's id with
+// kBlockRows set when a row's lanes do not divide a warp (with_row_reduction picks it).
+constexpr int kBlockRows = 1 << 8;
+template <int F> using CodecOf = Codec<F & (kBlockRows - 1)>;
+
+// The extremes of a row whose lanes need not lie in one warp (they may straddle two, or span
+// several): each lane posts its own to shared memory and reads back its row's (lo the least, hi
+// the largest). Two barriers, so every thread of the block must call it as often as the others.
+__device__ __forceinline__ Extremes block_row_extremes(const Extremes &own, const RowShape &shape) {
+  __shared__ Extremes posted[kThreadsPerBlock];
+  __syncthreads();  // the reads of this thread block's previous rows are done
+  posted[threadIdx.x] = own;
+  __syncthreads();
+  const int first = (int)(shape.by_tpr.div(threadIdx.x) * (uint32_t)shape.tpr);
+  if (first + shape.tpr > kThreadsPerBlock) return own;  // past the block's whole rows: no row
+  Extremes row = posted[first];
+  for (int i = 1; i < shape.tpr; ++i) {
+    const Extremes e = posted[first + i];
+    row.lo = fminf(row.lo, e.lo);
+    row.hi = fmaxf(row.hi, e.hi);
+  }
+  return row;
+}
+
+// The extremes the codec of F quantizes a thread's chunk with: its group's (group_extremes), or
+// for a codec whose group is the row, the row's over its shape.tpr lanes (row_extremes within a
+// warp, or block_row_extremes under kBlockRows). Every lane of the warp must call it; under
+// kBlockRows every thread of the block.
+template <int F>
 __device__ __forceinline__ Extremes extremes_for(const Extremes &own, const RowShape &shape) {
-  if constexpr (RowGroupOf<C>::value) return C::row_extremes(own, shape.tpr);
+  using C = CodecOf<F>;
+  if constexpr ((F & kBlockRows) != 0) return block_row_extremes(own, shape);
+  else if constexpr (RowGroupOf<C>::value) return C::row_extremes(own, shape.tpr);
   else return C::group_extremes(own);
 }
 
 // Whether append quantizes straight from the packed 16-bit input (INT4 formats, f16 / bf16).
 template <typename In, int F>
-constexpr bool kPackedInt4 = sizeof(In) == 2 && Codec<F>::kPackedExtremes;
+constexpr bool kPackedInt4 = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
 
 // Rows each append thread handles, and the blocks per SM its registers must allow (launch
 // bounds). A thread issues the loads of all its rows, then quantizes them one by one: more bytes
@@ -230,7 +270,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In>::kMinBlocks
                   uint32_t num_tokens, const void *__restrict__ slots, int slots_i64,
                   int64_t num_slots, PagedSide side, int count_out_of_range,
                   unsigned long long *counters) {
-  using C = Codec<F>;
+  using C = CodecOf<F>;
   constexpr int E = C::kEpt;
   constexpr int R = AppendTuning<In>::kRows;
   const RowGrid g = row_grid(shape, blockIdx.x * R);
@@ -287,7 +327,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In>::kMinBlocks
       float v[E] = {};
       if (active) non_finite += sanitize_raw<In, E>(p.raw, v);
       const Extremes own = C::extremes(v);
-      C::encode([&](int i) { return v[i]; }, own, extremes_for<C>(own, shape), chunk, r, active);
+      C::encode([&](int i) { return v[i]; }, own, extremes_for<F>(own, shape), chunk, r, active);
     }
   };
 
@@ -331,7 +371,7 @@ template <typename In, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     quantize_dense_kernel(RowShape shape, const In *__restrict__ x, uint32_t rows, DenseRows dst,
                           unsigned long long *counters) {
-  using C = Codec<F>;
+  using C = CodecOf<F>;
   constexpr int E = C::kEpt;
   const RowGrid g = row_grid(shape, blockIdx.x);
   const bool active = g.in_block && g.row < rows;
@@ -340,10 +380,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   RowRef r = {};
   if (active) {
     non_finite = load_sanitized<In, E>(x + (int64_t)g.row * shape.head_dim + g.chunk * E, v);
-    r = dst.row(g.row);
+    r = dst.row<C>(g.row);
   }
   const Extremes own = C::extremes(v);
-  C::encode([&](int i) { return v[i]; }, own, extremes_for<C>(own, shape), g.chunk, r,
+  C::encode([&](int i) { return v[i]; }, own, extremes_for<F>(own, shape), g.chunk, r,
                      active);
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
 }
@@ -356,7 +396,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const RowGrid g = row_grid(shape, blockIdx.x);
   if (!g.in_block || g.row >= rows) return;
   float v[E];
-  C::decode(src.row(g.row), g.chunk, v);
+  C::decode(src.row<C>(g.row), g.chunk, v);
   Out *o = out + (int64_t)g.row * shape.head_dim + g.chunk * E;
 #pragma unroll
   for (int j = 0; j < E / kChunk; ++j)
@@ -395,7 +435,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   for (int i = 0; i < 8; ++i) a = fmaxf(a, fabsf(v[i]));
   const uint32_t bits = __float_as_uint(a);
   if (per_head) {
-    // head_dim is a multiple of 8 for the per-head (FP8) case, so a chunk lies in one row.
+    // head_dim is a multiple of 8 for the per-head (FP8, FP4) case, so a chunk lies in one row.
     if (bits != 0) atomicMax(amax + (c * kChunk / head_dim) % heads, bits);
   } else {
     const uint32_t m = __reduce_max_sync(kFullMask, bits);
@@ -489,11 +529,19 @@ template <typename Fn> int with_dtype(int32_t dtype, Fn &&fn) {
   }
 }
 
-// head_dim rule of a format (mirrors KvFormat::head_dim_multiple) plus the kernels' own limits
-// (a row-group codec's row within one warp: INT8 at head_dim 16, 32, 64, 128, 256 or 512).
+// head_dim rule of a format (mirrors KvFormat::head_dim_multiple) plus the kernels' own limit.
 bool head_dim_ok(const FormatInfo &f, int head_dim) {
-  return head_dim > 0 && head_dim % f.head_dim_multiple == 0 && head_dim <= kMaxHeadDim &&
-         f.row_lanes_ok(head_dim);
+  return head_dim > 0 && head_dim % f.head_dim_multiple == 0 && head_dim <= kMaxHeadDim;
+}
+
+// Call fn(FormatTag<F>) to launch a quantizing kernel of format F over rows of `shape`; for a
+// row-group codec whose rows do not tile warps evenly (a row's lanes do not divide 32),
+// fn(FormatTag<F | kBlockRows>): its rows reduce through shared memory.
+template <int F, typename Fn> int with_row_reduction(const RowShape &shape, Fn &&fn) {
+  if constexpr (RowGroupOf<Codec<F>>::value) {
+    if (32 % shape.tpr != 0) return fn(FormatTag<F | kBlockRows>{});
+  }
+  return fn(FormatTag<F>{});
 }
 
 // A side of the cache, or false when the layout's fields are inconsistent.
@@ -548,13 +596,16 @@ extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void
     return with_dtype(dtype, [&](auto in) {
       using In = typename decltype(in)::type;
       return with_format<false>(format, [&](auto f) {
-        const RowShape shape(side.head_dim, Codec<decltype(f)::value>::kEpt);
+        constexpr int F = decltype(f)::value;
+        const RowShape shape(side.head_dim, Codec<F>::kEpt);
         const unsigned grid =
             shape.blocks(num_tokens * side.num_heads, AppendTuning<In>::kRows);
-        append_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
-            shape, static_cast<const In *>(x), stride, (uint32_t)num_tokens, slots,
-            slots_i64 != 0, num_slots, side, count_out_of_range, counters);
-        return launch_status();
+        return with_row_reduction<F>(shape, [&](auto k) {
+          append_kernel<In, decltype(k)::value><<<grid, kThreadsPerBlock, 0, s>>>(
+              shape, static_cast<const In *>(x), stride, (uint32_t)num_tokens, slots,
+              slots_i64 != 0, num_slots, side, count_out_of_range, counters);
+          return launch_status();
+        });
       });
     });
   };
@@ -643,21 +694,23 @@ int uniform_elems(int64_t rows, int32_t head_dim, const float *head_scales,
   return KVQ_OK;
 }
 
-/// The checks both grouped / FP8 dense launchers make, and the rows they launch over: KVQ_OK
-/// with `out` filled, or the error to return.
+/// The checks both row-wise dense launchers make, and the rows they launch over: KVQ_OK with
+/// `out` filled, or the error to return.
 int dense_rows(int32_t format, uint8_t *codes, const float *head_scales, int32_t num_head_scales,
-               uint16_t *group_scales, uint16_t *group_zeros, int64_t rows, int32_t heads,
+               void *scales, uint16_t *group_zeros, int64_t rows, int32_t heads,
                int32_t head_dim, DenseRows &out) {
   FormatInfo f;
   if (!format_info(format, f) || !head_dim_ok(f, head_dim)) return KVQ_ERR_INVALID;
   const int g = f.group;
   if (f.head_scale && (head_scales == nullptr || (num_head_scales != 1 && num_head_scales != heads)))
     return KVQ_ERR_INVALID;
-  if (g != 0 && (group_scales == nullptr || (f.group_entries > 1 && group_zeros == nullptr)))
+  // Scales per group or, for a row-group codec, per row; zeros per group when affine.
+  if ((g != 0 || f.row_group) &&
+      (scales == nullptr || (f.group_entries > 1 && group_zeros == nullptr)))
     return KVQ_ERR_INVALID;
   if (rows > kMaxRows) return KVQ_ERR_UNSUPPORTED;
   out = {codes,
-         group_scales,
+         static_cast<uint16_t *>(scales),
          group_zeros,
          f.code_bytes(head_dim),
          g != 0 ? head_dim / g : 0,
@@ -671,7 +724,7 @@ int dense_rows(int32_t format, uint8_t *codes, const float *head_scales, int32_t
 
 extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, int64_t rows,
                                   int32_t heads, int32_t head_dim, const float *head_scales,
-                                  int32_t num_head_scales, uint8_t *codes, uint16_t *group_scales,
+                                  int32_t num_head_scales, uint8_t *codes, void *scales,
                                   uint16_t *group_zeros, unsigned long long *counters,
                                   void *stream) {
   if (x == nullptr || !aligned16(x) || codes == nullptr || !aligned16(codes) || rows < 0 ||
@@ -691,24 +744,27 @@ extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, 
     });
   }
   DenseRows dst;
-  const int status = dense_rows(format, codes, head_scales, num_head_scales, group_scales,
+  const int status = dense_rows(format, codes, head_scales, num_head_scales, scales,
                                 group_zeros, rows, heads, head_dim, dst);
   if (status != KVQ_OK || rows == 0) return status;
   return with_dtype(dtype, [&](auto in) {
     using In = typename decltype(in)::type;
     return with_format<true>(format, [&](auto f) {
-      const RowShape shape(head_dim, Codec<decltype(f)::value>::kEpt);
+      constexpr int F = decltype(f)::value;
+      const RowShape shape(head_dim, Codec<F>::kEpt);
       const unsigned grid = shape.blocks(rows);
-      quantize_dense_kernel<In, decltype(f)::value><<<grid, kThreadsPerBlock, 0, s>>>(
-          shape, static_cast<const In *>(x), (uint32_t)rows, dst, counters);
-      return launch_status();
+      return with_row_reduction<F>(shape, [&](auto k) {
+        quantize_dense_kernel<In, decltype(k)::value><<<grid, kThreadsPerBlock, 0, s>>>(
+            shape, static_cast<const In *>(x), (uint32_t)rows, dst, counters);
+        return launch_status();
+      });
     });
   });
 }
 
 extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
                                     const float *head_scales, int32_t num_head_scales,
-                                    const uint16_t *group_scales, const uint16_t *group_zeros,
+                                    const void *scales, const uint16_t *group_zeros,
                                     int64_t rows, int32_t heads, int32_t head_dim,
                                     int32_t out_dtype, void *out, void *stream) {
   if (codes == nullptr || !aligned16(codes) || out == nullptr || !aligned16(out) || rows < 0 ||
@@ -729,7 +785,7 @@ extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
   // The kernel only reads through src.
   DenseRows src;
   const int status = dense_rows(format, const_cast<uint8_t *>(codes), head_scales,
-                                num_head_scales, const_cast<uint16_t *>(group_scales),
+                                num_head_scales, const_cast<void *>(scales),
                                 const_cast<uint16_t *>(group_zeros), rows, heads, head_dim, src);
   if (status != KVQ_OK || rows == 0) return status;
   return with_dtype(out_dtype, [&](auto o) {

@@ -11,18 +11,19 @@
 namespace kvq_decode {
 namespace {
 
-/// Whether kernel format M's codec in the K (V = false) or V role holds whole groups of D.
+/// Whether kernel format M's codec in the K (V = false) or V role holds whole groups of D, in
+/// code rows of whole 16-byte units (4-bit codes: head_dim a multiple of 32), which the K
+/// fragments' word-by-word unpacking needs.
 template <Fmt M, bool V, int D>
 constexpr bool whole_groups() {
   using C = Codec<format_of<M, V>()>;
-  if constexpr (C::kGroup == 0) return true;
-  else return D % C::kGroup == 0;
+  return (C::kGroup == 0 || D % C::kGroup == 0) && D * C::kBits / 8 % 16 == 0;
 }
 
 /// The instances: the kernel formats of the codecs with kDecodeMixed mixed freely (K x V), any
-/// other one with itself, at head_dim 64, 80, 96, 112, 128, 192 and 256 where the groups divide
-/// head_dim; with the codecs as they are, f16, bf16, fp8-e4m3 and int4 (keys: groups of 32,
-/// values: 64) mixed and e5m2 with itself. This is the one statement of the supported set
+/// other one with itself, at head_dim 64, 80, 96, 112, 128, 192 and 256 where whole_groups
+/// holds; with the codecs as they are, f16, bf16, fp8-e4m3, int8-pth, fp4-e2m1 (head_dim a
+/// multiple of 32) and int4 (keys: groups of 32, values: 64) mixed and e5m2 with itself. This is the one statement of the supported set
 /// (kvq_decode_supported).
 template <Fmt K, Fmt V, int D>
 constexpr bool has_kernel() {

@@ -83,9 +83,7 @@ typedef enum kvq_dtype {
  * (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.
  * A negative slot skips the token (padding); a slot >= num_blocks * block_size skips it too and
  * counts it in counters[KVQ_COUNTER_OUT_OF_RANGE]. FP8 and FP4 formats read
- * cache->k_scales/v_scales. int8-pth (and kvq_gather_dequantize of it) needs a head_dim whose
- * rows of 16-element chunks fit a warp evenly: 16, 32, 64, 128, 256 or 512; else
- * KVQ_ERR_INVALID. */
+ * cache->k_scales/v_scales. */
 int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void *slots, int32_t slots_i64,
                int64_t num_tokens, const void *k, const void *v, int32_t dtype,
                int64_t k_token_stride, int64_t v_token_stride, unsigned long long *counters,
@@ -140,19 +138,21 @@ int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, int64_t rows,
                      uint32_t *amax_scratch, void *stream);
 
 /* Quantize a dense tensor [rows, head_dim] (the layout of src/dense.rs): codes [rows, code
- * bytes]; FP8 and uniform INT4 take num_head_scales (1, or `heads` for FP8) f32 scales; INT4 K
- * writes f16 group_scales [rows, head_dim / 32]; INT4 V writes group_scales and group_zeros
- * [rows, head_dim / 64]. Uniform INT4 packs the flat tensor (head_dim even). KVQ_INT8_PTH and
- * KVQ_FP4_E2M1 have no dense kernels (KVQ_ERR_INVALID). */
+ * bytes]. FP8, FP4 and uniform INT4 take num_head_scales f32 head scales: FP8's s and FP4's g
+ * 1 or `heads` (row r takes head r % heads' scale), uniform INT4's 1 (kvq_dense_scales
+ * computes them from data). `scales` receives each row's scales: INT4 K f16 [rows, head_dim /
+ * 32], INT4 V f16 [rows, head_dim / 64] (its zeros, the same, in group_zeros), FP4 E4M3 bytes
+ * [rows, head_dim / 16], INT8 f32 [rows] (4-byte aligned); null for FP8 and uniform INT4.
+ * Uniform INT4 packs the flat tensor (head_dim even). */
 int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, int64_t rows, int32_t heads,
                        int32_t head_dim, const float *head_scales, int32_t num_head_scales,
-                       uint8_t *codes, uint16_t *group_scales, uint16_t *group_zeros,
+                       uint8_t *codes, void *scales, uint16_t *group_zeros,
                        unsigned long long *counters, void *stream);
 
 /* The inverse of kvq_quantize_dense, to a dense [rows, head_dim] tensor of out_dtype, each value
  * exactly as FORMATS.md decodes it (then rounded to out_dtype). */
 int kvq_dequantize_dense(int32_t format, const uint8_t *codes, const float *head_scales,
-                         int32_t num_head_scales, const uint16_t *group_scales,
+                         int32_t num_head_scales, const void *scales,
                          const uint16_t *group_zeros, int64_t rows, int32_t heads,
                          int32_t head_dim, int32_t out_dtype, void *out, void *stream);
 
@@ -254,11 +254,10 @@ typedef struct kvq_decode_args {
 } kvq_decode_args;
 
 /* 1 when this build has a decode kernel for keys in k_format and values in v_format
- * (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3 and int4 (K: KVQ_INT4_SYM32, V:
- * KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80, 96, 112, 128, 192 or
- * 256, a multiple of 32 with INT4 keys and of 64 with INT4 values. Never int8-pth or fp4-e2m1
- * (no fragment kind for a per-row or E4M3 group scale; prefill serves them). A host function:
- * no device is needed. */
+ * (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3, int8-pth, fp4-e2m1 and int4 (K:
+ * KVQ_INT4_SYM32, V: KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80,
+ * 96, 112, 128, 192 or 256, a multiple of 32 with INT4 keys or fp4-e2m1 on either side and of
+ * 64 with INT4 values. A host function: no device is needed. */
 int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim);
 
 /* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. */

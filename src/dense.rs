@@ -168,6 +168,19 @@ impl DenseFormat {
         self.kv_format().is_some_and(|kv| kv.spec().group_zeros())
     }
 
+    /// Dtype and elements per row of the `scales` part when it holds each row's scales: f16 per
+    /// group (INT4), an E4M3 byte per group (FP4), one f32 (INT8). `None` when it holds the
+    /// head (or tensor) scales instead (FP8, `int4-uniform`).
+    pub(crate) fn row_scales(self, head_dim: usize) -> Option<(StoredDtype, usize)> {
+        let spec = self.kv_format()?.spec();
+        match spec.group {
+            Some(g) if spec.meta_bytes_per_group == 1 => Some((StoredDtype::U8, head_dim / g)),
+            Some(g) => Some((StoredDtype::F16, head_dim / g)),
+            None if spec.meta_bytes_per_row > 0 => Some((StoredDtype::F32, 1)),
+            None => None,
+        }
+    }
+
     fn unknown(name: &str) -> Error {
         let known: Vec<_> = Self::ALL.iter().map(|f| f.name()).collect();
         Error::InvalidArgument(format!(
@@ -530,21 +543,13 @@ impl Geometry {
     /// group), INT8 (f32 per row) and `int4-uniform` (one f32); FP8 is `[1]` or `[heads]`,
     /// chosen at quantize time.
     fn group_scale_shape(&self, format: DenseFormat) -> (StoredDtype, Vec<usize>) {
-        let mut s = self.prefix.clone();
-        match format.kv_format().map(KvFormat::spec) {
-            Some(spec) if spec.group.is_some() => {
-                s.push(self.head_dim / spec.group.unwrap_or(1));
-                let dtype = match spec.meta_bytes_per_group {
-                    1 => StoredDtype::U8,
-                    _ => StoredDtype::F16,
-                };
+        match format.row_scales(self.head_dim) {
+            Some((dtype, per_row)) => {
+                let mut s = self.prefix.clone();
+                s.push(per_row);
                 (dtype, s)
             }
-            Some(spec) if spec.meta_bytes_per_row > 0 => {
-                s.push(1);
-                (StoredDtype::F32, s)
-            }
-            _ => (StoredDtype::F32, vec![1]),
+            None => (StoredDtype::F32, vec![1]),
         }
     }
 }

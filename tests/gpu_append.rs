@@ -1,7 +1,9 @@
 //! GPU append, gather-dequantize and dense quantize / dequantize against the CPU reference, bit
 //! for bit: every format pair, head_dim 64/128/256, block_size 16/32/64, f32/f16/bf16 inputs,
-//! random and edge values. Without a GPU each test prints `SKIPPED: no GPU` and passes, unless
-//! `KVQ_REQUIRE_GPU=1` (then it fails).
+//! random and edge values; `int8-pth` at every kind of head_dim (rows that tile warps, straddle
+//! them or span several), and the dense `int8-pth` / `fp4-e2m1` tensors at several head dims.
+//! Without a GPU each test prints `SKIPPED: no GPU` and passes, unless `KVQ_REQUIRE_GPU=1` (then
+//! it fails).
 #![cfg(feature = "cuda")]
 
 use half::{bf16, f16};
@@ -705,6 +707,18 @@ fn bad_arguments_are_typed_errors() {
 
 // ---- dense --------------------------------------------------------------------------------
 
+/// Index of the first byte where `a` and `b` differ (or where the shorter ends), None if equal.
+fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x != y)
+        .or((a.len() != b.len()).then(|| a.len().min(b.len())))
+}
+
+/// Dense quantize on the GPU against `dense::quantize` (every part's bytes, the non-finite
+/// count), dequantize of the host's tensor against `dense::dequantize` (f32, bit for bit), and
+/// dequantize of the GPU's tensor to f16. Random rows, every 5th element replaced by an edge
+/// value (NaN, ±Inf, ±65504, 1e6, -1e30, ties, subnormal-scale values, signed zeros).
 fn check_dense<T: Input>(gpu: &Gpu, format: DenseFormat, shape: &[usize], choice: Fp8ScaleChoice) {
     let n: usize = shape.iter().product();
     let d = *shape.last().unwrap();
@@ -729,9 +743,24 @@ fn check_dense<T: Input>(gpu: &Gpu, format: DenseFormat, shape: &[usize], choice
         "{what}: non-finite"
     );
     let got_host = got.to_host().unwrap();
-    assert!(want.codes() == got_host.codes(), "{what}: codes differ");
-    assert!(want.scales() == got_host.scales(), "{what}: scales differ");
+    if let Some(i) = first_difference(want.codes().data(), got_host.codes().data()) {
+        panic!("{what}: codes differ first at byte {i}");
+    }
+    assert_eq!(want.codes(), got_host.codes(), "{what}: codes (shape)");
+    if let Some(i) = first_difference(want.scales().data(), got_host.scales().data()) {
+        panic!("{what}: scales differ first at byte {i}");
+    }
+    assert_eq!(
+        want.scales(),
+        got_host.scales(),
+        "{what}: scales (dtype, shape)"
+    );
     assert!(want.zeros() == got_host.zeros(), "{what}: zeros differ");
+    assert_eq!(
+        want.global_scales(),
+        got_host.global_scales(),
+        "{what}: global scales differ"
+    );
 
     let deq = dense::dequantize(&want);
     let up = DeviceQuantized::from_host(gpu, &want).unwrap();
@@ -749,16 +778,6 @@ fn dense_quantize_and_dequantize_match_cpu() {
         return;
     };
     for format in DenseFormat::ALL {
-        if matches!(format, DenseFormat::Int8Pth | DenseFormat::Fp4E2m1) {
-            // No device dense path for these (f32 row scales, E4M3 group and global scales):
-            // a typed error, never a launch.
-            let x = gpu.stream().clone_htod(&vec![1.0f32; 2 * 64]).unwrap();
-            assert!(matches!(
-                ops::quantize_dense(&gpu, format, &x, &[2, 64], Fp8ScaleChoice::default()),
-                Err(Error::Unsupported(_))
-            ));
-            continue;
-        }
         let choices: &[Fp8ScaleChoice] = if format.fp8_kind().is_some() {
             &[
                 Fp8ScaleChoice::Fixed(0.37),
@@ -780,6 +799,114 @@ fn dense_quantize_and_dequantize_match_cpu() {
                 check_dense::<bf16>(&gpu, format, shape, choice);
             }
         }
+    }
+}
+
+/// `int8-pth` and `fp4-e2m1` dense tensors at head dims of every kind the GPU takes. INT8 rows
+/// are head_dim / 16 lanes: 5, 6, 7, 12, 20 and 36 lanes (80 .. 576) straddle warps and 64 or
+/// 128 (1024, 2048) span several, so their amax goes through shared memory; the others use
+/// shuffles. FP4 at multiples of 32 up to 2048. 37 x 3 rows: several thread blocks, rows of
+/// three heads (FP4's global scale per head differs: the edge rows put ±Inf and 1e30 in some
+/// heads only); rank 1 is one head. f32, f16 and bf16 inputs.
+#[test]
+fn dense_int8_and_fp4_match_cpu_at_every_head_dim() {
+    let Some(gpu) = require_gpu_or_skip("dense_int8_and_fp4_match_cpu_at_every_head_dim") else {
+        return;
+    };
+    let int8_dims = [
+        16, 32, 48, 80, 96, 112, 128, 192, 256, 320, 512, 576, 1024, 2048,
+    ];
+    let fp4_dims = [32, 64, 96, 128, 160, 192, 256, 320, 576, 1024, 2048];
+    let mut checked = 0;
+    for (format, dims) in [
+        (DenseFormat::Int8Pth, &int8_dims[..]),
+        (DenseFormat::Fp4E2m1, &fp4_dims[..]),
+    ] {
+        for &d in dims {
+            for shape in [vec![37, 3, d], vec![d]] {
+                let choice = Fp8ScaleChoice::default();
+                check_dense::<f32>(&gpu, format, &shape, choice);
+                check_dense::<f16>(&gpu, format, &shape, choice);
+                check_dense::<bf16>(&gpu, format, &shape, choice);
+                checked += 1;
+            }
+        }
+    }
+    assert_eq!(checked, 2 * (int8_dims.len() + fp4_dims.len()));
+}
+
+/// What the dense GPU path refuses for `int8-pth` and `fp4-e2m1`, as typed errors before any
+/// launch: a head_dim off the format's multiple, one past the GPU's largest, a scale choice
+/// other than the default, an empty head axis, data of the wrong length.
+#[test]
+fn dense_int8_and_fp4_bad_arguments_are_typed_errors() {
+    let Some(gpu) = require_gpu_or_skip("dense_int8_and_fp4_bad_arguments_are_typed_errors") else {
+        return;
+    };
+    let s = gpu.stream();
+    let default = Fp8ScaleChoice::default();
+    let q = |format, shape: &[usize], choice| {
+        // Data of the shape's length, so that only the tested rule can refuse it.
+        let n = shape.iter().product::<usize>().max(1);
+        let x = s.clone_htod(&vec![1.0f32; n]).unwrap();
+        ops::quantize_dense(&gpu, format, &x, shape, choice)
+    };
+    for (format, off_multiple) in [(DenseFormat::Int8Pth, 24), (DenseFormat::Fp4E2m1, 48)] {
+        let r = q(format, &[2, off_multiple], default);
+        assert!(matches!(r, Err(Error::HeadDim { .. })), "{format}: {r:?}");
+        // A multiple of 32, one step past the GPU's largest head_dim (2048).
+        let r = q(format, &[2, 2080], default);
+        assert!(matches!(r, Err(Error::Unsupported(_))), "{format}: {r:?}");
+        let r = q(format, &[2, 64], Fp8ScaleChoice::PerHeadAmax);
+        assert!(matches!(r, Err(Error::Unsupported(_))), "{format}: {r:?}");
+        let r = q(format, &[2, 64], Fp8ScaleChoice::Fixed(0.5));
+        assert!(matches!(r, Err(Error::Unsupported(_))), "{format}: {r:?}");
+        let r = q(format, &[0, 64], default);
+        assert!(matches!(r, Err(Error::Unsupported(_))), "{format}: {r:?}");
+        let x = s.clone_htod(&vec![1.0f32; 100]).unwrap();
+        let r = ops::quantize_dense(&gpu, format, &x, &[3, 64], default);
+        assert!(matches!(r, Err(Error::Length { .. })), "{format}: {r:?}");
+        // No rows but heads: the host's tensor (FP4's global scales 1), no launch.
+        let none = s.null::<f32>().unwrap();
+        let shape = [0, 2, 64];
+        let got = ops::quantize_dense(&gpu, format, &none, &shape, default).unwrap();
+        let want = dense::quantize(format, &[0f32; 0], &shape, default).unwrap();
+        assert_eq!(got.to_host().unwrap(), want, "{format}: empty tensor");
+        assert_eq!(got.non_finite().unwrap(), 0);
+        assert!(ops::dequantize_dense::<f32>(&gpu, &got).unwrap().is_empty());
+    }
+}
+
+/// `int8-pth` append and gather at head dims whose rows do not tile warps evenly (80, 96, 112,
+/// 192: rows of 5, 6, 7 and 12 lanes straddle warps; 48, 320, 576: 3, 20 and 36 lanes) or span
+/// several warps (1024, 2048: 64 and 128 lanes), which reduce each row's amax through shared
+/// memory; 16 and 512 are the two ends of the shuffle path. Pool bytes, non-finite counts and
+/// gathered values against the CPU's, INT8 on both sides or beside another format, random, edge
+/// (NaN, ±Inf, huge) and tie-heavy data; then many thread blocks at 96.
+#[test]
+fn int8_append_matches_cpu_at_every_head_dim() {
+    let Some(gpu) = require_gpu_or_skip("int8_append_matches_cpu_at_every_head_dim") else {
+        return;
+    };
+    use KvFormat::*;
+    let mut seed = 300;
+    for head_dim in [16, 48, 80, 96, 112, 192, 320, 512, 576, 1024, 2048] {
+        for (kf, vf) in [(Int8Pth, Int8Pth), (Int8Pth, Fp8E4m3), (F16, Int8Pth)] {
+            let c = CacheConfig::new(3, head_dim, 16, kf, vf).unwrap();
+            seed += 1;
+            check_append::<f16>(&gpu, c, 45, seed, Data::Random);
+            check_append::<bf16>(&gpu, c, 45, seed + 1000, Data::Random);
+            check_append::<f32>(&gpu, c, 45, seed + 2000, Data::Random);
+            check_append::<f16>(&gpu, c, 40, seed, Data::Edge);
+            check_append::<bf16>(&gpu, c, 40, seed, Data::Edge);
+            check_append::<f32>(&gpu, c, 40, seed, Data::Edge);
+            check_append::<bf16>(&gpu, c, 33, seed, Data::Grid);
+        }
+    }
+    for (i, head_dim) in [80, 96, 112, 192].into_iter().enumerate() {
+        let c = CacheConfig::new(8, head_dim, 16, Int8Pth, Int8Pth).unwrap();
+        check_append::<f16>(&gpu, c, 3_000, 400 + i as u64, Data::Random);
+        check_append::<bf16>(&gpu, c, 3_000, 500 + i as u64, Data::Grid);
     }
 }
 

@@ -353,7 +353,7 @@ fn every_format_pair() {
     };
     let mut rng = rng("every_format_pair");
     let all = pairs();
-    assert_eq!(all.len(), 17, "4 x 4 freely mixed formats + e5m2");
+    assert_eq!(all.len(), 37, "6 x 6 freely mixed formats + e5m2");
     for (k, v) in all {
         let lens = vec![1 + rng.below(40), 16 + rng.below(3), 200 + rng.below(600)];
         let mut c = Case::new(k, v, 128, lens);
@@ -482,6 +482,8 @@ fn block_and_split_boundary_lengths() {
         for (k, v) in [
             (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
             (KvFormat::F16, KvFormat::F16),
+            (KvFormat::Int8Pth, KvFormat::Int8Pth),
+            (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
         ] {
             for splits in [None, Some(2), Some(7)] {
                 let mut c = Case::new(k, v, 128, lens.clone());
@@ -504,6 +506,8 @@ fn speculative_q_len_is_causal() {
         for (k, v) in [
             (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
             (KvFormat::Bf16, KvFormat::Bf16),
+            (KvFormat::Int8Pth, KvFormat::Int4Affine64),
+            (KvFormat::Fp4E2m1, KvFormat::Int8Pth),
         ] {
             let mut c = Case::new(k, v, 64, vec![q_len, 40 + rng.below(100), 600]);
             c.group = group;
@@ -524,6 +528,8 @@ fn long_context_with_split_kv() {
     for (k, v) in [
         (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
         (KvFormat::Bf16, KvFormat::Bf16),
+        (KvFormat::Int8Pth, KvFormat::Int8Pth),
+        (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
     ] {
         let mut c = Case::new(k, v, 128, vec![long, 1000 + rng.below(1000)]);
         c.num_kv_heads = 1;
@@ -566,6 +572,53 @@ fn split_count_does_not_change_the_result() {
     );
 }
 
+/// INT8 rows whose scales span ten decades, in either order along the sequence: the kernel
+/// rescales P by the largest V scale seen so far (f16's range), and the scores by each key
+/// row's scale, so tiny and huge rows must both come out right, with mixed formats too.
+#[test]
+fn int8_row_scales_over_ten_decades() {
+    let Some(gpu) = require_gpu_or_skip("int8_row_scales_over_ten_decades") else {
+        return;
+    };
+    let mut rng = rng("int8_row_scales_over_ten_decades");
+    for (k, v) in [
+        (KvFormat::Int8Pth, KvFormat::Int8Pth),
+        (KvFormat::Bf16, KvFormat::Int8Pth),
+        (KvFormat::Int8Pth, KvFormat::Fp8E4m3),
+    ] {
+        for rising in [true, false] {
+            let c = Case::new(k, v, 128, vec![700, 1 + rng.below(60), 333]);
+            let seqs: Vec<SeqKv> = c
+                .lens
+                .iter()
+                .map(|&l| {
+                    let mut s = random_kv(&mut rng, l, c.num_kv_heads, c.head_dim);
+                    let row = c.num_kv_heads * c.head_dim;
+                    for (t, (kr, vr)) in s.k.chunks_mut(row).zip(s.v.chunks_mut(row)).enumerate() {
+                        // 10^-6 .. 10^4 across the sequence (values), 10^-3 .. 10^1 (keys, so
+                        // that scores stay in a range where softmax sees them all).
+                        let x = t as f32 / l.max(2) as f32;
+                        let x = if rising { x } else { 1.0 - x };
+                        let (fv, fk) = (10f32.powf(-6.0 + 10.0 * x), 10f32.powf(-3.0 + 4.0 * x));
+                        vr.iter_mut().for_each(|e| *e *= fv);
+                        kr.iter_mut().for_each(|e| *e *= fk);
+                    }
+                    s
+                })
+                .collect();
+            let n = c.lens.len() * c.num_kv_heads * c.group * c.head_dim;
+            let q: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+            let o = run_case(&gpu, &c, &seqs, &q);
+            eprintln!(
+                "  {:<70} rising {rising} rel {:.2e} row {:.2e}",
+                c.name(),
+                o.rel,
+                o.worst_row
+            );
+        }
+    }
+}
+
 /// Real attention data: MiniLM's K/V/Q (12 heads of 32 → 6 heads of 64 by pairing adjacent
 /// heads), two layers as two sequences, the last q_len tokens' queries.
 #[test]
@@ -603,6 +656,9 @@ fn real_minilm_data() {
         (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
         (KvFormat::F16, KvFormat::F16),
         (KvFormat::Bf16, KvFormat::Bf16),
+        (KvFormat::Int8Pth, KvFormat::Int8Pth),
+        (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
+        (KvFormat::Int4Sym32, KvFormat::Fp4E2m1),
     ] {
         for q_len in [1, 3] {
             let mut c = Case::new(k, v, 64, lens.clone());

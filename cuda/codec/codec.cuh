@@ -44,14 +44,9 @@ struct FormatInfo {
   int group_entries;      // f16 metadata entries per group: a scale (1), a scale and a zero (2)
   int head_dim_multiple;  // whole chunks of a thread and whole groups (KvFormat::head_dim_multiple)
   bool head_scale;        // an f32 scale per head (or tensor) outside the rows
-  bool row_group;         // the row is one group, its lanes reduced in one warp (RowGroupOf)
+  bool row_group;         // the row is one group: one scale per row, its lanes reduced (RowGroupOf)
 
   int code_bytes(int head_dim) const { return head_dim * bits / 8; }
-  // Whether the row kernels can serve head_dim: a row-group codec's lanes per row
-  // (head_dim / head_dim_multiple, one chunk each) must divide a warp.
-  bool row_lanes_ok(int head_dim) const {
-    return !row_group || 32 % (head_dim / head_dim_multiple) == 0;
-  }
 };
 
 // The constants of a kvq_format; false for an unknown one.

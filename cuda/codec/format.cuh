@@ -51,16 +51,20 @@ static_assert(ids_in_order(AllFormats{}), "AllFormats lists the ids 0 to N-1 in 
 //              kGroupMeta (metadata bytes per group), kEpt (elements one thread of the row
 //              kernels handles: one 16-byte vector of codes), kDense (served by the dense
 //              quantize / dequantize), kHeadScale (an f32 scale per head, outside the rows),
-//              kPackedExtremes (packed_extremes exists), optionally kRowGroup (the whole row is
-//              one group: row_extremes reduces over the row's lanes, which must lie in one
-//              warp; INT8) and kFusedDecode = false (the decode kernel does not take it though
-//              kDecodeK / kDecodeV say the attention kernels may: prefill does);
+//              kPackedExtremes (packed_extremes exists), optionally kRowMeta (metadata bytes
+//              of the whole row), kRowGroup (the whole row is one group: row_extremes reduces
+//              over the row's lanes where they divide a warp, the row kernels through shared
+//              memory elsewhere; INT8) and kFusedDecode =
+//              false (the decode kernel does not take it though kDecodeK / kDecodeV say the
+//              attention kernels may: prefill does);
 //   row role   extremes, group_extremes (or row_extremes), [packed_extremes,] encode, decode:
 //              the exact FORMATS.md math of one thread's chunk of a row (append, gather,
 //              dense);
 //   K / V role the decode kernel's fragments (decode/frag.cuh): kBf16Operands, kGroupFrags
 //              (which fragment kind), unit() with kHeadScale, q_scale, then per kind either
-//              k_pair_elem, k_unpack / v_unpack (codes unpacked word by word into operands) or
+//              k_pair_elem, k_unpack / v_unpack (codes unpacked word by word into operands;
+//              with kRowScale, an f32 row scale per token applied to S / P; with
+//              kScaledWords, each word's group scale passed to the unpack) or
 //              k_dim, k_codes, kScoreUnit, k_zero_term / v_dim, v_codes, v_col_unit_inv
 //              (grouped codes that enter the MMAs raw, their metadata applied around them);
 //   decode     kDecodeK, kDecodeV (the decode kernel takes the format as keys / values) and,
@@ -74,6 +78,26 @@ template <int F> struct Codec;
 template <class C, class = void> struct RowGroupOf : std::false_type {};
 template <class C>
 struct RowGroupOf<C, std::void_t<decltype(C::kRowGroup)>> : std::bool_constant<C::kRowGroup> {};
+
+// Metadata bytes of one row of codec C that belong to the row, not to a group (kRowMeta, default
+// 0): INT8's f32 scale.
+template <class C, class = void> struct RowMetaOf : std::integral_constant<int, 0> {};
+template <class C>
+struct RowMetaOf<C, std::void_t<decltype(C::kRowMeta)>>
+    : std::integral_constant<int, C::kRowMeta> {};
+
+// Whether the decode kernel applies codec C's row metadata as one f32 scale per token
+// (kRowScale, default false): on the token's scores (K), on its P (V).
+template <class C, class = void> struct RowScaleOf : std::false_type {};
+template <class C>
+struct RowScaleOf<C, std::void_t<decltype(C::kRowScale)>> : std::bool_constant<C::kRowScale> {};
+
+// Whether codec C's unpacks (k_unpack, v_unpack) take the group scale of the code words they
+// unpack (kScaledWords, default false): FP4's E4M3 byte per 16 codes.
+template <class C, class = void> struct ScaledWordsOf : std::false_type {};
+template <class C>
+struct ScaledWordsOf<C, std::void_t<decltype(C::kScaledWords)>>
+    : std::bool_constant<C::kScaledWords> {};
 
 // Whether the decode kernel takes codec C in the roles kDecodeK / kDecodeV name (kFusedDecode,
 // default true); prefill takes it either way.
@@ -137,8 +161,9 @@ namespace kvq_decode {
 
 // The decode kernel's (decode/kernel.cuh) template argument for one side's codes: one value per
 // fragment unpacking, which a K-role and a V-role codec may share (I4: INT4 K groups of 32,
-// symmetric; INT4 V groups of 64, affine). A codec names its own (kDecodeFmt). Declared here for
+// symmetric; INT4 V groups of 64, affine; I8: INT8 rows under an f32 scale per token; F4: E2M1
+// codes under E4M3 scales per 16). A codec names its own (kDecodeFmt). Declared here for
 // the codecs, and in kvq_decode because it is part of the kernels' names.
-enum class Fmt : int { F16, BF16, E4M3, E5M2, I4 };
+enum class Fmt : int { F16, BF16, E4M3, E5M2, I4, I8, F4 };
 
 }  // namespace kvq_decode

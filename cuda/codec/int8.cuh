@@ -2,9 +2,11 @@
 // element, one f32 scale s = amax / 127 per row (the row's metadata, little-endian).
 #pragma once
 
+#include <cuda_fp16.h>
 #include <stdint.h>
 
 #include "codec/format.cuh"
+#include "prim/bits.cuh"
 #include "prim/warp.cuh"
 
 namespace kvq {
@@ -15,13 +17,13 @@ template <> struct Codec<kInt8Pth> {
   static constexpr int kGroupMeta = 0;
   static constexpr int kRowMeta = 4;    // f32 scale per row
   static constexpr int kEpt = 16;       // one 16-byte vector of codes a thread
-  // Served by the paged row kernels and prefill; not by the dense kernels (their scale arrays
-  // are f16 per group) nor by the decode kernel (no fragment kind with a per-row scale).
-  static constexpr bool kDense = false;
+  // Served by the paged row kernels, the dense kernels (an f32 scale per row), prefill and the
+  // decode kernel.
+  static constexpr bool kDense = true;
   static constexpr bool kHeadScale = false;
   static constexpr bool kPackedExtremes = false;
-  // The scale's amax runs over the whole row: its lanes reduce (row_extremes), which needs a
-  // row's lanes inside one warp: head_dim / kEpt must divide 32 (format_info's row_lanes).
+  // The scale's amax runs over the whole row: its lanes reduce (row_extremes where a row's lanes
+  // divide a warp; the row kernels reduce other rows through shared memory, append.cu).
   static constexpr bool kRowGroup = true;
   static_assert(kEpt * kBits / 8 == 16, "each thread stores one 16-byte vector of codes");
 
@@ -67,12 +69,44 @@ template <> struct Codec<kInt8Pth> {
     for (int i = 0; i < kEpt; ++i) v[i] = __fmul_rn((float)b[i], s);
   }
 
-  // ---- attention kernels: prefill decodes rows (decode, exact f32) into its operands; the
-  // decode kernel has no per-row-scale fragment kind (kFusedDecode) ----
+  // ---- decode-kernel fragment roles (decode/frag.cuh): codes become f16, exactly; the row's
+  // scale multiplies the scores of its token (K) or rides on P (V: kRowScale) ----
 
-  static constexpr bool kDecodeK = true, kDecodeV = true, kDecodeMixed = false;
-  static constexpr bool kFusedDecode = false;
+  static constexpr bool kDecodeK = true, kDecodeV = true, kDecodeMixed = true;
+  static constexpr kvq_decode::Fmt kDecodeFmt = kvq_decode::Fmt::I8;
   static constexpr bool kBf16Operands = false;
+  static constexpr bool kGroupFrags = false;
+  static constexpr bool kRowScale = true;
+
+  /// Factor on the query of k-step j: none.
+  static __device__ __forceinline__ float q_scale(int) { return 1.f; }
+
+  /// Element (0..) of a load that half `e` of K fragment register `p` holds.
+  static __device__ __forceinline__ int k_pair_elem(int p, int e) { return 2 * p + e; }
+
+  /// Bytes (x.b[i], x.b[j]) of a word of biased codes (code ^ 0x80 = code + 128) as f16x2:
+  /// placed under the exponent of 1024 they read 1152 + code, exact, and 1152 comes off.
+  static __device__ __forceinline__ uint32_t biased_pair(uint32_t x, uint32_t sel) {
+    const __half2 v = bits_h2(prmt(x, 0x64646464u, sel));
+    return h2_bits(__hsub2(v, bits_h2(0x64806480u)));
+  }
+
+  /// K role: code word `w` (4 codes) → two fragment registers, elements (0, 1) and (2, 3).
+  static __device__ __forceinline__ void k_unpack(uint32_t w, uint32_t (&out)[2]) {
+    const uint32_t x = w ^ 0x80808080u;
+    out[0] = biased_pair(x, 0x4140);
+    out[1] = biased_pair(x, 0x4342);
+  }
+
+  /// V role: interleave word `a` of one token's codes (the lower k index) and word `b` of the
+  /// next token's into four B-fragment registers, register c holding column c of both.
+  static __device__ __forceinline__ void v_unpack(uint32_t a, uint32_t b, uint32_t (&out)[4]) {
+    const uint32_t lo = prmt(a, b, 0x5140) ^ 0x80808080u, hi = prmt(a, b, 0x7362) ^ 0x80808080u;
+    out[0] = biased_pair(lo, 0x4140);
+    out[1] = biased_pair(lo, 0x4342);
+    out[2] = biased_pair(hi, 0x4140);
+    out[3] = biased_pair(hi, 0x4342);
+  }
 };
 
 }  // namespace kvq

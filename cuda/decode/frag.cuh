@@ -33,7 +33,9 @@
 // are used as stored. INT4 codes of either side go in raw (f16 subnormals, exact), their group
 // scales applied in f32 to the K MMA's result and on P for V.
 // FP8's per-head scale is uniform over a head, so it is applied to S and to O in f32 instead of
-// to every element.
+// to every element. INT8 codes become f16 (exact); each token's f32 row scale (kRowScale)
+// multiplies its scores (K) or its P (V, relative to the largest scale the warp has seen, so
+// that P * s stays inside f16's range whatever the scales are).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,8 +51,8 @@ namespace kvq_decode {
 using namespace kvq;
 
 /// Whether codec F is taken in the V (values) or K role (its kDecodeV / kDecodeK), unless the
-/// decode kernel has no fragment kind for it (kFusedDecode false: INT8's per-row scale, FP4's
-/// E4M3 group scales; prefill still takes those).
+/// decode kernel has no fragment kind for it (kFusedDecode false: FP4's E4M3 group scales;
+/// prefill still takes those).
 template <int F, bool V>
 constexpr bool has_role() {
   if constexpr (FusedDecodeOf<Codec<F>>::value) return V ? Codec<F>::kDecodeV : Codec<F>::kDecodeK;
@@ -112,7 +114,7 @@ constexpr int load_width(int bytes) {
 /// Metadata bytes of one row of `d` elements.
 template <class C>
 constexpr int meta_row(int d) {
-  return C::kGroup != 0 ? d / C::kGroup * C::kGroupMeta : 0;
+  return (C::kGroup != 0 ? d / C::kGroup * C::kGroupMeta : 0) + RowMetaOf<C>::value;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@
 // one or a lambda, changes the generated code (a callee is optimized on its own before it is
 // inlined), and the kernel's PTX must not change with its layout (scripts/ptx-diff.sh). What
 // differs by format goes through the codecs and branches only on the fragment kind
-// (KC::kGroupFrags, VC::kGroupFrags), not on a format.
+// (KC::kGroupFrags, VC::kGroupFrags, a row scale: RowScaleOf), not on a format.
 #pragma once
 
 #include <stdint.h>
@@ -200,7 +200,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // Other rows are compile-time immediates.
   const uint32_t k_lane = C::KC_OFF + g * F::KPITCH;
   const uint32_t km_lane = C::KM_OFF + g * F::KM_ROW;
-  // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh, V_LANE), and whole meta rows.
+  // INT4 V: lane g reads word g of each 64-group (decode/frag.cuh, V_LANE), and whole meta rows
+  // (rows 2t.., as FP4 V its scale bytes).
   const uint32_t vm_lane = C::VM_OFF + 2 * t * F::VM_ROW;
   // Row (within the step) of V register e of k-step ks: tokens 2t, 2t+1, 2t+8, 2t+9.
   auto v_row = [](int ks, int e) { return ks * kChunk + (e & 1) + 8 * (e >> 1); };
@@ -214,6 +215,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   float m_r0 = -INFINITY, m_r1 = -INFINITY, l_r0 = 0.f, l_r1 = 0.f;
   // INT4 V: sum_n P_n z_{n,G} (Z^T P^T): group g, rows r0 / r1 in [0] / [1]; unused otherwise.
   float zsum[4] = {0.f, 0.f, 0.f, 0.f};
+  // V row scales: the largest this warp has seen (O's unit) and its reciprocal; unused otherwise.
+  float v_ref = 0.f, v_inv = 0.f;
 
   int slot = 0, issue_slot = NS - 1;
 #pragma unroll 1
@@ -297,7 +300,15 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
               for (int x = 0; x < F::KWU; ++x) {
                 uint32_t r[F::KPPW];
-                F::KC::k_unpack(w[h][u + x], r);
+                if constexpr (ScaledWordsOf<typename F::KC>::value) {
+                  // The word's group scale: the byte of its group in the token's meta row.
+                  constexpr int GB = F::KC::kGroup * F::KBITS / 8;  // code bytes per group
+                  const int grp = (t * F::KCH + F::k_vec(t, v) * F::KVEC + 4 * (u + x)) / GB;
+                  const uint8_t sb = st[km_lane + (ch * kChunk + h * 8) * F::KM_ROW + grp];
+                  F::KC::k_unpack(w[h][u + x], sb, r);
+                } else {
+                  F::KC::k_unpack(w[h][u + x], r);
+                }
 #pragma unroll
                 for (int y = 0; y < F::KPPW; ++y) kb[h][x * F::KPPW + y] = r[y];
               }
@@ -310,6 +321,14 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
               mma16816<F::K_BF16>((j & 1) ? s2nd[ch] : s[ch], a, qb[j][0], qb[j][1]);
             }
           }
+        }
+        if constexpr (RowScaleOf<typename F::KC>::value) {
+          // Each token's row scale on its scores (C rows: tokens g and g + 8).
+          const uint8_t *km = st + km_lane + ch * kChunk * F::KM_ROW;
+          const float k_lo = *reinterpret_cast<const float *>(km);
+          const float k_hi = *reinterpret_cast<const float *>(km + 8 * F::KM_ROW);
+          s[ch][0] *= k_lo, s[ch][1] *= k_lo, s2nd[ch][0] *= k_lo, s2nd[ch][1] *= k_lo;
+          s[ch][2] *= k_hi, s[ch][3] *= k_hi, s2nd[ch][2] *= k_hi, s2nd[ch][3] *= k_hi;
         }
       }
     }
@@ -381,6 +400,38 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
       }
     }
 
+    // V row scales (kRowScale): P of token n carries s_n / v_ref, v_ref the largest scale this
+    // warp has seen, so that it stays in [0, 1] (f16's range) whatever the scales are; O is
+    // kept in units of v_ref and rescaled when v_ref grows (as for the softmax max). Tokens
+    // past the split (rows maybe stale) get scale 0.
+    if constexpr (RowScaleOf<typename F::VC>::value) {
+      float vs[CH][2];  // scales of tokens g (P entries 0, 1) and g + 8 (2, 3) of each chunk
+      float vmx = 0.f;
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int n = ch * kChunk + 8 * h + g;  // token within the step
+          const float x = *reinterpret_cast<const float *>(st + C::VM_OFF + n * F::VM_ROW);
+          vs[ch][h] = n < t1 - tok0 ? x : 0.f;
+          vmx = fmaxf(vmx, vs[ch][h]);
+        }
+      if (__any_sync(kFull, vmx > v_ref)) {
+#pragma unroll
+        for (int x = 4; x <= 16; x <<= 1) vmx = fmaxf(vmx, __shfl_xor_sync(kFull, vmx, x));
+        const float f = v_ref / vmx;  // vmx > v_ref >= 0
+#pragma unroll
+        for (int i = 0; i < D / 16; ++i) o[i][0] *= f, o[i][1] *= f, o[i][2] *= f, o[i][3] *= f;
+        v_ref = vmx;
+        v_inv = 1.f / vmx;
+      }
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch) {
+        const float u0 = vs[ch][0] * v_inv, u1 = vs[ch][1] * v_inv;
+        s[ch][0] *= u0, s[ch][1] *= u0, s[ch][2] *= u1, s[ch][3] *= u1;
+      }
+    }
+
     // O^T += V^T P^T, one k-step per 16-token chunk. The B fragment of P^T (k = token, n = row)
     // is the transpose of the lane's S^T tile: two movmatrix per chunk. Lane t's V tokens: 2t,
     // 2t+1 (A registers 0, 1) and 2t+8, 2t+9 (registers 2, 3). Rows past the split's end may
@@ -448,8 +499,17 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
           for (int i = 0; i < F::VWORDS; ++i) {
             uint32_t b01[F::VCPW], b89[F::VCPW];
-            F::VC::v_unpack(w0[i], w1[i], b01);
-            F::VC::v_unpack(w8[i], w9[i], b89);
+            if constexpr (ScaledWordsOf<typename F::VC>::value) {
+              // The words' group scales: the byte of their group in each token's meta row.
+              constexpr int GB = F::VC::kGroup * F::VBITS / 8;  // code bytes per group
+              const uint8_t *vm = st + vm_lane + (F::v_col(g, v) + 4 * i) / GB;
+              auto sb = [&](int e) { return vm[v_row(ks, e) * F::VM_ROW]; };
+              F::VC::v_unpack(w0[i], w1[i], sb(0), sb(1), b01);
+              F::VC::v_unpack(w8[i], w9[i], sb(2), sb(3), b89);
+            } else {
+              F::VC::v_unpack(w0[i], w1[i], b01);
+              F::VC::v_unpack(w8[i], w9[i], b89);
+            }
             if (n_valid < STEP) {
 #pragma unroll
               for (int c = 0; c < F::VCOLS; ++c) b01[c] &= mask01, b89[c] &= mask89;
@@ -496,6 +556,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         o_r1[da] = fmaf(o[i][1], ua, z1);
         o_r0[db] = fmaf(o[i][2], ub, z0);
         o_r1[db] = fmaf(o[i][3], ub, z1);
+      } else if constexpr (RowScaleOf<typename F::VC>::value) {
+        o_r0[da] = o[i][0] * v_ref;
+        o_r1[da] = o[i][1] * v_ref;
+        o_r0[db] = o[i][2] * v_ref;
+        o_r1[db] = o[i][3] * v_ref;
       } else {
         o_r0[da] = o[i][0];
         o_r1[da] = o[i][1];

@@ -109,12 +109,12 @@ struct Cfg {
     return PRE + cmax(warps * stages * STAGE, cmax(combine(warps), merge(warps)));
   }
   // Register budget: 4 CTAs of 4 warps (2 of 8) per SM up to head_dim 64, and up to 128 when
-  // either side is FP8: those pairs mostly wait on memory and gain from 16 warps per SM. Other
+  // either side is FP8 or INT8: those pairs mostly wait on memory and gain from 16 warps per SM. Other
   // pairs at 65..128 get 3 CTAs of 4 warps (1 of 8): INT4 is issue-bound and the tighter budget
   // costs it instructions, 16-bit pairs do not gain (docs/PERFORMANCE.md, v11). No spills at
   // these bounds.
-  static constexpr bool FP8_SIDE =
-      KF == Fmt::E4M3 || KF == Fmt::E5M2 || VF == Fmt::E4M3 || VF == Fmt::E5M2;
+  static constexpr bool FP8_SIDE = KF == Fmt::E4M3 || KF == Fmt::E5M2 || KF == Fmt::I8 ||
+                                   VF == Fmt::E4M3 || VF == Fmt::E5M2 || VF == Fmt::I8;
   static constexpr int MAX_REGS =
       (D <= 64 || (D <= 128 && FP8_SIDE)) ? 128 : (D <= 128 ? 168 : 255);
 };

@@ -78,13 +78,15 @@ pub fn select(grid: Vec<DecodeCase>, names: &[String], quick: bool) -> Vec<Decod
         .collect()
 }
 
-/// The cache format pairs the benches compare: bf16 and f16 baselines, FP8, grouped INT4, and
-/// INT4 keys with FP8 values.
+/// The cache format pairs the benches compare: bf16 and f16 baselines, FP8, INT8 per
+/// token-head, FP4 (E2M1), grouped INT4, and INT4 keys with FP8 values.
 pub fn standard_pairs() -> Vec<(KvFormat, KvFormat)> {
     vec![
         (KvFormat::Bf16, KvFormat::Bf16),
         (KvFormat::F16, KvFormat::F16),
         (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int8Pth, KvFormat::Int8Pth),
+        (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
         (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
         (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
     ]

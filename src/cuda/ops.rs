@@ -10,7 +10,7 @@ use super::device::MAX_GPU_HEAD_DIM;
 use super::{DeviceCache, Gpu, driver_err, launch, sys};
 use crate::dense::{DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor};
 use crate::error::{Error, Result};
-use crate::format::{Element, KvFormat};
+use crate::format::{Element, HeadScale, int4};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use std::ffi::c_void;
@@ -226,7 +226,6 @@ pub unsafe fn append_raw(
     stream: CUstream,
 ) -> Result<()> {
     let l = &cache.layout;
-    check_row_kernels(l.k_format, l.v_format, l.head_dim.max(0) as usize)?;
     let row = (l.num_kv_heads.max(0) as usize) * (l.head_dim.max(0) as usize);
     for (what, stride) in [
         ("k_token_stride", k_token_stride),
@@ -275,7 +274,6 @@ pub fn gather_dequantize<T: DeviceElement>(
 ) -> Result<(CudaSlice<T>, CudaSlice<T>)> {
     let gpu = cache.gpu();
     let c = cache.config();
-    check_row_kernels(c.k_format as i32, c.v_format as i32, c.head_dim)?;
     let used = len.div_ceil(c.block_size);
     crate::cache::check_row(block_table, None, len, c.block_size, cache.num_blocks())?;
     let n = len * c.num_kv_heads * c.head_dim;
@@ -372,12 +370,14 @@ pub struct DeviceQuantized {
     shape: Vec<usize>,
     /// Packed codes, `[..., code bytes per row]`.
     codes: CudaSlice<u8>,
-    /// FP8 and uniform INT4: the f32 scales (`[1]` or `[heads]`).
+    /// The f32 scales outside the rows (`[1]` or `[heads]`): FP8's and uniform INT4's (the
+    /// `scales` part), FP4's `g` (the `global_scales` part, `[heads]`).
     head_scales: Option<CudaSlice<f32>>,
-    /// Grouped INT4: f16 scales `[..., head_dim / group]` as bits.
-    group_scales: Option<CudaSlice<u16>>,
-    /// Affine INT4: f16 zeros, like `group_scales`.
-    group_zeros: Option<CudaSlice<u16>>,
+    /// Each row's scales, as the bytes of the `scales` part ([`DenseFormat::row_scales`]): INT4's
+    /// f16 per group, FP4's E4M3 byte per group, INT8's f32.
+    row_scales: Option<CudaSlice<u8>>,
+    /// Affine INT4: f16 zeros, as bytes, shaped like `row_scales`.
+    group_zeros: Option<CudaSlice<u8>>,
     /// `[non_finite, unused]`, filled by the quantize launch.
     counters: Option<CudaSlice<u64>>,
 }
@@ -408,6 +408,12 @@ impl DenseGeometry {
             .filter(|r| r.checked_mul(head_dim).is_some())
             .ok_or_else(|| Error::InvalidArgument(format!("shape {shape:?} is too large")))?;
         let heads = prefix.last().copied().unwrap_or(1);
+        if heads == 0 {
+            // The launchers take at least one head (rows cycle through them).
+            return Err(Error::Unsupported(format!(
+                "shape {shape:?} on the GPU: its head axis is empty"
+            )));
+        }
         to_i32("heads", heads)?;
         to_i32("head_dim", head_dim)?;
         Ok(DenseGeometry {
@@ -421,41 +427,16 @@ impl DenseGeometry {
         self.rows * self.head_dim
     }
 
-    /// Groups per row for grouped INT4, else 0.
-    fn groups(&self, format: DenseFormat) -> usize {
-        format
-            .kv_format()
-            .and_then(|f| f.group_size())
-            .map_or(0, |g| self.head_dim / g)
+    /// Elements per row of the `scales` part when it holds row scales (and of the zeros), and
+    /// their dtype; `None` for head scales (FP8, `int4-uniform`).
+    fn row_scales(&self, format: DenseFormat) -> Option<(StoredDtype, usize)> {
+        format.row_scales(self.head_dim)
     }
-}
 
-/// The row kernels (append, gather) reduce an `int8-pth` row's amax across its lanes in one
-/// warp: its 16-element chunks, `head_dim / 16` lanes, must divide 32 (head_dim 16, 32, 64, 128,
-/// 256 or 512; `format_info`'s `row_lanes_ok` in `cuda/codec/codec.cuh`). Other head dims are
-/// [`Error::Unsupported`] there, not a launch error (prefill reads such caches all the same).
-fn check_row_kernels(k_format: i32, v_format: i32, head_dim: usize) -> Result<()> {
-    let int8 = KvFormat::Int8Pth as i32;
-    let lanes = head_dim / KvFormat::Int8Pth.head_dim_multiple();
-    if (k_format == int8 || v_format == int8) && (lanes == 0 || 32 % lanes != 0) {
-        return Err(Error::Unsupported(format!(
-            "int8-pth append / gather at head_dim {head_dim} on the GPU (16, 32, 64, 128, 256 \
-             or 512)"
-        )));
-    }
-    Ok(())
-}
-
-/// The dense kernels store FP8 head scales and f16 group scales (and zeros): INT8's f32 row
-/// scales and FP4's E4M3 group scales with their global scales have no device dense path yet
-/// (their codecs' `kDense` is false), so those formats are [`Error::Unsupported`] here rather
-/// than a launch error; `crate::dense` quantizes them on the host.
-fn check_device_dense(format: DenseFormat) -> Result<()> {
-    match format.kv_format() {
-        Some(kv @ (KvFormat::Int8Pth | KvFormat::Fp4E2m1)) => Err(Error::Unsupported(format!(
-            "{kv} has no GPU dense quantize / dequantize; use kvq::dense on the host"
-        ))),
-        _ => Ok(()),
+    /// Bytes of the row scales (or of the zeros) of the whole tensor.
+    fn row_scale_bytes(&self, format: DenseFormat) -> usize {
+        self.row_scales(format)
+            .map_or(0, |(dtype, per_row)| self.rows * per_row * dtype.size())
     }
 }
 
@@ -466,15 +447,44 @@ fn format_id(format: DenseFormat) -> i32 {
     }
 }
 
+/// Whether the tensor's f32 scales per head (or tensor) live outside the rows: FP8's `s`, FP4's
+/// `g` (stored as the global scales) and `int4-uniform`'s one scale.
+fn has_head_scales(format: DenseFormat) -> bool {
+    format.head_scale().is_some() || format.kv_format().is_none()
+}
+
 fn head_scale_count(format: DenseFormat, g: &DenseGeometry, choice: Fp8ScaleChoice) -> usize {
-    match (format.fp8_kind(), choice) {
-        (Some(_), Fp8ScaleChoice::PerHeadAmax) => g.heads,
+    match (format.head_scale(), choice) {
+        (Some(HeadScale::Fp4), _) | (Some(HeadScale::Fp8(_)), Fp8ScaleChoice::PerHeadAmax) => {
+            g.heads
+        }
         _ => 1,
     }
 }
 
+/// The head (or tensor) scale calibrated from no data (an amax of 0): 1 for FP8 and FP4, and
+/// `int4-uniform`'s rule.
+fn scale_of_no_data(format: DenseFormat) -> f32 {
+    format
+        .head_scale()
+        .map_or_else(|| int4::uniform_scale(0.0), |h| h.scale_from_amax(0.0))
+}
+
+/// Device bytes for `bytes` bytes; at least one, since an empty allocation is refused.
+fn alloc_bytes(gpu: &Gpu, bytes: usize, what: &'static str) -> Result<CudaSlice<u8>> {
+    // SAFETY: every caller writes the bytes (a launch, or an upload) before they are read.
+    unsafe { gpu.stream().alloc::<u8>(bytes.max(1)) }.map_err(driver_err(what))
+}
+
+/// `data` uploaded (one zero byte for an empty part, since an empty allocation is refused).
+fn upload_bytes(gpu: &Gpu, data: &[u8], what: &'static str) -> Result<CudaSlice<u8>> {
+    let data = if data.is_empty() { &[0u8][..] } else { data };
+    gpu.stream().clone_htod(data).map_err(driver_err(what))
+}
+
 /// Quantize a dense device tensor of `shape` (`[..., heads, head_dim]`, row major) exactly as
-/// [`crate::dense::quantize`] does on the host; scales from data are computed on the device.
+/// [`crate::dense::quantize`] does on the host; scales from data (FP8's from amax, FP4's global
+/// scales, `int4-uniform`'s) are computed on the device.
 pub fn quantize_dense<T: DeviceElement>(
     gpu: &Gpu,
     format: DenseFormat,
@@ -482,7 +492,6 @@ pub fn quantize_dense<T: DeviceElement>(
     shape: &[usize],
     scale: Fp8ScaleChoice,
 ) -> Result<DeviceQuantized> {
-    check_device_dense(format)?;
     let g = DenseGeometry::of(format, shape)?;
     if data.len() != g.elements() {
         return Err(Error::Length {
@@ -510,24 +519,22 @@ pub fn quantize_dense<T: DeviceElement>(
     let s = gpu.stream();
     let fmt = format_id(format);
     let stream = s.cu_stream();
-    let groups = g.groups(format);
     let code_bytes = format.code_bytes(g.head_dim);
-    // SAFETY (allocations): every byte is written by the launches below before it is read.
-    let mut codes = unsafe { s.alloc::<u8>((g.rows * code_bytes).max(1)) }
-        .map_err(driver_err("allocating codes"))?;
+    let mut codes = alloc_bytes(gpu, g.rows * code_bytes, "allocating codes")?;
     let mut counters = s
         .alloc_zeros::<u64>(sys::KVQ_NUM_COUNTERS)
         .map_err(driver_err("allocating counters"))?;
     let n_scales = head_scale_count(format, &g, scale);
-    let uses_head_scales = format.kv_format().is_none() || format.fp8_kind().is_some();
     let mut head_scales = None;
-    if uses_head_scales {
+    if has_head_scales(format) {
         let mut hs = match scale {
             Fp8ScaleChoice::Fixed(v) => s.clone_htod(&[v]),
+            // No rows (which the launchers refuse): the scales of an amax of 0.
+            _ if g.rows == 0 => s.clone_htod(&vec![scale_of_no_data(format); n_scales]),
             _ => s.alloc_zeros::<f32>(n_scales),
         }
         .map_err(driver_err("allocating scales"))?;
-        if !matches!(scale, Fp8ScaleChoice::Fixed(_)) {
+        if !matches!(scale, Fp8ScaleChoice::Fixed(_)) && g.rows > 0 {
             let mut scratch = s
                 .alloc_zeros::<u32>(n_scales)
                 .map_err(driver_err("allocating scratch"))?;
@@ -552,25 +559,24 @@ pub fn quantize_dense<T: DeviceElement>(
         }
         head_scales = Some(hs);
     }
-    let alloc_meta = |what| {
-        // SAFETY: written by the quantize launch (one value per group).
-        unsafe { s.alloc::<u16>((g.rows * groups).max(1)) }.map_err(driver_err(what))
-    };
-    let mut group_scales = (groups > 0)
-        .then(|| alloc_meta("allocating scales"))
+    let row_bytes = g.row_scale_bytes(format);
+    let mut row_scales = g
+        .row_scales(format)
+        .map(|_| alloc_bytes(gpu, row_bytes, "allocating scales"))
         .transpose()?;
     let mut group_zeros = format
         .has_zeros()
-        .then(|| alloc_meta("allocating zeros"))
+        .then(|| alloc_bytes(gpu, row_bytes, "allocating zeros"))
         .transpose()?;
-    {
+    if g.rows > 0 {
         let (x_p, _g1) = data.device_ptr(s);
         let hs = head_scales.as_ref().map(|h| h.device_ptr(s));
         let (c_p, _g2) = codes.device_ptr_mut(s);
-        let gs = group_scales.as_mut().map(|h| h.device_ptr_mut(s));
+        let rs = row_scales.as_mut().map(|h| h.device_ptr_mut(s));
         let gz = group_zeros.as_mut().map(|h| h.device_ptr_mut(s));
         let (n_p, _g3) = counters.device_ptr_mut(s);
-        // SAFETY: every buffer was sized from the validated geometry above.
+        // SAFETY: every buffer was sized from the validated geometry above; head scales hold
+        // n_scales f32 (1 or heads).
         unsafe {
             launch::quantize_dense(
                 fmt,
@@ -582,7 +588,7 @@ pub fn quantize_dense<T: DeviceElement>(
                 hs.as_ref().map_or(0, |p| p.0) as *const f32,
                 n_scales as i32,
                 c_p as *mut u8,
-                gs.as_ref().map_or(0, |p| p.0) as *mut u16,
+                rs.as_ref().map_or(0, |p| p.0) as *mut c_void,
                 gz.as_ref().map_or(0, |p| p.0) as *mut u16,
                 n_p as *mut u64,
                 stream,
@@ -594,7 +600,7 @@ pub fn quantize_dense<T: DeviceElement>(
         shape: shape.to_vec(),
         codes,
         head_scales,
-        group_scales,
+        row_scales,
         group_zeros,
         counters: Some(counters),
     })
@@ -616,7 +622,7 @@ pub fn dequantize_dense<T: DeviceElement>(gpu: &Gpu, q: &DeviceQuantized) -> Res
     {
         let (c_p, _g1) = q.codes.device_ptr(s);
         let hs = q.head_scales.as_ref().map(|h| h.device_ptr(s));
-        let gs = q.group_scales.as_ref().map(|h| h.device_ptr(s));
+        let rs = q.row_scales.as_ref().map(|h| h.device_ptr(s));
         let gz = q.group_zeros.as_ref().map(|h| h.device_ptr(s));
         let (o_p, _g2) = out.device_ptr_mut(s);
         // SAFETY: a DeviceQuantized's parts always match its format and shape.
@@ -626,7 +632,7 @@ pub fn dequantize_dense<T: DeviceElement>(gpu: &Gpu, q: &DeviceQuantized) -> Res
                 c_p as *const u8,
                 hs.as_ref().map_or(0, |p| p.0) as *const f32,
                 q.head_scales.as_ref().map_or(0, |h| h.len()) as i32,
-                gs.as_ref().map_or(0, |p| p.0) as *const u16,
+                rs.as_ref().map_or(0, |p| p.0) as *const c_void,
                 gz.as_ref().map_or(0, |p| p.0) as *const u16,
                 to_i64(g.rows),
                 g.heads as i32,
@@ -643,56 +649,43 @@ pub fn dequantize_dense<T: DeviceElement>(gpu: &Gpu, q: &DeviceQuantized) -> Res
 impl DeviceQuantized {
     /// Upload a host [`QuantizedTensor`] (for dequantizing it on the device).
     pub fn from_host(gpu: &Gpu, q: &QuantizedTensor) -> Result<Self> {
-        check_device_dense(q.format())?;
-        let s = gpu.stream();
+        let format = q.format();
+        let g = DenseGeometry::of(format, q.shape())?;
         gpu.bind()?;
-        let up_u8 = |d: &[u8]| s.clone_htod(d).map_err(driver_err("uploading codes"));
-        let halves = |t: &StoredTensor| -> Vec<u16> {
-            t.data()
-                .chunks_exact(2)
-                .map(|b| u16::from_le_bytes([b[0], b[1]]))
-                .collect()
-        };
+        let s = gpu.stream();
         let floats = |t: &StoredTensor| -> Vec<f32> {
             t.data()
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect()
         };
-        let (head_scales, group_scales) = match q.scales().dtype() {
-            StoredDtype::F32 => (
-                Some(
-                    s.clone_htod(&floats(q.scales()))
-                        .map_err(driver_err("uploading scales"))?,
-                ),
-                None,
-            ),
-            _ => (
-                None,
-                Some(
-                    s.clone_htod(&halves(q.scales()))
-                        .map_err(driver_err("uploading scales"))?,
-                ),
-            ),
+        // The scales outside the rows: FP4's are its global scales, FP8's and uniform INT4's
+        // the scales part; a format with row scales keeps them in its scales part.
+        let head_part = match (format.head_scale(), g.row_scales(format)) {
+            (Some(HeadScale::Fp4), _) => q.global_scales(),
+            (_, None) => Some(q.scales()),
+            (_, Some(_)) => None,
         };
-        let group_zeros = q
-            .zeros()
-            .map(|z| {
-                s.clone_htod(&halves(z))
-                    .map_err(driver_err("uploading zeros"))
+        let head_scales = head_part
+            .map(|t| {
+                s.clone_htod(&floats(t))
+                    .map_err(driver_err("uploading head scales"))
             })
             .transpose()?;
-        let codes = if q.codes().data().is_empty() {
-            up_u8(&[0])?
-        } else {
-            up_u8(q.codes().data())?
-        };
+        let row_scales = g
+            .row_scales(format)
+            .map(|_| upload_bytes(gpu, q.scales().data(), "uploading scales"))
+            .transpose()?;
+        let group_zeros = q
+            .zeros()
+            .map(|z| upload_bytes(gpu, z.data(), "uploading zeros"))
+            .transpose()?;
         Ok(DeviceQuantized {
-            format: q.format(),
+            format,
             shape: q.shape().to_vec(),
-            codes,
+            codes: upload_bytes(gpu, q.codes().data(), "uploading codes")?,
             head_scales,
-            group_scales,
+            row_scales,
             group_zeros,
             counters: None,
         })
@@ -735,21 +728,30 @@ impl DeviceQuantized {
             .map_err(driver_err("reading codes"))?;
         codes.truncate(g.rows * code_bytes);
         let codes = StoredTensor::new(StoredDtype::U8, with_last(code_bytes), codes)?;
-        let groups = g.groups(self.format);
-        let read_halves = |h: &CudaSlice<u16>| -> Result<Vec<u8>> {
-            let mut v = s.clone_dtoh(h).map_err(driver_err("reading scales"))?;
-            v.truncate(g.rows * groups);
-            Ok(v.iter().flat_map(|x| x.to_le_bytes()).collect())
-        };
-        let scales = match (&self.head_scales, &self.group_scales) {
-            (Some(h), _) => {
-                let v = s.clone_dtoh(h).map_err(driver_err("reading scales"))?;
+        let head_scales = self
+            .head_scales
+            .as_ref()
+            .map(|h| -> Result<StoredTensor> {
+                let v = s.clone_dtoh(h).map_err(driver_err("reading head scales"))?;
                 let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                StoredTensor::new(StoredDtype::F32, vec![v.len()], bytes)?
-            }
-            (None, Some(h)) => {
-                StoredTensor::new(StoredDtype::F16, with_last(groups), read_halves(h)?)?
-            }
+                StoredTensor::new(StoredDtype::F32, vec![v.len()], bytes)
+            })
+            .transpose()?;
+        // Row scales and zeros: the part's bytes, `[..., per_row]`.
+        let row_part = |part: &Option<CudaSlice<u8>>| -> Result<Option<StoredTensor>> {
+            let (Some(bytes), Some((dtype, per_row))) = (part, g.row_scales(self.format)) else {
+                return Ok(None);
+            };
+            let mut v = s.clone_dtoh(bytes).map_err(driver_err("reading scales"))?;
+            v.truncate(g.row_scale_bytes(self.format));
+            StoredTensor::new(dtype, with_last(per_row), v).map(Some)
+        };
+        let row_scales = row_part(&self.row_scales)?;
+        let zeros = row_part(&self.group_zeros)?;
+        // FP4's head scales are its global scales; FP8's and uniform INT4's its scales.
+        let (scales, global_scales) = match (row_scales, head_scales) {
+            (Some(rows), global) => (rows, global),
+            (None, Some(head)) => (head, None),
             (None, None) => {
                 return Err(Error::InvalidArgument(format!(
                     "{} tensor without scales",
@@ -757,11 +759,6 @@ impl DeviceQuantized {
                 )));
             }
         };
-        let zeros = self
-            .group_zeros
-            .as_ref()
-            .map(|z| StoredTensor::new(StoredDtype::F16, with_last(groups), read_halves(z)?))
-            .transpose()?;
-        QuantizedTensor::from_parts(self.format, codes, scales, zeros, None)
+        QuantizedTensor::from_parts(self.format, codes, scales, zeros, global_scales)
     }
 }

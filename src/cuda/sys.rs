@@ -128,7 +128,7 @@ pub const KVQ_DTYPE_BF16: kvq_dtype = 2;
 #[doc = " Element type of dense tensors (K/V inputs, dequantized outputs)."]
 pub type kvq_dtype = ::std::os::raw::c_uint;
 unsafe extern "C" {
-    #[doc = " Quantize-on-append. k and v are \\[num_tokens, num_kv_heads, head_dim\\] of `dtype` (kvq_dtype),\n row t starting at element t \\* k_token_stride (resp. v_token_stride), a multiple of 8 that is\n at least num_kv_heads \\* head_dim; k and v are 16-byte aligned. Token t goes to slot slots\\[t\\]\n (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.\n A negative slot skips the token (padding); a slot \\>= num_blocks \\* block_size skips it too and\n counts it in counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. FP8 and FP4 formats read\n cache-\\>k_scales/v_scales. int8-pth (and kvq_gather_dequantize of it) needs a head_dim whose\n rows of 16-element chunks fit a warp evenly: 16, 32, 64, 128, 256 or 512; else\n KVQ_ERR_INVALID."]
+    #[doc = " Quantize-on-append. k and v are \\[num_tokens, num_kv_heads, head_dim\\] of `dtype` (kvq_dtype),\n row t starting at element t \\* k_token_stride (resp. v_token_stride), a multiple of 8 that is\n at least num_kv_heads \\* head_dim; k and v are 16-byte aligned. Token t goes to slot slots\\[t\\]\n (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.\n A negative slot skips the token (padding); a slot \\>= num_blocks \\* block_size skips it too and\n counts it in counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. FP8 and FP4 formats read\n cache-\\>k_scales/v_scales."]
     pub fn kvq_append(
         cache: *const kvq_cache,
         num_blocks: i64,
@@ -212,7 +212,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Quantize a dense tensor \\[rows, head_dim\\] (the layout of src/dense.rs): codes \\[rows, code\n bytes\\]; FP8 and uniform INT4 take num_head_scales (1, or `heads` for FP8) f32 scales; INT4 K\n writes f16 group_scales \\[rows, head_dim / 32\\]; INT4 V writes group_scales and group_zeros\n \\[rows, head_dim / 64\\]. Uniform INT4 packs the flat tensor (head_dim even). KVQ_INT8_PTH and\n KVQ_FP4_E2M1 have no dense kernels (KVQ_ERR_INVALID)."]
+    #[doc = " Quantize a dense tensor \\[rows, head_dim\\] (the layout of src/dense.rs): codes \\[rows, code\n bytes\\]. FP8, FP4 and uniform INT4 take num_head_scales f32 head scales: FP8's s and FP4's g\n 1 or `heads` (row r takes head r % heads' scale), uniform INT4's 1 (kvq_dense_scales\n computes them from data). `scales` receives each row's scales: INT4 K f16 \\[rows, head_dim /\n 32\\], INT4 V f16 \\[rows, head_dim / 64\\] (its zeros, the same, in group_zeros), FP4 E4M3 bytes\n \\[rows, head_dim / 16\\], INT8 f32 \\[rows\\] (4-byte aligned); null for FP8 and uniform INT4.\n Uniform INT4 packs the flat tensor (head_dim even)."]
     pub fn kvq_quantize_dense(
         format: i32,
         x: *const ::std::os::raw::c_void,
@@ -223,7 +223,7 @@ unsafe extern "C" {
         head_scales: *const f32,
         num_head_scales: i32,
         codes: *mut u8,
-        group_scales: *mut u16,
+        scales: *mut ::std::os::raw::c_void,
         group_zeros: *mut u16,
         counters: *mut ::std::os::raw::c_ulonglong,
         stream: *mut ::std::os::raw::c_void,
@@ -236,7 +236,7 @@ unsafe extern "C" {
         codes: *const u8,
         head_scales: *const f32,
         num_head_scales: i32,
-        group_scales: *const u16,
+        scales: *const ::std::os::raw::c_void,
         group_zeros: *const u16,
         rows: i64,
         heads: i32,
@@ -368,7 +368,7 @@ impl Default for kvq_decode_args {
     }
 }
 unsafe extern "C" {
-    #[doc = " 1 when this build has a decode kernel for keys in k_format and values in v_format\n (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3 and int4 (K: KVQ_INT4_SYM32, V:\n KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80, 96, 112, 128, 192 or\n 256, a multiple of 32 with INT4 keys and of 64 with INT4 values. Never int8-pth or fp4-e2m1\n (no fragment kind for a per-row or E4M3 group scale; prefill serves them). A host function:\n no device is needed."]
+    #[doc = " 1 when this build has a decode kernel for keys in k_format and values in v_format\n (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3, int8-pth, fp4-e2m1 and int4 (K:\n KVQ_INT4_SYM32, V: KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80,\n 96, 112, 128, 192 or 256, a multiple of 32 with INT4 keys or fp4-e2m1 on either side and of\n 64 with INT4 values. A host function: no device is needed."]
     pub fn kvq_decode_supported(
         k_format: i32,
         v_format: i32,
