@@ -5,7 +5,7 @@
 //!
 //! ```sh
 //! cargo run --release --features cuda,bench --example decode_sweep -- \
-//!     [--case NAME]... [--shape B:L]... [--format bf16|fp8|int4|int4-fp8]... [--splits 1,2,3]
+//!     [--case NAME]... [--shape B:L]... [--format bf16|fp8|int4|int4-fp8|int8|fp4]... [--splits 1,2,3]
 //!     [--iters N] [--ceiling GBPS] [--plan-only] [--launch SPLITS:WARPS:STAGES]...
 //! ```
 //! `--case` names a shape family of the grid (`llama3-8b`, `8x22b-tp8`, `mha-32`, ...),
@@ -37,9 +37,11 @@ fn parse_format(name: &str) -> Result<(KvFormat, KvFormat), String> {
         "fp8" => (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
         "int4" => (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
         "int4-fp8" => (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
+        "int8" => (KvFormat::Int8Pth, KvFormat::Int8Pth),
+        "fp4" => (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
         other => {
             return Err(format!(
-                "unknown format '{other}' (bf16, fp8, int4, int4-fp8)"
+                "unknown format '{other}' (bf16, fp8, int4, int4-fp8, int8, fp4)"
             ));
         }
     })

@@ -26,6 +26,97 @@ __device__ __forceinline__ uint32_t e2m1_encode(float y) {
   return (y < 0.0f && m != 0u) ? (m | 8u) : m;
 }
 
+// ---- fast exact E2M1 codes: no division per element ---------------------------------------
+//
+// Z(a) = min(2a, a + 2, a / 2 + 4, 7) is increasing and piecewise linear on [0, 6] and maps the
+// E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 onto the codes 0..7 and the decision boundaries
+// 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 onto the half-integers 0.5 .. 6.5; every boundary's tie goes
+// to the even code, and Z = 7 above 6, so e2m1_encode's magnitude is rne(Z(|y|)) for every y.
+// With r = fl(1 / d) normal, Z is evaluated on the exact product |x| * r (one fma or an exact
+// power-of-two multiple of r per piece, each rounded once) instead of on y = fl(x / d): for
+// q = |x| / d, |x * r - q| and |y - q| are each <= q * 2^-24 (or 2^-150 in the subnormals), and the
+// piece that decides has q <= 8, so the computed z is within 2^-19 of Z(|y|). If z is farther
+// than 2^-17 from every half-integer, rne(z) = rne(Z(|y|)): no boundary lies between them, and
+// z's residual against rne(z) is exact (Sterbenz). The rare undecided elements (ties of data on a
+// grid commensurate with d) are redone by division.
+constexpr float kFp4TieWindow = 0x1p-17f;
+// Adding it to z in [-7, 7] rounds z to an integer n held in the low bits as 8 + n, in 1..15.
+constexpr float kFp4BiasedMagic = 12582920.0f;  // 1.5 * 2^23 + 8 (even: ties stay to even)
+
+// The reciprocal of a group's d and its halves / doubles the pieces of Z need (all exact
+// multiples of r while r and r / 2 are normal: d in [2^-126, 2^125]).
+struct E2m1Recip {
+  float r, r2, rh;
+  bool valid;
+  __device__ __forceinline__ explicit E2m1Recip(float d) {
+    r = __frcp_rn(d);
+    r2 = __fmul_rn(r, 2.0f);
+    rh = __fmul_rn(r, 0.5f);
+    valid = d >= 0x1p-126f && d <= 0x1p125f;
+  }
+};
+
+// A word whose low 4 bits are 8 + (the signed E2M1 code of x / d as -7..7), bits 4..21 clear;
+// sets `ambiguous` when it may differ from e2m1_encode(fl(x / d)).
+__device__ __forceinline__ uint32_t e2m1_biased_fast(float x, const E2m1Recip &k,
+                                                    bool &ambiguous) {
+  const float a = fabsf(x);
+  const float z = fminf(fminf(__fmul_rn(a, k.r2), __fmaf_rn(a, k.r, 2.0f)),
+                        fminf(__fmaf_rn(a, k.rh, 4.0f), 7.0f));
+  // z with x's sign: rne is odd, so this rounds to the signed code.
+  const float zs = __uint_as_float(__float_as_uint(z) | (__float_as_uint(x) & 0x80000000u));
+  const float t = __fadd_rn(zs, kFp4BiasedMagic);
+  // |n| = rne(z); z - |n| is exact.
+  ambiguous |= fabsf(__fsub_rn(z, fabsf(__fsub_rn(t, kFp4BiasedMagic)))) >= 0.5f - kFp4TieWindow;
+  return __float_as_uint(t);
+}
+
+// Eight biased nibbles 8 + n (element i at bits 4i) → E2M1 codes: n for n >= 0, 8 | -n for
+// n < 0 (so -0 is never written). Per nibble: x = b ^ 8 is n for n >= 0 and 16 + n (bit 3 set)
+// for n < 0, where (x ^ 7) + 1 = 8 - n; no carry leaves a nibble.
+__device__ __forceinline__ uint32_t e2m1_word_from_biased(uint32_t b) {
+  const uint32_t x = b ^ 0x88888888u;
+  const uint32_t neg = (x >> 3) & 0x11111111u;
+  return (x ^ (neg * 7u)) + neg;
+}
+
+// Eight elements' biased nibbles: four shifted adds leave 16 clean bits (the magic number's
+// bits start at 22), a byte permute joins the halves.
+__device__ __forceinline__ uint32_t e2m1_join(const uint32_t (&t)[8]) {
+  uint32_t half[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t acc = 0;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc += t[4 * h + i] << (4 * i);
+    half[h] = acc;
+  }
+  return __byte_perm(half[0], half[1], 0x5410);
+}
+
+// The biased word of elements (x0..x7) with every element decided: the fast nibble where it
+// decides, that of e2m1_encode(fl(x / d)) by division where it does not, or everywhere when d
+// is outside the fast path's range. Out of line because it is rare, and because inlined it would
+// share the fast path's values (keeping them live: spills) and outgrow the instruction cache
+// (see int4_nibble_exact).
+static __device__ __noinline__ uint32_t e2m1_word_careful(float x0, float x1, float x2, float x3,
+                                                          float x4, float x5, float x6, float x7,
+                                                          float d) {
+  const float x[8] = {x0, x1, x2, x3, x4, x5, x6, x7};
+  const E2m1Recip k(d);
+  uint32_t t[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    bool ambiguous = !k.valid;
+    t[i] = e2m1_biased_fast(x[i], k, ambiguous);
+    if (ambiguous) {
+      const uint32_t c = e2m1_encode(__fdiv_rn(x[i], d));
+      t[i] = (c & 8u) != 0u ? 8u - (c & 7u) : 8u + c;
+    }
+  }
+  return e2m1_join(t);
+}
+
 // Value of an E2M1 code (low 4 bits) as f16 bits: exact.
 __device__ __forceinline__ uint32_t e2m1_half_bits(uint32_t c) {
   // High bytes of the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as f16 (the low bytes are 0).
@@ -71,9 +162,13 @@ template <> struct Codec<kFp4E2m1> {
                                                 const Extremes &, int chunk, const RowRef &r,
                                                 bool active) {
     const float g = active ? r.head_scale : 1.0f;  // idle lanes: any valid scale
-    uint4 raw = make_uint4(0, 0, 0, 0);
+    uint4 raw;
     uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
     uint8_t sb[kGroups];
+    float d[kGroups];
+    // Bit j: word j (8 elements, half a group) holds an element to redo (word by word, as FP8
+    // redoes pairs: a divergent branch costs the warp only the words some lane needs).
+    uint32_t undecided = 0;
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) {
       float amax = 0.0f;
@@ -81,15 +176,35 @@ template <> struct Codec<kFp4E2m1> {
       for (int i = 0; i < kGroup; ++i) amax = fmaxf(amax, fabsf(v(k * kGroup + i)));
       const float u = __fdiv_rn(__fdiv_rn(amax, 6.0f), g);
       sb[k] = (uint8_t)__nv_cvt_float_to_fp8(u, __NV_SATFINITE, __NV_E4M3);
-      const float d = __fmul_rn(e4m3_value(sb[k]), g);
-      if (d != 0.0f) {
+      d[k] = __fmul_rn(e4m3_value(sb[k]), g);
+      const E2m1Recip rk(d[k]);
 #pragma unroll
-        for (int i = 0; i < kGroup; ++i) {
-          const int e = k * kGroup + i;
-          w[e / 8] |= e2m1_encode(__fdiv_rn(v(e), d)) << (4 * (e % 8));
-        }
+      for (int h = 0; h < 2; ++h) {
+        const int j = 2 * k + h;
+        bool ambiguous = !rk.valid;  // d outside the fast path's range: every element divided
+        uint32_t t[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) t[i] = e2m1_biased_fast(v(8 * j + i), rk, ambiguous);
+        w[j] = e2m1_join(t);
+        undecided |= (ambiguous ? 1u : 0u) << j;
+      }
+      // d == 0: every code of the group is 0 (biased 8).
+      if (d[k] == 0.0f) {
+        w[2 * k] = w[2 * k + 1] = 0x88888888u;
+        undecided &= ~(3u << (2 * k));
       }
     }
+    if (__builtin_expect(undecided != 0, 0)) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (undecided & (1u << j))
+          w[j] = e2m1_word_careful(v(8 * j), v(8 * j + 1), v(8 * j + 2), v(8 * j + 3),
+                                   v(8 * j + 4), v(8 * j + 5), v(8 * j + 6), v(8 * j + 7),
+                                   d[j / 2]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = e2m1_word_from_biased(w[j]);
     if (active) {
       reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
       uint8_t *meta = reinterpret_cast<uint8_t *>(r.scales);

@@ -5,11 +5,57 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "codec/exact.cuh"
 #include "codec/format.cuh"
 #include "prim/bits.cuh"
 #include "prim/warp.cuh"
 
 namespace kvq {
+
+// ---- fast exact INT8 codes: no division per element (the method of codec/exact.cuh) --------
+//
+// With s = fl(amax / 127) normal and r = fl(1 / s) (normal: s <= 65504 / 127), the exact product
+// p = x * r is within |q| * 2^-24 of q = x / s, and fl(q) within |q| * 2^-24 (or 2^-150 where q is
+// subnormal) of q. |x| <= amax gives |q| <= 127 * (1 + 2^-23), so |p - fl(q)| <= 2^-16. One fma
+// rounds p to the integer n (ties to even); a second gives the residual p - n, rounded once
+// (error <= 2^-26). If |fl(p - n)| < 0.5 - 2^-15, then |fl(q) - n| < 0.5 and rne(fl(q)) = n; the
+// rare elements nearer a half-integer (ties of data on a grid commensurate with s) are redone by
+// division. n needs no clamp: |p| < 127.5 - 2^-15 is checked once per thread on its amax, which
+// with the above makes rne(fl(q)) lie in [-127, 127] too.
+constexpr float kInt8TieWindow = 0x1p-15f;
+
+// A word whose low byte is rne(x * r) as two's complement (the magic number's low byte is 0);
+// sets `ambiguous` when that may differ from rne(fl(x / s)).
+__device__ __forceinline__ uint32_t int8_round(float x, float r, bool &ambiguous) {
+  const float t = __fmaf_rn(x, r, kRoundMagic);
+  const float n = __fsub_rn(t, kRoundMagic);
+  ambiguous |= fabsf(__fmaf_rn(x, r, -n)) >= 0.5f - kInt8TieWindow;
+  return __float_as_uint(t);
+}
+
+// The low bytes of four words, in order.
+__device__ __forceinline__ uint32_t int8_join(uint32_t b0, uint32_t b1, uint32_t b2, uint32_t b3) {
+  return __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+}
+
+// Word (x0, x1, x2, x3) with every element decided: the fast code where it decides,
+// clamp(rne(fl(x / s)), -127, 127) by division where it does not, or everywhere when `all` (a
+// scale outside the fast path's range). Out of line because it is rare, and because inlined it
+// would share the fast path's values (keeping them live: spills) and outgrow the instruction
+// cache (see int4_nibble_exact).
+static __device__ __noinline__ uint32_t int8_word_careful(float x0, float x1, float x2, float x3,
+                                                          float s, float r, bool all) {
+  const float x[4] = {x0, x1, x2, x3};
+  uint32_t b[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    bool ambiguous = all;
+    b[i] = int8_round(x[i], r, ambiguous);
+    if (ambiguous)
+      b[i] = (uint32_t)(int)fminf(fmaxf(rintf(__fdiv_rn(x[i], s)), -127.0f), 127.0f) & 0xFFu;
+  }
+  return int8_join(b[0], b[1], b[2], b[3]);
+}
 
 template <> struct Codec<kInt8Pth> {
   static constexpr int kBits = 8;
@@ -43,17 +89,36 @@ template <> struct Codec<kInt8Pth> {
   }
 
   template <typename Values>
-  static __device__ __forceinline__ void encode(const Values &v, const Extremes &,
+  static __device__ __forceinline__ void encode(const Values &v, const Extremes &own,
                                                 const Extremes &row, int chunk, const RowRef &r,
                                                 bool active) {
     const float s = __fdiv_rn(row.hi, 127.0f);
-    uint4 raw;
-    uint8_t *b = reinterpret_cast<uint8_t *>(&raw);
+    uint4 raw = make_uint4(0, 0, 0, 0);  // s == 0: every code is 0
+    uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
+    if (s != 0.0f) {
+      const float rc = __frcp_rn(s);
+      // Outside the fast path's range (s subnormal, or |x| * rc near the clamp, which the row's
+      // amax rules out) every element is divided.
+      const bool all = !(s >= 0x1p-126f && __fmul_rn(own.hi, rc) < 127.5f - kInt8TieWindow);
+      // Bit j: word j holds an element to redo (word by word, as FP8 redoes pairs: a divergent
+      // branch costs the warp only the words some lane needs).
+      uint32_t undecided = all ? 0xFu : 0u;
 #pragma unroll
-    for (int i = 0; i < kEpt; ++i) {
-      int q = 0;
-      if (s != 0.0f) q = (int)fminf(fmaxf(rintf(__fdiv_rn(v(i), s)), -127.0f), 127.0f);
-      b[i] = (uint8_t)(q & 0xFF);
+      for (int j = 0; j < 4; ++j) {
+        bool ambiguous = false;
+        uint32_t b[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) b[i] = int8_round(v(4 * j + i), rc, ambiguous);
+        w[j] = int8_join(b[0], b[1], b[2], b[3]);
+        undecided |= (ambiguous ? 1u : 0u) << j;
+      }
+      if (__builtin_expect(undecided != 0, 0)) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (undecided & (1u << j))
+            w[j] = int8_word_careful(v(4 * j), v(4 * j + 1), v(4 * j + 2), v(4 * j + 3), s, rc,
+                                     all);
+      }
     }
     if (active) {
       reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;

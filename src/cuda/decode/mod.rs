@@ -48,8 +48,8 @@ use std::sync::{Arc, OnceLock};
 /// Tokens per copy chunk of the kernel (one page segment): `block_size` must be a multiple of it.
 pub const STEP_TOKENS: usize = sys::KVQ_DECODE_CHUNK_TOKENS as usize;
 
-/// Head dimensions the kernels are built for (INT4 keys need a multiple of 32, INT4 values of
-/// 64: [`kernel_available_for`] says which pair has which).
+/// Head dimensions the kernels are built for (INT4 keys and FP4 need a multiple of 32, INT4
+/// values of 64: [`kernel_available_for`] says which pair has which).
 pub const HEAD_DIMS: [usize; 7] = [64, 80, 96, 112, 128, 192, 256];
 
 /// Most splits one launch may use (`KVQ_DECODE_MAX_SPLITS`).
@@ -263,7 +263,8 @@ impl DecodePlan {
         if !kernel_available_for(c.k_format, c.v_format, c.head_dim) {
             return Err(Error::Unsupported(format!(
                 "GPU decode of {} keys with {} values at head_dim {} (kernels exist for head \
-                 dims {HEAD_DIMS:?} whose INT4 groups divide them: 32 for keys, 64 for values)",
+                 dims {HEAD_DIMS:?} that are multiples of 32 with INT4 keys or FP4, of 64 with \
+                 INT4 values)",
                 c.k_format, c.v_format, c.head_dim
             )));
         }
@@ -933,6 +934,32 @@ mod tests {
         for d in [0, 16, 32, 72, 144, 160, 512] {
             assert!(!kernel_available_for(F16, F16, d), "{d}");
         }
+        // INT8 at every head dim, mixed; FP4 at multiples of 32, mixed.
+        for d in HEAD_DIMS {
+            assert!(kernel_available_for(Int8Pth, Int8Pth, d), "{d}");
+            assert!(kernel_available_for(Bf16, Int8Pth, d), "{d}");
+            assert_eq!(
+                kernel_available_for(Fp4E2m1, Fp4E2m1, d),
+                d % 32 == 0,
+                "{d}"
+            );
+            assert_eq!(
+                kernel_available_for(Int8Pth, Fp4E2m1, d),
+                d % 32 == 0,
+                "{d}"
+            );
+            assert_eq!(
+                kernel_available_for(Fp4E2m1, Fp8E4m3, d),
+                d % 32 == 0,
+                "{d}"
+            );
+        }
+        let pairs = KvFormat::ALL
+            .iter()
+            .flat_map(|&k| KvFormat::ALL.iter().map(move |&v| (k, v)))
+            .filter(|&(k, v)| kernel_available(k, v))
+            .count();
+        assert_eq!(pairs, 37, "6 x 6 freely mixed formats + e5m2");
     }
 
     #[test]
