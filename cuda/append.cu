@@ -241,6 +241,14 @@ __device__ __forceinline__ Extremes extremes_for(const Extremes &own, const RowS
 template <typename In, int F>
 constexpr bool kPackedInt4 = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
 
+// A codec whose encoder is long (kLongEncode: FP4, ~16 instructions an element) takes one row
+// per thread from 16-bit inputs, at 4 blocks per SM (64 registers): 48 -> 58 % of a device copy
+// on grid values, 60 -> 65 % on random ones, where 2 rows at 3 blocks spilled (session 12's
+// sweep, PERFORMANCE.md).
+template <class C, class = void> struct LongEncodeOf : std::false_type {};
+template <class C>
+struct LongEncodeOf<C, std::void_t<decltype(C::kLongEncode)>> : std::bool_constant<C::kLongEncode> {};
+
 // Rows each append thread handles, and the blocks per SM its registers must allow (launch
 // bounds). A thread issues the loads of all its rows, then quantizes them one by one: more bytes
 // in flight per thread, and the per-thread setup shared. Keeping the next rows' loads in flight
@@ -248,11 +256,12 @@ constexpr bool kPackedInt4 = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
 // slower on the H200 (PERFORMANCE.md, "Append v2"). f32 input already loads twice the bytes per
 // row.
 // KVQ_APPEND_ROWS and KVQ_APPEND_MIN_BLOCKS override the picks (scripts/append_sweep.cu).
-template <typename In> struct AppendTuning {
+template <typename In, int F> struct AppendTuning {
 #ifdef KVQ_APPEND_ROWS
   static constexpr int kRows = KVQ_APPEND_ROWS, kMinBlocks = KVQ_APPEND_MIN_BLOCKS;
 #else
-  static constexpr int kRows = sizeof(In) == 4 ? 1 : 2, kMinBlocks = 3;
+  static constexpr bool kLong = LongEncodeOf<CodecOf<F>>::value && sizeof(In) == 2;
+  static constexpr int kRows = sizeof(In) == 4 || kLong ? 1 : 2, kMinBlocks = kLong ? 4 : 3;
 #endif
 };
 
@@ -265,14 +274,14 @@ template <typename In, int E> struct PendingRow {
 };
 
 template <typename In, int F>
-__global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In>::kMinBlocks)
+__global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlocks)
     append_kernel(RowShape shape, const In *__restrict__ x, int64_t token_stride,
                   uint32_t num_tokens, const void *__restrict__ slots, int slots_i64,
                   int64_t num_slots, PagedSide side, int count_out_of_range,
                   unsigned long long *counters) {
   using C = CodecOf<F>;
   constexpr int E = C::kEpt;
-  constexpr int R = AppendTuning<In>::kRows;
+  constexpr int R = AppendTuning<In, F>::kRows;
   const RowGrid g = row_grid(shape, blockIdx.x * R);
   const int chunk = g.chunk;
   const bool in_block = g.in_block;
@@ -599,7 +608,7 @@ extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void
         constexpr int F = decltype(f)::value;
         const RowShape shape(side.head_dim, Codec<F>::kEpt);
         const unsigned grid =
-            shape.blocks(num_tokens * side.num_heads, AppendTuning<In>::kRows);
+            shape.blocks(num_tokens * side.num_heads, AppendTuning<In, F>::kRows);
         return with_row_reduction<F>(shape, [&](auto k) {
           append_kernel<In, decltype(k)::value><<<grid, kThreadsPerBlock, 0, s>>>(
               shape, static_cast<const In *>(x), stride, (uint32_t)num_tokens, slots,

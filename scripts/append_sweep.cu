@@ -38,7 +38,11 @@ void rows_of(int f, int &codes, int &meta) {
   kvq::FormatInfo info = {};
   if (!kvq::format_info(f, info)) exit(1);
   codes = info.code_bytes(kDim);
-  meta = info.group != 0 ? kDim / info.group * info.group_entries * 2 : 0;
+  kvq::with_format<false>(f, [&](auto t) {
+    using C = kvq::Codec<decltype(t)::value>;
+    meta = (C::kGroup != 0 ? kDim / C::kGroup * C::kGroupMeta : 0) + kvq::RowMetaOf<C>::value;
+    return 0;
+  });
 }
 
 kvq_layout layout_of(int kf, int vf) {
@@ -142,22 +146,26 @@ int main(int argc, char **argv) {
 #endif
   printf("%s values, dtod copy %.0f GB/s\n", random ? "random" : "grid", copy_gbps);
 
-  const int pairs[4][2] = {{KVQ_INT4_SYM32, KVQ_INT4_AFFINE64},
-                           {KVQ_FP8_E4M3, KVQ_FP8_E4M3},
-                           {KVQ_FP8_E5M2, KVQ_FP8_E5M2},
-                           {KVQ_F16, KVQ_F16}};
-  const char *names[4] = {"int4-k32/int4-v64", "fp8-e4m3", "fp8-e5m2", "f16"};
-  float *scales;
+  constexpr int kPairs = 6;
+  const int pairs[kPairs][2] = {{KVQ_INT4_SYM32, KVQ_INT4_AFFINE64}, {KVQ_FP8_E4M3, KVQ_FP8_E4M3},
+                                {KVQ_FP8_E5M2, KVQ_FP8_E5M2},         {KVQ_INT8_PTH, KVQ_INT8_PTH},
+                                {KVQ_FP4_E2M1, KVQ_FP4_E2M1},         {KVQ_F16, KVQ_F16}};
+  const char *names[kPairs] = {"int4-k32/int4-v64", "fp8-e4m3", "fp8-e5m2",
+                               "int8-pth",          "fp4-e2m1", "f16"};
+  // Head scales that let the data use the range: FP8's s, FP4's g.
+  float *scales, *fp4_scales;
   CHECK(cudaMalloc(&scales, kHeads * 4));
-  std::vector<float> hs(kHeads, 10.0f / 448.0f);
+  CHECK(cudaMalloc(&fp4_scales, kHeads * 4));
+  std::vector<float> hs(kHeads, 10.0f / 448.0f), gs(kHeads, 10.0f / 2688.0f);
   CHECK(cudaMemcpy(scales, hs.data(), kHeads * 4, cudaMemcpyHostToDevice));
-  for (int p = 0; p < 4; ++p) {
+  CHECK(cudaMemcpy(fp4_scales, gs.data(), kHeads * 4, cudaMemcpyHostToDevice));
+  for (int p = 0; p < kPairs; ++p) {
     kvq_cache c = {};
     c.layout = layout_of(pairs[p][0], pairs[p][1]);
     const size_t pool_bytes = (size_t)c.layout.block_stride * pages;
     CHECK(cudaMalloc(&c.pool, pool_bytes));
     CHECK(cudaMemset(c.pool, 0, pool_bytes));
-    c.k_scales = c.v_scales = scales;
+    c.k_scales = c.v_scales = pairs[p][0] == KVQ_FP4_E2M1 ? fp4_scales : scales;
     auto run = [&] {
       const int r = kvq_append(&c, pages, dslots, 1, kTokens, k, v, KVQ_DTYPE_F16,
                                kHeads * kDim, kHeads * kDim, nullptr, nullptr);

@@ -54,9 +54,9 @@ static_assert(ids_in_order(AllFormats{}), "AllFormats lists the ids 0 to N-1 in 
 //              kPackedExtremes (packed_extremes exists), optionally kRowMeta (metadata bytes
 //              of the whole row), kRowGroup (the whole row is one group: row_extremes reduces
 //              over the row's lanes where they divide a warp, the row kernels through shared
-//              memory elsewhere; INT8) and kFusedDecode =
-//              false (the decode kernel does not take it though kDecodeK / kDecodeV say the
-//              attention kernels may: prefill does);
+//              memory elsewhere; INT8), kFusedDecode = false (the decode kernel does not take
+//              it though kDecodeK / kDecodeV say the attention kernels may: prefill does) and
+//              kLongEncode (append gives each thread one row: a long encoder, FP4);
 //   row role   extremes, group_extremes (or row_extremes), [packed_extremes,] encode, decode:
 //              the exact FORMATS.md math of one thread's chunk of a row (append, gather,
 //              dense);

@@ -148,6 +148,7 @@ template <> struct Codec<kFp4E2m1> {
   static constexpr bool kHeadScale = true;  // g, per KV head
   static constexpr bool kPackedExtremes = false;
   static constexpr bool kRowGroup = false;
+  static constexpr bool kLongEncode = true;  // append tuning (append.cu's AppendTuning)
   static_assert(kEpt * kBits / 8 == 16, "each thread stores one 16-byte vector of codes");
 
   // ---- row role: each thread's groups are its own, so no extremes travel ----

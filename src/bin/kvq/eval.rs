@@ -340,12 +340,13 @@ const PAIRS: [Pair; 15] = {
 };
 
 /// The pairs a `--budget` plan chooses from: those the GPU decode kernels serve
-/// (`kvq::cuda::decode::kernel_available`): f16, bf16, fp8-e4m3 and INT4 (keys `int4-k32`,
-/// values `int4-v64`) mixed freely, and fp8-e5m2 with itself; FP8 scales per KV head.
+/// (`kvq::cuda::decode::kernel_available`): f16, bf16, fp8-e4m3, int8-pth, fp4-e2m1 and INT4
+/// (keys `int4-k32`, values `int4-v64`) mixed freely, and fp8-e5m2 with itself; FP8 and FP4
+/// scales per KV head.
 fn plan_candidates() -> Vec<Pair> {
     use KvFormat::*;
-    let keys = [F16, Bf16, Fp8E4m3, Int4Sym32];
-    let values = [F16, Bf16, Fp8E4m3, Int4Affine64];
+    let keys = [F16, Bf16, Fp8E4m3, Int8Pth, Fp4E2m1, Int4Sym32];
+    let values = [F16, Bf16, Fp8E4m3, Int8Pth, Fp4E2m1, Int4Affine64];
     keys.iter()
         .flat_map(|&k| values.iter().map(move |&v| (k, v)))
         .chain([(Fp8E5m2, Fp8E5m2)])
