@@ -11,10 +11,16 @@
 // A codec whose group is the whole row (INT8) reduces the row's extremes across its lanes: with
 // xor shuffles when a row's lanes divide a warp (rows then tile warps evenly), else through
 // shared memory (kBlockRows: rows that straddle warps, or span several).
+//
+// INT4-KC keys (codec/int4_kc.cuh) have no row codec: append writes their rows as f16 into the
+// block's window, then seals each block its append filled (seal_kernel); gather reads a sealed
+// block's codes or an unfilled block's window (gather_kc_kernel).
+#include <algorithm>
 #include <array>
 #include <type_traits>
 
 #include "codec/codec.cuh"
+#include "codec/int4_kc.cuh"
 #include "common.cuh"
 
 namespace kvq {
@@ -155,8 +161,11 @@ struct PagedSide {
   const float *head_scales;  // FP8 only
   FastDiv by_heads, by_block_size;
 
+  __device__ __forceinline__ uint8_t *section(uint32_t block, uint32_t head) const {
+    return pool + block * block_stride + head * head_stride;
+  }
   __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head) const {
-    uint8_t *section = pool + block * block_stride + head * head_stride;
+    uint8_t *const section = this->section(block, head);
     uint8_t *meta = section + meta_offset + offset * meta_row;
     RowRef r;
     r.codes = section + codes_offset + offset * codes_row;
@@ -376,6 +385,89 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     store8(o + j * kChunk, *reinterpret_cast<const float(*)[8]>(v + j * kChunk));
 }
 
+// ---- INT4-KC keys ----------------------------------------------------------------------
+
+// Threads of a seal block (head_dim / 2 when fewer), and the rounds of channel pairs a thread
+// seals so that one block covers a head_dim of up to kMaxHeadDim.
+constexpr int kSealThreads = 256;
+constexpr int kSealRounds = kMaxHeadDim / 2 / kSealThreads;
+
+// Seal the blocks an append filled (kvq.h's INT4-KC layout note): thread block (token, head)
+// seals its head's section of the token's block when the token took the block's last slot, G
+// its block_size. `side` is the window's (paged_side). The codes and s, z overwrite the window
+// in place, so every thread quantizes its channel pairs from the window before any writes:
+// a thread keeps G / 4 words of codes per pair, not the 2G values.
+template <int G>
+__global__ void __launch_bounds__(kSealThreads)
+    seal_kernel(PagedSide side, const void *__restrict__ slots, int slots_i64, int64_t num_slots) {
+  const uint32_t token = side.by_heads.div(blockIdx.x);
+  const uint32_t head = blockIdx.x - token * side.num_heads;
+  const int64_t slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
+                                 : (int64_t) static_cast<const int32_t *>(slots)[token];
+  if (slot < 0 || slot >= num_slots || slot % G != G - 1) return;  // the whole block: no barrier
+  uint8_t *const section = side.section((uint32_t)(slot / G), head);
+  uint8_t *const k = section + side.codes_offset;
+  const int pairs = side.head_dim / 2;
+  uint32_t codes[kSealRounds][G / 4], s2[kSealRounds], z2[kSealRounds];
+#pragma unroll
+  for (int r = 0; r < kSealRounds; ++r) {
+    const int p = r * (int)blockDim.x + (int)threadIdx.x;
+    if (p < pairs) {
+      uint32_t w[G];  // window row t's f16 values of channels 2p, 2p + 1
+#pragma unroll
+      for (int t = 0; t < G; ++t)
+        w[t] = reinterpret_cast<const uint32_t *>(k + (int64_t)t * side.codes_row)[p];
+      int4_kc_seal_pair<G>(w, codes[r], s2[r], z2[r]);
+    }
+  }
+  __syncthreads();  // every window row read
+  uint32_t *const s = reinterpret_cast<uint32_t *>(section + side.meta_offset);
+  uint32_t *const z = s + pairs;  // z[head_dim] follows s[head_dim]
+#pragma unroll
+  for (int r = 0; r < kSealRounds; ++r) {
+    const int p = r * (int)blockDim.x + (int)threadIdx.x;
+    if (p < pairs) {
+#pragma unroll
+      for (int t = 0; t < G; ++t) k[t * pairs + p] = (uint8_t)(codes[r][t / 4] >> (8 * (t % 4)));
+      s[p] = s2[r];
+      z[p] = z2[r];
+    }
+  }
+}
+
+// Gather of INT4-KC keys, kChunk elements a thread: a token of a full block of the sequence (of
+// num_tokens tokens) decodes from the sealed codes, one of its last, unfilled block is its f16
+// window row. `side` is the window's (paged_side).
+template <typename Out>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    gather_kc_kernel(RowShape shape, PagedSide side, const int32_t *__restrict__ block_table,
+                     uint32_t num_tokens, int64_t num_blocks, Out *__restrict__ out,
+                     unsigned long long *counters) {
+  const RowGrid g = row_grid(shape, blockIdx.x);
+  const uint32_t token = side.by_heads.div(g.row);
+  const uint32_t head = g.row - token * side.num_heads;
+  if (!g.in_block || token >= num_tokens) return;
+  const uint32_t page = side.by_block_size.div(token);
+  const uint32_t offset = token - page * side.block_size;
+  const int64_t block = block_table[page];
+  float v[kChunk] = {};
+  if (block >= 0 && block < num_blocks) {
+    if ((page + 1) * (uint32_t)side.block_size <= num_tokens) {  // sealed
+      const uint8_t *section = side.section((uint32_t)block, head);
+      const int code_row = shape.head_dim / 2;
+      const uint32_t codes = reinterpret_cast<const uint32_t *>(
+          section + side.codes_offset + offset * code_row)[g.chunk];
+      const uint4 *meta = reinterpret_cast<const uint4 *>(section + side.meta_offset);
+      int4_kc_decode8(codes, meta[g.chunk], meta[shape.head_dim / kChunk + g.chunk], v);
+    } else {
+      Codec<kF16>::decode(side.row((uint32_t)block, offset, head), g.chunk, v);
+    }
+  } else if (counters != nullptr && head == 0 && g.chunk == 0) {
+    atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
+  }
+  store8(out + (int64_t)g.row * shape.head_dim + g.chunk * kChunk, v);
+}
+
 template <typename In, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     quantize_dense_kernel(RowShape shape, const In *__restrict__ x, uint32_t rows, DenseRows dst,
@@ -553,11 +645,23 @@ template <int F, typename Fn> int with_row_reduction(const RowShape &shape, Fn &
   return fn(FormatTag<F>{});
 }
 
-// A side of the cache, or false when the layout's fields are inconsistent.
+// Whether a layout's INT4-KC key part is kvq.h's, which the kernels address from block_size,
+// head_dim and the K offsets: the sealed codes and s, z inside the window, V after it.
+bool kc_layout_ok(const kvq_layout &l) {
+  const int64_t g = l.block_size, d = l.head_dim;
+  return (g == 16 || g == 32 || g == 64) && d > 0 && d % 32 == 0 && l.k_codes_row == d / 2 &&
+         l.k_meta_row == 0 && l.k_meta_offset == l.k_codes_offset + g * d / 2 &&
+         l.v_codes_offset >= l.k_codes_offset + g * 2 * d;
+}
+
+// A side of the cache, or false when the layout's fields are inconsistent. INT4-KC keys give the
+// side of their window, f16 rows of 2 * head_dim bytes (the K pass writes them as KVQ_F16);
+// values are never INT4-KC (format_info knows no such row codec).
 bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
   const kvq_layout &l = c.layout;
+  const bool kc = k && l.k_format == KVQ_INT4_KC;
   FormatInfo f;
-  if (!format_info(k ? l.k_format : l.v_format, f)) return false;
+  if (!format_info(kc ? KVQ_F16 : k ? l.k_format : l.v_format, f)) return false;
   s.pool = c.pool;
   s.head_stride = l.head_stride;
   s.block_stride = l.block_stride;
@@ -565,7 +669,7 @@ bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
   s.num_heads = l.num_kv_heads;
   s.head_dim = l.head_dim;
   s.codes_offset = k ? l.k_codes_offset : l.v_codes_offset;
-  s.codes_row = k ? l.k_codes_row : l.v_codes_row;
+  s.codes_row = kc ? 2 * l.head_dim : k ? l.k_codes_row : l.v_codes_row;
   s.meta_offset = k ? l.k_meta_offset : l.v_meta_offset;
   s.meta_row = k ? l.k_meta_row : l.v_meta_row;
   s.meta_step = f.group_entries > 1 ? f.group_entries : 1;  // scale and zero interleaved
@@ -575,7 +679,25 @@ bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
   s.by_block_size = FastDiv((uint32_t)l.block_size);
   return c.pool != nullptr && aligned16(c.pool) && head_dim_ok(f, l.head_dim) && s.codes_row == f.code_bytes(l.head_dim) &&
          s.codes_offset % 16 == 0 && s.meta_offset % 16 == 0 &&
-         (!f.head_scale || s.head_scales != nullptr);
+         (!f.head_scale || s.head_scales != nullptr) && (!kc || kc_layout_ok(l));
+}
+
+// Launch seal_kernel over the tokens of an append, for INT4-KC keys (`ks` their window side).
+int launch_seal(const PagedSide &ks, const void *slots, int32_t slots_i64, int64_t num_tokens,
+                int64_t num_slots, cudaStream_t s) {
+  const unsigned grid = (unsigned)(num_tokens * ks.num_heads);
+  const int threads = std::min(ks.head_dim / 2, kSealThreads);
+  auto go = [&](auto g) {
+    seal_kernel<decltype(g)::value>
+        <<<grid, threads, 0, s>>>(ks, slots, slots_i64 != 0, num_slots);
+    return launch_status();
+  };
+  switch (ks.block_size) {
+  case 16: return go(std::integral_constant<int, 16>{});
+  case 32: return go(std::integral_constant<int, 32>{});
+  case 64: return go(std::integral_constant<int, 64>{});
+  default: return KVQ_ERR_INVALID;  // kc_layout_ok admits no other
+  }
 }
 
 }  // namespace
@@ -618,10 +740,15 @@ extern "C" int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void
       });
     });
   };
-  const int rk = launch_side(k, k_token_stride, ks, cache->layout.k_format, true);
+  // INT4-KC keys go to their blocks' windows as f16, then the blocks this append filled are
+  // sealed (after the K pass, on the same stream).
+  const bool kc = cache->layout.k_format == KVQ_INT4_KC;
+  const int rk = launch_side(k, k_token_stride, ks, kc ? KVQ_F16 : cache->layout.k_format, true);
   if (rk != KVQ_OK) return rk;
   // A skipped token is counted once, by the K pass.
-  return launch_side(v, v_token_stride, vs, cache->layout.v_format, false);
+  const int rv = launch_side(v, v_token_stride, vs, cache->layout.v_format, false);
+  if (rv != KVQ_OK || !kc) return rv;
+  return launch_seal(ks, slots, slots_i64, num_tokens, num_slots, s);
 }
 
 extern "C" int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks,
@@ -645,6 +772,13 @@ extern "C" int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks,
     counted = true;
     return with_dtype(out_dtype, [&](auto o) {
       using Out = typename decltype(o)::type;
+      if (format == KVQ_INT4_KC) {
+        const RowShape shape(side.head_dim, kChunk);
+        gather_kc_kernel<Out><<<shape.blocks(num_tokens * side.num_heads), kThreadsPerBlock, 0,
+                                s>>>(shape, side, block_table, (uint32_t)num_tokens, num_blocks,
+                                     static_cast<Out *>(out), c);
+        return launch_status();
+      }
       return with_format<false>(format, [&](auto f) {
         const RowShape shape(side.head_dim, Codec<decltype(f)::value>::kEpt);
         const unsigned grid = shape.blocks(num_tokens * side.num_heads);

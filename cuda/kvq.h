@@ -29,12 +29,22 @@ typedef enum kvq_format {
   KVQ_INT4_SYM32 = 4,
   KVQ_INT4_AFFINE64 = 5,
   KVQ_INT8_PTH = 6,  /* INT8, symmetric, an f32 scale per row (token and KV head) */
-  KVQ_FP4_E2M1 = 7   /* FP4 E2M1, an E4M3 scale per 16 elements, an f32 scale per KV head */
+  KVQ_FP4_E2M1 = 7,  /* FP4 E2M1, an E4M3 scale per 16 elements, an f32 scale per KV head */
+  KVQ_INT4_KC = 8    /* keys only: INT4 per channel over a block's tokens (below) */
 } kvq_format;
 
 /* Byte layout of a paged cache block: kvq::layout::BlockLayout, field for field. Offsets are
  * relative to a head section; a head section of (block, head) starts at
- * block * block_stride + head * head_stride in the pool. */
+ * block * block_stride + head * head_stride in the pool.
+ *
+ * KVQ_INT4_KC keys (block_size G of 16, 32 or 64): the K part of a head section is G * 2 *
+ * head_dim bytes and holds one of two things. While the block is not full it is the *window*:
+ * G rows of head_dim f16 values (row t at k_codes_offset + t * 2 * head_dim), the sanitized
+ * inputs rounded to f16. Once its G-th token is appended the block is *sealed*, quantized in
+ * place per channel (FORMATS.md): G rows of k_codes_row = head_dim / 2 code bytes at
+ * k_codes_offset, then at k_meta_offset = k_codes_offset + G * head_dim / 2 the block's
+ * s[head_dim] and z[head_dim] (f16); k_meta_row is 0. A reader tells the two apart by the
+ * sequence's length: position p of a sequence of len tokens is sealed iff (p / G + 1) * G <= len. */
 typedef struct kvq_layout {
   int32_t num_kv_heads;
   int32_t head_dim;
@@ -83,7 +93,10 @@ typedef enum kvq_dtype {
  * (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.
  * A negative slot skips the token (padding); a slot >= num_blocks * block_size skips it too and
  * counts it in counters[KVQ_COUNTER_OUT_OF_RANGE]. FP8 and FP4 formats read
- * cache->k_scales/v_scales. */
+ * cache->k_scales/v_scales. KVQ_INT4_KC keys are written to their blocks' f16 windows; then every
+ * block whose last slot (slot % block_size == block_size - 1) this call wrote is sealed from its
+ * window (kvq_layout's note), so a sequence's tokens must come in order, its block's last one
+ * last (earlier ones in this call or before), and the slots of one call must be distinct. */
 int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void *slots, int32_t slots_i64,
                int64_t num_tokens, const void *k, const void *v, int32_t dtype,
                int64_t k_token_stride, int64_t v_token_stride, unsigned long long *counters,
@@ -91,6 +104,8 @@ int kvq_append(const kvq_cache *cache, int64_t num_blocks, const void *slots, in
 
 /* Dequantize the first num_tokens tokens of one sequence (block_table[i] = its i-th block) into
  * dense [num_tokens, num_kv_heads, head_dim] tensors of out_dtype; k_out or v_out may be null.
+ * KVQ_INT4_KC keys: the sequence is num_tokens long, so its full blocks are read sealed and a
+ * last, unfilled one from its f16 window.
  * A block id outside [0, num_blocks) yields zeros for its tokens and counts them in
  * counters[KVQ_COUNTER_OUT_OF_RANGE]. Outputs 16-byte aligned. */
 int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks, const int32_t *block_table,

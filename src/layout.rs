@@ -18,6 +18,14 @@
 //!                                                              per group, interleaved)
 //! ```
 //!
+//! `int4-kc` keys (`block_size` G of 16, 32 or 64) fill the K part of a section differently:
+//! it spans `G × 2 × head_dim` bytes and holds, while the block is not full, its tokens' f16
+//! rows (the *window*, [`BlockLayout::k_window`]), and once the block's last token is appended
+//! the block quantized in place (*sealed*): G rows of codes at `k_codes`, then at `k_meta` the
+//! block's `s[head_dim]` and `z[head_dim]` (f16; `k_meta.row_bytes` is 0). A reader knows which
+//! from the sequence's length: position `p` of a sequence of `len` tokens is sealed iff
+//! `(p / G + 1) × G ≤ len` ([`BlockLayout::sealed`]).
+//!
 //! All multi-byte values are little-endian. Regions start on 16-byte boundaries so kernels can
 //! use 16-byte vector loads; empty regions (the metadata of f16/bf16/FP8) take no bytes. FP8's
 //! per-head f32 scales are not in the pool: they travel beside it as two `[num_kv_heads]` arrays.
@@ -85,6 +93,13 @@ impl CacheConfig {
                 expected: "1..=1024 tokens",
             });
         }
+        if self.v_format.block_groups() {
+            return Err(Error::Unsupported(format!(
+                "{} is a key format: its groups run along tokens, for keys' outlier channels",
+                self.v_format
+            )));
+        }
+        self.k_format.check_block_size(self.block_size)?;
         self.k_format.check_head_dim(self.head_dim)?;
         self.v_format.check_head_dim(self.head_dim)?;
         BlockLayout::build(self, checked_mul).map(|_| ())
@@ -153,8 +168,11 @@ pub struct BlockLayout {
     pub config: CacheConfig,
     /// Key codes.
     pub k_codes: Region,
-    /// Key metadata (INT4 scales).
+    /// Key metadata (INT4 scales; `int4-kc`: the sealed block's `s` and `z`, row_bytes 0).
     pub k_meta: Region,
+    /// `int4-kc` only: the f16 rows of a block that is not sealed yet, over the K part (offset
+    /// `k_codes.offset`, `2 × head_dim` bytes a row); absent (row_bytes 0) otherwise.
+    pub k_window: Region,
     /// Value codes.
     pub v_codes: Region,
     /// Value metadata (INT4 scales / zeros).
@@ -192,13 +210,30 @@ impl BlockLayout {
         ];
         let mut at = 0usize;
         let mut regions = [Region::default(); 4];
-        for (r, row_bytes) in regions.iter_mut().zip(rows) {
+        let mut k_window = Region::default();
+        for (i, (r, row_bytes)) in regions.iter_mut().zip(rows).enumerate() {
             *r = Region {
                 offset: at,
                 row_bytes,
             };
             let bytes = mul(row_bytes, bs, "region bytes (row bytes × block_size)")?;
             at = at.saturating_add(align16(bytes));
+            if i == 1 && c.k_format.block_groups() {
+                // The sealed block's s and z follow its codes (whole 16-byte units: head_dim is
+                // a multiple of 32), and the f16 window spans the K part, which it outgrows.
+                let window = mul(
+                    mul(d, 2, "int4-kc window row (2 × head_dim)")?,
+                    bs,
+                    "region bytes (row bytes × block_size)",
+                )?;
+                k_window = Region {
+                    offset: 0,
+                    row_bytes: d.saturating_mul(2),
+                };
+                at = at
+                    .saturating_add(align16(c.k_format.block_meta_bytes(d)))
+                    .max(align16(window));
+            }
         }
         let [k_codes, k_meta, v_codes, v_meta] = regions;
         let head_stride = at;
@@ -211,11 +246,21 @@ impl BlockLayout {
             config: *c,
             k_codes,
             k_meta,
+            k_window,
             v_codes,
             v_meta,
             head_stride,
             block_stride,
         })
+    }
+
+    /// Whether position `pos` of a sequence of `len` tokens lies in a sealed `int4-kc` block
+    /// (its block full: `(pos / block_size + 1) × block_size ≤ len`); always true for the
+    /// other key formats, whose rows are quantized as they are appended.
+    pub const fn sealed(&self, pos: usize, len: usize) -> bool {
+        let bs = self.config.block_size;
+        !self.config.k_format.block_groups()
+            || (bs > 0 && (pos / bs).saturating_add(1).saturating_mul(bs) <= len)
     }
 
     /// Byte offset in the pool of the head section of (`block`, `kv_head`). Saturates at
@@ -306,8 +351,11 @@ mod tests {
     #[test]
     fn regions_are_aligned_and_disjoint() {
         for k in KvFormat::ALL {
-            for v in KvFormat::ALL {
+            for v in KvFormat::ALL.into_iter().filter(|v| !v.block_groups()) {
                 for bs in [1, 3, 16, 32, 64] {
+                    if k.check_block_size(bs).is_err() {
+                        continue;
+                    }
                     let c = CacheConfig::new(2, 64, bs, k, v).unwrap();
                     let l = c.layout();
                     let rs = [l.k_codes, l.k_meta, l.v_codes, l.v_meta];
@@ -353,6 +401,33 @@ mod tests {
         assert!(l.try_pool_bytes(2).is_err());
         let l = CacheConfig { block_size: 0, ..c }.layout();
         assert_eq!(l.split_slot(5), (usize::MAX, 0));
+    }
+
+    #[test]
+    fn int4_kc_keys_seal_in_their_window() {
+        let c = CacheConfig::new(2, 128, 32, KvFormat::Int4Kc, KvFormat::Int4Affine64).unwrap();
+        let l = c.layout();
+        let row = |offset, row_bytes| Region { offset, row_bytes };
+        assert_eq!(l.k_window, row(0, 256));
+        assert_eq!(l.k_codes, row(0, 64));
+        assert_eq!(l.k_meta, row(32 * 64, 0));
+        // the sealed block (codes, then s and z) lies inside the window, V after it
+        assert!(l.k_meta.offset + 4 * 128 <= 32 * 256);
+        assert_eq!(l.v_codes, row(32 * 256, 64));
+        assert_eq!(l.head_stride, 32 * 256 + 32 * 64 + 32 * 8);
+        assert!(l.sealed(31, 32) && !l.sealed(32, 63) && l.sealed(32, 64) && !l.sealed(0, 31));
+        let k32 = CacheConfig::new(2, 128, 32, KvFormat::Int4Sym32, KvFormat::F16).unwrap();
+        assert!(k32.layout().sealed(5, 6));
+        assert_eq!(k32.layout().k_window, Region::default());
+        assert!(matches!(
+            CacheConfig::new(2, 128, 32, KvFormat::F16, KvFormat::Int4Kc),
+            Err(Error::Unsupported(_))
+        ));
+        assert!(matches!(
+            CacheConfig::new(2, 128, 8, KvFormat::Int4Kc, KvFormat::F16),
+            Err(Error::Config { what, .. }) if what.starts_with("int4-kc group")
+        ));
+        assert!(CacheConfig::new(2, 48, 16, KvFormat::Int4Kc, KvFormat::F16).is_err());
     }
 
     #[test]

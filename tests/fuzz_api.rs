@@ -185,14 +185,25 @@ fn dense_format() -> impl Strategy<Value = DenseFormat> {
     prop::sample::select(DenseFormat::ALL.to_vec())
 }
 
+/// A format with a row codec: the caches these properties model row by row (`int4-kc`, whose
+/// groups run along a block's tokens, has its own tests: tests/int4_kc_cache.rs).
+fn row_format() -> impl Strategy<Value = KvFormat> {
+    prop::sample::select(
+        KvFormat::ALL
+            .into_iter()
+            .filter(|f| !f.block_groups())
+            .collect::<Vec<_>>(),
+    )
+}
+
 /// A head_dim every format accepts, and head counts and block sizes of a small cache.
 fn small_config() -> impl Strategy<Value = CacheConfig> {
     (
         1usize..=3,
         prop::sample::select(vec![64usize, 128]),
         prop::sample::select(vec![1usize, 2, 3, 4, 16]),
-        kv_format(),
-        kv_format(),
+        row_format(),
+        row_format(),
     )
         .prop_map(|(h, d, bs, k, v)| CacheConfig::new(h, d, bs, k, v).unwrap())
 }
@@ -357,7 +368,8 @@ fn check_row_case(c: &RowCase) -> Result<(), TestCaseError> {
         f.head_scale()
             .map_or(1.0, |h| h.scale_from_amax(sanitized_amax(&c.x)))
     });
-    let valid = f.check_head_dim(d).is_ok()
+    let valid = !f.block_groups()
+        && f.check_head_dim(d).is_ok()
         && c.codes_len == f.code_bytes(d)
         && c.meta_len == f.meta_bytes(d)
         && (!f.has_head_scale() || (scale.is_finite() && scale > 0.0));
@@ -649,13 +661,23 @@ fn layout_exceeds_limit(heads: usize, d: usize, bs: usize, k: KvFormat, v: KvFor
     }
     let mut head_stride = 0u128;
     for f in [k, v] {
+        let mut part = 0u128;
         for row in [f.code_bytes(d), f.meta_bytes(d)] {
             let bytes = row as u128 * bs as u128;
             if bytes > limit {
                 return true;
             }
-            head_stride += bytes.div_ceil(16) * 16;
+            part += bytes.div_ceil(16) * 16;
         }
+        if f.block_groups() {
+            // int4-kc: the block's s and z after its codes, all inside the f16 window
+            let window = 2 * d as u128 * bs as u128;
+            if window > limit {
+                return true;
+            }
+            part = (part + (4 * d as u128).div_ceil(16) * 16).max(window.div_ceil(16) * 16);
+        }
+        head_stride += part;
     }
     head_stride * heads as u128 > limit
 }
@@ -709,6 +731,8 @@ fn layout_and_config() {
                     check_error("CacheConfig::validate", &e)?;
                     let plausible = heads >= 1
                         && (1..=MAX_BLOCK_SIZE).contains(&bs)
+                        && k.check_block_size(bs).is_ok()
+                        && !v.block_groups()
                         && k.check_head_dim(head_dim).is_ok()
                         && v.check_head_dim(head_dim).is_ok();
                     // Only an overflow may reject an otherwise valid shape, and only past the

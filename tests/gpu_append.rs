@@ -301,6 +301,11 @@ fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u
     assert!(want == got, "{config:?}: gather v as bf16 differs");
 }
 
+/// Every format values may take (int4-kc is keys only).
+fn value_formats() -> impl Iterator<Item = KvFormat> {
+    KvFormat::ALL.into_iter().filter(|f| !f.block_groups())
+}
+
 #[test]
 fn append_matches_cpu_every_format_pair_and_shape() {
     let Some(gpu) = require_gpu_or_skip("append_matches_cpu_every_format_pair_and_shape") else {
@@ -311,7 +316,7 @@ fn append_matches_cpu_every_format_pair_and_shape() {
     for head_dim in [64, 128, 256] {
         for block_size in [16, 32, 64] {
             for kf in KvFormat::ALL {
-                for vf in KvFormat::ALL {
+                for vf in value_formats() {
                     let c = CacheConfig::new(2, head_dim, block_size, kf, vf).unwrap();
                     let tokens = block_size + 19;
                     seed += 1;
@@ -325,7 +330,10 @@ fn append_matches_cpu_every_format_pair_and_shape() {
             }
         }
     }
-    assert_eq!(configs, 3 * 3 * KvFormat::ALL.len() * KvFormat::ALL.len());
+    assert_eq!(
+        configs,
+        3 * 3 * KvFormat::ALL.len() * value_formats().count()
+    );
 }
 
 #[test]
@@ -335,7 +343,10 @@ fn append_edge_values_match_cpu() {
     };
     for head_dim in [64, 128, 256] {
         for kf in KvFormat::ALL {
-            for vf in [KvFormat::Int4Affine64, kf] {
+            for vf in [KvFormat::Int4Affine64, kf]
+                .into_iter()
+                .filter(|f| !f.block_groups())
+            {
                 let c = CacheConfig::new(3, head_dim, 16, kf, vf).unwrap();
                 check_append::<f32>(&gpu, c, 40, 7, Data::Edge);
                 check_append::<f16>(&gpu, c, 40, 8, Data::Edge);
@@ -907,6 +918,75 @@ fn int8_append_matches_cpu_at_every_head_dim() {
         let c = CacheConfig::new(8, head_dim, 16, Int8Pth, Int8Pth).unwrap();
         check_append::<f16>(&gpu, c, 3_000, 400 + i as u64, Data::Random);
         check_append::<bf16>(&gpu, c, 3_000, 500 + i as u64, Data::Grid);
+    }
+}
+
+/// `int4-kc` keys appended in order, as an engine's steps do (prefill chunks, then single
+/// tokens, for several sequences at once): every block the steps fill is sealed on the GPU to
+/// the CPU's bytes, and a gather of each sequence at its length reads sealed blocks as codes and
+/// the last, open one as its f16 window, as the CPU does.
+#[test]
+fn int4_kc_keys_seal_like_the_cpu() {
+    let Some(gpu) = require_gpu_or_skip("int4_kc_keys_seal_like_the_cpu") else {
+        return;
+    };
+    for (seed, (bs, head_dim, vf)) in [
+        (16, 64, KvFormat::Int4Affine64),
+        (32, 128, KvFormat::Fp8E4m3),
+        (64, 128, KvFormat::Bf16),
+        (16, 256, KvFormat::Int8Pth),
+        (32, 96, KvFormat::F16),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let config = CacheConfig::new(2, head_dim, bs, KvFormat::Int4Kc, vf).unwrap();
+        let row = 2 * head_dim;
+        let num_blocks = 40;
+        let mut alloc = BlockAllocator::new(num_blocks, bs).unwrap();
+        let mut host = HostCache::new(config, num_blocks).unwrap();
+        let mut dev = DeviceCache::new(&gpu, config, num_blocks).unwrap();
+        let s = gpu.stream();
+        let seqs: Vec<_> = (0..3).map(|_| alloc.create_sequence()).collect();
+        let mut rng = Rng(900 + seed as u64);
+        for step in 0..10 {
+            // A step: a chunk for each sequence (a prompt, then decode-sized pieces), one call.
+            let mut slots = Vec::new();
+            for (i, &q) in seqs.iter().enumerate() {
+                let n = if step == 0 {
+                    [5, bs, bs + 7][i]
+                } else {
+                    [1, 3, bs - 1][(step + i) % 3]
+                };
+                slots.extend(alloc.reserve(q, n).unwrap().slots);
+            }
+            let tokens = slots.len();
+            let k = to_input::<f16>(&random_rows(&mut rng, tokens * 2, head_dim));
+            let v = to_input::<f16>(&random_rows(&mut rng, tokens * 2, head_dim));
+            assert_eq!(k.len(), tokens * row);
+            host.write(&slots, &k, &v).unwrap();
+            let slots_d = s.clone_htod(&slots.iter().map(|&x| x as i64).collect::<Vec<_>>());
+            let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
+            ops::append(&mut dev, &slots_d.unwrap(), &k_d, &v_d, tokens).unwrap();
+            let back = dev.to_host().unwrap();
+            if let Some(m) = pool_mismatch(&host, &back) {
+                panic!("int4-kc {config:?} step {step}: {m}");
+            }
+        }
+        for &q in &seqs {
+            let len = alloc.len(q).unwrap();
+            let table = alloc.block_table(q).unwrap().to_vec();
+            let mut hk = vec![0f32; len * row];
+            let mut hv = vec![0f32; len * row];
+            host.gather(&table, len, &mut hk, &mut hv).unwrap();
+            let (gk, gv) = ops::gather_dequantize::<f32>(&dev, &table, len).unwrap();
+            assert_bits_eq("int4-kc gather k", &hk, &download(&gpu, &gk));
+            assert_bits_eq("int4-kc gather v", &hv, &download(&gpu, &gv));
+            let (gk16, _) = ops::gather_dequantize::<f16>(&dev, &table, len).unwrap();
+            let want: Vec<u16> = hk.iter().map(|&x| f16::from_f32(x).to_bits()).collect();
+            let got: Vec<u16> = download(&gpu, &gk16).iter().map(|x| x.to_bits()).collect();
+            assert!(want == got, "{config:?}: int4-kc gather k as f16 differs");
+        }
     }
 }
 

@@ -22,6 +22,9 @@ enum Format : int {
   kInt4Affine64 = 5,
   kInt8Pth = 6,
   kFp4E2m1 = 7,
+  // Keys only, and no row codec: a block is quantized per channel once it is full (kvq.h's
+  // layout note); append.cu serves it apart from the row formats below.
+  kInt4Kc = 8,
 };
 // The ids are kvq.h's (Rust's side: src/format/spec.rs checks its table against kvq.h).
 static_assert(int(kF16) == int(KVQ_F16), "kF16 must be kvq.h's KVQ_F16");
@@ -33,8 +36,10 @@ static_assert(int(kInt4Affine64) == int(KVQ_INT4_AFFINE64),
               "kInt4Affine64 must be kvq.h's KVQ_INT4_AFFINE64");
 static_assert(int(kInt8Pth) == int(KVQ_INT8_PTH), "kInt8Pth must be kvq.h's KVQ_INT8_PTH");
 static_assert(int(kFp4E2m1) == int(KVQ_FP4_E2M1), "kFp4E2m1 must be kvq.h's KVQ_FP4_E2M1");
+static_assert(int(kInt4Kc) == int(KVQ_INT4_KC), "kInt4Kc must be kvq.h's KVQ_INT4_KC");
 
-// Every stored format: the cases of the run-time format switch (with_format, codec/codec.cuh).
+// Every format with a row codec: the cases of the run-time format switch (with_format,
+// codec/codec.cuh). kInt4Kc, the one format without, follows them.
 template <int... F> struct FormatList {};
 using AllFormats =
     FormatList<kF16, kBf16, kFp8E4m3, kFp8E5m2, kInt4Sym32, kInt4Affine64, kInt8Pth, kFp4E2m1>;

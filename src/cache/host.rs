@@ -5,8 +5,11 @@ use super::allocator::CopyBlock;
 use super::copies::check_copies;
 use super::tables::check_row;
 use crate::error::{Error, Result, filled};
+use crate::format::int4;
+use crate::format::int4_kc::{self, KcShape, Mode};
 use crate::format::{Element, HeadScale, KvFormat, ScaleGranularity, head_amax};
 use crate::layout::{BlockLayout, CacheConfig, Region};
+use half::f16;
 
 /// Byte a new pool is filled with, so that tests can tell unwritten slots from written ones.
 /// As f16/bf16 it is a finite negative number, as FP8 a finite negative code, as INT4 codes
@@ -221,9 +224,14 @@ impl HostCache {
     /// inputs met (they are sanitized, FORMATS.md). Everything is validated before any byte is
     /// written; a slot outside the pool is [`Error::BlockIndex`]. If a slot repeats, the last
     /// token written to it wins.
+    ///
+    /// `int4-kc` keys go to their block's f16 window; once every row is written, each block
+    /// whose last slot this call wrote is sealed (quantized in place from its window), so a
+    /// sequence's tokens must be appended in order, its block's last one last.
     pub fn write<T: Element>(&mut self, slots: &[usize], k: &[T], v: &[T]) -> Result<u64> {
         self.check_write(slots, k, v)?;
-        let (heads, d) = (self.layout.config.num_kv_heads, self.layout.config.head_dim);
+        let c = self.layout.config;
+        let (heads, d) = (c.num_kv_heads, c.head_dim);
         let mut non_finite = 0;
         for (t, &slot) in slots.iter().enumerate() {
             let (block, off) = self.layout.split_slot(slot);
@@ -234,7 +242,40 @@ impl HostCache {
                 }
             }
         }
+        if c.k_format.block_groups() {
+            for &slot in slots {
+                let (block, off) = self.layout.split_slot(slot);
+                if off + 1 == c.block_size {
+                    for h in 0..heads {
+                        self.seal(block, h)?;
+                    }
+                }
+            }
+        }
         Ok(non_finite)
+    }
+
+    /// Quantize the `int4-kc` keys of (`block`, `head`) in place from their f16 window: codes
+    /// over the window's first rows, then `s` and `z` (FORMATS.md, "INT4 keys per channel").
+    fn seal(&mut self, block: usize, head: usize) -> Result<()> {
+        let l = self.layout;
+        let (bs, d) = (l.config.block_size, l.config.head_dim);
+        let section = l.head_section(block, head);
+        let window: Vec<f16> = self.pool[section + l.k_window.offset..][..bs * 2 * d]
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]))
+            .collect();
+        let q = int4_kc::quantize(&window, KcShape::new(bs, 1, d, bs)?, Mode::Paged)?;
+        let codes = &mut self.pool[section + l.k_codes.offset..][..bs * d / 2];
+        codes.copy_from_slice(q.codes());
+        let meta = &mut self.pool[section + l.k_meta.offset..][..4 * d];
+        for (m, v) in meta
+            .chunks_exact_mut(2)
+            .zip(q.scales().iter().chain(q.zeros()))
+        {
+            m.copy_from_slice(&v.to_le_bytes());
+        }
+        Ok(())
     }
 
     /// Like [`write`](Self::write), but any non-finite input is an [`Error::NonFinite`] and then
@@ -276,8 +317,13 @@ impl HostCache {
         x: &[T],
     ) -> Result<u64> {
         let (format, codes_r, meta_r, scales) = self.side(side);
-        let scale = scales[head];
         let section = self.layout.head_section(block, head);
+        if side == Side::K && format.block_groups() {
+            // The window row: the f16 of the sanitized inputs.
+            let window = &mut self.pool[section + self.layout.k_window.row(off)..];
+            return KvFormat::F16.try_encode_row(x, 1.0, &mut window[..2 * x.len()], &mut []);
+        }
+        let scale = scales[head];
         let codes_at = section + codes_r.row(off);
         let meta_at = section + meta_r.row(off);
         // Metadata regions follow their codes region, so one split gives both rows.
@@ -287,11 +333,34 @@ impl HostCache {
         format.try_encode_row(x, scale, codes, meta)
     }
 
-    /// Dequantize the key row of (block, off, head) into `out` (`head_dim` values). Unchecked
-    /// (an out-of-range index panics): for the attention reference's inner loop, whose inputs
-    /// were validated once up front.
-    pub(crate) fn decode_k_at(&self, block: usize, off: usize, head: usize, out: &mut [f32]) {
-        self.decode_at(Side::K, block, off, head, out);
+    /// Dequantize the key row of (block, off, head) into `out` (`head_dim` values); `sealed`
+    /// says whether an `int4-kc` block is sealed ([`BlockLayout::sealed`]; other formats ignore
+    /// it). Unchecked (an out-of-range index panics): for the attention reference's inner loop,
+    /// whose inputs were validated once up front.
+    pub(crate) fn decode_k_at(
+        &self,
+        block: usize,
+        off: usize,
+        head: usize,
+        sealed: bool,
+        out: &mut [f32],
+    ) {
+        let l = &self.layout;
+        if !l.config.k_format.block_groups() {
+            return self.decode_at(Side::K, block, off, head, out);
+        }
+        let section = l.head_section(block, head);
+        if !sealed {
+            let row = &self.pool[section + l.k_window.row(off)..][..l.k_window.row_bytes];
+            return KvFormat::F16.decode_row(row, &[], 1.0, out);
+        }
+        let d = l.config.head_dim;
+        let codes = &self.pool[section + l.k_codes.row(off)..][..d / 2];
+        let meta = &self.pool[section + l.k_meta.offset..][..4 * d];
+        let f16_at = |i: usize| f16::from_le_bytes([meta[2 * i], meta[2 * i + 1]]);
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = int4::dequantize_affine(int4::nibble(codes, j), f16_at(j), f16_at(d + j));
+        }
     }
 
     /// The value-row counterpart of [`decode_k_at`](Self::decode_k_at).
@@ -308,6 +377,13 @@ impl HostCache {
     }
 
     fn read(&self, side: Side, slot: usize, head: usize, out: &mut [f32]) -> Result<()> {
+        if side == Side::K && self.layout.config.k_format.block_groups() {
+            return Err(Error::Unsupported(format!(
+                "a slot of {} keys is f16 or quantized as its sequence's length says: read \
+                 them with gather",
+                self.layout.config.k_format
+            )));
+        }
         let (block, off) = self.check_slot(slot)?;
         self.check_head(head)?;
         Self::check_len("row (head_dim)", self.layout.config.head_dim, out.len())?;
@@ -316,6 +392,8 @@ impl HostCache {
     }
 
     /// Dequantize the key row of (`slot`, `head`) into `out` (`head_dim` values), exactly.
+    /// Not for `int4-kc` keys ([`Error::Unsupported`]): whether their block is sealed depends
+    /// on the sequence's length, which [`gather`](Self::gather) takes.
     /// A row that decodes to a non-finite value (bytes written through
     /// [`pool_mut`](Self::pool_mut), or FP8 scales so large that `max_finite × scale`
     /// overflows) is an [`Error::NonFinite`], with `out` already written.
@@ -374,9 +452,10 @@ impl HostCache {
         check_row(block_table, None, len, bs, self.num_blocks)?;
         for p in 0..len {
             let block = block_table[p / bs] as usize;
+            let sealed = self.layout.sealed(p, len);
             for h in 0..heads {
                 let at = (p * heads + h) * d;
-                self.decode_k_at(block, p % bs, h, &mut out_k[at..at + d]);
+                self.decode_k_at(block, p % bs, h, sealed, &mut out_k[at..at + d]);
                 self.decode_v_at(block, p % bs, h, &mut out_v[at..at + d]);
             }
         }

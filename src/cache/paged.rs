@@ -91,7 +91,22 @@ impl PagedKvCache {
     /// Shorten `seq` to `new_len` tokens (speculative decoding's rollback; see
     /// [`BlockAllocator::truncate`]). Storage is not touched: the dropped tokens' slots are
     /// overwritten by the next append, and shared blocks are copied first.
+    ///
+    /// With `int4-kc` keys a sealed block has no f16 rows left to reopen: truncating into one
+    /// (below the last multiple of `block_size` at or under the current length) is
+    /// [`Error::Unsupported`] and changes nothing.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
+        let c = self.config;
+        if c.k_format.block_groups() {
+            let sealed = self.allocator.len(seq)? / c.block_size * c.block_size;
+            if new_len < sealed {
+                return Err(Error::Unsupported(format!(
+                    "truncating to {new_len} tokens would reopen a sealed {} block (the first \
+                     {sealed} tokens are quantized per channel)",
+                    c.k_format
+                )));
+            }
+        }
         self.allocator.truncate(seq, new_len)
     }
 

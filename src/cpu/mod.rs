@@ -197,18 +197,21 @@ pub struct DenseKv<'a> {
     pub head_dim: usize,
 }
 
-/// Rows of one sequence of a paged cache.
+/// Rows of one sequence of a paged cache, `len` tokens long (which of an `int4-kc` key
+/// cache's blocks are sealed).
 struct PagedRows<'a> {
     cache: &'a HostCache,
     table: &'a [i32],
     block_size: usize,
+    len: usize,
 }
 
 impl KvRows for PagedRows<'_> {
     fn k(&self, pos: usize, kv_head: usize, out: &mut [f32]) {
         let block = self.table[pos / self.block_size] as usize;
+        let sealed = self.cache.layout().sealed(pos, self.len);
         self.cache
-            .decode_k_at(block, pos % self.block_size, kv_head, out);
+            .decode_k_at(block, pos % self.block_size, kv_head, sealed, out);
     }
     fn v(&self, pos: usize, kv_head: usize, out: &mut [f32]) {
         let block = self.table[pos / self.block_size] as usize;
@@ -284,6 +287,7 @@ pub fn decode_attention_with(
         cache,
         table: tables.row(b),
         block_size: c.block_size,
+        len: lens[b],
     });
     let batch = Batch {
         context_lens: &lens,

@@ -223,6 +223,7 @@ impl Prefill<'_> {
                             cache: self.cache,
                             table: self.tables.row(b),
                             block_size: c.block_size,
+                            len: s.context_len,
                         },
                         kv_head,
                         g: self.opts.group(n, d, context_len, sinks),

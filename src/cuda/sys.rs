@@ -34,9 +34,11 @@ pub const KVQ_INT4_AFFINE64: kvq_format = 5;
 pub const KVQ_INT8_PTH: kvq_format = 6;
 #[doc = " FP4 E2M1, an E4M3 scale per 16 elements, an f32 scale per KV head"]
 pub const KVQ_FP4_E2M1: kvq_format = 7;
+#[doc = " keys only: INT4 per channel over a block's tokens (below)"]
+pub const KVQ_INT4_KC: kvq_format = 8;
 #[doc = " Element formats: the discriminants of kvq::KvFormat."]
 pub type kvq_format = ::std::os::raw::c_uint;
-#[doc = " Byte layout of a paged cache block: kvq::layout::BlockLayout, field for field. Offsets are\n relative to a head section; a head section of (block, head) starts at\n block \\* block_stride + head \\* head_stride in the pool."]
+#[doc = " Byte layout of a paged cache block: kvq::layout::BlockLayout, field for field. Offsets are\n relative to a head section; a head section of (block, head) starts at\n block \\* block_stride + head \\* head_stride in the pool.\n\n KVQ_INT4_KC keys (block_size G of 16, 32 or 64): the K part of a head section is G \\* 2 \\*\n head_dim bytes and holds one of two things. While the block is not full it is the \\*window\\*:\n G rows of head_dim f16 values (row t at k_codes_offset + t \\* 2 \\* head_dim), the sanitized\n inputs rounded to f16. Once its G-th token is appended the block is \\*sealed\\*, quantized in\n place per channel (FORMATS.md): G rows of k_codes_row = head_dim / 2 code bytes at\n k_codes_offset, then at k_meta_offset = k_codes_offset + G \\* head_dim / 2 the block's\n s\\[head_dim\\] and z\\[head_dim\\] (f16); k_meta_row is 0. A reader tells the two apart by the\n sequence's length: position p of a sequence of len tokens is sealed iff (p / G + 1) \\* G \\<= len."]
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone, PartialEq, Eq)]
 pub struct kvq_layout {
@@ -128,7 +130,7 @@ pub const KVQ_DTYPE_BF16: kvq_dtype = 2;
 #[doc = " Element type of dense tensors (K/V inputs, dequantized outputs)."]
 pub type kvq_dtype = ::std::os::raw::c_uint;
 unsafe extern "C" {
-    #[doc = " Quantize-on-append. k and v are \\[num_tokens, num_kv_heads, head_dim\\] of `dtype` (kvq_dtype),\n row t starting at element t \\* k_token_stride (resp. v_token_stride), a multiple of 8 that is\n at least num_kv_heads \\* head_dim; k and v are 16-byte aligned. Token t goes to slot slots\\[t\\]\n (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.\n A negative slot skips the token (padding); a slot \\>= num_blocks \\* block_size skips it too and\n counts it in counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. FP8 and FP4 formats read\n cache-\\>k_scales/v_scales."]
+    #[doc = " Quantize-on-append. k and v are \\[num_tokens, num_kv_heads, head_dim\\] of `dtype` (kvq_dtype),\n row t starting at element t \\* k_token_stride (resp. v_token_stride), a multiple of 8 that is\n at least num_kv_heads \\* head_dim; k and v are 16-byte aligned. Token t goes to slot slots\\[t\\]\n (int32 or, when slots_i64 != 0, int64): block slot / block_size, offset slot % block_size.\n A negative slot skips the token (padding); a slot \\>= num_blocks \\* block_size skips it too and\n counts it in counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. FP8 and FP4 formats read\n cache-\\>k_scales/v_scales. KVQ_INT4_KC keys are written to their blocks' f16 windows; then every\n block whose last slot (slot % block_size == block_size - 1) this call wrote is sealed from its\n window (kvq_layout's note), so a sequence's tokens must come in order, its block's last one\n last (earlier ones in this call or before), and the slots of one call must be distinct."]
     pub fn kvq_append(
         cache: *const kvq_cache,
         num_blocks: i64,
@@ -145,7 +147,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Dequantize the first num_tokens tokens of one sequence (block_table\\[i\\] = its i-th block) into\n dense \\[num_tokens, num_kv_heads, head_dim\\] tensors of out_dtype; k_out or v_out may be null.\n A block id outside \\[0, num_blocks) yields zeros for its tokens and counts them in\n counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. Outputs 16-byte aligned."]
+    #[doc = " Dequantize the first num_tokens tokens of one sequence (block_table\\[i\\] = its i-th block) into\n dense \\[num_tokens, num_kv_heads, head_dim\\] tensors of out_dtype; k_out or v_out may be null.\n KVQ_INT4_KC keys: the sequence is num_tokens long, so its full blocks are read sealed and a\n last, unfilled one from its f16 window.\n A block id outside \\[0, num_blocks) yields zeros for its tokens and counts them in\n counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. Outputs 16-byte aligned."]
     pub fn kvq_gather_dequantize(
         cache: *const kvq_cache,
         num_blocks: i64,

@@ -7,8 +7,9 @@
 //! lives outside the rows. The normative definition is FORMATS.md; the
 //! CUDA kernels implement the same functions in `cuda/codec/` (one codec per format), bit for bit.
 //! [`int4_kc`] is the exception: per-channel INT4 keys group along tokens, not within a row, so
-//! its module quantizes whole `[tokens, heads, head_dim]` tensors; it is a CPU reference and a
-//! dense-file format, not a cache format yet. [`outlier`] (INT2 / INT3 key rows with each
+//! it has no row codec; its module quantizes whole `[tokens, heads, head_dim]` tensors (the
+//! dense file, and the CPU reference of what a cache's reader sees), and as a cache format
+//! ([`KvFormat::Int4Kc`]) a block is quantized in place once it is full (`HostCache::write`). [`outlier`] (INT2 / INT3 key rows with each
 //! head's top-k channels in f16) is a CPU reference only, scored by `kvq eval`.
 
 pub mod fp4;
@@ -50,6 +51,10 @@ pub enum KvFormat {
     Int8Pth = 6,
     /// FP4 E2M1, an E4M3 block scale per 16 elements, an f32 global scale per KV head.
     Fp4E2m1 = 7,
+    /// Keys only: INT4 per channel over a block's tokens (KIVI-style, affine, f16 `s` and `z`
+    /// per (block, KV head, channel)); block sizes 16, 32, 64. A block keeps its tokens as f16
+    /// until it is full, then is quantized in place ([`block_groups`](Self::block_groups)).
+    Int4Kc = 8,
 }
 
 impl KvFormat {
@@ -70,7 +75,7 @@ impl KvFormat {
     }
 
     /// Short name used by the CLI and in tables: `f16`, `bf16`, `fp8-e4m3`, `fp8-e5m2`,
-    /// `int4-k32`, `int4-v64`, `int8-pth`, `fp4-e2m1`.
+    /// `int4-k32`, `int4-v64`, `int8-pth`, `fp4-e2m1`, `int4-kc`.
     pub const fn name(self) -> &'static str {
         self.spec().name
     }
@@ -124,6 +129,32 @@ impl KvFormat {
         self.spec().head_dim_multiple()
     }
 
+    /// Whether the format's groups run along a cache block's tokens, one per channel
+    /// (`int4-kc`): keys only, no row codec ([`check_row`](Self::check_row) refuses it), a
+    /// block kept as f16 until full and then quantized in place.
+    pub const fn block_groups(self) -> bool {
+        self.spec().block_groups
+    }
+
+    /// Bytes of metadata per block and KV head that follow a sealed block's codes: `s[head_dim]`
+    /// then `z[head_dim]`, f16, for `int4-kc`; 0 for the other formats.
+    pub const fn block_meta_bytes(self, head_dim: usize) -> usize {
+        if self.block_groups() {
+            head_dim.saturating_mul(4)
+        } else {
+            0
+        }
+    }
+
+    /// Check that a cache of this format may have blocks of `block_size` tokens: any size, but
+    /// 16, 32 or 64 for `int4-kc` (its group is the block, [`Error::Config`]).
+    pub fn check_block_size(self, block_size: usize) -> Result<()> {
+        if self.block_groups() {
+            int4_kc::check_group(block_size)?;
+        }
+        Ok(())
+    }
+
     /// Check that `head_dim` suits this format.
     pub fn check_head_dim(self, head_dim: usize) -> Result<()> {
         let multiple = self.head_dim_multiple();
@@ -160,14 +191,17 @@ impl KvFormat {
     }
 
     /// Bytes per element including in-row metadata (not the per-head FP8 / FP4 scale), at
-    /// head_dim 128 (a per-row scale's share depends on head_dim; the grouped formats' does not).
+    /// head_dim 128 (a per-row scale's share depends on head_dim; the grouped formats' does not)
+    /// and, for `int4-kc`, of a sealed block of 32 tokens (0.5 + 4 / G).
     pub fn bytes_per_element(self) -> f64 {
         let d = 128;
-        (self.code_bytes(d) + self.meta_bytes(d)) as f64 / d as f64
+        let block = self.block_meta_bytes(d) as f64 / int4_kc::DENSE_GROUP as f64;
+        (self.code_bytes(d) + self.meta_bytes(d)) as f64 / d as f64 + block / d as f64
     }
 
-    /// Check the arguments of one row of `head_dim` elements: `head_dim` suits the format
-    /// ([`Error::HeadDim`]), `codes` and `meta` hold [`code_bytes`](Self::code_bytes) and
+    /// Check the arguments of one row of `head_dim` elements: the format has a row codec (not
+    /// `int4-kc`, [`Error::Unsupported`]), `head_dim` suits the format ([`Error::HeadDim`]),
+    /// `codes` and `meta` hold [`code_bytes`](Self::code_bytes) and
     /// [`meta_bytes`](Self::meta_bytes) bytes ([`Error::Length`]), and for FP8 and FP4 the head
     /// scale is positive and finite ([`Error::Scale`]; other formats ignore it).
     pub fn check_row(
@@ -177,6 +211,12 @@ impl KvFormat {
         meta_len: usize,
         head_scale: f32,
     ) -> Result<()> {
+        if self.block_groups() {
+            return Err(Error::Unsupported(format!(
+                "{self} has no row codec: its groups run along a block's tokens (a cache \
+                 quantizes a block once it is full; dense tensors: dense::quantize_int4_kc)"
+            )));
+        }
         self.check_head_dim(head_dim)?;
         for (what, expected, actual) in [
             (
@@ -318,6 +358,8 @@ impl KvFormat {
                     int4::pack_nibbles(q.iter().copied(), &mut codes[i * g / 2..][..g / 2]);
                 }
             }
+            // No row codec: check_row refused it.
+            KvFormat::Int4Kc => {}
         }
         non_finite
     }
@@ -391,6 +433,8 @@ impl KvFormat {
                     *o = fp4::dequantize(int4::nibble(codes, i), sb, head_scale);
                 }
             }
+            // No row codec: check_row refused it.
+            KvFormat::Int4Kc => out.fill(f32::NAN),
         }
     }
 }
@@ -479,6 +523,7 @@ mod tests {
         assert_eq!(KvFormat::Bf16.bytes_per_element(), 2.0);
         assert_eq!(KvFormat::Int8Pth.bytes_per_element(), 1.03125);
         assert_eq!(KvFormat::Fp4E2m1.bytes_per_element(), 0.5625);
+        assert_eq!(KvFormat::Int4Kc.bytes_per_element(), 0.625);
     }
 
     /// FORMATS.md's storage of each format, stated independently of the table the methods read.
@@ -531,6 +576,8 @@ mod tests {
                 (32, 4),
                 Some(Fp4),
             ),
+            // codes in their token's row; s and z per block and channel, not per row
+            (KvFormat::Int4Kc, 4, None, 32, (64, 0), (32, 0), None),
         ];
         assert_eq!(expected.len(), KvFormat::ALL.len());
         for (f, bits, group, multiple, row, row64, head) in expected {
@@ -558,7 +605,7 @@ mod tests {
         let x: Vec<f32> = (0..d)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
             .collect();
-        for f in KvFormat::ALL {
+        for f in KvFormat::ALL.into_iter().filter(|f| !f.block_groups()) {
             let mut codes = vec![0u8; f.code_bytes(d)];
             let mut meta = vec![0u8; f.meta_bytes(d)];
             let s = f
@@ -576,5 +623,25 @@ mod tests {
             let bound = if f == KvFormat::Fp4E2m1 { 1.5 } else { 1.0 };
             assert!(err < bound, "{f}: max error {err}");
         }
+    }
+
+    #[test]
+    fn block_grouped_format_has_no_row_codec() {
+        let f = KvFormat::Int4Kc;
+        assert!(f.block_groups());
+        assert_eq!(f.block_meta_bytes(128), 512);
+        let (mut codes, mut meta) = (vec![0u8; 64], vec![]);
+        assert!(matches!(
+            f.try_encode_row(&[1f32; 128], 1.0, &mut codes, &mut meta),
+            Err(Error::Unsupported(_))
+        ));
+        let mut out = [0f32; 128];
+        f.decode_row(&codes, &meta, 1.0, &mut out);
+        assert!(out.iter().all(|v| v.is_nan()));
+        for bs in [16, 32, 64] {
+            f.check_block_size(bs).unwrap();
+        }
+        assert!(f.check_block_size(8).is_err());
+        assert!(KvFormat::Int4Sym32.check_block_size(8).is_ok());
     }
 }

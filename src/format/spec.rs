@@ -6,7 +6,7 @@
 //! [`DenseFormat`]: crate::dense::DenseFormat
 
 use super::fp8::Fp8Kind;
-use super::{KvFormat, fp4, int4};
+use super::{KvFormat, fp4, int4, int4_kc};
 use crate::dense::DenseFormat;
 
 /// One cache format's identity and storage, as FORMATS.md defines them.
@@ -34,6 +34,11 @@ pub struct FormatSpec {
     pub head_scale: Option<HeadScale>,
     /// The dense-tensor format with the same element math; none for the formats stored as is.
     pub dense: Option<DenseFormat>,
+    /// Groups run along the tokens of a cache block, one per channel (`int4-kc`): keys only,
+    /// block sizes [`int4_kc::GROUPS`], no row codec. A block keeps its tokens as f16 until its
+    /// last one is appended, then is quantized in place (*sealed*); its f16 `s` and `z` per
+    /// channel follow the codes ([`KvFormat::block_meta_bytes`]).
+    pub block_groups: bool,
 }
 
 /// A format's f32 scale per KV head (or per tensor), which lives beside the pool rather than in
@@ -97,6 +102,7 @@ pub const SPECS: &[FormatSpec] = &[
         meta_bytes_per_row: 0,
         head_scale: None,
         dense: None,
+        block_groups: false,
     },
     FormatSpec {
         format: KvFormat::Bf16,
@@ -108,6 +114,7 @@ pub const SPECS: &[FormatSpec] = &[
         meta_bytes_per_row: 0,
         head_scale: None,
         dense: None,
+        block_groups: false,
     },
     FormatSpec {
         format: KvFormat::Fp8E4m3,
@@ -119,6 +126,7 @@ pub const SPECS: &[FormatSpec] = &[
         meta_bytes_per_row: 0,
         head_scale: Some(HeadScale::Fp8(Fp8Kind::E4M3)),
         dense: Some(DenseFormat::Fp8E4m3),
+        block_groups: false,
     },
     FormatSpec {
         format: KvFormat::Fp8E5m2,
@@ -130,6 +138,7 @@ pub const SPECS: &[FormatSpec] = &[
         meta_bytes_per_row: 0,
         head_scale: Some(HeadScale::Fp8(Fp8Kind::E5M2)),
         dense: Some(DenseFormat::Fp8E5m2),
+        block_groups: false,
     },
     FormatSpec {
         format: KvFormat::Int4Sym32,
@@ -141,6 +150,7 @@ pub const SPECS: &[FormatSpec] = &[
         meta_bytes_per_row: 0,
         head_scale: None,
         dense: Some(DenseFormat::Int4K32),
+        block_groups: false,
     },
     FormatSpec {
         format: KvFormat::Int4Affine64,
@@ -152,6 +162,7 @@ pub const SPECS: &[FormatSpec] = &[
         meta_bytes_per_row: 0,
         head_scale: None,
         dense: Some(DenseFormat::Int4V64),
+        block_groups: false,
     },
     FormatSpec {
         format: KvFormat::Int8Pth,
@@ -163,6 +174,7 @@ pub const SPECS: &[FormatSpec] = &[
         meta_bytes_per_row: 4,
         head_scale: None,
         dense: Some(DenseFormat::Int8Pth),
+        block_groups: false,
     },
     FormatSpec {
         format: KvFormat::Fp4E2m1,
@@ -174,6 +186,20 @@ pub const SPECS: &[FormatSpec] = &[
         meta_bytes_per_row: 0,
         head_scale: Some(HeadScale::Fp4),
         dense: Some(DenseFormat::Fp4E2m1),
+        block_groups: false,
+    },
+    FormatSpec {
+        format: KvFormat::Int4Kc,
+        name: int4_kc::NAME,
+        c_name: "KVQ_INT4_KC",
+        bits: 4,
+        group: None,
+        meta_bytes_per_group: 0,
+        meta_bytes_per_row: 0,
+        head_scale: None,
+        // Its dense file is `dense::quantize_int4_kc`'s, whose groups cross rows.
+        dense: None,
+        block_groups: true,
     },
 ];
 
@@ -192,6 +218,15 @@ const _: () = {
         assert!(
             matches!(s.bits, 4 | 8 | 16),
             "codes are 4, 8 or 16 bits: a 16-byte vector holds whole codes"
+        );
+        assert!(
+            !s.block_groups
+                || (s.bits == 4
+                    && s.group.is_none()
+                    && s.meta_bytes_per_row == 0
+                    && s.head_scale.is_none()
+                    && s.dense.is_none()),
+            "a format grouped along a block's tokens is INT4 with its metadata per block"
         );
         match s.group {
             Some(g) => assert!(

@@ -920,6 +920,16 @@ mod tests {
         assert!(kernel_available(KvFormat::Fp8E5m2, KvFormat::Fp8E5m2));
         assert!(!kernel_available(KvFormat::Int4Affine64, KvFormat::F16));
         assert!(!kernel_available(KvFormat::Fp8E5m2, KvFormat::F16));
+        // int4-kc keys: cache, append and gather only, no attention kernel yet
+        for v in KvFormat::ALL {
+            assert!(!kernel_available(KvFormat::Int4Kc, v));
+            assert!(!crate::cuda::prefill::kernel_available_for(
+                KvFormat::Int4Kc,
+                v,
+                128,
+                true
+            ));
+        }
         use KvFormat::*;
         for d in HEAD_DIMS {
             assert!(kernel_available_for(F16, Fp8E4m3, d), "{d}");
