@@ -143,6 +143,20 @@ int kvq_tables_update(const int32_t *src, int32_t num_lens, int32_t *lens_dst, i
                       int64_t num_pairs, unsigned int *blocks_finished, unsigned int *done,
                       unsigned int generation, void *stream);
 
+/* ---- calibration on the device (cuda/calibrate.cu) ---- */
+
+/* Device scratch bytes kvq_head_clip needs for `heads` heads (0 for heads <= 0). */
+int64_t kvq_head_clip_scratch_bytes(int32_t heads);
+
+/* The clipping value of each head of a dense tensor x ([rows, head_dim] of `dtype`, row r of
+ * head r % heads; rows a positive multiple of heads): clip_out[h] (device, f32) is the rank-th
+ * smallest (1-based, rank in 1..rows / heads * head_dim) of the head's sanitized |x| values,
+ * exactly (kvq::calibrate::head_clip: rank = the values' count gives the amax, the nearest rank
+ * of a percentile the percentile). `scratch`: kvq_head_clip_scratch_bytes(heads) bytes of
+ * device memory, 8-byte aligned. A memset and six launches on `stream`, no host synchronization. */
+int kvq_head_clip(const void *x, int32_t dtype, int64_t rows, int32_t heads, int32_t head_dim,
+                  int64_t rank, float *clip_out, void *scratch, void *stream);
+
 /* Calibration scales of a dense tensor x ([rows, head_dim], rows cycling through `heads` heads,
  * so row r belongs to head r % heads) for `format` (FP8, FP4, or KVQ_DENSE_INT4_UNIFORM): FP8
  * amax / max_finite, FP4's global scale amax / 2688 (both 1 when the quotient is 0), one per head

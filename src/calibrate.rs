@@ -136,7 +136,7 @@ pub fn layer_scales<T: Element>(
 /// The 1-based nearest rank of the `p`-th percentile of `n > 0` values, `⌈p · n / 100⌉` in
 /// `1..=n`. A quotient within 1e-9 (relative) of an integer counts as that integer: decimal
 /// percentiles such as 99.9 are not exact in binary, and must not move one rank up for it.
-fn nearest_rank(p: f64, n: usize) -> usize {
+pub(crate) fn nearest_rank(p: f64, n: usize) -> usize {
     let exact = p * n as f64 / 100.0;
     let nearest = exact.round();
     let rank = if (exact - nearest).abs() <= 1e-9 * nearest.max(1.0) {

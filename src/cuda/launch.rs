@@ -239,6 +239,45 @@ pub(crate) unsafe fn dense_scales(
     check_status(status, "kvq_dense_scales")
 }
 
+/// `kvq_head_clip_scratch_bytes`: device scratch bytes of [`head_clip`] for `heads` heads.
+pub(crate) fn head_clip_scratch_bytes(heads: i32) -> usize {
+    // SAFETY: a pure function of its argument.
+    unsafe { sys::kvq_head_clip_scratch_bytes(heads) }.max(0) as usize
+}
+
+/// `kvq_head_clip`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_head_clip`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn head_clip(
+    x: *const c_void,
+    dtype: i32,
+    rows: i64,
+    heads: i32,
+    head_dim: i32,
+    rank: i64,
+    clip_out: *mut f32,
+    scratch: *mut c_void,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_head_clip(
+            x,
+            dtype,
+            rows,
+            heads,
+            head_dim,
+            rank,
+            clip_out,
+            scratch,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_head_clip")
+}
+
 /// `kvq_quantize_dense`.
 ///
 /// # Safety

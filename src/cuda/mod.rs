@@ -14,6 +14,7 @@
 #[cfg_attr(docsrs, doc(cfg(feature = "bench")))]
 pub mod bench;
 mod blocks;
+pub mod calibrate;
 pub mod decode;
 pub mod device;
 pub(crate) mod launch;

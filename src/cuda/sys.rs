@@ -199,6 +199,24 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    #[doc = " Device scratch bytes kvq_head_clip needs for `heads` heads (0 for heads \\<= 0)."]
+    pub fn kvq_head_clip_scratch_bytes(heads: i32) -> i64;
+}
+unsafe extern "C" {
+    #[doc = " The clipping value of each head of a dense tensor x (\\[rows, head_dim\\] of `dtype`, row r of\n head r % heads; rows a positive multiple of heads): clip_out\\[h\\] (device, f32) is the rank-th\n smallest (1-based, rank in 1..rows / heads \\* head_dim) of the head's sanitized |x| values,\n exactly (kvq::calibrate::head_clip: rank = the values' count gives the amax, the nearest rank\n of a percentile the percentile). `scratch`: kvq_head_clip_scratch_bytes(heads) bytes of\n device memory, 8-byte aligned. A memset and six launches on `stream`, no host synchronization."]
+    pub fn kvq_head_clip(
+        x: *const ::std::os::raw::c_void,
+        dtype: i32,
+        rows: i64,
+        heads: i32,
+        head_dim: i32,
+        rank: i64,
+        clip_out: *mut f32,
+        scratch: *mut ::std::os::raw::c_void,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     #[doc = " Calibration scales of a dense tensor x (\\[rows, head_dim\\], rows cycling through `heads` heads,\n so row r belongs to head r % heads) for `format` (FP8, FP4, or KVQ_DENSE_INT4_UNIFORM): FP8\n amax / max_finite, FP4's global scale amax / 2688 (both 1 when the quotient is 0), one per head\n when per_head != 0, else one for the tensor; uniform INT4 one amax / 7. amax runs over the sanitized inputs. `amax_scratch` holds\n (per_head ? heads : 1) uint32 of device scratch."]
     pub fn kvq_dense_scales(
         format: i32,
