@@ -12,7 +12,8 @@
 //!
 //! Beside the pipeline: [`dense`] quantizes whole tensors in the file layout of `kvq quantize`;
 //! [`calibrate`] computes per-KV-head FP8 scales from sample K/V (amax or a percentile of |x|);
-//! [`synth`] makes seeded synthetic activations with outlier channels; `report` (feature
+//! [`synth`] makes seeded synthetic activations with outlier channels; `plan` (feature `plan`)
+//! reads the per-layer format plans `kvq eval --budget` writes; `report` (feature
 //! `bench`) holds benchmark results and the bytes a decode must read; `plot` (feature `plot`)
 //! draws bench charts.
 //! The format definitions are normative and bit-exact: `docs/FORMATS.md`. The GPU figures and
@@ -37,6 +38,9 @@ pub mod dense;
 pub mod error;
 pub mod format;
 pub mod layout;
+#[cfg(feature = "plan")]
+#[cfg_attr(docsrs, doc(cfg(feature = "plan")))]
+pub mod plan;
 #[cfg(feature = "plot")]
 #[cfg_attr(docsrs, doc(cfg(feature = "plot")))]
 pub mod plot;

@@ -1073,7 +1073,7 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         layers: choices,
     });
     if let (Some(plan), Some(path)) = (&plan, &args.plan_out) {
-        plan.write(path)?;
+        plan::write(plan, path)?;
     }
     let scales_note = match &args.scales {
         Some(path) => format!("per head, from '{}' for its format", path.display()),
@@ -1110,7 +1110,7 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             doc["per_layer"] = Value::Array(per_layer_json);
         }
         if let Some(plan) = &plan {
-            doc["plan"] = plan.to_json();
+            doc["plan"] = plan.to_value();
         }
         if let Some(p) = &given_plan {
             let rows: Vec<Value> = checks
