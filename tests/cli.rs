@@ -682,6 +682,20 @@ fn eval_json_held_out_calibration_and_positions() {
         .as_f64()
         .unwrap();
     assert!(0.0 < int4 && int4 < 0.5, "{every_all}");
+    // The attention distributions: exact with f16 keys, moved (a little) by INT4 keys.
+    let probs = |label: &str| {
+        let e = &pair(&every_all, label)["errors"];
+        (
+            e["attn_kl"].as_f64().unwrap(),
+            e["top1_kept"].as_f64().unwrap(),
+        )
+    };
+    assert_eq!(probs("f16 / f16"), (0.0, 1.0));
+    let (kl, top1) = probs("int4-k32 / int4-v64");
+    assert!(
+        kl > 0.0 && kl < 0.5 && top1 > 0.5 && top1 <= 1.0,
+        "{kl} {top1}"
+    );
 
     // The Markdown table says what was calibrated and scored.
     let out = kvq(&["eval", file, "--positions", "all"]);

@@ -381,6 +381,38 @@ struct ErrorSums {
     k: Diff,
     v: Diff,
     out: Diff,
+    probs: ProbDiff,
+}
+
+/// How the attention distributions of the scored queries move when the keys are quantized:
+/// Σ KL(p_ref ‖ p), and how many queries keep their most-attended token (the top-1 of p).
+#[derive(Default, Clone, Copy)]
+struct ProbDiff {
+    kl: f64,
+    top1_kept: usize,
+    queries: usize,
+}
+
+impl ProbDiff {
+    fn add(&mut self, o: ProbDiff) {
+        self.kl += o.kl;
+        self.top1_kept += o.top1_kept;
+        self.queries += o.queries;
+    }
+
+    /// Mean KL divergence in nats (0 without queries).
+    fn mean_kl(&self) -> f64 {
+        self.kl / self.queries.max(1) as f64
+    }
+
+    /// Share of queries whose most-attended token is unchanged.
+    fn top1(&self) -> f64 {
+        if self.queries == 0 {
+            1.0
+        } else {
+            self.top1_kept as f64 / self.queries as f64
+        }
+    }
 }
 
 /// Σ (a − b)², Σ a², and max |a − b| of a reference `a` and an approximation `b`.
@@ -423,6 +455,7 @@ impl ErrorSums {
         self.k.add(o.k);
         self.v.add(o.v);
         self.out.add(o.out);
+        self.probs.add(o.probs);
     }
 }
 
@@ -598,6 +631,56 @@ impl Layer {
         self.attend_dense(q, &self.k, &self.v)
     }
 
+    /// The attention distribution of every scored query (head-major `q`, as
+    /// [`queries`](Self::queries)) over the tokens it sees (causal: query `i` of `q_len` sees
+    /// tokens up to `tokens - q_len + i`) with keys `k`, in f64, passed to `f` one at a time.
+    fn distributions(&self, q: &[f32], k: &[f32], mut f: impl FnMut(usize, &[f64])) {
+        let (d, group) = (self.head_dim, self.q_heads / self.kv_heads);
+        let scale = f64::from(self.shape().softmax_scale);
+        let mut p = Vec::with_capacity(self.tokens);
+        for (row, qr) in q.chunks_exact(d).enumerate() {
+            let (head, i) = (row / self.q_len, row % self.q_len);
+            let kv = head / group;
+            let seen = self.tokens - self.q_len + i + 1;
+            p.clear();
+            p.extend((0..seen).map(|t| {
+                let kr = &k[(t * self.kv_heads + kv) * d..][..d];
+                scale
+                    * qr.iter()
+                        .zip(kr)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+            }));
+            let max = p.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            p.iter_mut().for_each(|x| *x = (*x - max).exp());
+            let sum: f64 = p.iter().sum();
+            p.iter_mut().for_each(|x| *x /= sum);
+            f(row, &p);
+        }
+    }
+
+    /// KL divergence and top-1 agreement of the scored queries' attention with keys `k`
+    /// against the unquantized keys'. Only the keys move the distribution.
+    fn prob_diff(&self, q: &[f32], k: &[f32]) -> ProbDiff {
+        let mut reference = Vec::new();
+        self.distributions(q, &self.k, |_, p| reference.push(p.to_vec()));
+        let argmax =
+            |p: &[f64]| (0..p.len()).fold(0, |best, t| if p[t] > p[best] { t } else { best });
+        let mut diff = ProbDiff::default();
+        self.distributions(q, k, |row, p| {
+            let r = &reference[row];
+            diff.kl += r
+                .iter()
+                .zip(p)
+                .filter(|&(&a, _)| a > 0.0)
+                .map(|(&a, &b)| a * (a / b.max(f64::MIN_POSITIVE)).ln())
+                .sum::<f64>();
+            diff.top1_kept += usize::from(argmax(r) == argmax(p));
+            diff.queries += 1;
+        });
+        diff
+    }
+
     fn attend_dense(&self, q: &[f32], k: &[f32], v: &[f32]) -> Result<Vec<f32>, CliError> {
         let kv = DenseKv {
             k,
@@ -750,10 +833,12 @@ impl Layer {
             }
         };
         let scored = self.rows(&self.scored);
+        // Rotated keys come back rotated back, so the logits are the original q's with them.
         Ok(ErrorSums {
             k: Diff::of(&self.k[scored.clone()], &k[scored.clone()]),
             v: Diff::of(&self.v[scored.clone()], &v[scored]),
             out: Diff::of(reference, &out),
+            probs: self.prob_diff(q, &k),
         })
     }
 }
@@ -766,8 +851,8 @@ fn unsupported(pair: &Pair, head_dim: usize) -> Option<String> {
         .map(|e| e.to_string())
 }
 
-const HEADER: &str = "| K / V format | B/elem | K rel L2 | K max abs | V rel L2 | V max abs | attn rel err |\n\
-                      |---|---:|---:|---:|---:|---:|---:|\n";
+const HEADER: &str = "| K / V format | B/elem | K rel L2 | K max abs | V rel L2 | V max abs | attn KL | top-1 kept | attn rel err |\n\
+                      |---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
 
 impl Pair {
     /// Mean of the K and V storage cost at `head_dim`.
@@ -790,14 +875,16 @@ fn row(label: &str, pair: &Pair, head_dim: usize, e: Option<&ErrorSums>) -> Stri
     let bpe = pair.bytes_per_element(head_dim);
     match e {
         Some(e) => format!(
-            "| {label} | {bpe:.4} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} |\n",
+            "| {label} | {bpe:.4} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.2e} | {:.1}% | {:.2e} |\n",
             e.k.rel_l2(),
             e.k.max_abs,
             e.v.rel_l2(),
             e.v.max_abs,
+            e.probs.mean_kl(),
+            100.0 * e.probs.top1(),
             e.out.rel_l2()
         ),
-        None => format!("| {label} | {bpe:.4} | n/a | n/a | n/a | n/a | n/a |\n"),
+        None => format!("| {label} | {bpe:.4} | n/a | n/a | n/a | n/a | n/a | n/a | n/a |\n"),
     }
 }
 
@@ -810,6 +897,8 @@ fn json_row(pair: &Pair, head_dim: usize, e: Option<&ErrorSums>, skipped: Option
             "v_rel_l2": e.v.rel_l2(),
             "v_max_abs": e.v.max_abs,
             "attn_rel_err": e.out.rel_l2(),
+            "attn_kl": e.probs.mean_kl(),
+            "top1_kept": e.probs.top1(),
         })
     });
     json!({
