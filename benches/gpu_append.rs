@@ -27,8 +27,9 @@ const BLOCK_SIZE: usize = 16;
 const TOKENS: usize = (1 << 30) / (2 * HEADS * HEAD_DIM * 2);
 const COPY_BYTES: usize = 2 << 30;
 
-const PAIRS: [(KvFormat, KvFormat); 6] = [
+const PAIRS: [(KvFormat, KvFormat); 7] = [
     (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+    (KvFormat::Int4Kc, KvFormat::Int4Affine64),
     (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
     (KvFormat::Fp8E5m2, KvFormat::Fp8E5m2),
     (KvFormat::Int8Pth, KvFormat::Int8Pth),
@@ -109,14 +110,24 @@ impl Inputs {
         d
     }
 
-    /// Bytes one append moves: inputs and slot mapping read, codes and metadata written.
+    /// Bytes one append moves: inputs and slot mapping read, codes and metadata written; for
+    /// int4-kc keys also the f16 window written and read back by the seal, and the sealed
+    /// block's s and z.
     fn append_bytes(&self, cache: &DeviceCache) -> u64 {
         let l = cache.layout();
         let written = TOKENS
             * HEADS
             * (l.k_codes.row_bytes + l.k_meta.row_bytes + l.v_codes.row_bytes + l.v_meta.row_bytes);
         let read = 2 * TOKENS * HEADS * HEAD_DIM * 2 + TOKENS * 8;
-        (read + written) as u64
+        let kc = l.config.k_format.block_groups();
+        let window = if kc {
+            // written, then read by the seal; s and z once per block
+            2 * TOKENS * HEADS * l.k_window.row_bytes
+                + TOKENS / BLOCK_SIZE * HEADS * l.config.k_format.block_meta_bytes(HEAD_DIM)
+        } else {
+            0
+        };
+        (read + written + window) as u64
     }
 }
 
