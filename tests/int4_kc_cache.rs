@@ -184,3 +184,90 @@ fn slot_reads_of_kc_keys_are_refused() {
     // values are rows as usual (poison, but a row)
     cache.layers()[0].read_v(0, 0, &mut row).unwrap();
 }
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// One step of an engine's use of a kc cache.
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// Append `n` tokens to sequence `seq % live`.
+        Append { seq: usize, n: usize },
+        /// Fork sequence `seq % live`.
+        Fork { seq: usize },
+        /// Drop up to `n` tokens of sequence `seq % live` (refused into a sealed block).
+        Truncate { seq: usize, n: usize },
+        /// Free sequence `seq % live` (when more than one is live).
+        Free { seq: usize },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            5 => (any::<usize>(), 1usize..40).prop_map(|(seq, n)| Op::Append { seq, n }),
+            1 => any::<usize>().prop_map(|seq| Op::Fork { seq }),
+            1 => (any::<usize>(), 1usize..9).prop_map(|(seq, n)| Op::Truncate { seq, n }),
+            1 => any::<usize>().prop_map(|seq| Op::Free { seq }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Whatever an engine does (appends of any size, forks, rollbacks, frees, blocks
+        /// reused), each live sequence reads back FORMATS.md's paged form of its own keys.
+        #[test]
+        fn every_sequence_reads_its_paged_form(
+            bs in prop::sample::select(vec![16usize, 32]),
+            ops in prop::collection::vec(op(), 1..30),
+            seed in any::<u64>(),
+        ) {
+            let d = 32;
+            let cfg = CacheConfig::new(1, d, bs, KvFormat::Int4Kc, KvFormat::Int8Pth).unwrap();
+            let mut cache = PagedCache::new(cfg, 1, 64).unwrap();
+            let mut rng = Rng(seed | 1);
+            // (sequence, its keys so far)
+            let mut live = vec![(cache.create_sequence(), Vec::<f32>::new())];
+            for op in ops {
+                match op {
+                    Op::Append { seq, n } => {
+                        let i = seq % live.len();
+                        let (k, v) = (rng.keys(n * d, d), rng.keys(n * d, d));
+                        match cache.append(live[i].0, &[&k], &[&v]) {
+                            Ok(_) => live[i].1.extend_from_slice(&k),
+                            Err(e) => prop_assert!(matches!(e, Error::OutOfBlocks { .. }), "{e}"),
+                        }
+                    }
+                    Op::Fork { seq } => {
+                        let i = seq % live.len();
+                        let child = cache.fork(live[i].0).unwrap();
+                        let keys = live[i].1.clone();
+                        live.push((child, keys));
+                    }
+                    Op::Truncate { seq, n } => {
+                        let i = seq % live.len();
+                        let len = live[i].1.len() / d;
+                        let new_len = len.saturating_sub(n);
+                        match cache.truncate(live[i].0, new_len) {
+                            Ok(()) => live[i].1.truncate(new_len * d),
+                            Err(e) => {
+                                prop_assert!(matches!(e, Error::Unsupported(_)), "{e}");
+                                prop_assert!(new_len < len / bs * bs);
+                            }
+                        }
+                    }
+                    Op::Free { seq } => {
+                        if live.len() > 1 {
+                            let (s, _) = live.remove(seq % live.len());
+                            cache.free(s).unwrap();
+                        }
+                    }
+                }
+                for (s, keys) in &live {
+                    let (got, _) = gathered(&cache, *s);
+                    prop_assert_eq!(got, oracle(keys, 1, d, bs));
+                }
+            }
+        }
+    }
+}
