@@ -110,6 +110,10 @@ fn to_i64(v: usize) -> i64 {
 /// Enqueued on the cache's stream (that of the [`Gpu`] it was made with), like every other
 /// operation on it.
 ///
+/// `int4-kc` keys are written to their blocks' f16 windows, then every block whose last slot
+/// this call wrote is sealed (quantized in place, [`HostCache::write`]'s bytes): a sequence's
+/// tokens must come in order and the slots of one call must be distinct.
+///
 /// [`HostCache::write`]: crate::cache::HostCache::write
 pub fn append<T: DeviceElement, S: SlotIndex>(
     cache: &mut DeviceCache,
