@@ -436,7 +436,8 @@ impl HostCache {
 
     /// Dequantize the first `len` tokens of the sequence whose blocks are `block_table` into
     /// dense `[len, num_kv_heads, head_dim]` keys and values. Non-finite values read back are
-    /// an error, as for [`read_k`](Self::read_k).
+    /// an error, as for [`read_k`](Self::read_k). With `int4-kc` keys `len` must be the
+    /// sequence's whole length: it says which blocks are sealed ([`BlockLayout::sealed`]).
     pub fn gather(
         &self,
         block_table: &[i32],

@@ -270,7 +270,8 @@ pub unsafe fn append_raw(
 /// Dequantize the first `len` tokens of the sequence whose blocks are `block_table` into dense
 /// `[len, num_kv_heads, head_dim]` keys and values of `T`: the f32 values of
 /// [`HostCache::gather`](crate::cache::HostCache::gather), rounded to `T`. Runs on the cache's
-/// stream.
+/// stream. With `int4-kc` keys `len` must be the sequence's whole length (it says which blocks
+/// are sealed).
 pub fn gather_dequantize<T: DeviceElement>(
     cache: &DeviceCache,
     block_table: &[i32],
