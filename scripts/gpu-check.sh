@@ -38,9 +38,10 @@ step() {  # step NAME LOG CMD...: run, keep the log, record pass/fail and time
 # gpu_engine captures CUDA graphs in global mode: one test at a time. Under a sanitizer every
 # binary runs one test at a time too: racecheck over 9 concurrent decode tests did not finish in
 # 10 minutes, one at a time it takes 40 s.
-tests=("gpu_append" "gpu_decode --test-threads 8" "gpu_engine --test-threads 1" "gpu_prefill")
+tests=("gpu_append" "gpu_decode --test-threads 8" "gpu_engine --test-threads 1" "gpu_prefill" \
+  "gpu_calibrate")
 [ "$mode" = sanitize ] && tests=("gpu_append --test-threads 1" "gpu_decode --test-threads 1" \
-  "gpu_engine --test-threads 1" "gpu_prefill --test-threads 1")
+  "gpu_engine --test-threads 1" "gpu_prefill --test-threads 1" "gpu_calibrate --test-threads 1")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$out/gpu.txt" 2>&1
 if [ "$mode" = sanitize ]; then
   tools=("$@"); [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)

@@ -18,7 +18,7 @@ mkdir -p "$(dirname "$exclude")"
 grep -qxF '/.gpu-stage/' "$exclude" 2>/dev/null || echo '/.gpu-stage/' >> "$exclude"
 rm -rf .gpu-stage && mkdir -p .gpu-stage/bin .gpu-stage/data
 cargo build --release --features cuda,cli --bin kvq \
-  --test gpu_append --test gpu_decode --test gpu_engine --test gpu_prefill \
+  --test gpu_append --test gpu_decode --test gpu_engine --test gpu_prefill --test gpu_calibrate \
   --bench gpu_append --bench gpu_decode \
   --example decode_bench --example moe_decode_budget --example decode_sweep --example prefill_bench \
   --example engine_step --example tensor_parallel --example gpu_quickstart \
