@@ -313,6 +313,11 @@ impl BlockAllocator {
     /// next [`reserve`](Self::reserve), so other holders keep their tokens. The rejected tokens'
     /// bytes stay in storage until overwritten; nothing reads past a sequence's length.
     /// `new_len` above the current length is an [`Error::InvalidArgument`] and changes nothing.
+    ///
+    /// The allocator knows no formats: with `int4-kc` keys, whose full blocks are quantized in
+    /// place, `new_len` must not fall below the last multiple of `block_size` at or under the
+    /// current length (`PagedKvCache::truncate` checks it; an engine driving the allocator
+    /// itself must too).
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         let bs = self.block_size;
         let s = self
