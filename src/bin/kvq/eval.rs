@@ -415,6 +415,14 @@ impl ProbDiff {
     }
 }
 
+/// Attention over a layer's unquantized K/V for its scored queries.
+struct Reference {
+    /// The output, as `cpu::attention_dense` gives it.
+    out: Vec<f32>,
+    /// Each query's attention distribution ([`Layer::distributions`]).
+    probs: Vec<Vec<f64>>,
+}
+
 /// Σ (a − b)², Σ a², and max |a − b| of a reference `a` and an approximation `b`.
 #[derive(Default, Clone, Copy)]
 struct Diff {
@@ -626,9 +634,15 @@ impl Layer {
         tokens.start * row..tokens.end * row
     }
 
-    /// Attention over unquantized K/V: the reference every pair is compared with.
-    fn reference(&self, q: &[f32]) -> Result<Vec<f32>, CliError> {
-        self.attend_dense(q, &self.k, &self.v)
+    /// Attention over unquantized K/V, the reference every pair is compared with: computed
+    /// once a layer.
+    fn reference(&self, q: &[f32]) -> Result<Reference, CliError> {
+        let mut probs = Vec::new();
+        self.distributions(q, &self.k, |_, p| probs.push(p.to_vec()));
+        Ok(Reference {
+            out: self.attend_dense(q, &self.k, &self.v)?,
+            probs,
+        })
     }
 
     /// The attention distribution of every scored query (head-major `q`, as
@@ -660,10 +674,9 @@ impl Layer {
     }
 
     /// KL divergence and top-1 agreement of the scored queries' attention with keys `k`
-    /// against the unquantized keys'. Only the keys move the distribution.
-    fn prob_diff(&self, q: &[f32], k: &[f32]) -> ProbDiff {
-        let mut reference = Vec::new();
-        self.distributions(q, &self.k, |_, p| reference.push(p.to_vec()));
+    /// against the unquantized keys' (`reference`, one distribution per query). Only the keys
+    /// move the distribution.
+    fn prob_diff(&self, q: &[f32], k: &[f32], reference: &[Vec<f64>]) -> ProbDiff {
         let argmax =
             |p: &[f64]| (0..p.len()).fold(0, |best, t| if p[t] > p[best] { t } else { best });
         let mut diff = ProbDiff::default();
@@ -808,7 +821,7 @@ impl Layer {
         &self,
         pair: &Pair,
         q: &[f32],
-        reference: &[f32],
+        reference: &Reference,
         block_size: usize,
     ) -> Result<ErrorSums, CliError> {
         let [k, v, out] = match (pair.k, pair.v) {
@@ -837,8 +850,8 @@ impl Layer {
         Ok(ErrorSums {
             k: Diff::of(&self.k[scored.clone()], &k[scored.clone()]),
             v: Diff::of(&self.v[scored.clone()], &v[scored]),
-            out: Diff::of(reference, &out),
-            probs: self.prob_diff(q, &k),
+            out: Diff::of(&reference.out, &out),
+            probs: self.prob_diff(q, &k, &reference.probs),
         })
     }
 }
