@@ -46,6 +46,15 @@ impl ClipMethod {
             m => Ok(m),
         }
     }
+
+    /// The 1-based rank among `n` values of the value this method clips at, when it is not the
+    /// largest (a percentile below 100 of `n > 0` values); `None` for the amax.
+    pub(crate) fn below_max_rank(self, n: usize) -> Option<usize> {
+        match self {
+            ClipMethod::Percentile(p) if p < 100.0 && n > 0 => Some(nearest_rank(p, n)),
+            _ => None,
+        }
+    }
 }
 
 /// The FP8 scales of one layer, one per KV head: for
@@ -81,15 +90,10 @@ pub fn head_clip<T: Element>(
     }
     // Checks the length too, and is the answer for the amax (and the 100th percentile).
     let amax = head_amax(x, kv_heads, head_dim)?;
-    let p = match method.check()? {
-        ClipMethod::Percentile(p) if p < 100.0 => p,
-        _ => return Ok(amax),
-    };
     let n = x.len() / kv_heads;
-    if n == 0 {
+    let Some(rank) = method.check()?.below_max_rank(n) else {
         return Ok(amax);
-    }
-    let rank = nearest_rank(p, n);
+    };
     let mut values = reserved(n, "calibration values of one head")?;
     (0..kv_heads)
         .map(|head| {
@@ -136,7 +140,7 @@ pub fn layer_scales<T: Element>(
 /// The 1-based nearest rank of the `p`-th percentile of `n > 0` values, `⌈p · n / 100⌉` in
 /// `1..=n`. A quotient within 1e-9 (relative) of an integer counts as that integer: decimal
 /// percentiles such as 99.9 are not exact in binary, and must not move one rank up for it.
-pub(crate) fn nearest_rank(p: f64, n: usize) -> usize {
+fn nearest_rank(p: f64, n: usize) -> usize {
     let exact = p * n as f64 / 100.0;
     let nearest = exact.round();
     let rank = if (exact - nearest).abs() <= 1e-9 * nearest.max(1.0) {

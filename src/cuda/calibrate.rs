@@ -10,7 +10,7 @@
 
 use super::ops::DeviceElement;
 use super::{Gpu, driver_err, launch};
-use crate::calibrate::{ClipMethod, nearest_rank};
+use crate::calibrate::ClipMethod;
 use crate::error::{Error, Result};
 use crate::format::Fp8Kind;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -61,11 +61,9 @@ pub fn head_clip<T: DeviceElement>(
     if tokens == 0 {
         return Ok(vec![0.0; kv_heads]);
     }
+    // The amax is the largest value: the rank of the count.
     let n = tokens * head_dim;
-    let rank = match method {
-        ClipMethod::Percentile(p) if p < 100.0 => nearest_rank(p, n),
-        _ => n,
-    };
+    let rank = method.below_max_rank(n).unwrap_or(n);
     gpu.bind()?;
     let s = gpu.stream();
     let mut clip = s
