@@ -97,15 +97,13 @@ impl PagedKvCache {
     /// [`Error::Unsupported`] and changes nothing.
     pub fn truncate(&mut self, seq: SeqId, new_len: usize) -> Result<()> {
         let c = self.config;
-        if c.k_format.block_groups() {
-            let sealed = self.allocator.len(seq)? / c.block_size * c.block_size;
-            if new_len < sealed {
-                return Err(Error::Unsupported(format!(
-                    "truncating to {new_len} tokens would reopen a sealed {} block (the first \
-                     {sealed} tokens are quantized per channel)",
-                    c.k_format
-                )));
-            }
+        let len = self.allocator.len(seq)?;
+        // The new last token's block is sealed: its f16 rows are gone.
+        if c.k_format.block_groups() && c.layout().sealed(new_len, len) {
+            return Err(Error::Unsupported(format!(
+                "truncating {len} tokens to {new_len} would reopen a sealed {} block",
+                c.k_format
+            )));
         }
         self.allocator.truncate(seq, new_len)
     }
