@@ -312,10 +312,7 @@ fn table(rows: &[Row], head_dim: usize) -> String {
         let (label, bytes) = match pair {
             None => ("unquantized (f32)".to_string(), 4.0),
             Some((k, v)) => {
-                let per = |f: KvFormat| {
-                    (f.code_bytes(head_dim) + f.meta_bytes(head_dim)) as f64 / head_dim as f64
-                        + f.block_meta_bytes(head_dim) as f64 / (BLOCK * head_dim) as f64
-                };
+                let per = |f: KvFormat| f.bytes_per_element_at(head_dim, BLOCK);
                 (format!("{k} / {v}"), (per(*k) + per(*v)) / 2.0)
             }
         };

@@ -9,8 +9,9 @@
 //! [`int4_kc`] is the exception: per-channel INT4 keys group along tokens, not within a row, so
 //! it has no row codec; its module quantizes whole `[tokens, heads, head_dim]` tensors (the
 //! dense file, and the CPU reference of what a cache's reader sees), and as a cache format
-//! ([`KvFormat::Int4Kc`]) a block is quantized in place once it is full (`HostCache::write`). [`outlier`] (INT2 / INT3 key rows with each
-//! head's top-k channels in f16) is a CPU reference only, scored by `kvq eval`.
+//! ([`KvFormat::Int4Kc`]) a block is quantized in place once it is full (`HostCache::write`).
+//! [`outlier`] (INT2 / INT3 key rows with each head's top-k channels in f16) is a CPU reference
+//! only, scored by `kvq eval`.
 
 pub mod fp4;
 pub mod fp8;
@@ -192,11 +193,19 @@ impl KvFormat {
 
     /// Bytes per element including in-row metadata (not the per-head FP8 / FP4 scale), at
     /// head_dim 128 (a per-row scale's share depends on head_dim; the grouped formats' does not)
-    /// and, for `int4-kc`, of a sealed block of 32 tokens (0.5 + 4 / G).
+    /// and, for `int4-kc`, of a sealed block of 32 tokens (0.5 + 4 / G):
+    /// [`bytes_per_element_at`](Self::bytes_per_element_at)`(128, 32)`.
     pub fn bytes_per_element(self) -> f64 {
-        let d = 128;
-        let block = self.block_meta_bytes(d) as f64 / int4_kc::DENSE_GROUP as f64;
-        (self.code_bytes(d) + self.meta_bytes(d)) as f64 / d as f64 + block / d as f64
+        self.bytes_per_element_at(128, int4_kc::DENSE_GROUP)
+    }
+
+    /// Bytes per element of rows of `head_dim` elements, including in-row metadata (not the
+    /// per-head FP8 / FP4 scale) and, for `int4-kc`, a sealed block's `s` and `z` shared by its
+    /// `block_size` tokens.
+    pub fn bytes_per_element_at(self, head_dim: usize, block_size: usize) -> f64 {
+        let row = self.code_bytes(head_dim) + self.meta_bytes(head_dim);
+        let block = self.block_meta_bytes(head_dim) as f64 / block_size as f64;
+        (row as f64 + block) / head_dim as f64
     }
 
     /// Check the arguments of one row of `head_dim` elements: the format has a row codec (not
