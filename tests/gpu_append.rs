@@ -6,6 +6,9 @@
 //! it fails).
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::Input;
 use half::{bf16, f16};
 use kvq::cache::{BlockAllocator, HostCache, POISON};
 use kvq::cuda::ops::{self, DeviceElement, DeviceQuantized};
@@ -40,26 +43,6 @@ impl Rng {
         for i in (1..v.len()).rev() {
             v.swap(i, self.below(i + 1));
         }
-    }
-}
-
-/// Input element types, built from f32 with round-to-nearest-even.
-trait Input: DeviceElement + Copy + std::fmt::Debug {
-    fn from_f32(x: f32) -> Self;
-}
-impl Input for f32 {
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-}
-impl Input for f16 {
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-}
-impl Input for bf16 {
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
     }
 }
 

@@ -7,33 +7,12 @@
 
 mod common;
 
-use common::Rng;
+use common::{Input, Rng};
 use half::{bf16, f16};
 use kvq::Error;
 use kvq::calibrate::{self, ClipMethod};
-use kvq::cuda::ops::DeviceElement;
 use kvq::cuda::{Gpu, calibrate as device, require_gpu_or_skip};
-use kvq::format::{Element, Fp8Kind};
-
-/// Input element types, built from f32 with round-to-nearest-even.
-trait Input: DeviceElement + Element {
-    fn from_f32(x: f32) -> Self;
-}
-impl Input for f32 {
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-}
-impl Input for f16 {
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-}
-impl Input for bf16 {
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-}
+use kvq::format::Fp8Kind;
 
 /// `[tokens, heads, d]` values: normal, two outlier channels per head, a few NaN / ±Inf, and
 /// ties (values repeated exactly), so a rank can land among equal values.

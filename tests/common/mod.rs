@@ -103,3 +103,27 @@ pub fn minilm_data(test: &str) -> Option<std::path::PathBuf> {
     }
     found
 }
+
+/// Input element types of the GPU tests, built from f32 with round-to-nearest-even.
+#[cfg(feature = "cuda")]
+pub trait Input: kvq::cuda::ops::DeviceElement + std::fmt::Debug {
+    fn from_f32(x: f32) -> Self;
+}
+#[cfg(feature = "cuda")]
+impl Input for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+}
+#[cfg(feature = "cuda")]
+impl Input for half::f16 {
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+}
+#[cfg(feature = "cuda")]
+impl Input for half::bf16 {
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+}
