@@ -23,7 +23,8 @@ constexpr bool whole_groups() {
 /// The instances: the kernel formats of the codecs with kDecodeMixed mixed freely (K x V), any
 /// other one with itself, at head_dim 64, 80, 96, 112, 128, 192 and 256 where whole_groups
 /// holds; with the codecs as they are, f16, bf16, fp8-e4m3, int8-pth, fp4-e2m1 (head_dim a
-/// multiple of 32) and int4 (keys: groups of 32, values: 64) mixed and e5m2 with itself. This is the one statement of the supported set
+/// multiple of 32), int4 (keys: groups of 32, values: 64) and int4-kc keys (head_dim a multiple of
+/// 32) mixed and e5m2 with itself. This is the one statement of the supported set
 /// (kvq_decode_supported).
 template <Fmt K, Fmt V, int D>
 constexpr bool has_kernel() {
@@ -68,7 +69,7 @@ int with_role_in(FormatList<F...>, int32_t format, Fn &&fn) {
 }
 template <bool V, class Fn>
 int with_role(int32_t format, Fn &&fn) {
-  return with_role_in<V>(AllFormats{}, format, static_cast<Fn &&>(fn));
+  return with_role_in<V>(AttentionFormats{}, format, static_cast<Fn &&>(fn));
 }
 
 /// Call fn.run<K, V, D>() for the instance serving keys in k_format and values in v_format
@@ -152,6 +153,9 @@ struct Launch {
     if (l.k_codes_row != F::KC_ROW || l.k_meta_row != F::KM_ROW || l.v_codes_row != F::VC_ROW ||
         l.v_meta_row != F::VM_ROW)
       return KVQ_ERR_INVALID;
+    // int4-kc: a sealed block's s and z follow its G code rows (kvq.h).
+    if (F::KBLK && l.k_meta_offset != l.k_codes_offset + l.block_size * F::KC_ROW)
+      return KVQ_ERR_INVALID;
     int limit = 0;
     const cudaError_t e = prepare<K, V, D>(&limit);
     if (e != cudaSuccess) {
@@ -170,7 +174,7 @@ struct Launch {
 /// scores are computed with bf16 operands, and f16 queries would lose bits), and whether it has
 /// per-head scales (FP8), which the cache must then give.
 struct Side {
-  bool taken = false, bf16 = false, head_scale = false;
+  bool taken = false, bf16 = false, head_scale = false, block_channels = false;
 };
 
 /// The Side of a kvq_format in the K (V = false) or V role.
@@ -179,7 +183,7 @@ Side side(int32_t format) {
   Side s;
   with_role<V>(format, [&](auto f) {
     using C = Codec<decltype(f)::value>;
-    s = {true, C::kBf16Operands, C::kHeadScale};
+    s = {true, C::kBf16Operands, C::kHeadScale, BlockChannelsOf<C>::value};
     return (int)KVQ_OK;
   });
   return s;
@@ -221,6 +225,9 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   if (!ks.taken || !vs.taken || (ks.bf16 && a->q_dtype != KVQ_DTYPE_BF16))
     return KVQ_ERR_UNSUPPORTED;
   if (l.block_size <= 0 || l.block_size % kvq_decode::kChunk != 0) return KVQ_ERR_UNSUPPORTED;
+  // int4-kc blocks are 16, 32 or 64 tokens (a power of two: the kernel masks positions by it).
+  if (ks.block_channels && l.block_size != 16 && l.block_size != 32 && l.block_size != 64)
+    return KVQ_ERR_INVALID;
   if (a->batch <= 0 || a->num_q_heads <= 0 || l.num_kv_heads <= 0 ||
       a->num_q_heads % l.num_kv_heads != 0 || a->q_len <= 0 || a->max_blocks <= 0 ||
       a->num_splits <= 0 || a->num_splits > KVQ_DECODE_MAX_SPLITS || a->split_tokens <= 0 ||

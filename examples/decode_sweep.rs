@@ -5,11 +5,13 @@
 //!
 //! ```sh
 //! cargo run --release --features cuda,bench --example decode_sweep -- \
-//!     [--case NAME]... [--shape B:L]... [--format bf16|fp8|int4|int4-fp8|int8|fp4]... [--splits 1,2,3]
-//!     [--iters N] [--ceiling GBPS] [--plan-only] [--launch SPLITS:WARPS:STAGES]...
+//!     [--case NAME]... [--shape B:L]... [--format bf16|fp8|int4|int4-fp8|int8|fp4|int4-kc|int4-kc-fp8]...
+//!     [--splits 1,2,3] [--block-size N] [--iters N] [--ceiling GBPS] [--plan-only]
+//!     [--launch SPLITS:WARPS:STAGES]...
 //! ```
 //! `--case` names a shape family of the grid (`llama3-8b`, `8x22b-tp8`, `mha-32`, ...),
-//! `--shape` a batch and context length in it. Prints one markdown row per launch, `*` marking
+//! `--shape` a batch and context length in it, `--block-size` the cache's tokens per block
+//! instead of the case's (int4-kc keys take 16, 32 or 64). Prints one markdown row per launch, `*` marking
 //! the plan's choice. `--ceiling` takes the read ceiling as given instead of measuring it, and
 //! `--plan-only` times the plan's choice alone: together they make a short run for a profiler
 //! (`ncu --kernel-name regex:decode_kernel --launch-count 1 ...`). `--launch` times the plan's
@@ -29,6 +31,7 @@ struct Args {
     ceiling: Option<f64>,
     plan_only: bool,
     launches: Vec<(usize, usize, usize)>,
+    block_size: Option<usize>,
 }
 
 fn parse_format(name: &str) -> Result<(KvFormat, KvFormat), String> {
@@ -39,9 +42,12 @@ fn parse_format(name: &str) -> Result<(KvFormat, KvFormat), String> {
         "int4-fp8" => (KvFormat::Int4Sym32, KvFormat::Fp8E4m3),
         "int8" => (KvFormat::Int8Pth, KvFormat::Int8Pth),
         "fp4" => (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
+        "int4-kc" => (KvFormat::Int4Kc, KvFormat::Int4Affine64),
+        "int4-kc-fp8" => (KvFormat::Int4Kc, KvFormat::Fp8E4m3),
         other => {
             return Err(format!(
-                "unknown format '{other}' (bf16, fp8, int4, int4-fp8, int8, fp4)"
+                "unknown format '{other}' (bf16, fp8, int4, int4-fp8, int8, fp4, int4-kc, \
+                 int4-kc-fp8)"
             ));
         }
     })
@@ -57,6 +63,7 @@ fn parse_args() -> Result<Args, String> {
         ceiling: None,
         plan_only: false,
         launches: Vec::new(),
+        block_size: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -103,6 +110,10 @@ fn parse_args() -> Result<Args, String> {
                     .parse()
                     .map_err(|e| format!("--iters: {e}"))?
             }
+            "--block-size" => {
+                let v = value("--block-size")?;
+                a.block_size = Some(v.parse().map_err(|e| format!("--block-size {v}: {e}"))?);
+            }
             "--bench" => {}
             other => return Err(format!("unknown argument '{other}'")),
         }
@@ -139,7 +150,10 @@ fn run(args: &Args) -> kvq::Result<()> {
     let cases = bench::select(bench::standard_grid(), &args.cases, false)
         .into_iter()
         .filter(|c| args.shapes.is_empty() || args.shapes.contains(&(c.batch, c.context_len)));
-    for case in cases {
+    for mut case in cases {
+        if let Some(bs) = args.block_size {
+            case.block_size = bs;
+        }
         for &(k, v) in &args.formats {
             let mut p = bench::PreparedDecode::new(&gpu, &case, k, v, 0x5EED)?;
             let bytes = p.bytes_to_read()? as f64;

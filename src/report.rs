@@ -9,8 +9,10 @@ use std::fmt::Write as _;
 
 /// Bytes a decode step must read from device memory at the least: every K and V code and its
 /// metadata for each (sequence, KV head, token), the block-table entries in use, the FP8 head
-/// scales, and the queries. This is the numerator of every bandwidth figure the crate reports.
-/// A count beyond `u64` is an [`Error::Overflow`], never a wrapped figure.
+/// scales, and the queries. `int4-kc` keys count their codes for the tokens of sealed blocks,
+/// each sealed block's `s` and `z`, and the f16 rows of a sequence's last, unsealed block.
+/// This is the numerator of every bandwidth figure the crate reports. A count beyond `u64` is
+/// an [`Error::Overflow`], never a wrapped figure.
 pub fn decode_bytes_to_read(
     layout: &BlockLayout,
     context_lens: &[usize],
@@ -60,11 +62,29 @@ pub fn decode_bytes_to_read(
     let mut total = head_scales;
     let mut largest = 0u64;
     for &len in context_lens {
-        let kv = mul(
+        let mut kv = mul(
             "KV bytes (context_len × bytes per token)",
             len as u64,
             kv_per_token,
         )?;
+        if c.k_format.block_groups() {
+            // Per KV head: the sealed blocks' s and z, and the open rows as f16 instead of codes.
+            let bs = c.block_size.max(1);
+            let open = (len % bs) as u64;
+            let block_meta = c.k_format.block_meta_bytes(c.head_dim) as u64;
+            let per_head = ((len / bs) as u64)
+                .checked_mul(block_meta)
+                .zip(open.checked_mul(2 * c.head_dim as u64 - layout.k_codes.row_bytes as u64))
+                .and_then(|(a, b)| a.checked_add(b));
+            kv = per_head
+                .and_then(|x| x.checked_mul(c.num_kv_heads as u64))
+                .and_then(|x| x.checked_add(kv))
+                .ok_or(Error::Overflow {
+                    what: "int4-kc key bytes (blocks × s and z, open rows)",
+                    lhs: len,
+                    rhs: c.num_kv_heads,
+                })?;
+        }
         // block_size is at least 1 in a valid layout; max(1) keeps a literal's 0 harmless.
         let entries = len.div_ceil(c.block_size.max(1)) as u64;
         let table = mul("block-table bytes (entries × 4)", entries, 4)?;
@@ -448,6 +468,16 @@ mod tests {
         let b = decode_bytes_to_read(&c.layout(), &[1000], 32, 1, 2).unwrap();
         // 1000 tokens * 8 heads * 2 * 128 * 0.5625 + 63 table entries + q + length
         assert_eq!(b, 1000 * 8 * 144 + 63 * 4 + 32 * 128 * 2 + 4);
+    }
+
+    #[test]
+    fn bytes_to_read_counts_int4_kc_blocks_and_the_open_window() {
+        let c = CacheConfig::new(8, 128, 32, KvFormat::Int4Kc, KvFormat::Int4Affine64).unwrap();
+        let b = decode_bytes_to_read(&c.layout(), &[1000], 32, 1, 2).unwrap();
+        // 31 sealed blocks (992 tokens of 64 code bytes, s and z 512 bytes each), 8 open f16
+        // rows of 256 bytes, values at 72 bytes a token; 32 table entries, q, length.
+        let k = 992 * 64 + 31 * 512 + 8 * 256;
+        assert_eq!(b, 8 * (k + 1000 * 72) + 32 * 4 + 32 * 128 * 2 + 4);
     }
 
     #[test]

@@ -1,12 +1,13 @@
 //! The fused paged decode kernels against the CPU reference (`kvq::cpu::decode_attention`, f64)
 //! on the same quantized cache: every supported K x V format pair, head_dim 64/128/256, block
 //! sizes 16/32/64, GQA groups 1..16 (6 included), q_len 1..8 (causal), mixed lengths in a batch,
-//! block- and split-boundary lengths, a 128k context, forced split counts, and real MiniLM K/V.
+//! block- and split-boundary lengths (int4-kc: sealed blocks and the open window on either side
+//! of a split), a 128k context, forced split counts, and real MiniLM K/V.
 //!
 //! Each case: relative error ‖e‖ / ‖ref‖ ≤ 2e-3 over the whole output, where e is |out − ref|
 //! beyond half an ulp of the output type (rounding the result to f16 / bf16 is not kernel
-//! error), no row worse than 1e-2, `lse` within 1e-3 (5e-3 for INT4 keys, which are
-//! dequantized to f16), plus 10 % of that per unit of |lse|, of the CPU's, and every output
+//! error), no row worse than 1e-2, `lse` within 1e-3 (5e-3 for INT4 keys, whose scale times
+//! the query is rounded to f16), plus 10 % of that per unit of |lse|, of the CPU's, and every output
 //! element written (outputs are poisoned with NaN first). Inputs are fresh random draws each
 //! run; the seed is printed and `KVQ_SEED=<n>` replays it.
 //!
@@ -278,7 +279,7 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
     let rel = (num / den.max(f64::MIN_POSITIVE)).sqrt();
     // INT4 keys are dequantized to f16 (FORMATS.md allows it): q * s rounds to 11 bits, which
     // moves logits by ~1e-3 when keys carry outlier channels. Other key formats are exact.
-    let lse_tol = if case.k == KvFormat::Int4Sym32 {
+    let lse_tol = if matches!(case.k, KvFormat::Int4Sym32 | KvFormat::Int4Kc) {
         5e-3
     } else {
         1e-3
@@ -353,7 +354,11 @@ fn every_format_pair() {
     };
     let mut rng = rng("every_format_pair");
     let all = pairs();
-    assert_eq!(all.len(), 37, "6 x 6 freely mixed formats + e5m2");
+    assert_eq!(
+        all.len(),
+        43,
+        "6 x 6 freely mixed formats + e5m2 + int4-kc keys with the 6 mixed value formats"
+    );
     for (k, v) in all {
         let lens = vec![1 + rng.below(40), 16 + rng.below(3), 200 + rng.below(600)];
         let mut c = Case::new(k, v, 128, lens);
@@ -484,6 +489,8 @@ fn block_and_split_boundary_lengths() {
             (KvFormat::F16, KvFormat::F16),
             (KvFormat::Int8Pth, KvFormat::Int8Pth),
             (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
+            (KvFormat::Int4Kc, KvFormat::Int4Affine64),
+            (KvFormat::Int4Kc, KvFormat::F16),
         ] {
             for splits in [None, Some(2), Some(7)] {
                 let mut c = Case::new(k, v, 128, lens.clone());
@@ -508,6 +515,7 @@ fn speculative_q_len_is_causal() {
             (KvFormat::Bf16, KvFormat::Bf16),
             (KvFormat::Int8Pth, KvFormat::Int4Affine64),
             (KvFormat::Fp4E2m1, KvFormat::Int8Pth),
+            (KvFormat::Int4Kc, KvFormat::Bf16),
         ] {
             let mut c = Case::new(k, v, 64, vec![q_len, 40 + rng.below(100), 600]);
             c.group = group;
@@ -530,6 +538,7 @@ fn long_context_with_split_kv() {
         (KvFormat::Bf16, KvFormat::Bf16),
         (KvFormat::Int8Pth, KvFormat::Int8Pth),
         (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
+        (KvFormat::Int4Kc, KvFormat::Int4Affine64),
     ] {
         let mut c = Case::new(k, v, 128, vec![long, 1000 + rng.below(1000)]);
         c.num_kv_heads = 1;
@@ -619,6 +628,60 @@ fn int8_row_scales_over_ten_decades() {
     }
 }
 
+/// int4-kc keys whose channels span four decades (a block's largest s sets the query
+/// fragments' scale), channels constant over a block (s = 0) and channels offset far from zero
+/// (z carries most of each score), at every block size, with the open window and sealed blocks
+/// in one split or cut by several.
+#[test]
+fn int4_kc_channels_over_four_decades() {
+    let Some(gpu) = require_gpu_or_skip("int4_kc_channels_over_four_decades") else {
+        return;
+    };
+    let mut rng = rng("int4_kc_channels_over_four_decades");
+    for bs in [16, 32, 64] {
+        for v in [KvFormat::Int4Affine64, KvFormat::F16] {
+            let mut c = Case::new(KvFormat::Int4Kc, v, 128, vec![bs * 5 - 3, 2 * bs, 300]);
+            c.block_size = bs;
+            c.splits = Some(1 + rng.below(4));
+            c.q_len = 1 + rng.below(3);
+            let d = c.head_dim;
+            // Per channel: a scale 10^-2 .. 10^2, every 7th constant, every 5th offset by 30.
+            let scale: Vec<f32> = (0..d)
+                .map(|_| 10f32.powf(-2.0 + 4.0 * rng.uniform() as f32))
+                .collect();
+            let seqs: Vec<SeqKv> = c
+                .lens
+                .iter()
+                .map(|&l| {
+                    let mut s = random_kv(&mut rng, l, c.num_kv_heads, d);
+                    for (i, x) in s.k.iter_mut().enumerate() {
+                        let ch = i % d;
+                        *x = if ch % 7 == 3 {
+                            0.25
+                        } else {
+                            *x * scale[ch] * 0.1
+                        };
+                        if ch % 5 == 1 {
+                            *x += 30.0;
+                        }
+                    }
+                    s
+                })
+                .collect();
+            let n = c.lens.len() * c.num_kv_heads * c.group * c.q_len * d;
+            let q: Vec<f32> = (0..n).map(|_| rng.normal() * 0.3).collect();
+            let o = run_case(&gpu, &c, &seqs, &q);
+            eprintln!(
+                "  {:<70} rel {:.2e} row {:.2e} lse {:.1e}",
+                c.name(),
+                o.rel,
+                o.worst_row,
+                o.worst_lse
+            );
+        }
+    }
+}
+
 /// Real attention data: MiniLM's K/V/Q (12 heads of 32 → 6 heads of 64 by pairing adjacent
 /// heads), two layers as two sequences, the last q_len tokens' queries.
 #[test]
@@ -659,6 +722,8 @@ fn real_minilm_data() {
         (KvFormat::Int8Pth, KvFormat::Int8Pth),
         (KvFormat::Fp4E2m1, KvFormat::Fp4E2m1),
         (KvFormat::Int4Sym32, KvFormat::Fp4E2m1),
+        (KvFormat::Int4Kc, KvFormat::Int4Affine64),
+        (KvFormat::Int4Kc, KvFormat::Fp8E4m3),
     ] {
         for q_len in [1, 3] {
             let mut c = Case::new(k, v, 64, lens.clone());

@@ -1,5 +1,5 @@
 // codec/codec.cuh: every stored format's codec, and the one switch from a runtime kvq_format to
-// its codec.
+// its row codec.
 #pragma once
 
 #include <stdint.h>
@@ -11,6 +11,7 @@
 #include "codec/fp4.cuh"
 #include "codec/fp8.cuh"
 #include "codec/int4_affine.cuh"
+#include "codec/int4_kc.cuh"
 #include "codec/int4_sym.cuh"
 #include "codec/int8.cuh"
 #include "codec/sanitize.cuh"

@@ -51,6 +51,12 @@ template <int... F> constexpr bool ids_in_order(FormatList<F...>) {
 }
 static_assert(ids_in_order(AllFormats{}), "AllFormats lists the ids 0 to N-1 in order");
 
+// Every format an attention kernel may take: the row codecs, then int4-kc, whose codec has the
+// decode kernel's K role only (codec/int4_kc.cuh). decode.cu's dispatch folds over it.
+using AttentionFormats = FormatList<kF16, kBf16, kFp8E4m3, kFp8E5m2, kInt4Sym32, kInt4Affine64,
+                                    kInt8Pth, kFp4E2m1, kInt4Kc>;
+static_assert(ids_in_order(AttentionFormats{}), "AttentionFormats lists the ids 0 to N-1 in order");
+
 // One stored format's device math, the counterpart of its src/format/ module. A codec holds:
 //   constants  kBits (per code), kGroup (elements per group along head_dim, 0: none),
 //              kGroupMeta (metadata bytes per group), kEpt (elements one thread of the row
@@ -103,6 +109,14 @@ template <class C, class = void> struct ScaledWordsOf : std::false_type {};
 template <class C>
 struct ScaledWordsOf<C, std::void_t<decltype(C::kScaledWords)>>
     : std::bool_constant<C::kScaledWords> {};
+
+// Whether codec C's K-role metadata is per block and channel (kBlockChannels, default false):
+// int4-kc, whose sealed block holds s[head_dim] and z[head_dim] after its codes, and whose
+// last, unsealed block of a sequence holds f16 rows (the decode kernel reads those itself).
+template <class C, class = void> struct BlockChannelsOf : std::false_type {};
+template <class C>
+struct BlockChannelsOf<C, std::void_t<decltype(C::kBlockChannels)>>
+    : std::bool_constant<C::kBlockChannels> {};
 
 // Whether the decode kernel takes codec C in the roles kDecodeK / kDecodeV name (kFusedDecode,
 // default true); prefill takes it either way.
@@ -167,8 +181,9 @@ namespace kvq_decode {
 // The decode kernel's (decode/kernel.cuh) template argument for one side's codes: one value per
 // fragment unpacking, which a K-role and a V-role codec may share (I4: INT4 K groups of 32,
 // symmetric; INT4 V groups of 64, affine; I8: INT8 rows under an f32 scale per token; F4: E2M1
-// codes under E4M3 scales per 16). A codec names its own (kDecodeFmt). Declared here for
-// the codecs, and in kvq_decode because it is part of the kernels' names.
-enum class Fmt : int { F16, BF16, E4M3, E5M2, I4, I8, F4 };
+// codes under E4M3 scales per 16; I4C: INT4 K per block and channel). A codec names its own
+// (kDecodeFmt). Declared here for the codecs, and in kvq_decode because it is part of the
+// kernels' names.
+enum class Fmt : int { F16, BF16, E4M3, E5M2, I4, I8, F4, I4C };
 
 }  // namespace kvq_decode

@@ -1,7 +1,8 @@
 // codec/int4_kc.cuh: FORMATS.md "INT4 keys per channel" in a paged cache: sealing a full block
-// (each channel's G window values quantized as one affine group, INT4 V's math along tokens) and
-// decoding a sealed block's codes. Not a row codec (no Codec<kInt4Kc>): its groups cross rows,
-// so append.cu serves it with kernels of its own. Every rounding step is an explicit `_rn`
+// (each channel's G window values quantized as one affine group, INT4 V's math along tokens),
+// decoding a sealed block's codes, and the decode kernel's K role (Codec<kInt4Kc>). Not a row
+// codec (kInt4Kc is not in AllFormats): its groups cross rows, so append.cu serves it with
+// kernels of its own. Every rounding step is an explicit `_rn`
 // intrinsic (or rintf, ties to even), whatever flags the including file is compiled with.
 #pragma once
 
@@ -9,7 +10,9 @@
 #include <stdint.h>
 
 #include "codec/exact.cuh"
+#include "codec/format.cuh"
 #include "codec/int4_affine.cuh"
+#include "prim/bits.cuh"
 #include "prim/convert.cuh"
 
 namespace kvq {
@@ -82,5 +85,59 @@ __device__ __forceinline__ void int4_kc_decode8(uint32_t codes, const uint4 &s, 
     v[i] = __fmaf_rn(small_uint_to_f32((codes >> (4 * i)) & 0xF), half_from_bits(sh[i]),
                      half_from_bits(zh[i]));
 }
+
+// The decode kernel's K role (decode/frag.cuh, decode/kernel.cuh): INT4 K's fragment geometry
+// (k_dim, ldmatrix rows, codes raw as f16 subnormals), with the metadata per block and channel
+// instead of per token and group. Since s and z are constant along a block's tokens, they go on
+// the query: for a sealed block, S = sum_c (q_c s_c) code_c + sum_c q_c z_c, so the kernel
+// multiplies its query fragments by the block's s (normalized by a power of two) once per block
+// and adds the block's q . z to every score. A sequence's last, unsealed block is read as f16.
+template <> struct Codec<kInt4Kc> {
+  static constexpr int kBits = 4;
+  // The geometry's groups: each k-step lies inside 32 elements (k_dim), as INT4 K's do. No
+  // metadata rows: s and z are the block's (kBlockChannels).
+  static constexpr int kGroup = 32;
+  static constexpr int kGroupMeta = 0;
+  static constexpr bool kHeadScale = false;
+  static constexpr bool kBlockChannels = true;
+
+  static constexpr bool kDecodeK = true, kDecodeV = false, kDecodeMixed = true;
+  static constexpr kvq_decode::Fmt kDecodeFmt = kvq_decode::Fmt::I4C;
+  static constexpr bool kBf16Operands = false;
+  static constexpr bool kGroupFrags = true;
+
+  /// The kernel applies each chunk's units itself (a sealed block's 2^20 x its s normalization,
+  /// a window's 1/16 on the even k-steps).
+  static constexpr float kScoreUnit = 1.f;
+  /// As INT4 K: k-steps 2G hold codes in units of 2^-24, 2G + 1 in 2^-20.
+  static __device__ __forceinline__ float q_scale(int j) { return j % 2 == 0 ? 16.f : 1.f; }
+
+  /// As INT4 K (Codec<kInt4Sym32>::k_dim): lane t supplies elements 8t..8t+7 of each 32, the
+  /// even ones in k-step 2G, the odd ones in 2G + 1.
+  static __device__ __forceinline__ int k_dim(int t, int p, int e) {
+    const int j = p / 2, odd = j % 2, b1 = p % 2;
+    return 32 * (j / 2) + 8 * t + 2 * b1 + odd + 4 * e;
+  }
+
+  /// Word of 8 unsigned codes (element i at bits 4i) as raw f16 subnormals, left in place:
+  /// out[0] / out[2] elements (0, 4) / (2, 6) worth q * 2^-24, out[1] / out[3] (1, 5) / (3, 7)
+  /// worth q * 2^-20.
+  static __device__ __forceinline__ void k_codes(uint32_t w, uint32_t (&out)[4]) {
+    const uint32_t w8 = w >> 8;
+    out[0] = w & 0x000F000Fu;
+    out[1] = w & 0x00F000F0u;
+    out[2] = w8 & 0x000F000Fu;
+    out[3] = w8 & 0x00F000F0u;
+  }
+
+  /// Eight consecutive f16 values of one lane (elements 8t..8t+7 of a 32: s, z or a window
+  /// row's keys, as 4 words) in k_codes' order: (0, 4), (2, 6), (1, 5), (3, 7).
+  static __device__ __forceinline__ void k_pairs(const uint4 &w, uint32_t (&out)[4]) {
+    out[0] = prmt(w.x, w.z, 0x5410);
+    out[1] = prmt(w.y, w.w, 0x5410);
+    out[2] = prmt(w.x, w.z, 0x7632);
+    out[3] = prmt(w.y, w.w, 0x7632);
+  }
+};
 
 }  // namespace kvq

@@ -76,7 +76,7 @@ constexpr int format_in(FormatList<F...>) {
 }
 template <Fmt M, bool V>
 constexpr int format_of() {
-  return format_in<M, V>(AllFormats{});
+  return format_in<M, V>(AttentionFormats{});
 }
 
 /// Codecs of the list that stand for kernel format M in the K (V = false) or V role.
@@ -91,8 +91,8 @@ template <int F>
 constexpr bool role_alone() {
   if constexpr (has_role<F, false>() || has_role<F, true>()) {
     constexpr Fmt M = Codec<F>::kDecodeFmt;
-    return (!has_role<F, false>() || codecs_of<false>(M, AllFormats{}) == 1) &&
-           (!has_role<F, true>() || codecs_of<true>(M, AllFormats{}) == 1);
+    return (!has_role<F, false>() || codecs_of<false>(M, AttentionFormats{}) == 1) &&
+           (!has_role<F, true>() || codecs_of<true>(M, AttentionFormats{}) == 1);
   } else {
     return true;
   }
@@ -101,7 +101,7 @@ template <int... F>
 constexpr bool roles_alone(FormatList<F...>) {
   return (role_alone<F>() && ...);
 }
-static_assert(roles_alone(AllFormats{}), "two codecs name one kernel format in one role");
+static_assert(roles_alone(AttentionFormats{}), "two codecs name one kernel format in one role");
 
 constexpr int cmin(int a, int b) { return a < b ? a : b; }
 
@@ -134,6 +134,10 @@ struct Frag {
   static constexpr int KBITS = KC::kBits;
   static constexpr int KC_ROW = D * KBITS / 8;
   static constexpr int KM_ROW = meta_row<KC>(D);
+  /// int4-kc (BlockChannelsOf): bytes of a sealed block's s[D] and z[D] (f16), copied once per
+  /// block a step touches; 0 otherwise.
+  static constexpr bool KBLK = BlockChannelsOf<KC>::value;
+  static constexpr int KBM = KBLK ? 4 * D : 0;
   static constexpr int KCH = KC_ROW / 4;
   static constexpr int KVEC = load_width(KCH);   // bytes per shared-memory load
   static constexpr int KNV = KCH / KVEC;         // loads per token

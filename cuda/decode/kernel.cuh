@@ -21,7 +21,8 @@
 // one or a lambda, changes the generated code (a callee is optimized on its own before it is
 // inlined), and the kernel's PTX must not change with its layout (scripts/ptx-diff.sh). What
 // differs by format goes through the codecs and branches only on the fragment kind
-// (KC::kGroupFrags, VC::kGroupFrags, a row scale: RowScaleOf), not on a format.
+// (KC::kGroupFrags, VC::kGroupFrags, a row scale: RowScaleOf, per-block channel metadata:
+// BlockChannelsOf), not on a format.
 #pragma once
 
 #include <stdint.h>
@@ -117,6 +118,26 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   for (int k = 0; k < NS - 1; ++k) issue(k, k, fetch());
   Fetch<CH> next = fetch();  // step NS - 1
 
+  // int4-kc keys: positions below sealed_end lie in sealed blocks. The rows of the sequence's
+  // last, unsealed block are f16 (its window) and read from memory by the chunks that hold
+  // them, at `window` (null when its table entry is outside the pool: the copies count that
+  // fault and mask the chunk); this split's rows of it are prefetched into L2 now.
+  int sealed_end = 0;
+  const uint8_t *window = nullptr;
+  if constexpr (F::KBLK) {
+    sealed_end = len & -p.block_size;  // block sizes 16, 32, 64 (the launcher checks)
+    if (t1 > sealed_end) {
+      const uint32_t pg = (uint32_t)table[sealed_end / p.block_size];
+      if (pg < num_blocks) {
+        window = head + (int64_t)pg * p.block_stride + p.k_codes_off;
+        const uint8_t *lo = window + (max(t0, sealed_end) - sealed_end) * 2 * D;
+        const uint8_t *hi = window + (t1 - sealed_end) * 2 * D;
+        for (const uint8_t *x = lo - ((uintptr_t)lo & 127) + 128 * tid; x < hi; x += 128 * nthreads)
+          prefetch_l2(x);
+      }
+    }
+  }
+
   // ---- 2. Query tile: each row scaled by a power of two so that the f16 operand neither
   // overflows nor loses precision (exact for bf16 inputs), then packed into B fragments in the
   // K-side head_dim order (decode/frag.cuh).
@@ -159,7 +180,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     qfrag[(j / 2) * 64 + ln * 2 + j % 2] =
         make_uint2(pack2<F::K_BF16>(v[0], v[1]), pack2<F::K_BF16>(v[2], v[3]));
   }
-  if constexpr (F::KC::kGroupFrags) {
+  if constexpr (F::KC::kGroupFrags && !F::KBLK) {
     // Each group's accumulator starts at the codec's zero term (KC::k_zero_term).
     constexpr int NG = D / F::KC::kGroup;
     for (int i = tid; i < kRows * NG; i += nthreads) {
@@ -239,7 +260,107 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     for (int ch = 0; ch < CH; ++ch)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[ch][e] = s2nd[ch][e] = 0.f;
-    if constexpr (F::KC::kGroupFrags) {
+    if constexpr (F::KBLK) {
+      // int4-kc keys (codec/int4_kc.cuh). A sealed chunk: raw codes (INT4 K's geometry) times
+      // the query fragments scaled by its block's s, set up when a block starts (each step's
+      // first chunk, and a second chunk that starts a block); every score starts at the block's
+      // q . z. A chunk of the unsealed block: its f16 rows times the query fragments.
+      constexpr int NG = D / 32;
+      uint32_t kq[NG][4];            // q^T fragments of group G times the block's s / 2^e
+      float kc_unit = 0.f;           // 2^(20 + e): the codes' 2^-20 and the s normalization
+      float bias_r0 = 0.f, bias_r1 = 0.f;  // q . z of rows r0, r1
+#pragma unroll
+      for (int ch = 0; ch < CH; ++ch) {
+        const int pos = tok0 + ch * kChunk;
+        if (pos < sealed_end) {
+          if (ch == 0 || (pos & (p.block_size - 1)) == 0) {
+            const uint8_t *bm = st + C::KM_OFF + ch * F::KBM + 16 * t;  // s, then z at 2 D
+            // e: the exponent of the block's largest s (s >= 0: its f16 bits order as values),
+            // clamped so that 2^-e is a normal f16; then s / 2^e < 4 and q * s / 2^e < 128.
+            uint32_t mx2 = 0u;
+#pragma unroll
+            for (int G = 0; G < NG; ++G) {
+              const uint4 sw = *reinterpret_cast<const uint4 *>(bm + 64 * G);
+              mx2 = __vmaxu2(mx2, __vmaxu2(__vmaxu2(sw.x, sw.y), __vmaxu2(sw.z, sw.w)));
+            }
+            uint32_t mx = max(mx2 & 0xFFFFu, mx2 >> 16);
+            mx = max(mx, __shfl_xor_sync(kFull, mx, 1));
+            mx = max(mx, __shfl_xor_sync(kFull, mx, 2));
+            const float smax = half_from_bits((uint16_t)mx);
+            const int e = smax > 0.f ? min(max(ilogbf(smax), -14), 14) : 0;
+            const uint32_t inv = (uint32_t)(15 - e) << 10;  // f16 bits of 2^-e
+            const __half2 inv2 = bits_h2(inv | (inv << 16));
+            kc_unit = __int_as_float((127 + 20 + e) << 23);
+            float be[4] = {0.f, 0.f, 0.f, 0.f}, bo[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int G = 0; G < NG; ++G) {
+              uint32_t sp[4], zp[4];
+              F::KC::k_pairs(*reinterpret_cast<const uint4 *>(bm + 64 * G), sp);
+              F::KC::k_pairs(*reinterpret_cast<const uint4 *>(bm + 2 * D + 64 * G), zp);
+              const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
+              const uint32_t qv[4] = {qg.x, qg.y, qg.z, qg.w};
+#pragma unroll
+              for (int i = 0; i < 4; ++i)
+                kq[G][i] = h2_bits(__hmul2(bits_h2(qv[i]), __hmul2(bits_h2(sp[i]), inv2)));
+              // Every token row of A is z: each C entry is the row's q . z over the group.
+              mma16816<false>(be, make_uint4(zp[0], zp[0], zp[1], zp[1]), qg.x, qg.y);
+              mma16816<false>(bo, make_uint4(zp[2], zp[2], zp[3], zp[3]), qg.z, qg.w);
+            }
+            bias_r0 = fmaf(be[0], 0.0625f, bo[0]);  // even k-steps' queries carry 16
+            bias_r1 = fmaf(be[1], 0.0625f, bo[1]);
+          }
+          auto group = [&](int G, uint32_t lo_w, uint32_t hi_w) {
+            uint32_t lo[4], hi[4];
+            F::KC::k_codes(lo_w, lo);
+            F::KC::k_codes(hi_w, hi);
+            mma16816<false>(s[ch], make_uint4(lo[0], hi[0], lo[2], hi[2]), kq[G][0], kq[G][1]);
+            mma16816<false>(s2nd[ch], make_uint4(lo[1], hi[1], lo[3], hi[3]), kq[G][2], kq[G][3]);
+          };
+          const uint32_t k_rows = st_s + C::KC_OFF + ch * kChunk * F::KPITCH;
+#pragma unroll
+          for (int G2 = 0; G2 < D / 64; ++G2) {
+            uint32_t w[4];
+            ldmatrix_x4(k_rows + F::k_ldsm(lane, G2), w);
+            group(2 * G2, w[0], w[1]);
+            group(2 * G2 + 1, w[2], w[3]);
+          }
+          if constexpr (D % 64 != 0) {
+            uint32_t w[2];
+            ldmatrix_x2(k_rows + F::k_ldsm(lane, D / 64), w);
+            group(NG - 1, w[0], w[1]);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[ch][e] = fmaf(s[ch][e] + s2nd[ch][e], kc_unit, e % 2 ? bias_r1 : bias_r0);
+            s2nd[ch][e] = 0.f;
+          }
+        } else {
+          // Rows g, g + 8 of the chunk from the window: lane t's 8 elements of each 32 (16
+          // bytes), paired as the codes are. Rows past the sequence are zeros (masked below).
+          const int r = pos - sealed_end + g;
+          const bool lo_ok = window != nullptr && pos + g < len;
+          const bool hi_ok = window != nullptr && pos + g + 8 < len;
+          const uint8_t *w_lo = window + (int64_t)r * 2 * D + 16 * t;
+#pragma unroll
+          for (int G = 0; G < NG; ++G) {
+            const uint4 z4 = make_uint4(0u, 0u, 0u, 0u);
+            const uint4 a = lo_ok ? *reinterpret_cast<const uint4 *>(w_lo + 64 * G) : z4;
+            const uint4 b = hi_ok ? *reinterpret_cast<const uint4 *>(w_lo + 16 * D + 64 * G) : z4;
+            uint32_t lo[4], hi[4];
+            F::KC::k_pairs(a, lo);
+            F::KC::k_pairs(b, hi);
+            const uint4 qg = q_lane[32 * G];
+            mma16816<false>(s[ch], make_uint4(lo[0], hi[0], lo[1], hi[1]), qg.x, qg.y);
+            mma16816<false>(s2nd[ch], make_uint4(lo[2], hi[2], lo[3], hi[3]), qg.z, qg.w);
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[ch][e] = fmaf(s[ch][e], 0.0625f, s2nd[ch][e]);  // even k-steps' queries carry 16
+            s2nd[ch][e] = 0.f;
+          }
+        }
+      }
+    } else if constexpr (F::KC::kGroupFrags) {
       // Per group G: two MMAs of raw codes (k-steps 2G, 2G + 1) from the zero term, then the
       // scores += scale(token, G) * that, in f32. C rows are tokens g and g + 8.
 #pragma unroll

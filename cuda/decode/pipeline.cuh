@@ -1,5 +1,6 @@
 // decode/pipeline.cuh: the decode kernel's copy pipeline: each warp copies its steps' rows (K
-// codes, K meta, V codes, V meta of 16-token chunks, contiguous runs of a page's head section)
+// codes, K meta, V codes, V meta of 16-token chunks, contiguous runs of a page's head section;
+// int4-kc keys: their block's s and z)
 // into a ring of shared-memory stages with cp.async, fetching each step's block-table entries a
 // step ahead.
 #pragma once
@@ -179,6 +180,12 @@ struct StepIssue {
                                         base + p.k_codes_off + off * F::KC_ROW, bytes, lane);
         copy_rows<F::KM_ROW, F::KM_ROW>(dst + C::KM_OFF + c * kChunk * F::KM_ROW,
                                         base + p.k_meta_off + off * F::KM_ROW, bytes, lane);
+        // int4-kc: the s and z of the chunk's block, into slot c, when the chunk is the step's
+        // first or starts a block (a step of 32 tokens lies in one block unless blocks are 16).
+        if constexpr (F::KBM > 0)
+          if (c == 0 || f.cib[c] == 0)
+            copy_rows<F::KBM / 16, F::KBM / 16>(dst + C::KM_OFF + c * F::KBM,
+                                                base + p.k_meta_off, bytes, lane);
         copy_rows<F::VC_ROW, F::VPITCH, VSwizzle>(dst + C::VC_OFF + c * kChunk * F::VPITCH,
                                         base + p.v_codes_off + off * F::VC_ROW, bytes, lane);
         copy_rows<F::VM_ROW, F::VM_ROW>(dst + C::VM_OFF + c * kChunk * F::VM_ROW,

@@ -80,7 +80,8 @@ struct Cfg {
   static constexpr int STEP = kChunk * CH;
   // One stage: STEP rows of each region (code rows padded to their pitch), 128-byte aligned.
   static constexpr int KC = r128(STEP * F::KPITCH);
-  static constexpr int KM = r128(STEP * F::KM_ROW);
+  // K meta: STEP rows, and for int4-kc a slot per chunk for its block's s and z.
+  static constexpr int KM = r128(STEP * F::KM_ROW + CH * F::KBM);
   static constexpr int VC = r128(STEP * F::VPITCH);
   static constexpr int VM = r128(STEP * F::VM_ROW);
   static constexpr int KC_OFF = 0, KM_OFF = KC, VC_OFF = KM_OFF + KM, VM_OFF = VC_OFF + VC;

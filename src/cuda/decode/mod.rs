@@ -920,9 +920,25 @@ mod tests {
         assert!(kernel_available(KvFormat::Fp8E5m2, KvFormat::Fp8E5m2));
         assert!(!kernel_available(KvFormat::Int4Affine64, KvFormat::F16));
         assert!(!kernel_available(KvFormat::Fp8E5m2, KvFormat::F16));
-        // int4-kc keys: cache, append and gather only, no attention kernel yet
+        // int4-kc: keys only, mixed with every value format but e5m2, head dims of whole
+        // 32-element groups; no prefill kernel yet
         for v in KvFormat::ALL {
-            assert!(!kernel_available(KvFormat::Int4Kc, v));
+            assert_eq!(
+                kernel_available(KvFormat::Int4Kc, v),
+                !matches!(
+                    v,
+                    KvFormat::Fp8E5m2 | KvFormat::Int4Sym32 | KvFormat::Int4Kc
+                ),
+                "{v}"
+            );
+            assert!(!kernel_available(v, KvFormat::Int4Kc), "{v}");
+            for d in HEAD_DIMS {
+                assert_eq!(
+                    kernel_available_for(KvFormat::Int4Kc, KvFormat::Bf16, d),
+                    d % 32 == 0,
+                    "{d}"
+                );
+            }
             assert!(!crate::cuda::prefill::kernel_available_for(
                 KvFormat::Int4Kc,
                 v,
