@@ -628,10 +628,10 @@ fn int8_row_scales_over_ten_decades() {
     }
 }
 
-/// int4-kc keys whose channels span four decades (a block's largest s sets the query
-/// fragments' scale), channels constant over a block (s = 0) and channels offset far from zero
-/// (z carries most of each score), at every block size, with the open window and sealed blocks
-/// in one split or cut by several.
+/// int4-kc keys whose channels span four decades, channels constant over a block (s = 0),
+/// channels offset far from zero (z carries most of each score) and, with f16 values, a channel
+/// spanning 40,000 (s > 2047: the kernel's scaled path for such blocks), at every block size,
+/// with the open window and sealed blocks in one split or cut by several.
 #[test]
 fn int4_kc_channels_over_four_decades() {
     let Some(gpu) = require_gpu_or_skip("int4_kc_channels_over_four_decades") else {
@@ -664,12 +664,18 @@ fn int4_kc_channels_over_four_decades() {
                         if ch % 5 == 1 {
                             *x += 30.0;
                         }
+                        if ch == 0 && v == KvFormat::F16 {
+                            *x = (rng.uniform() as f32 * 2.0 - 1.0) * 20000.0;
+                        }
                     }
                     s
                 })
                 .collect();
             let n = c.lens.len() * c.num_kv_heads * c.group * c.q_len * d;
-            let q: Vec<f32> = (0..n).map(|_| rng.normal() * 0.3).collect();
+            // The wide channel's query component small, so that it does not own every score.
+            let q: Vec<f32> = (0..n)
+                .map(|i| rng.normal() * if i % d == 0 { 1e-4 } else { 0.3 })
+                .collect();
             let o = run_case(&gpu, &c, &seqs, &q);
             eprintln!(
                 "  {:<70} rel {:.2e} row {:.2e} lse {:.1e}",

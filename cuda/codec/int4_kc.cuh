@@ -90,8 +90,9 @@ __device__ __forceinline__ void int4_kc_decode8(uint32_t codes, const uint4 &s, 
 // (k_dim, ldmatrix rows, codes raw as f16 subnormals), with the metadata per block and channel
 // instead of per token and group. Since s and z are constant along a block's tokens, they go on
 // the query: for a sealed block, S = sum_c (q_c s_c) code_c + sum_c q_c z_c, so the kernel
-// multiplies its query fragments by the block's s (normalized by a power of two) once per block
-// and adds the block's q . z to every score. A sequence's last, unsealed block is read as f16.
+// multiplies its query fragments by the block's s once per block (by s / 2^11 where an s passes
+// 2047, which q * s would carry past f16's range) and adds the block's q . z to every score. A
+// sequence's last, unsealed block is read as f16.
 template <> struct Codec<kInt4Kc> {
   static constexpr int kBits = 4;
   // The geometry's groups: each k-step lies inside 32 elements (k_dim), as INT4 K's do. No
@@ -106,8 +107,7 @@ template <> struct Codec<kInt4Kc> {
   static constexpr bool kBf16Operands = false;
   static constexpr bool kGroupFrags = true;
 
-  /// The kernel applies each chunk's units itself (a sealed block's 2^20 x its s normalization,
-  /// a window's 1/16 on the even k-steps).
+  /// The kernel applies a sealed chunk's unit itself (2^20, or 2^31 under s / 2^11).
   static constexpr float kScoreUnit = 1.f;
   /// As INT4 K: k-steps 2G hold codes in units of 2^-24, 2G + 1 in 2^-20.
   static __device__ __forceinline__ float q_scale(int j) { return j % 2 == 0 ? 16.f : 1.f; }
@@ -130,8 +130,8 @@ template <> struct Codec<kInt4Kc> {
     out[3] = w8 & 0x00F000F0u;
   }
 
-  /// Eight consecutive f16 values of one lane (elements 8t..8t+7 of a 32: s, z or a window
-  /// row's keys, as 4 words) in k_codes' order: (0, 4), (2, 6), (1, 5), (3, 7).
+  /// Eight consecutive f16 values of one lane (elements 8t..8t+7 of a 32, as 4 words: a
+  /// block's s) in k_codes' order: (0, 4), (2, 6), (1, 5), (3, 7).
   static __device__ __forceinline__ void k_pairs(const uint4 &w, uint32_t (&out)[4]) {
     out[0] = prmt(w.x, w.z, 0x5410);
     out[1] = prmt(w.y, w.w, 0x5410);

@@ -46,7 +46,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const int NS = p.stages;
   extern __shared__ __align__(128) uint8_t smem_all[];
   uint2 *qfrag = reinterpret_cast<uint2 *>(smem_all);
-  int64_t *row_q = reinterpret_cast<int64_t *>(smem_all + C::QFRAG);  // q offset per row
+  // int4-kc keys: [D / 32][32 lanes] uint4, lane (g, t)'s elements 8t..8t+7 of each 32 of row g.
+  uint4 *qnat = reinterpret_cast<uint4 *>(smem_all + C::QFRAG);
+  int64_t *row_q = reinterpret_cast<int64_t *>(smem_all + C::QFRAG + C::QNAT);  // q offset per row
   int64_t *row_o = row_q + kRows;                                      // out offset per row
   int64_t *row_l = row_o + kRows;                                      // lse offset per row
   float *row_c = reinterpret_cast<float *>(row_l + kRows);
@@ -180,6 +182,20 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     qfrag[(j / 2) * 64 + ln * 2 + j % 2] =
         make_uint2(pack2<F::K_BF16>(v[0], v[1]), pack2<F::K_BF16>(v[2], v[3]));
   }
+  if constexpr (F::KBLK) {
+    for (int i = tid; i < (D / 32) * 32; i += nthreads) {
+      const int G = i / 32, ln = i % 32, gg = ln / 4, tt = ln % 4;
+      uint32_t h[4] = {0u, 0u, 0u, 0u};
+      if (row0 + gg < rows)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int64_t at = row_q[gg] + 32 * G + 8 * tt + 2 * x;
+          h[x] = pack2<false>(load_elem(p.q, at, p.q_bf16) * row_qs[gg],
+                              load_elem(p.q, at + 1, p.q_bf16) * row_qs[gg]);
+        }
+      qnat[i] = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+  }
   if constexpr (F::KC::kGroupFrags && !F::KBLK) {
     // Each group's accumulator starts at the codec's zero term (KC::k_zero_term).
     constexpr int NG = D / F::KC::kGroup;
@@ -197,6 +213,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // loop needs the registers more (it reads them from shared memory, group by group).
   uint32_t qb[F::QREGS][2];
   const uint4 *q_lane = reinterpret_cast<const uint4 *>(qfrag) + lane;
+  const uint4 *qnat_lane = qnat + lane;
   if constexpr (!F::KC::kGroupFrags) {
 #pragma unroll
     for (int m = 0; 2 * m < D / 16; ++m) {
@@ -264,10 +281,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
       // int4-kc keys (codec/int4_kc.cuh). A sealed chunk: raw codes (INT4 K's geometry) times
       // the query fragments scaled by its block's s, set up when a block starts (each step's
       // first chunk, and a second chunk that starts a block); every score starts at the block's
-      // q . z. A chunk of the unsealed block: its f16 rows times the query fragments.
+      // q . z. A chunk of the unsealed block: its f16 rows times the query (qnat).
       constexpr int NG = D / 32;
-      uint32_t kq[NG][4];            // q^T fragments of group G times the block's s / 2^e
-      float kc_unit = 0.f;           // 2^(20 + e): the codes' 2^-20 and the s normalization
+      uint32_t kq[NG][4];   // q^T fragments of group G times the block's s
+      float kc_unit = 0.f;  // what a unit of the codes' scores is worth
       float bias_r0 = 0.f, bias_r1 = 0.f;  // q . z of rows r0, r1
 #pragma unroll
       for (int ch = 0; ch < CH; ++ch) {
@@ -275,39 +292,48 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         if (pos < sealed_end) {
           if (ch == 0 || (pos & (p.block_size - 1)) == 0) {
             const uint8_t *bm = st + C::KM_OFF + ch * F::KBM + 16 * t;  // s, then z at 2 D
-            // e: the exponent of the block's largest s (s >= 0: its f16 bits order as values),
-            // clamped so that 2^-e is a normal f16; then s / 2^e < 4 and q * s / 2^e < 128.
-            uint32_t mx2 = 0u;
+            // q * s stays inside f16's range while every s <= 2047 (|q| < 32: q_scale's 16
+            // times a row scaled below 2); a block whose channels span more than 30,000 takes
+            // s / 2^11 instead (s >= 0: its f16 bits order as its values).
+            uint4 sw[NG];
+            uint32_t mx = 0u;
 #pragma unroll
             for (int G = 0; G < NG; ++G) {
-              const uint4 sw = *reinterpret_cast<const uint4 *>(bm + 64 * G);
-              mx2 = __vmaxu2(mx2, __vmaxu2(__vmaxu2(sw.x, sw.y), __vmaxu2(sw.z, sw.w)));
+              sw[G] = *reinterpret_cast<const uint4 *>(bm + 64 * G);
+              mx = __vmaxu2(mx, __vmaxu2(__vmaxu2(sw[G].x, sw[G].y), __vmaxu2(sw[G].z, sw[G].w)));
             }
-            uint32_t mx = max(mx2 & 0xFFFFu, mx2 >> 16);
-            mx = max(mx, __shfl_xor_sync(kFull, mx, 1));
-            mx = max(mx, __shfl_xor_sync(kFull, mx, 2));
-            const float smax = half_from_bits((uint16_t)mx);
-            const int e = smax > 0.f ? min(max(ilogbf(smax), -14), 14) : 0;
-            const uint32_t inv = (uint32_t)(15 - e) << 10;  // f16 bits of 2^-e
-            const __half2 inv2 = bits_h2(inv | (inv << 16));
-            kc_unit = __int_as_float((127 + 20 + e) << 23);
+            // The query fragments times s (kq), then, in the rare block that needs it, times
+            // s / 2^11 instead: the common path does not wait for the vote.
+            auto scale_q = [&](bool shift) {
+#pragma unroll
+              for (int G = 0; G < NG; ++G) {
+                uint32_t sp[4];
+                F::KC::k_pairs(sw[G], sp);
+                const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
+                const uint32_t qv[4] = {qg.x, qg.y, qg.z, qg.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+                  kq[G][i] = h2_bits(__hmul2(
+                      bits_h2(qv[i]),
+                      shift ? __hmul2(bits_h2(sp[i]), bits_h2(0x10001000u)) : bits_h2(sp[i])));
+              }
+            };
+            scale_q(false);
+            const bool big = __any_sync(kFull, __vcmpgtu2(mx, 0x67FF67FFu) != 0u);
+            kc_unit = big ? 2147483648.f : 1048576.f;  // 2^31 or 2^20 (the codes' 2^-20)
+            if (big) scale_q(true);  // s times 2^-11
+            // Every token row of A is z (natural order, as qnat): each C entry is the row's
+            // q . z over the group.
             float be[4] = {0.f, 0.f, 0.f, 0.f}, bo[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int G = 0; G < NG; ++G) {
-              uint32_t sp[4], zp[4];
-              F::KC::k_pairs(*reinterpret_cast<const uint4 *>(bm + 64 * G), sp);
-              F::KC::k_pairs(*reinterpret_cast<const uint4 *>(bm + 2 * D + 64 * G), zp);
-              const uint4 qg = q_lane[32 * G];  // k-steps 2G, 2G + 1
-              const uint32_t qv[4] = {qg.x, qg.y, qg.z, qg.w};
-#pragma unroll
-              for (int i = 0; i < 4; ++i)
-                kq[G][i] = h2_bits(__hmul2(bits_h2(qv[i]), __hmul2(bits_h2(sp[i]), inv2)));
-              // Every token row of A is z: each C entry is the row's q . z over the group.
-              mma16816<false>(be, make_uint4(zp[0], zp[0], zp[1], zp[1]), qg.x, qg.y);
-              mma16816<false>(bo, make_uint4(zp[2], zp[2], zp[3], zp[3]), qg.z, qg.w);
+              const uint4 zw = *reinterpret_cast<const uint4 *>(bm + 2 * D + 64 * G);
+              const uint4 qn = qnat_lane[32 * G];
+              mma16816<false>(be, make_uint4(zw.x, zw.x, zw.y, zw.y), qn.x, qn.y);
+              mma16816<false>(bo, make_uint4(zw.z, zw.z, zw.w, zw.w), qn.z, qn.w);
             }
-            bias_r0 = fmaf(be[0], 0.0625f, bo[0]);  // even k-steps' queries carry 16
-            bias_r1 = fmaf(be[1], 0.0625f, bo[1]);
+            bias_r0 = be[0] + bo[0];
+            bias_r1 = be[1] + bo[1];
           }
           auto group = [&](int G, uint32_t lo_w, uint32_t hi_w) {
             uint32_t lo[4], hi[4];
@@ -335,8 +361,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
             s2nd[ch][e] = 0.f;
           }
         } else {
-          // Rows g, g + 8 of the chunk from the window: lane t's 8 elements of each 32 (16
-          // bytes), paired as the codes are. Rows past the sequence are zeros (masked below).
+          // Rows g, g + 8 of the chunk from the window: lane t's elements 8t..8t+7 of each 32
+          // (16 bytes), in qnat's order. Rows past the sequence are zeros (masked below).
           const int r = pos - sealed_end + g;
           const bool lo_ok = window != nullptr && pos + g < len;
           const bool hi_ok = window != nullptr && pos + g + 8 < len;
@@ -346,17 +372,9 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
             const uint4 z4 = make_uint4(0u, 0u, 0u, 0u);
             const uint4 a = lo_ok ? *reinterpret_cast<const uint4 *>(w_lo + 64 * G) : z4;
             const uint4 b = hi_ok ? *reinterpret_cast<const uint4 *>(w_lo + 16 * D + 64 * G) : z4;
-            uint32_t lo[4], hi[4];
-            F::KC::k_pairs(a, lo);
-            F::KC::k_pairs(b, hi);
-            const uint4 qg = q_lane[32 * G];
-            mma16816<false>(s[ch], make_uint4(lo[0], hi[0], lo[1], hi[1]), qg.x, qg.y);
-            mma16816<false>(s2nd[ch], make_uint4(lo[2], hi[2], lo[3], hi[3]), qg.z, qg.w);
-          }
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[ch][e] = fmaf(s[ch][e], 0.0625f, s2nd[ch][e]);  // even k-steps' queries carry 16
-            s2nd[ch][e] = 0.f;
+            const uint4 qn = qnat_lane[32 * G];
+            mma16816<false>(s[ch], make_uint4(a.x, b.x, a.y, b.y), qn.x, qn.y);
+            mma16816<false>(s2nd[ch], make_uint4(a.z, b.z, a.w, b.w), qn.z, qn.w);
           }
         }
       }

@@ -91,10 +91,12 @@ struct Cfg {
   // row, then the split merge's weights and partial sums.
   // B fragments of q^T, two registers a lane per k-step, stored in pairs of k-steps.
   static constexpr int QFRAG = (D / 32 + D % 32 / 16) * 64 * 8;
+  // int4-kc keys: each lane's 8 consecutive query elements of each 32 (f16, natural order).
+  static constexpr int QNAT = F::KBLK ? D / 32 * 32 * 16 : 0;
   // Per row: q / out / lse offsets (int64), then factor, q scale, limit, L, M; INT4-K zero
   // terms (D / 32 groups x 16); a flag.
   static constexpr int SMALL = kRows * 8 * 3 + kRows * 4 * 5 + (D / 32) * 16 * 4 + 16;
-  static constexpr int PRE = r128(QFRAG + SMALL);
+  static constexpr int PRE = r128(QFRAG + QNAT + SMALL);
   // Per-warp O tiles are stored at a pitch of D + 1 floats: the lanes of one store (rows 2t,
   // columns 8g + c) then spread over 16 banks instead of 4.
   static constexpr int OPITCH = D + 1;

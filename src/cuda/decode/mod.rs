@@ -985,7 +985,10 @@ mod tests {
             .flat_map(|&k| KvFormat::ALL.iter().map(move |&v| (k, v)))
             .filter(|&(k, v)| kernel_available(k, v))
             .count();
-        assert_eq!(pairs, 37, "6 x 6 freely mixed formats + e5m2");
+        assert_eq!(
+            pairs, 43,
+            "6 x 6 freely mixed formats + e5m2 + int4-kc keys with the 6 mixed value formats"
+        );
     }
 
     #[test]
