@@ -398,11 +398,13 @@ constexpr int kSealMaxRounds = kMaxHeadDim / 2 / kSealThreads;
 // heads y, y + gridDim.y, ... A thread per token reads its slot; the tokens that took their
 // block's last slot are compacted (a ballot per warp) into a list of the blocks to seal, and the
 // thread block seals those blocks' sections of its heads, per_round = kSealThreads * R / pairs
-// sections at a time, one channel pair a thread and round. `side` is the window's (paged_side),
-// by_pairs divides by head_dim / 2. The codes and s, z overwrite the window in place, so every
-// thread quantizes its channel pairs of a round from the window before any writes (the barrier):
-// a thread keeps G / 4 words of codes per pair, not the 2G values. The sections of two rounds
-// differ (the slots of an append are distinct), so the next round's reads need no barrier.
+// sections a round, each thread up to R of their channel pairs (pair i of the round, counted
+// across its sections, for i = r * kSealThreads + threadIdx.x, r < R). `side` is the window's
+// (paged_side), by_pairs divides by head_dim / 2. The codes and s, z overwrite the window in
+// place, so every thread quantizes its channel pairs of a round from the window before any
+// writes (the barrier): a thread keeps G / 4 words of codes per pair, not the 2G values. The
+// sections of two rounds differ (the slots of an append are distinct), so the next round's reads
+// need no barrier.
 template <int G, int R>
 __global__ void __launch_bounds__(kSealThreads)
     seal_kernel(PagedSide side, const void *__restrict__ slots, int slots_i64, uint32_t num_tokens,
