@@ -387,50 +387,95 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 
 // ---- INT4-KC keys ----------------------------------------------------------------------
 
-// Threads of a seal block (head_dim / 2 when fewer), and the rounds of channel pairs a thread
-// seals so that one block covers a head_dim of up to kMaxHeadDim.
+// Threads of a seal block. A thread seals up to R channel pairs between two barriers (R of 1,
+// 2 or 4, the fewest that hold a head's head_dim / 2 pairs), so one round covers a head_dim of up
+// to kMaxHeadDim.
 constexpr int kSealThreads = 256;
-constexpr int kSealRounds = kMaxHeadDim / 2 / kSealThreads;
+constexpr int kSealMaxRounds = kMaxHeadDim / 2 / kSealThreads;
 
-// Seal the blocks an append filled (kvq.h's INT4-KC layout note): thread block (token, head)
-// seals its head's section of the token's block when the token took the block's last slot, G
-// its block_size. `side` is the window's (paged_side). The codes and s, z overwrite the window
-// in place, so every thread quantizes its channel pairs from the window before any writes:
-// a thread keeps G / 4 words of codes per pair, not the 2G values.
-template <int G>
+// Seal the blocks an append filled (kvq.h's INT4-KC layout note), G the block_size: thread block
+// (x, y) takes tokens [x * tokens_per_block, (x + 1) * tokens_per_block) of the append and KV
+// heads y, y + gridDim.y, ... A thread per token reads its slot; the tokens that took their
+// block's last slot are compacted (a ballot per warp) into a list of the blocks to seal, and the
+// thread block seals those blocks' sections of its heads, per_round = kSealThreads * R / pairs
+// sections a round, each thread up to R of their channel pairs (pair i of the round, counted
+// across its sections, for i = r * kSealThreads + threadIdx.x, r < R). `side` is the window's
+// (paged_side), by_pairs divides by head_dim / 2. The codes and s, z overwrite the window in
+// place, so every thread quantizes its channel pairs of a round from the window before any
+// writes (the barrier): a thread keeps G / 4 words of codes per pair, not the 2G values. The
+// sections of two rounds differ (the slots of an append are distinct), so the next round's reads
+// need no barrier.
+template <int G, int R>
 __global__ void __launch_bounds__(kSealThreads)
-    seal_kernel(PagedSide side, const void *__restrict__ slots, int slots_i64, int64_t num_slots) {
-  const uint32_t token = side.by_heads.div(blockIdx.x);
-  const uint32_t head = blockIdx.x - token * side.num_heads;
-  const int64_t slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
-                                 : (int64_t) static_cast<const int32_t *>(slots)[token];
-  if (slot < 0 || slot >= num_slots || slot % G != G - 1) return;  // the whole block: no barrier
-  uint8_t *const section = side.section((uint32_t)(slot / G), head);
-  uint8_t *const k = section + side.codes_offset;
-  const int pairs = side.head_dim / 2;
-  uint32_t codes[kSealRounds][G / 4], s2[kSealRounds], z2[kSealRounds];
-#pragma unroll
-  for (int r = 0; r < kSealRounds; ++r) {
-    const int p = r * (int)blockDim.x + (int)threadIdx.x;
-    if (p < pairs) {
-      uint32_t w[G];  // window row t's f16 values of channels 2p, 2p + 1
-#pragma unroll
-      for (int t = 0; t < G; ++t)
-        w[t] = reinterpret_cast<const uint32_t *>(k + (int64_t)t * side.codes_row)[p];
-      int4_kc_seal_pair<G>(w, codes[r], s2[r], z2[r]);
-    }
+    seal_kernel(PagedSide side, const void *__restrict__ slots, int slots_i64, uint32_t num_tokens,
+                int64_t num_slots, int tokens_per_block, FastDiv by_pairs) {
+  __shared__ uint32_t to_seal[kSealThreads];
+  __shared__ uint32_t warp_seals[kSealThreads / 32];
+  const int lane = (int)(threadIdx.x & 31), warp = (int)(threadIdx.x >> 5);
+  const uint32_t token = blockIdx.x * (uint32_t)tokens_per_block + threadIdx.x;
+  bool seals = false;
+  uint32_t block = 0;
+  if ((int)threadIdx.x < tokens_per_block && token < num_tokens) {
+    const int64_t slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
+                                   : (int64_t) static_cast<const int32_t *>(slots)[token];
+    // A skipped token (negative slot) or one past the pool seals nothing.
+    seals = slot >= 0 && slot < num_slots && (uint32_t)slot % G == G - 1;
+    block = (uint32_t)slot / G;  // slot < num_slots <= kMaxRows when it seals
   }
-  __syncthreads();  // every window row read
-  uint32_t *const s = reinterpret_cast<uint32_t *>(section + side.meta_offset);
-  uint32_t *const z = s + pairs;  // z[head_dim] follows s[head_dim]
+  const uint32_t ballot = __ballot_sync(kFullMask, seals);
+  if (lane == 0) warp_seals[warp] = __popc(ballot);
+  __syncthreads();
+  uint32_t before = 0, n = 0;  // blocks of earlier warps, of all warps
 #pragma unroll
-  for (int r = 0; r < kSealRounds; ++r) {
-    const int p = r * (int)blockDim.x + (int)threadIdx.x;
-    if (p < pairs) {
+  for (int w = 0; w < kSealThreads / 32; ++w) {
+    const uint32_t c = warp_seals[w];
+    before += w < warp ? c : 0;
+    n += c;
+  }
+  if (seals) to_seal[before + __popc(ballot & ((1u << lane) - 1))] = block;
+  if (n == 0) return;  // the whole thread block: no barrier
+  __syncthreads();
+
+  const int pairs = side.head_dim / 2;
+  const uint32_t per_round = (uint32_t)(kSealThreads * R / pairs);  // >= 1: launch_seal's R
+  for (uint32_t head = blockIdx.y; head < (uint32_t)side.num_heads; head += gridDim.y) {
+    for (uint32_t first = 0; first < n; first += per_round) {
+      const int tasks = (int)(min(n - first, per_round) * (uint32_t)pairs);
+      uint8_t *section[R];
+      int pair[R];
+      uint32_t codes[R][G / 4], s2[R], z2[R];
 #pragma unroll
-      for (int t = 0; t < G; ++t) k[t * pairs + p] = (uint8_t)(codes[r][t / 4] >> (8 * (t % 4)));
-      s[p] = s2[r];
-      z[p] = z2[r];
+      for (int r = 0; r < R; ++r) {
+        const int i = r * kSealThreads + (int)threadIdx.x;
+        section[r] = nullptr;
+        pair[r] = 0;
+        if (i < tasks) {
+          const uint32_t j = by_pairs.div((uint32_t)i);
+          const int p = i - (int)j * pairs;
+          section[r] = side.section(to_seal[first + j], head);
+          pair[r] = p;
+          const uint8_t *const k = section[r] + side.codes_offset;
+          uint32_t w[G];  // window row t's f16 values of channels 2p, 2p + 1
+#pragma unroll
+          for (int t = 0; t < G; ++t)
+            w[t] = reinterpret_cast<const uint32_t *>(k + (int64_t)t * side.codes_row)[p];
+          int4_kc_seal_pair<G>(w, codes[r], s2[r], z2[r]);
+        }
+      }
+      __syncthreads();  // every window row of this round's sections read
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (section[r] != nullptr) {
+          const int p = pair[r];
+          uint8_t *const k = section[r] + side.codes_offset;
+#pragma unroll
+          for (int t = 0; t < G; ++t)
+            k[t * pairs + p] = (uint8_t)(codes[r][t / 4] >> (8 * (t % 4)));
+          uint32_t *const s = reinterpret_cast<uint32_t *>(section[r] + side.meta_offset);
+          s[p] = s2[r];
+          s[pairs + p] = z2[r];  // z[head_dim] follows s[head_dim]
+        }
+      }
     }
   }
 }
@@ -683,19 +728,33 @@ bool paged_side(const kvq_cache &c, bool k, PagedSide &s) {
 }
 
 // Launch seal_kernel over the tokens of an append, for INT4-KC keys (`ks` their window side).
+// A thread block scans up to kSealThreads tokens: fewer when the append is small (as few as 32,
+// so a launch has about kSealThreads thread blocks or more), which spreads the sealing of a
+// decode step whose tokens all fill their blocks over more SMs.
 int launch_seal(const PagedSide &ks, const void *slots, int32_t slots_i64, int64_t num_tokens,
                 int64_t num_slots, cudaStream_t s) {
-  const unsigned grid = (unsigned)(num_tokens * ks.num_heads);
-  const int threads = std::min(ks.head_dim / 2, kSealThreads);
-  auto go = [&](auto g) {
-    seal_kernel<decltype(g)::value>
-        <<<grid, threads, 0, s>>>(ks, slots, slots_i64 != 0, num_slots);
+  const int64_t spread = num_tokens * ks.num_heads / kSealThreads / 32 * 32;
+  const int tokens_per_block = (int)std::min<int64_t>(std::max<int64_t>(spread, 32), kSealThreads);
+  const dim3 grid((unsigned)((num_tokens + tokens_per_block - 1) / tokens_per_block),
+                  (unsigned)std::min(ks.num_heads, 65535));
+  const int pairs = ks.head_dim / 2;
+  const int rounds = (pairs + kSealThreads - 1) / kSealThreads;  // head_dim_ok: at most 4
+  const FastDiv by_pairs((uint32_t)pairs);
+  auto go = [&](auto g, auto r) {
+    seal_kernel<decltype(g)::value, decltype(r)::value><<<grid, kSealThreads, 0, s>>>(
+        ks, slots, slots_i64 != 0, (uint32_t)num_tokens, num_slots, tokens_per_block, by_pairs);
     return launch_status();
   };
+  auto with_rounds = [&](auto g) {
+    static_assert(kSealMaxRounds == 4, "R of 1, 2 or 4 covers kMaxHeadDim");
+    if (rounds <= 1) return go(g, std::integral_constant<int, 1>{});
+    if (rounds <= 2) return go(g, std::integral_constant<int, 2>{});
+    return go(g, std::integral_constant<int, 4>{});
+  };
   switch (ks.block_size) {
-  case 16: return go(std::integral_constant<int, 16>{});
-  case 32: return go(std::integral_constant<int, 32>{});
-  case 64: return go(std::integral_constant<int, 64>{});
+  case 16: return with_rounds(std::integral_constant<int, 16>{});
+  case 32: return with_rounds(std::integral_constant<int, 32>{});
+  case 64: return with_rounds(std::integral_constant<int, 64>{});
   default: return KVQ_ERR_INVALID;  // kc_layout_ok admits no other
   }
 }

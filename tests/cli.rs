@@ -561,6 +561,9 @@ fn eval_reports_every_pair() {
         "| int4-uniform / int4-uniform |",
         "| int4-kc (G=32) / int4-v64 | 0.5938 |",
         "| int4-kc (G=32) / fp8-e4m3 (head) |",
+        // int8-pth's f32 row scale at this head_dim: 1 + 4 / 64 (not 128's 1.0312).
+        "| int8-pth / int8-pth | 1.0625 |",
+        "| fp8-e4m3 / int4-v64 (head) | 0.7812 |",
         "| L3 int4-k32 / int4-v64 |",
     ] {
         assert!(stdout.contains(label), "missing {label}:\n{stdout}");

@@ -973,6 +973,96 @@ fn int4_kc_keys_seal_like_the_cpu() {
     }
 }
 
+/// Values beside int4-kc keys at any head_dim the keys allow (a multiple of 32).
+fn kc_values(head_dim: usize) -> KvFormat {
+    if head_dim % 64 == 0 {
+        KvFormat::Int4Affine64
+    } else {
+        KvFormat::Int4Sym32
+    }
+}
+
+/// The seal pass where its work is dense: one call whose tokens all end their blocks (besides
+/// padding and slots past the pool, which seal nothing), so a seal thread block has a block to
+/// seal for nearly every token it scans, in several rounds, at every kind of head_dim (1, 2 or
+/// 4 channel pairs a thread a round; a round of many sections or of one), block size and KV
+/// head count, from 32 tokens a seal thread block to 256 (the first shape). Then shuffled
+/// appends of thousands of tokens, as check_append makes them.
+#[test]
+fn int4_kc_seals_every_block_of_a_call() {
+    let Some(gpu) = require_gpu_or_skip("int4_kc_seals_every_block_of_a_call") else {
+        return;
+    };
+    let mut rng = Rng(4242);
+    for (heads, head_dim, bs, num_blocks) in [
+        (16, 32, 16, 4100),
+        (8, 128, 16, 1100),
+        (1, 32, 64, 300),
+        (3, 96, 32, 600),
+        (2, 576, 16, 300),
+        (1, 2048, 64, 40),
+        (4, 1024, 32, 70),
+        (5, 160, 64, 200),
+    ] {
+        let c =
+            CacheConfig::new(heads, head_dim, bs, KvFormat::Int4Kc, kc_values(head_dim)).unwrap();
+        let row = heads * head_dim;
+        let num_slots = num_blocks * bs;
+        let mut blocks: Vec<usize> = (0..num_blocks).collect();
+        rng.shuffle(&mut blocks);
+        // Each block's last slot; every 9th token padding, every 13th past the pool (at a
+        // block's last slot, so only the range check keeps it from sealing).
+        let mapping: Vec<i32> = blocks
+            .iter()
+            .enumerate()
+            .map(|(t, &b)| match (t % 9, t % 13) {
+                (4, _) => -1,
+                (_, 6) => (num_slots + (b + 1) * bs - 1) as i32,
+                _ => ((b + 1) * bs - 1) as i32,
+            })
+            .collect();
+        let tokens = mapping.len();
+        let k = to_input::<f16>(&random_rows(&mut rng, tokens * heads, head_dim));
+        let v = to_input::<f16>(&random_rows(&mut rng, tokens * heads, head_dim));
+        let kept: Vec<usize> = (0..tokens)
+            .filter(|&t| (0..num_slots as i32).contains(&mapping[t]))
+            .collect();
+        let pick = |x: &[f16]| -> Vec<f16> {
+            kept.iter()
+                .flat_map(|&t| x[t * row..(t + 1) * row].iter().copied())
+                .collect()
+        };
+        let host_slots: Vec<usize> = kept.iter().map(|&t| mapping[t] as usize).collect();
+        let mut host = HostCache::new(c, num_blocks).unwrap();
+        host.write(&host_slots, &pick(&k), &pick(&v)).unwrap();
+
+        let mut dev = DeviceCache::new(&gpu, c, num_blocks).unwrap();
+        let s = gpu.stream();
+        let slots_d = s.clone_htod(&mapping).unwrap();
+        let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
+        ops::append(&mut dev, &slots_d, &k_d, &v_d, tokens).unwrap();
+        let err = dev.check_appends().unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{c:?}: {err}");
+        if let Some(m) = pool_mismatch(&host, &dev.to_host().unwrap()) {
+            panic!("int4-kc, every token a block's last: {m}");
+        }
+    }
+    for (i, (heads, head_dim, bs, tokens)) in [
+        (8, 128, 16, 9_000),
+        (3, 96, 32, 3_000),
+        (1, 2048, 64, 300),
+        (6, 320, 16, 1_500),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let c =
+            CacheConfig::new(heads, head_dim, bs, KvFormat::Int4Kc, kc_values(head_dim)).unwrap();
+        check_append::<f16>(&gpu, c, tokens, 4300 + i as u64, Data::Random);
+        check_append::<bf16>(&gpu, c, tokens, 4400 + i as u64, Data::Grid);
+    }
+}
+
 // ---- no-GPU behaviour (runs everywhere) -----------------------------------------------------
 
 #[test]

@@ -232,11 +232,15 @@ impl Storage {
         }
     }
 
-    /// Bytes per element at `head_dim` (only the outlier-aware rows depend on it; a head_dim
-    /// they cannot take counts their codes alone).
+    /// Bytes per element at `head_dim` (int8-pth's row scale and the outlier-aware rows' kept
+    /// channels depend on it; a head_dim the outlier-aware rows cannot take counts their codes
+    /// alone).
     fn bytes_per_element(self, head_dim: usize) -> f64 {
         match self {
-            Storage::Cache(f) | Storage::Hadamard(f) => f.bytes_per_element(),
+            // The block size only matters to int4-kc, which is KeysPerChannel here.
+            Storage::Cache(f) | Storage::Hadamard(f) => {
+                f.bytes_per_element_at(head_dim, int4_kc::DENSE_GROUP)
+            }
             Storage::Uniform => 0.5, // plus one f32 per tensor
             Storage::KeysPerChannel(g) => int4_kc::bytes_per_element(g),
             Storage::KeepOutliers { bits, keep } if keep < head_dim => {
