@@ -242,6 +242,7 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   if ((ks.head_scale && a->cache.k_scales == nullptr) ||
       (vs.head_scale && a->cache.v_scales == nullptr))
     return KVQ_ERR_INVALID;
+  if (!(a->logits_soft_cap <= 0.f || a->logits_soft_cap < INFINITY)) return KVQ_ERR_INVALID;
   if (a->num_splits > 1 &&
       (a->ws_o == nullptr || a->ws_lse == nullptr || a->ws_counters == nullptr))
     return KVQ_ERR_INVALID;
@@ -282,6 +283,9 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   p.split_tokens = a->split_tokens;
   p.stages = a->stages;
   p.sm_scale_log2 = a->softmax_scale * kLog2e;
+  p.sinks = a->sinks;
+  p.window_left = a->window_left;
+  p.soft_cap = a->logits_soft_cap;
 
   const int64_t y = (int64_t)l.num_kv_heads * p.m_tiles;
   if (y > 65535 || a->batch > 65535) return KVQ_ERR_UNSUPPORTED;

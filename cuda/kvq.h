@@ -226,13 +226,18 @@ typedef struct kvq_rows {
 } kvq_rows;
 
 /* One decode step of attention over a paged cache, with the semantics of
- * kvq::cpu::decode_attention: context_lens[b] counts every token of sequence b including its
- * q_len new ones; query token i sits at position context_lens[b] - q_len + i and sees positions
- * 0..=that (causal); query head h reads KV head h / (num_q_heads / num_kv_heads).
+ * kvq::cpu::decode_attention_with: context_lens[b] counts every token of sequence b including
+ * its q_len new ones; query token i sits at position p = context_lens[b] - q_len + i and sees
+ * positions max(0, p - window_left) ..= p (all of 0..=p when window_left < 0); query head h
+ * reads KV head h / (num_q_heads / num_kv_heads).
  *   q             q_dtype (KVQ_DTYPE_F16 or _BF16), rows at q_rows
  *   out           out_dtype (KVQ_DTYPE_F16, _BF16 or _F32), rows at out_rows
  *   lse           f32 at lse_rows, natural log of the softmax denominator (logits include
- *                 softmax_scale); may be null
+ *                 softmax_scale and the cap; the sink included); may be null
+ *   logits        softmax_scale * q.k, then logits_soft_cap * tanh(logits / logits_soft_cap)
+ *                 when logits_soft_cap > 0
+ *   sinks         [num_q_heads] f32 or null: a logit per head that joins every row's softmax
+ *                 denominator only (gpt-oss); not scaled, not capped
  *   block_tables  [batch, max_blocks] int32, context_lens [batch] int32
  *   ws_o, ws_lse, ws_counters  split-KV workspace, used when num_splits > 1:
  *                 ws_o [batch, num_splits, num_q_heads * q_len, head_dim] f32,
@@ -280,6 +285,9 @@ typedef struct kvq_decode_args {
   int32_t warps;  /* warps per thread block, 4, 8, 12 or 16 (the plan picks it, with stages) */
   int32_t stages; /* copy stages per warp, 2..8 (the plan picks it from kvq_decode_occupancy) */
   float softmax_scale;
+  const float *sinks;    /* may be null */
+  int32_t window_left;   /* < 0: no window */
+  float logits_soft_cap; /* <= 0: none */
 } kvq_decode_args;
 
 /* 1 when this build has a decode kernel for keys in k_format and values in v_format

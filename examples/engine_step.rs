@@ -212,6 +212,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
             out: &mut out,
             out_rows: rows,
             lse: None,
+            sinks: None,
         },
     )?;
     let graph = s
@@ -617,6 +618,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                 out: &mut out,
                 out_rows: rows,
                 lse: None,
+                sinks: None,
             },
         )?;
         direct_us += t.elapsed().as_secs_f64() * 1e6 / N as f64;
@@ -685,6 +687,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     out: &mut out,
                     out_rows: rows,
                     lse: None,
+                    sinks: None,
                 },
             )
         })?;

@@ -266,6 +266,7 @@ impl DecodeOp<'_> {
                 out: &mut out,
                 out_rows,
                 lse: None,
+                sinks: None,
             },
         )?;
         Ok((

@@ -18,12 +18,13 @@
 mod common;
 
 use common::{Rng, fresh_rng as rng};
+use cudarc::driver::DevicePtr;
 use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
-use kvq::cpu::{Accum, DecodeShape, decode_attention};
+use kvq::cpu::{Accum, AttentionOptions, DecodeShape, decode_attention_with};
 use kvq::cuda::decode::{
-    DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables, HEAD_DIMS, WARPS,
-    kernel_available, kernel_available_for,
+    DecodeElement, DecodePlan, DecodeStep, DecodeWorkspace, DeviceBlockTables, HEAD_DIMS,
+    RowStrides, WARPS, kernel_available, kernel_available_for,
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
@@ -94,6 +95,10 @@ struct Case {
     splits: Option<usize>,
     /// Forced (warps per block, copy stages per warp) (else the plan's choice).
     launch: Option<(usize, usize)>,
+    /// Sliding window, logits soft cap, per-head sinks.
+    window: Option<usize>,
+    cap: Option<f32>,
+    sinks: bool,
 }
 
 impl Case {
@@ -111,11 +116,15 @@ impl Case {
             per_head: true,
             splits: None,
             launch: None,
+            window: None,
+            cap: None,
+            sinks: false,
         }
     }
     fn name(&self) -> String {
         format!(
-            "{}/{} d{} bs{} kv{} G{} q_len{} {} lens{:?} splits{:?} launch{:?}",
+            "{}/{} d{} bs{} kv{} G{} q_len{} {} lens{:?} splits{:?} launch{:?} window{:?} cap{:?} \
+             sinks{}",
             self.k,
             self.v,
             self.head_dim,
@@ -130,7 +139,10 @@ impl Case {
                 self.lens.clone()
             },
             self.splits,
-            self.launch
+            self.launch,
+            self.window,
+            self.cap,
+            self.sinks
         )
     }
 }
@@ -209,7 +221,27 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
     // The reference sees exactly the queries the GPU sees (rounded to T).
     let q_t: Vec<T> = q.iter().map(|&x| T::from_f32(x)).collect();
     let q_ref: Vec<f32> = q_t.iter().map(|x| x.to_f32()).collect();
-    let want = decode_attention(&host, &tables, &q_ref, &shape, Accum::F64).expect("cpu");
+    let opts = AttentionOptions {
+        softmax_scale: shape.softmax_scale,
+        window_left: case.window,
+        logits_soft_cap: case.cap,
+    };
+    // Sinks of about the size of the rows' logits, different per head.
+    let sinks: Option<Vec<f32>> = case.sinks.then(|| {
+        (0..heads)
+            .map(|h| 1.0 + 2.0 * (h as f32 * 0.37).sin())
+            .collect()
+    });
+    let want = decode_attention_with(
+        &host,
+        &tables,
+        &q_ref,
+        &shape,
+        &opts,
+        sinks.as_deref(),
+        Accum::F64,
+    )
+    .expect("cpu");
 
     let dcache = DeviceCache::from_host(gpu, &host).expect("device cache");
     let dtables = DeviceBlockTables::new(&dcache, &tables).expect("device tables");
@@ -222,6 +254,8 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
         case.q_len,
         max_len,
     )
+    .and_then(|p| p.with_window_left(case.window))
+    .and_then(|p| p.with_logits_soft_cap(case.cap))
     .unwrap_or_else(|e| panic!("{name}: plan: {e}"));
     if let Some(s) = case.splits {
         plan = plan.with_num_splits(s);
@@ -239,13 +273,24 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
     let q_dev = s.clone_htod(&q_t).expect("upload q");
     let mut out_dev = s.clone_htod(&vec![T::nan(); q.len()]).expect("out");
     let mut lse_dev = s.clone_htod(&vec![f32::NAN; want.lse.len()]).expect("lse");
-    plan.decode(
+    let sinks_dev = sinks.as_ref().map(|x| s.clone_htod(x).expect("sinks"));
+    let rows = RowStrides::batch_head_token(heads, case.q_len, d);
+    plan.decode_step(
         &mut ws,
         &dcache,
         &dtables,
-        &q_dev,
-        &mut out_dev,
-        Some(&mut lse_dev),
+        DecodeStep {
+            q_len: case.q_len,
+            q: &q_dev,
+            q_rows: rows,
+            out: &mut out_dev,
+            out_rows: rows,
+            lse: Some((
+                &mut lse_dev,
+                RowStrides::batch_head_token(heads, case.q_len, 1),
+            )),
+            sinks: sinks_dev.as_ref().map(|x| x as &dyn DevicePtr<f32>),
+        },
     )
     .unwrap_or_else(|e| panic!("{name}: decode failed: {e}"));
     let out: Vec<f32> = s
@@ -279,7 +324,9 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
     let rel = (num / den.max(f64::MIN_POSITIVE)).sqrt();
     // INT4 keys are dequantized to f16 (FORMATS.md allows it): q * s rounds to 11 bits, which
     // moves logits by ~1e-3 when keys carry outlier channels. Other key formats are exact.
-    let lse_tol = if matches!(case.k, KvFormat::Int4Sym32 | KvFormat::Int4Kc) {
+    // A soft cap's tanh is the hardware approximation (2^-11 relative): up to cap * 2^-11.
+    let lse_tol = if matches!(case.k, KvFormat::Int4Sym32 | KvFormat::Int4Kc) || case.cap.is_some()
+    {
         5e-3
     } else {
         1e-3
@@ -624,6 +671,50 @@ fn int8_row_scales_over_ten_decades() {
                 o.rel,
                 o.worst_row
             );
+        }
+    }
+}
+
+/// Sliding windows (none, 0, shorter and longer than the contexts), logits soft caps and
+/// per-head sinks, with and without key splits (the sink joins once, in the merge), against
+/// the CPU's `decode_attention_with`.
+#[test]
+fn windows_caps_and_sinks() {
+    let Some(gpu) = require_gpu_or_skip("windows_caps_and_sinks") else {
+        return;
+    };
+    let mut rng = rng("windows_caps_and_sinks");
+    for (k, v) in [
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::Bf16, KvFormat::Bf16),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Int4Kc, KvFormat::Int4Affine64),
+        (KvFormat::Int8Pth, KvFormat::Fp4E2m1),
+    ] {
+        for (window, cap, sinks, splits) in [
+            (Some(100), None, false, None),
+            (Some(0), Some(5.0), true, Some(4)),
+            (None, Some(8.0), false, Some(3)),
+            (Some(17), None, true, None),
+            (Some(5000), None, true, Some(7)),
+            (Some(300), Some(5.0), true, Some(2)),
+        ] {
+            let lens = vec![
+                3 + rng.below(30),
+                300 + rng.below(100),
+                1500 + rng.below(600),
+            ];
+            let mut c = Case::new(k, v, 128, lens);
+            c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
+            c.q_len = 1 + rng.below(3);
+            c.group = rng.pick(&[1, 4, 6]);
+            c.block_size = rng.pick(&[16, 32, 64]);
+            c.window = window;
+            c.cap = cap;
+            c.sinks = sinks;
+            c.splits = splits;
+            check(&gpu, &mut rng, &c);
         }
     }
 }

@@ -198,6 +198,7 @@ fn fork_reserve_copy_on_write_decode() {
                 out: &mut out,
                 out_rows: rows,
                 lse: None,
+                sinks: None,
             },
         )
         .unwrap();
@@ -303,6 +304,7 @@ fn continuous_batching_with_a_captured_graph() {
                     out: &mut out,
                     out_rows: rows,
                     lse: Some((&mut lse, lse_rows)),
+                    sinks: None,
                 },
             )
             .unwrap();
@@ -369,6 +371,7 @@ fn continuous_batching_with_a_captured_graph() {
             out: &mut out2,
             out_rows: r2,
             lse: None,
+            sinks: None,
         },
     )
     .unwrap();
@@ -391,6 +394,7 @@ fn continuous_batching_with_a_captured_graph() {
             out: &mut big_out,
             out_rows: r3,
             lse: None,
+            sinks: None,
         },
     );
     assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
@@ -443,6 +447,7 @@ fn strided_views_and_output_types() {
                     out: &mut out,
                     out_rows,
                     lse: None,
+                    sinks: None,
                 },
             )
             .unwrap();
@@ -471,6 +476,7 @@ fn strided_views_and_output_types() {
                     out: &mut out,
                     out_rows,
                     lse: None,
+                    sinks: None,
                 },
             )
             .unwrap();
@@ -498,6 +504,7 @@ fn strided_views_and_output_types() {
                         &mut lse_buf.slice_mut(3..),
                         RowStrides::token_major(HEADS, 1, 1),
                     )),
+                    sinks: None,
                 },
             )
             .unwrap();
@@ -517,6 +524,7 @@ fn strided_views_and_output_types() {
                     out: &mut short,
                     out_rows,
                     lse: None,
+                    sinks: None,
                 },
             );
             assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
@@ -537,6 +545,7 @@ fn strided_views_and_output_types() {
                     out: &mut out,
                     out_rows: overlap,
                     lse: None,
+                    sinks: None,
                 },
             );
             assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
@@ -991,6 +1000,7 @@ fn padding_and_faults() {
         workspace_lse: ws_l.device_ptr(s).0,
         workspace_counters: ws_c.device_ptr(s).0,
         counters: counters_ptr,
+        sinks: 0,
     };
     let out_ptr = out.device_ptr(s).0;
     let lse_ptr = lse.device_ptr(s).0;

@@ -59,6 +59,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   // INT4 K only: [D / 32][4] float4 {z(2t), z(2t+1), z(2t), z(2t+1)}, the C operand of lane t.
   float *row_z = row_M + kRows;
   int *flag = reinterpret_cast<int *>(row_z + (D / 32) * 16);
+  int *row_lo = flag + 4;  // the window's first position per row (0 without a window)
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.m_tiles, mt = blockIdx.y % p.m_tiles;
@@ -70,7 +71,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   const int len = seq_len(p, b, &bad_len);
   const int nsplit = len <= 0 ? 1 : (len + p.split_tokens - 1) / p.split_tokens;
   if (split >= nsplit) return;
-  const int t0 = split * p.split_tokens;
+  int t0 = split * p.split_tokens;
   const int t1 = min(len, t0 + p.split_tokens);
   const int rows = p.group * p.q_len;
   const int row0 = mt * kRows;
@@ -82,6 +83,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     row_q[tid] = row_at(p.q_rows, b, h, i);
     row_o[tid] = row_at(p.out_rows, b, h, i);
     row_l[tid] = row_at(p.lse_rows, b, h, i);
+    // Query i sits at position len - q_len + i; with a window it sees window_left before it.
+    row_lo[tid] = (gr < p.group * p.q_len && p.window_left >= 0)
+                      ? max(0, len - p.q_len + i - p.window_left)
+                      : 0;
     // The query tile is read below while this block's copies fly; fetched from HBM behind them
     // it waited for the queue (6-7 % of the samples of short INT4 launches, PERFORMANCE.md v11),
     // so its lines are requested first.
@@ -93,6 +98,15 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     }
   }
   __syncthreads();
+  // With a window, the split's tokens before every row's window are skipped (from a chunk
+  // boundary); lo_all: tokens from it on are inside every row's window.
+  int lo_all = 0;
+  if (p.window_left >= 0) {
+    int lo_min = INT32_MAX;
+    for (int r = 0; r < kRows && row0 + r < rows; ++r)
+      lo_min = min(lo_min, row_lo[r]), lo_all = max(lo_all, row_lo[r]);
+    if (lo_min != INT32_MAX) t0 = max(t0, lo_min & -kChunk);
+  }
 
   // ---- 1. Start this warp's copies, so they fly while the query tile is prepared.
   const int nsteps = t1 > t0 ? (t1 - t0 + STEP - 1) / STEP : 0;
@@ -223,8 +237,14 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     }
   }
   // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
-  const float c_r0 = row_c[2 * t], c_r1 = row_c[2 * t + 1];
   const int lim_r0 = row_lim[2 * t], lim_r1 = row_lim[2 * t + 1];
+  const int lo_r0 = row_lo[2 * t], lo_r1 = row_lo[2 * t + 1];
+  // A soft cap c: logits (log2 domain) cap2 * tanh(x * c_r), c_r then the row's factor times
+  // ln 2 / c; steps take the masked path, which applies it.
+  const bool capped = p.soft_cap > 0.f;
+  const float cap_mul = capped ? kLn2 / p.soft_cap : 1.f;
+  const float cap2 = p.soft_cap * kLog2e;
+  const float c_r0 = row_c[2 * t] * cap_mul, c_r1 = row_c[2 * t + 1] * cap_mul;
   // Tokens below lim_all are seen by every row of the tile (rows past the tile's end hold zero
   // queries: finite scores, never written out).
   int lim_all = t1;
@@ -477,7 +497,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     // the codes were.
     float mx_r0 = -INFINITY, mx_r1 = -INFINITY;
     constexpr uint32_t kAllChunks = (1u << CH) - 1;
-    if ((ok_bits & kAllChunks) == kAllChunks && tok0 + STEP <= lim_all) {
+    if ((ok_bits & kAllChunks) == kAllChunks && tok0 + STEP <= lim_all && tok0 >= lo_all &&
+        !capped) {
       // Every token of the step is visible to every row: no masks (all steps but the last
       // of a split, and of every causal tail).
 #pragma unroll
@@ -496,8 +517,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           const int tok = tok0 + ch * kChunk + 8 * h + g;
           const float x0 = s[ch][2 * h] + s2nd[ch][2 * h];
           const float x1 = s[ch][2 * h + 1] + s2nd[ch][2 * h + 1];
-          s[ch][2 * h] = (ok && tok < lim_r0) ? x0 * c_r0 : -INFINITY;
-          s[ch][2 * h + 1] = (ok && tok < lim_r1) ? x1 * c_r1 : -INFINITY;
+          float y0 = x0 * c_r0, y1 = x1 * c_r1;
+          if (capped) y0 = cap2 * tanh_approx(y0), y1 = cap2 * tanh_approx(y1);
+          s[ch][2 * h] = (ok && tok < lim_r0 && tok >= lo_r0) ? y0 : -INFINITY;
+          s[ch][2 * h + 1] = (ok && tok < lim_r1 && tok >= lo_r1) ? y1 : -INFINITY;
           mx_r0 = fmaxf(mx_r0, s[ch][2 * h]);
           mx_r1 = fmaxf(mx_r1, s[ch][2 * h + 1]);
         }
@@ -714,9 +737,12 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   }
   __syncthreads();
   if (tid < kRows) {
-    float M = -INFINITY;
+    // A sink joins the max and the denominator once: here when the sequence has one split,
+    // else in the split merge.
+    const float sink = nsplit == 1 ? sink_log2(p, kvh, row0 + tid, rows) : -INFINITY;
+    float M = sink;
     for (int w = 0; w < nw; ++w) M = fmaxf(M, msm[w * kRows + tid]);
-    float L = 0.f;
+    float L = sink == -INFINITY ? 0.f : fast_exp2(sink - M);
     for (int w = 0; w < nw; ++w) {
       const float f = M == -INFINITY ? 0.f : fast_exp2(msm[w * kRows + tid] - M);
       msm[w * kRows + tid] = f;  // now the warp's weight
@@ -768,7 +794,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   float *wts = reinterpret_cast<float *>(smem);  // [split][kRows] weights (ring area is free)
   float4 *part = reinterpret_cast<float4 *>(smem + KVQ_DECODE_MAX_SPLITS * kRows * 4);
   for (int r = warp; r < nvalid; r += nw) {
-    float M = -INFINITY;
+    const float sink = sink_log2(p, kvh, row0 + r, rows);
+    float M = sink;
     for (int s = lane; s < nsplit; s += 32) M = fmaxf(M, __ldcg(ws_lse + s * rq + r));
 #pragma unroll
     for (int x = 16; x; x >>= 1) M = fmaxf(M, __shfl_xor_sync(kFull, M, x));
@@ -780,6 +807,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     }
 #pragma unroll
     for (int x = 16; x; x >>= 1) L += __shfl_xor_sync(kFull, L, x);
+    if (sink != -INFINITY) L += fast_exp2(sink - M);
     if (lane == 0) {
       row_L[r] = L;
       if (p.lse) p.lse[row_l[r]] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;

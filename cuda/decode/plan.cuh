@@ -42,6 +42,9 @@ struct Params {
   int32_t max_blocks, num_splits, split_tokens;
   int32_t stages;       // copy stages per warp, 2..8
   float sm_scale_log2;  // softmax_scale * log2(e)
+  const float *sinks;   // [num_q_heads] or null
+  int32_t window_left;  // < 0: none
+  float soft_cap;       // <= 0: none
 };
 
 /// Shared-memory stages per warp a launch may use.
@@ -66,6 +69,13 @@ __device__ __forceinline__ int seq_len(const Params &p, int b, bool *bad) {
   const int len = p.context_lens[b];
   *bad = len < 0 || len > cap;
   return len < 0 ? 0 : (len > cap ? (int)cap : len);
+}
+
+/// The sink of tile row `gr` (of `rows`) of KV head kvh, in the log2 domain; -inf without
+/// sinks or for a row past the tile's rows.
+__device__ __forceinline__ float sink_log2(const Params &p, int kvh, int gr, int rows) {
+  return p.sinks != nullptr && gr < rows ? p.sinks[kvh * p.group + gr / p.q_len] * kLog2e
+                                         : -INFINITY;
 }
 
 /// Compile-time plan of one instance: step size, stage layout, shared memory.
@@ -94,8 +104,8 @@ struct Cfg {
   // int4-kc keys: each lane's 8 consecutive query elements of each 32 (f16, natural order).
   static constexpr int QNAT = F::KBLK ? D / 32 * 32 * 16 : 0;
   // Per row: q / out / lse offsets (int64), then factor, q scale, limit, L, M; INT4-K zero
-  // terms (D / 32 groups x 16); a flag.
-  static constexpr int SMALL = kRows * 8 * 3 + kRows * 4 * 5 + (D / 32) * 16 * 4 + 16;
+  // terms (D / 32 groups x 16); a flag; per row the window's first position.
+  static constexpr int SMALL = kRows * 8 * 3 + kRows * 4 * 5 + (D / 32) * 16 * 4 + 16 + kRows * 4;
   static constexpr int PRE = r128(QFRAG + QNAT + SMALL);
   // Per-warp O tiles are stored at a pitch of D + 1 floats: the lanes of one store (rows 2t,
   // columns 8g + c) then spread over 16 banks instead of 4.

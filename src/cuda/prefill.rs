@@ -244,13 +244,13 @@ impl PrefillPlan {
     /// verification of a few draft tokens; engines batch these first), goes to `decode`'s
     /// kernel, the rest to the prefill kernel, in two launches on the stream of one call, with
     /// the same tables. The decode kernel reads a quantized cache at its full bandwidth, where
-    /// the prefill kernel pads a few-token row to its 64-row tile. Rows are served by the
-    /// prefill kernel alone when a step has a window, a soft cap or sinks (the decode kernel has
-    /// none of them) and under [`with_graph_grid`](Self::with_graph_grid) (the cut is made on
-    /// the host per step).
+    /// the prefill kernel pads a few-token row to its 64-row tile. Both kernels apply this
+    /// plan's window, soft cap and the step's sinks. Rows are served by the prefill kernel
+    /// alone under [`with_graph_grid`](Self::with_graph_grid) (the cut is made on the host per
+    /// step).
     ///
     /// `decode` must be for this plan's GPU, layout and query heads, with at least this plan's
-    /// batch and context capacity; it takes this plan's softmax scale. Errors:
+    /// batch and context capacity; it takes this plan's softmax scale, window and cap. Errors:
     /// [`Error::InvalidArgument`] otherwise.
     pub fn with_decode_rows(mut self, decode: DecodePlan) -> Result<Self> {
         let why = if decode.gpu().context() != self.gpu.context() {
@@ -271,7 +271,12 @@ impl PrefillPlan {
                 "the decode plan for routed rows is for {why} than the prefill plan"
             )));
         }
-        self.decode_rows = Some(decode.with_softmax_scale(self.softmax_scale)?);
+        self.decode_rows = Some(
+            decode
+                .with_softmax_scale(self.softmax_scale)?
+                .with_window_left(self.window_left)?
+                .with_logits_soft_cap(self.soft_cap)?,
+        );
         Ok(self)
     }
 
@@ -281,6 +286,9 @@ impl PrefillPlan {
             to_i32("window_left", w)?;
         }
         self.window_left = window_left;
+        if let Some(d) = self.decode_rows.take() {
+            self.decode_rows = Some(d.with_window_left(window_left)?);
+        }
         Ok(self)
     }
 
@@ -292,6 +300,9 @@ impl PrefillPlan {
             )));
         }
         self.soft_cap = cap;
+        if let Some(d) = self.decode_rows.take() {
+            self.decode_rows = Some(d.with_logits_soft_cap(cap)?);
+        }
         Ok(self)
     }
 
@@ -416,14 +427,7 @@ impl PrefillPlan {
         // Decode rows routed to the decode kernel: the leading sequences with the first one's
         // number of new tokens, n_0 in 1..=the decode plan's q_len.
         let route = match (&self.decode_rows, &ws.decode) {
-            (Some(plan), Some(dws))
-                if !self.graph_grid
-                    && self.window_left.is_none()
-                    && self.soft_cap.is_none()
-                    && step.sinks.is_none() =>
-            {
-                Some((plan, dws.device_ptrs()))
-            }
+            (Some(plan), Some(dws)) if !self.graph_grid => Some((plan, dws.device_ptrs())),
             _ => None,
         };
         let lead_len = qo[1].wrapping_sub(qo[0]) as usize;
@@ -589,6 +593,7 @@ impl PrefillPlan {
                         workspace_lse: dws[1],
                         workspace_counters: dws[2],
                         counters: cache.counters_ptr() as CUdeviceptr,
+                        sinks: sink_p,
                     };
                     // SAFETY: rows 0..lead of the checked tables (each context holds its
                     // lead_len new tokens and fits both plans: with_decode_rows), q / out / lse

@@ -290,7 +290,7 @@ const _: () = {
     ["Offset of field: kvq_rows::token"][::std::mem::offset_of!(kvq_rows, token) - 8usize];
     ["Offset of field: kvq_rows::head"][::std::mem::offset_of!(kvq_rows, head) - 16usize];
 };
-#[doc = "```text\n One decode step of attention over a paged cache, with the semantics of\n kvq::cpu::decode_attention: context_lens[b] counts every token of sequence b including its\n q_len new ones; query token i sits at position context_lens[b] - q_len + i and sees positions\n 0..=that (causal); query head h reads KV head h / (num_q_heads / num_kv_heads).\n   q             q_dtype (KVQ_DTYPE_F16 or _BF16), rows at q_rows\n   out           out_dtype (KVQ_DTYPE_F16, _BF16 or _F32), rows at out_rows\n   lse           f32 at lse_rows, natural log of the softmax denominator (logits include\n                 softmax_scale); may be null\n   block_tables  [batch, max_blocks] int32, context_lens [batch] int32\n   ws_o, ws_lse, ws_counters  split-KV workspace, used when num_splits > 1:\n                 ws_o [batch, num_splits, num_q_heads * q_len, head_dim] f32,\n                 ws_lse [batch, num_splits, num_q_heads * q_len] f32,\n                 ws_counters [batch, num_kv_heads, ceil(G * q_len / KVQ_DECODE_TILE_ROWS)] uint32, all zero\n                 before the first launch (each launch leaves them zero again)\n   counters      optional (may be null): counters[KVQ_COUNTER_OUT_OF_RANGE] is incremented once\n                 by each thread block that met a block-table entry outside [0, num_blocks) or\n                 a context length outside [0, max_blocks * block_size]\n Sequence b is cut into ceil(len / split_tokens) splits (split_tokens a positive multiple of\n 32; at most num_splits of them, 1 <= num_splits <= KVQ_DECODE_MAX_SPLITS), each served by its\n own thread blocks; the last block of a sequence to finish merges them (one launch, one\n kernel). One launch at a time per workspace. A sequence of length 0 is padding: its rows get\n out = 0 and lse = -inf and nothing of the cache or its table row is read. Caller guarantees\n (the safe Rust API checks them): buffers that hold every row the strides address; every\n context_lens[b] 0 or in [q_len, max_blocks * block_size] and ceil(context_lens[b] /\n split_tokens) <= num_splits; the first ceil(len / block_size) entries of each table row valid\n block ids. Outside that the kernel stays in bounds of the pool (lengths are clamped, block ids\n outside [0, num_blocks) are read as absent tokens and counted) but the output is unspecified.\n Supported: what kvq_decode_supported says, block_size a multiple of KVQ_DECODE_CHUNK_TOKENS,\n and a bf16 K cache needs bf16 queries. Else KVQ_ERR_UNSUPPORTED.\n```"]
+#[doc = "```text\n One decode step of attention over a paged cache, with the semantics of\n kvq::cpu::decode_attention_with: context_lens[b] counts every token of sequence b including\n its q_len new ones; query token i sits at position p = context_lens[b] - q_len + i and sees\n positions max(0, p - window_left) ..= p (all of 0..=p when window_left < 0); query head h\n reads KV head h / (num_q_heads / num_kv_heads).\n   q             q_dtype (KVQ_DTYPE_F16 or _BF16), rows at q_rows\n   out           out_dtype (KVQ_DTYPE_F16, _BF16 or _F32), rows at out_rows\n   lse           f32 at lse_rows, natural log of the softmax denominator (logits include\n                 softmax_scale and the cap; the sink included); may be null\n   logits        softmax_scale * q.k, then logits_soft_cap * tanh(logits / logits_soft_cap)\n                 when logits_soft_cap > 0\n   sinks         [num_q_heads] f32 or null: a logit per head that joins every row's softmax\n                 denominator only (gpt-oss); not scaled, not capped\n   block_tables  [batch, max_blocks] int32, context_lens [batch] int32\n   ws_o, ws_lse, ws_counters  split-KV workspace, used when num_splits > 1:\n                 ws_o [batch, num_splits, num_q_heads * q_len, head_dim] f32,\n                 ws_lse [batch, num_splits, num_q_heads * q_len] f32,\n                 ws_counters [batch, num_kv_heads, ceil(G * q_len / KVQ_DECODE_TILE_ROWS)] uint32, all zero\n                 before the first launch (each launch leaves them zero again)\n   counters      optional (may be null): counters[KVQ_COUNTER_OUT_OF_RANGE] is incremented once\n                 by each thread block that met a block-table entry outside [0, num_blocks) or\n                 a context length outside [0, max_blocks * block_size]\n Sequence b is cut into ceil(len / split_tokens) splits (split_tokens a positive multiple of\n 32; at most num_splits of them, 1 <= num_splits <= KVQ_DECODE_MAX_SPLITS), each served by its\n own thread blocks; the last block of a sequence to finish merges them (one launch, one\n kernel). One launch at a time per workspace. A sequence of length 0 is padding: its rows get\n out = 0 and lse = -inf and nothing of the cache or its table row is read. Caller guarantees\n (the safe Rust API checks them): buffers that hold every row the strides address; every\n context_lens[b] 0 or in [q_len, max_blocks * block_size] and ceil(context_lens[b] /\n split_tokens) <= num_splits; the first ceil(len / block_size) entries of each table row valid\n block ids. Outside that the kernel stays in bounds of the pool (lengths are clamped, block ids\n outside [0, num_blocks) are read as absent tokens and counted) but the output is unspecified.\n Supported: what kvq_decode_supported says, block_size a multiple of KVQ_DECODE_CHUNK_TOKENS,\n and a bf16 K cache needs bf16 queries. Else KVQ_ERR_UNSUPPORTED.\n```"]
 #[repr(C)]
 #[derive(Debug, Copy, Clone, PartialEq)]
 pub struct kvq_decode_args {
@@ -321,10 +321,16 @@ pub struct kvq_decode_args {
     #[doc = " copy stages per warp, 2..8 (the plan picks it from kvq_decode_occupancy)"]
     pub stages: i32,
     pub softmax_scale: f32,
+    #[doc = " may be null"]
+    pub sinks: *const f32,
+    #[doc = " \\< 0: no window"]
+    pub window_left: i32,
+    #[doc = " \\<= 0: none"]
+    pub logits_soft_cap: f32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of kvq_decode_args"][::std::mem::size_of::<kvq_decode_args>() - 296usize];
+    ["Size of kvq_decode_args"][::std::mem::size_of::<kvq_decode_args>() - 312usize];
     ["Alignment of kvq_decode_args"][::std::mem::align_of::<kvq_decode_args>() - 8usize];
     ["Offset of field: kvq_decode_args::cache"]
         [::std::mem::offset_of!(kvq_decode_args, cache) - 0usize];
@@ -375,6 +381,12 @@ const _: () = {
         [::std::mem::offset_of!(kvq_decode_args, stages) - 284usize];
     ["Offset of field: kvq_decode_args::softmax_scale"]
         [::std::mem::offset_of!(kvq_decode_args, softmax_scale) - 288usize];
+    ["Offset of field: kvq_decode_args::sinks"]
+        [::std::mem::offset_of!(kvq_decode_args, sinks) - 296usize];
+    ["Offset of field: kvq_decode_args::window_left"]
+        [::std::mem::offset_of!(kvq_decode_args, window_left) - 304usize];
+    ["Offset of field: kvq_decode_args::logits_soft_cap"]
+        [::std::mem::offset_of!(kvq_decode_args, logits_soft_cap) - 308usize];
 };
 impl Default for kvq_decode_args {
     fn default() -> Self {

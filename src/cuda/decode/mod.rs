@@ -197,6 +197,9 @@ pub struct DecodeStep<'a, Q, O> {
     /// `CudaViewMut` into a larger buffer. A trait object rather than a third type parameter,
     /// so that `lse: None` needs no type annotation.
     pub lse: Option<(&'a mut dyn DevicePtrMut<f32>, RowStrides)>,
+    /// Optional per-head sinks (`[num_q_heads]` f32 logits that join every row's softmax
+    /// denominator, unscaled and uncapped; gpt-oss).
+    pub sinks: Option<&'a dyn DevicePtr<f32>>,
 }
 
 /// The capacity a [`DecodePlan`] serves.
@@ -223,6 +226,10 @@ pub struct DecodePlan {
     layout: BlockLayout,
     cap: Capacity,
     softmax_scale: f32,
+    /// Sliding window: a query at position `p` sees `p - w ..= p` (None: all).
+    window_left: Option<usize>,
+    /// Logits soft cap (positive, finite; None: none).
+    soft_cap: Option<f32>,
     /// (warps, stages, occupancy) of every launch shape that fits.
     shapes: Arc<Vec<(usize, usize, DecodeOccupancy)>>,
     forced_splits: Option<usize>,
@@ -341,6 +348,8 @@ impl DecodePlan {
             layout: *layout,
             cap,
             softmax_scale: 1.0 / (c.head_dim as f32).sqrt(),
+            window_left: None,
+            soft_cap: None,
             shapes: Arc::new(shapes),
             forced_splits: None,
             forced_launch: None,
@@ -430,6 +439,39 @@ impl DecodePlan {
         }
         self.softmax_scale = softmax_scale;
         Ok(self)
+    }
+
+    /// The same plan with a sliding window: the query at position `p` sees positions
+    /// `max(0, p - w) ..= p` (`w = 0`: its own token only; None: all of `0..=p`). Tokens before
+    /// every row's window are not read.
+    pub fn with_window_left(mut self, window_left: Option<usize>) -> Result<Self> {
+        if let Some(w) = window_left {
+            to_i32("window_left", w)?;
+        }
+        self.window_left = window_left;
+        Ok(self)
+    }
+
+    /// The same plan with a logits soft cap `c` (positive, finite): `logit = c * tanh(logit /
+    /// c)` after the scale, as in Gemma 2 (None: no cap).
+    pub fn with_logits_soft_cap(mut self, cap: Option<f32>) -> Result<Self> {
+        if let Some(c) = cap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+            return Err(Error::InvalidArgument(format!(
+                "logits_soft_cap {c} must be positive and finite"
+            )));
+        }
+        self.soft_cap = cap;
+        Ok(self)
+    }
+
+    /// The sliding window ([`with_window_left`](Self::with_window_left)).
+    pub fn window_left(&self) -> Option<usize> {
+        self.window_left
+    }
+
+    /// The logits soft cap ([`with_logits_soft_cap`](Self::with_logits_soft_cap)).
+    pub fn logits_soft_cap(&self) -> Option<f32> {
+        self.soft_cap
     }
 
     /// The same plan with a split count of your choice for every step (clamped to what
@@ -622,6 +664,7 @@ impl DecodePlan {
                     let l: &mut dyn DevicePtrMut<f32> = l;
                     (l, RowStrides::batch_head_token(h, n, 1))
                 }),
+                sinks: None,
             },
         )
     }
@@ -695,12 +738,16 @@ impl DecodePlan {
         launch_gpu.check_capture()?;
         let s = launch_gpu.stream();
         let (ctx_lens, block_tables) = tables.device_ptrs();
+        if let Some(sk) = step.sinks {
+            need_len("sinks ([num_q_heads])", heads, sk.len())?;
+        }
         let DecodeStep {
             q,
             out,
             lse,
             q_rows,
             out_rows,
+            sinks,
             ..
         } = step;
         launch_gpu.ordered(&[cache.gpu(), tables.gpu(), ws.gpu()], || {
@@ -712,6 +759,13 @@ impl DecodePlan {
                     (p, rows, Some(g))
                 }
                 None => (0, RowStrides::batch_head_token(heads, q_len, 1), None),
+            };
+            let (sinks_p, _g4) = match sinks {
+                Some(sk) => {
+                    let (p, g) = sk.device_ptr(s);
+                    (p, Some(g))
+                }
+                None => (0, None),
             };
             let args = RawDecodeArgs {
                 cache: cache.as_raw(),
@@ -733,6 +787,7 @@ impl DecodePlan {
                 workspace_lse: ws.ptrs[1],
                 workspace_counters: ws.ptrs[2],
                 counters: cache.counters_ptr() as CUdeviceptr,
+                sinks: sinks_p,
             };
             // SAFETY: the cache view comes from a live DeviceCache of this plan's layout; the
             // tables were checked against its pool and cover `batch` rows of `max_blocks`, their
@@ -836,6 +891,12 @@ impl DecodePlan {
             warps: choice.warps as i32,
             stages: choice.stages as i32,
             softmax_scale: self.softmax_scale,
+            sinks: args.sinks as *const f32,
+            window_left: match self.window_left {
+                Some(w) => to_i32("window_left", w)?,
+                None => -1,
+            },
+            logits_soft_cap: self.soft_cap.unwrap_or(0.0),
         };
         // SAFETY: forwarded from the caller's contract; shapes come from the plan.
         unsafe { launch::decode_attention(&a, stream) }
@@ -907,6 +968,8 @@ pub struct RawDecodeArgs {
     pub workspace_counters: CUdeviceptr,
     /// Optional `[KVQ_NUM_COUNTERS]` u64 fault counters (0: none; see kvq.h).
     pub counters: CUdeviceptr,
+    /// Optional `[num_q_heads]` f32 sinks (0: none).
+    pub sinks: CUdeviceptr,
 }
 
 #[cfg(test)]
