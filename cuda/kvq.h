@@ -292,9 +292,9 @@ typedef struct kvq_decode_args {
 
 /* 1 when this build has a decode kernel for keys in k_format and values in v_format
  * (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3, int8-pth, fp4-e2m1 and int4 (K:
- * KVQ_INT4_SYM32, V: KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80,
- * 96, 112, 128, 192 or 256, a multiple of 32 with INT4 keys or fp4-e2m1 on either side and of
- * 64 with INT4 values. A host function: no device is needed. */
+ * KVQ_INT4_SYM32 or KVQ_INT4_KC, V: KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both;
+ * head_dim 64, 80, 96, 112, 128, 192 or 256, a multiple of 32 with INT4 keys or fp4-e2m1 on
+ * either side and of 64 with INT4 values. A host function: no device is needed. */
 int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim);
 
 /* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. */

@@ -77,7 +77,7 @@ fn run() -> kvq::Result<()> {
             out: &mut out,
             out_rows: rows,
             lse: None,
-            sinks: None,
+            sinks: None, // or Some(&sinks): a learned logit per query head (gpt-oss)
         },
     )?; // queued on the plan's stream: no allocation, no host sync, capturable in a graph
     cache.check_appends()?; // now and then: slots or block ids outside the pool are errors
