@@ -529,6 +529,12 @@ fn decode_rows_routed_to_the_decode_kernel() {
         c.seqs = seqs.clone();
         c.window = Some(20);
         check(&gpu, &mut rng, &c);
+        // Routed rows take the window, the cap and the sinks too, split or not.
+        c.cap = Some(5.0);
+        c.sinks = true;
+        check(&gpu, &mut rng, &c);
+        c.splits = Some(3);
+        check(&gpu, &mut rng, &c);
     }
 }
 
