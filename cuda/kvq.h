@@ -378,9 +378,10 @@ typedef struct kvq_prefill_args {
 } kvq_prefill_args;
 
 /* 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every
- * cache format for K and V (INT4 sym32 as K, affine64 as V; int8-pth and fp4-e2m1 either), head_dim
- * 64, 80, 96, 112, 128, 192 or 256 (a multiple of each format's group and of 32 for fp4-e2m1), f16 or bf16 queries, and bf16 queries whenever a
- * side is bf16. A host function. */
+ * cache format for K and V (INT4 sym32 and KVQ_INT4_KC as K, affine64 as V; int8-pth and fp4-e2m1
+ * either), head_dim 64, 80, 96, 112, 128, 192 or 256 (a multiple of each format's group and of 32
+ * for fp4-e2m1 and int4-kc), f16 or bf16 queries, and bf16 queries whenever a side is bf16. A
+ * host function. */
 int kvq_prefill_supported(int32_t k_format, int32_t v_format, int32_t head_dim, int32_t q_dtype);
 
 /* Dynamic shared memory one prefill thread block of this layout and q_dtype uses (the larger

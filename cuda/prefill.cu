@@ -1,6 +1,7 @@
 // prefill.cu: the C launchers of attention over the paged cache for any query length (kvq.h):
 // the kernel instances (head_dim x operand type; the cache formats are decoded by run-time
-// codec choice inside the kernel, prefill/kernel.cuh), the split merge, and merge_states.
+// codec choice inside the kernel, prefill/kernel.cuh; int4-kc keys, which have no row codec,
+// by instances of their own), the split merge, and merge_states.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -18,21 +19,35 @@ template <int D, bool KB, bool VB> constexpr bool has_wide() {
   return (D == 64 || D == 128) && KB == VB;
 }
 
-/// Call fn.template run<D, KB, VB, R>() for a head_dim, the operand types of K and V and the
-/// tile rows (wide where the instance exists), or return KVQ_ERR_UNSUPPORTED.
-template <class Fn> int dispatch(int d, bool kb, bool vb, bool wide, Fn &fn) {
-  auto rows = [&](auto dim, auto k_bf16, auto v_bf16) -> int {
+/// int4-kc keys: head_dim a multiple of this (whole 16-byte vectors of codes, 32 elements:
+/// KvFormat::head_dim_multiple), as the cache layout asks.
+constexpr int kKcHeadDimMultiple = 32;
+
+/// Call fn.template run<D, KB, VB, R, KC>() for a head_dim, the operand types of K and V, int4-kc
+/// keys (KC: f16 key operands) and the tile rows (wide where the instance exists), or return
+/// KVQ_ERR_UNSUPPORTED.
+template <class Fn> int dispatch(int d, bool kb, bool vb, bool kc, bool wide, Fn &fn) {
+  auto rows = [&](auto dim, auto k_bf16, auto v_bf16, auto kc_keys) -> int {
     constexpr int D = decltype(dim)::value;
     constexpr bool KB = decltype(k_bf16)::value, VB = decltype(v_bf16)::value;
-    if constexpr (has_wide<D, KB, VB>())
-      if (wide) return fn.template run<D, KB, VB, kWideRows>();
-    return fn.template run<D, KB, VB, kRows>();
+    constexpr bool KC = decltype(kc_keys)::value;
+    if constexpr (KC && (KB || D % kKcHeadDimMultiple != 0)) {
+      return KVQ_ERR_UNSUPPORTED;
+    } else {
+      if constexpr (has_wide<D, KB, VB>())
+        if (wide) return fn.template run<D, KB, VB, kWideRows, KC>();
+      return fn.template run<D, KB, VB, kRows, KC>();
+    }
   };
   auto go = [&](auto dim) -> int {
     using T = std::true_type;
     using F = std::false_type;
-    if (kb) return vb ? rows(dim, T{}, T{}) : rows(dim, T{}, F{});
-    return vb ? rows(dim, F{}, T{}) : rows(dim, F{}, F{});
+    if (kc) {
+      if (kb) return KVQ_ERR_UNSUPPORTED;
+      return vb ? rows(dim, F{}, T{}, T{}) : rows(dim, F{}, F{}, T{});
+    }
+    if (kb) return vb ? rows(dim, T{}, T{}, F{}) : rows(dim, T{}, F{}, F{});
+    return vb ? rows(dim, F{}, T{}, F{}) : rows(dim, F{}, F{}, F{});
   };
   switch (d) {
     case 64: return go(std::integral_constant<int, 64>{});
@@ -55,6 +70,8 @@ struct Role {
 };
 Role role_of(int32_t format, bool v) {
   Role r{false, false, false, 0};
+  // int4-kc: keys only, decoded to f16 operands by the KC instances.
+  if (format == KVQ_INT4_KC) return {!v, false, false, kKcHeadDimMultiple};
   FormatInfo info{};
   if (!format_info(format, info)) return r;
   with_format<false>(format, [&](auto f) {
@@ -82,14 +99,14 @@ bool supported(int32_t k, int32_t v, int32_t d, int32_t q_dtype) {
 /// Raise the instance's dynamic shared-memory limit to all the device gives a block beside its
 /// static shared memory, once per device (launches after the first, e.g. under graph capture,
 /// make no attribute calls); `*limit` gets that limit.
-template <int D, bool KB, bool VB, int R> cudaError_t prepare(int *limit) {
+template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limit) {
   static std::atomic<uint64_t> done{0};  // bit d: done on device d (< 64)
   int dev = 0, optin = 0;
   cudaFuncAttributes attr{};
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, prefill_kernel<D, KB, VB, R>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, prefill_kernel<D, KB, VB, R, KC>);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // not left pending for the next launcher to report
     return e;
@@ -97,7 +114,7 @@ template <int D, bool KB, bool VB, int R> cudaError_t prepare(int *limit) {
   *limit = optin - (int)attr.sharedSizeBytes;
   const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  e = cudaFuncSetAttribute(prefill_kernel<D, KB, VB, R>,
+  e = cudaFuncSetAttribute(prefill_kernel<D, KB, VB, R, KC>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, *limit);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   else (void)cudaGetLastError();
@@ -109,9 +126,9 @@ template <int D, bool KB, bool VB, int R> cudaError_t prepare(int *limit) {
 struct Prepare {
   const Side &k, &v;
   int32_t *smem;
-  template <int D, bool KB, bool VB, int R> int run() {
+  template <int D, bool KB, bool VB, int R, bool KC> int run() {
     int limit = 0;
-    const cudaError_t e = prepare<D, KB, VB, R>(&limit);
+    const cudaError_t e = prepare<D, KB, VB, R, KC>(&limit);
     if (e != cudaSuccess) {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
@@ -127,12 +144,12 @@ struct Launch {
   const Params &p;
   unsigned kv_heads;
   cudaStream_t stream;
-  template <int D, bool KB, bool VB, int R> int run() {
+  template <int D, bool KB, bool VB, int R, bool KC> int run() {
     // Tiles of the capacity: sum over sequences of ceil(n_b G / R) <= ceil(total G / R) + batch.
     const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
     if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
     int limit = 0;
-    const cudaError_t e = prepare<D, KB, VB, R>(&limit);
+    const cudaError_t e = prepare<D, KB, VB, R, KC>(&limit);
     if (e != cudaSuccess) {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
@@ -140,7 +157,7 @@ struct Launch {
     const int bytes = smem_layout<D, R>(p.k, p.v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
     const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
-    prefill_kernel<D, KB, VB, R><<<grid, threads_of<R>(), bytes, stream>>>(p);
+    prefill_kernel<D, KB, VB, R, KC><<<grid, threads_of<R>(), bytes, stream>>>(p);
     return launch_status();
   }
 };
@@ -193,7 +210,7 @@ struct MergeSplits {
   const Params &p;
   unsigned blocks;
   cudaStream_t stream;
-  template <int D, bool, bool, int> int run() {
+  template <int D, bool, bool, int, bool> int run() {
     merge_splits<D><<<blocks, kMergeWarps * 32, 0, stream>>>(p);
     return launch_status();
   }
@@ -234,6 +251,9 @@ extern "C" int kvq_prefill_supported(int32_t k_format, int32_t v_format, int32_t
 namespace {
 kvq_prefill::Side side_of(int32_t format, int32_t codes_off, int32_t codes_row, int32_t meta_off,
                           int32_t meta_row) {
+  // int4-kc keys: meta_row is not the layout's (0: s and z are per block) but a staged step's
+  // slots of s and z per kTokens rows (prefill/kernel.cuh), so that stage_bytes counts them.
+  if (format == KVQ_INT4_KC) return {format, codes_off, codes_row, meta_off, codes_row / 2, 1, 0};
   kvq::FormatInfo f{};
   kvq::format_info(format, f);
   const int meta_step = f.group_entries > 1 ? f.group_entries : 1;  // scale, zero interleaved
@@ -250,9 +270,10 @@ extern "C" int kvq_prefill_prepare(const kvq_layout *l, int32_t q_dtype, int32_t
   const Side v = side_of(l->v_format, l->v_codes_offset, l->v_codes_row, l->v_meta_offset,
                          l->v_meta_row);
   const bool kb = role_of(l->k_format, false).bf16, vb = role_of(l->v_format, true).bf16;
+  const bool kc = l->k_format == KVQ_INT4_KC;
   Prepare fn{k, v, smem_bytes};
-  const int status = dispatch(l->head_dim, kb, vb, false, fn);
-  return status != KVQ_OK ? status : dispatch(l->head_dim, kb, vb, true, fn);
+  const int status = dispatch(l->head_dim, kb, vb, kc, false, fn);
+  return status != KVQ_OK ? status : dispatch(l->head_dim, kb, vb, kc, true, fn);
 }
 
 extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
@@ -263,6 +284,8 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
       a->out_dtype != KVQ_DTYPE_F32)
     return KVQ_ERR_UNSUPPORTED;
   if (l.block_size <= 0 || l.block_size % kRun != 0) return KVQ_ERR_UNSUPPORTED;
+  // int4-kc keys: code rows of head_dim / 2 bytes, as the KC instances read them.
+  if (l.k_format == KVQ_INT4_KC && l.k_codes_row != l.head_dim / 2) return KVQ_ERR_INVALID;
   if (a->batch <= 0 || a->num_q_heads <= 0 || l.num_kv_heads <= 0 ||
       a->num_q_heads % l.num_kv_heads != 0 || a->max_blocks <= 0 || a->max_tokens <= 0 ||
       a->num_splits <= 0 || a->num_splits > KVQ_PREFILL_MAX_SPLITS || a->split_tokens <= 0 ||
@@ -321,11 +344,11 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   if (l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
   const bool kb = rk.bf16, vb = rv.bf16;
   Launch fn{p, (unsigned)l.num_kv_heads, (cudaStream_t)stream};
-  const int status = dispatch(l.head_dim, kb, vb, wide_tiles(p), fn);
+  const int status = dispatch(l.head_dim, kb, vb, l.k_format == KVQ_INT4_KC, wide_tiles(p), fn);
   if (status != KVQ_OK || a->num_splits == 1) return status;
   const int64_t rows = p.ws_rows;
   MergeSplits merge{p, (unsigned)((rows + kMergeWarps - 1) / kMergeWarps), (cudaStream_t)stream};
-  return dispatch(l.head_dim, kb, vb, false, merge);
+  return dispatch(l.head_dim, kb, vb, false, false, merge);
 }
 
 extern "C" int kvq_merge_states(const void *a, const float *a_lse, const void *b,

@@ -9,7 +9,7 @@
 //!
 //! ```sh
 //! cargo run --release --features cuda,bench --example prefill_bench -- [--iters N] \
-//!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4] [--json FILE]
+//!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4|int4-k32|int4-kc] [--json FILE]
 //! ```
 
 use kvq::cuda::bench::{self, EventTimer};
@@ -201,11 +201,9 @@ fn measure(
     })?;
     cache.check_appends()?;
     let flops = 4.0 * D as f64 * Q_HEADS as f64 * pairs(&shape.seqs);
-    let l = cache.layout();
-    let row_bytes =
-        (l.k_codes.row_bytes + l.k_meta.row_bytes + l.v_codes.row_bytes + l.v_meta.row_bytes)
-            as f64
-            * KV_HEADS as f64;
+    // Codes and metadata per token (int4-kc: a block's s and z shared by its tokens).
+    let row_bytes = (k.bytes_per_element_at(D, BLOCK) + v.bytes_per_element_at(D, BLOCK))
+        * (D * KV_HEADS) as f64;
     let kv_bytes: f64 = shape.seqs.iter().map(|&(_, l)| l as f64 * row_bytes).sum();
     let bytes = kv_bytes + (total * Q_HEADS * D * 2) as f64 + (num_blocks * 4) as f64;
     let gbps = bytes / (us * 1e-6) / 1e9;
@@ -264,11 +262,16 @@ fn main() -> Result<()> {
             (KvFormat::Bf16, KvFormat::Bf16),
             (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
             (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+            (KvFormat::Int4Kc, KvFormat::Int4Affine64),
         ] {
             if only_format
                 .as_ref()
                 .is_some_and(|x| !k.name().starts_with(x.as_str()))
             {
+                continue;
+            }
+            // Routed decode rows need a decode kernel for the pair (int4-kc keys have none).
+            if shape.route && !kvq::cuda::decode::kernel_available(k, v) {
                 continue;
             }
             match measure(&gpu, &mut timer, &shape, k, v, ceiling, iters) {

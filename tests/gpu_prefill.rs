@@ -2,8 +2,9 @@
 //! reference (`kvq::cpu::prefill_attention`, f64) on the same quantized cache: every K x V
 //! format pair with a kernel, every head dim, ragged batches that mix whole prompts, chunks
 //! after a cached prefix, decode rows and padding, GQA groups 1..8 (6 included), block sizes
-//! 16 / 32, sliding windows, logit soft-capping, sinks, forced key splits, strided views and
-//! every output type, plus `merge_states`.
+//! 16 / 32 / 64, sliding windows, logit soft-capping, sinks, forced key splits, strided views and
+//! every output type, `int4-kc` keys in sealed blocks and in a sequence's open last block, plus
+//! `merge_states`.
 //!
 //! Each case: relative error ‖e‖ / ‖ref‖ over the whole output (e beyond half an ulp of the
 //! output type) ≤ 2e-3 with f16 operands (4e-3 with bf16: P and decoded keys carry 8 bits), no
@@ -398,6 +399,8 @@ fn every_head_dim() {
             (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
             (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
             (KvFormat::Fp8E5m2, KvFormat::Int4Affine64),
+            (KvFormat::Int4Kc, KvFormat::F16),
+            (KvFormat::Int4Kc, KvFormat::Int4Affine64),
         ] {
             if !kernel_available_for(k, v, d, k == KvFormat::Bf16) {
                 continue;
@@ -426,6 +429,7 @@ fn groups_blocks_and_views() {
         for (k, v) in [
             (KvFormat::F16, KvFormat::F16),
             (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+            (KvFormat::Int4Kc, KvFormat::Int4Affine64),
         ] {
             let mut c = Case::new(k, v, 128, vec![(45, 45), (13, 200), (2, 33)]);
             c.group = group;
@@ -448,6 +452,7 @@ fn windows_caps_sinks_and_splits() {
         (KvFormat::F16, KvFormat::F16),
         (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
         (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Int4Kc, KvFormat::Int4Affine64),
     ] {
         let seqs = if quick() {
             vec![(30, 30), (12, 200), (1, 150)]
@@ -484,6 +489,87 @@ fn windows_caps_sinks_and_splits() {
         vec![(32, 20_000)],
     );
     check(&gpu, &mut rng, &c);
+}
+
+/// `int4-kc` keys (`BlockLayout::sealed`): full blocks decoded from their codes, a sequence's open
+/// last block read from its f16 window, for blocks of 16, 32 and 64 tokens. Contexts that end
+/// inside a block (its window holding 1, 5 or G - 4 tokens, or the whole sequence) and at a
+/// block's end (no open block), in one ragged step and apart; values of several formats at
+/// several head dims, bf16 queries; sliding windows (whose first step starts inside a block when
+/// G is 32 or 64), key splits and sinks.
+#[test]
+fn int4_kc_sealed_and_open_blocks() {
+    let Some(gpu) = require_gpu_or_skip("int4_kc_sealed_and_open_blocks") else {
+        return;
+    };
+    let mut rng = rng("int4_kc_sealed_and_open_blocks");
+    let kc = KvFormat::Int4Kc;
+    for bs in [16, 32, 64] {
+        // (new tokens, context): open blocks of 5, G - 1 (the whole sequence), 1 and G - 4
+        // tokens, contexts of whole blocks, padding.
+        let ragged = vec![
+            (bs + 5, 2 * bs + 5),
+            (3, bs - 1),
+            (1, 4 * bs + 1),
+            (2 * bs, 3 * bs),
+            (1, 4 * bs),
+            (0, 0),
+            (40, 7 * bs - 4),
+        ];
+        let whole = vec![(bs, bs), (2 * bs, 5 * bs), (1, 3 * bs)];
+        for (v, d, q_bf16) in [
+            (KvFormat::Int4Affine64, 128, false),
+            (KvFormat::F16, 64, true),
+            (KvFormat::Fp8E4m3, 256, false),
+            (KvFormat::Int8Pth, 96, true),
+            (KvFormat::Bf16, 192, true),
+        ] {
+            if quick() && d != 128 {
+                continue;
+            }
+            assert!(kernel_available_for(kc, v, d, q_bf16), "{v} d{d}");
+            for seqs in [&ragged, &whole] {
+                let mut c = Case::new(kc, v, d, seqs.clone());
+                c.block_size = bs;
+                c.q_bf16 = q_bf16;
+                check(&gpu, &mut rng, &c);
+            }
+        }
+        let mut c = Case::new(kc, KvFormat::Int4Affine64, 128, ragged.clone());
+        c.block_size = bs;
+        c.window = Some(bs + 3);
+        check(&gpu, &mut rng, &c);
+        c.window = None;
+        c.splits = Some(3);
+        check(&gpu, &mut rng, &c);
+        c.sinks = true;
+        c.window = Some(2 * bs + 7);
+        check(&gpu, &mut rng, &c);
+    }
+}
+
+/// `int4-kc` keys have a kernel with every value format f16 keys have one with, at the head dims
+/// its layout takes (multiples of 32), and are no value format. Host functions: no GPU needed.
+#[test]
+fn int4_kc_pairs_with_a_kernel() {
+    for d in HEAD_DIMS.into_iter().chain([32, 48, 160]) {
+        for v in KvFormat::ALL {
+            for q_bf16 in [false, true] {
+                assert_eq!(
+                    kernel_available_for(KvFormat::Int4Kc, v, d, q_bf16),
+                    d % 32 == 0 && kernel_available_for(KvFormat::F16, v, d, q_bf16),
+                    "int4-kc / {v} d{d} bf16 {q_bf16}"
+                );
+                assert!(!kernel_available_for(v, KvFormat::Int4Kc, d, q_bf16));
+            }
+        }
+    }
+    assert!(kernel_available_for(
+        KvFormat::Int4Kc,
+        KvFormat::Int4Affine64,
+        128,
+        false
+    ));
 }
 
 /// Decode rows batched first go to the decode kernel, the rest of the step to the prefill

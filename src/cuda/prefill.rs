@@ -1,6 +1,8 @@
 //! Attention over the paged cache for any query length on the GPU (`cuda/prefill.cu`): chunked
 //! prefill, the suffix after a prefix-cache hit, speculative verification and decode rows, in
-//! one ragged batch, for every cache format pair.
+//! one ragged batch, for every cache format pair: `int4-kc` keys too, their sealed blocks
+//! decoded and a sequence's open last block read from its f16 window
+//! ([`BlockLayout::sealed`](crate::layout::BlockLayout::sealed)).
 //!
 //! Semantics are those of [`cpu::prefill_attention`](crate::cpu::prefill_attention): sequence
 //! `b` has `n_b = qo_indptr[b + 1] - qo_indptr[b]` new tokens, already appended, and a context
@@ -47,7 +49,8 @@ pub const DEFAULT_SPLIT_BUDGET: usize = 2048;
 
 /// Whether this build has a prefill kernel for keys in `k`, values in `v` at `head_dim`, with
 /// bf16 (`q_bf16`) or f16 queries. The queries' type is also the tensor cores' operand type, so
-/// a bf16 side needs bf16 queries.
+/// a bf16 side needs bf16 queries. `int4-kc` keys take every value format, at the head dims
+/// that are multiples of 32.
 pub fn kernel_available_for(k: KvFormat, v: KvFormat, head_dim: usize, q_bf16: bool) -> bool {
     let (Ok(d), Ok(q)) = (
         i32::try_from(head_dim),

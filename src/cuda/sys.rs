@@ -540,7 +540,7 @@ impl Default for kvq_prefill_args {
     }
 }
 unsafe extern "C" {
-    #[doc = " 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every\n cache format for K and V (INT4 sym32 as K, affine64 as V; int8-pth and fp4-e2m1 either), head_dim\n 64, 80, 96, 112, 128, 192 or 256 (a multiple of each format's group and of 32 for fp4-e2m1), f16 or bf16 queries, and bf16 queries whenever a\n side is bf16. A host function."]
+    #[doc = " 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every\n cache format for K and V (INT4 sym32 and KVQ_INT4_KC as K, affine64 as V; int8-pth and fp4-e2m1\n either), head_dim 64, 80, 96, 112, 128, 192 or 256 (a multiple of each format's group and of 32\n for fp4-e2m1 and int4-kc), f16 or bf16 queries, and bf16 queries whenever a side is bf16. A\n host function."]
     pub fn kvq_prefill_supported(
         k_format: i32,
         v_format: i32,

@@ -984,7 +984,7 @@ mod tests {
         assert!(!kernel_available(KvFormat::Int4Affine64, KvFormat::F16));
         assert!(!kernel_available(KvFormat::Fp8E5m2, KvFormat::F16));
         // int4-kc: keys only, mixed with every value format but e5m2, head dims of whole
-        // 32-element groups; no prefill kernel yet
+        // 32-element groups; prefill takes the value formats f16 keys take
         for v in KvFormat::ALL {
             assert_eq!(
                 kernel_available(KvFormat::Int4Kc, v),
@@ -1002,12 +1002,11 @@ mod tests {
                     "{d}"
                 );
             }
-            assert!(!crate::cuda::prefill::kernel_available_for(
-                KvFormat::Int4Kc,
-                v,
-                128,
-                true
-            ));
+            assert_eq!(
+                crate::cuda::prefill::kernel_available_for(KvFormat::Int4Kc, v, 128, true),
+                crate::cuda::prefill::kernel_available_for(KvFormat::F16, v, 128, true),
+                "{v}"
+            );
         }
         use KvFormat::*;
         for d in HEAD_DIMS {
