@@ -238,17 +238,16 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   }
   // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
   const int lim_r0 = row_lim[2 * t], lim_r1 = row_lim[2 * t + 1];
-  const int lo_r0 = row_lo[2 * t], lo_r1 = row_lo[2 * t + 1];
-  // A soft cap c: logits (log2 domain) cap2 * tanh(x * c_r), c_r then the row's factor times
-  // ln 2 / c; steps take the masked path, which applies it.
-  const bool capped = p.soft_cap > 0.f;
-  const float cap_mul = capped ? kLn2 / p.soft_cap : 1.f;
-  const float cap2 = p.soft_cap * kLog2e;
-  const float c_r0 = row_c[2 * t] * cap_mul, c_r1 = row_c[2 * t + 1] * cap_mul;
+  const float c_r0 = row_c[2 * t], c_r1 = row_c[2 * t + 1];
   // Tokens below lim_all are seen by every row of the tile (rows past the tile's end hold zero
   // queries: finite scores, never written out).
   int lim_all = t1;
   for (int r = 0; r < kRows && row0 + r < rows; ++r) lim_all = min(lim_all, row_lim[r]);
+  // Steps starting in [lo_all, lo_all + plain_span] see every key in every row's window: the
+  // plain path, one unsigned compare (none under a soft cap, which the masked path applies).
+  const bool capped = p.soft_cap > 0.f;
+  if (capped || lim_all - STEP < lo_all) lo_all = INT32_MAX / 2, lim_all = lo_all + STEP;
+  const uint32_t plain_span = (uint32_t)(lim_all - STEP - lo_all);
   // INT4 K: the zero terms of rows r0, r1 of group G at kz_lane[4 G], as the MMA's C operand
   // (read when used: registers are scarcer than shared-memory bandwidth).
   const float4 *kz_lane = reinterpret_cast<const float4 *>(row_z) + t;
@@ -497,8 +496,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     // the codes were.
     float mx_r0 = -INFINITY, mx_r1 = -INFINITY;
     constexpr uint32_t kAllChunks = (1u << CH) - 1;
-    if ((ok_bits & kAllChunks) == kAllChunks && tok0 + STEP <= lim_all && tok0 >= lo_all &&
-        !capped) {
+    if ((ok_bits & kAllChunks) == kAllChunks && (uint32_t)(tok0 - lo_all) <= plain_span) {
       // Every token of the step is visible to every row: no masks (all steps but the last
       // of a split, and of every causal tail).
 #pragma unroll
@@ -518,9 +516,13 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
           const float x0 = s[ch][2 * h] + s2nd[ch][2 * h];
           const float x1 = s[ch][2 * h + 1] + s2nd[ch][2 * h + 1];
           float y0 = x0 * c_r0, y1 = x1 * c_r1;
-          if (capped) y0 = cap2 * tanh_approx(y0), y1 = cap2 * tanh_approx(y1);
-          s[ch][2 * h] = (ok && tok < lim_r0 && tok >= lo_r0) ? y0 : -INFINITY;
-          s[ch][2 * h + 1] = (ok && tok < lim_r1 && tok >= lo_r1) ? y1 : -INFINITY;
+          if (capped) {
+            // cap * tanh(logit / cap) in the log2 domain: y * ln 2 is the logit.
+            const float m = kLn2 / p.soft_cap, c2 = p.soft_cap * kLog2e;
+            y0 = c2 * tanh_approx(y0 * m), y1 = c2 * tanh_approx(y1 * m);
+          }
+          s[ch][2 * h] = (ok && tok < lim_r0 && tok >= row_lo[2 * t]) ? y0 : -INFINITY;
+          s[ch][2 * h + 1] = (ok && tok < lim_r1 && tok >= row_lo[2 * t + 1]) ? y1 : -INFINITY;
           mx_r0 = fmaxf(mx_r0, s[ch][2 * h]);
           mx_r1 = fmaxf(mx_r1, s[ch][2 * h + 1]);
         }
