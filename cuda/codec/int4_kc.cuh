@@ -1,6 +1,8 @@
 // codec/int4_kc.cuh: FORMATS.md "INT4 keys per channel" in a paged cache: sealing a full block
 // (each channel's G window values quantized as one affine group, INT4 V's math along tokens),
-// decoding a sealed block's codes, and the decode kernel's K role (Codec<kInt4Kc>). Not a row
+// decoding a sealed block's codes, and the decode kernel's K role (Codec<kInt4Kc>). The group
+// math (int4_kc_group_of, int4_kc_code) also serves the dense file's groups of up to 32 tokens
+// (append.cu's quantize_kc_dense_kernel). Not a row
 // codec (kInt4Kc is not in AllFormats): its groups cross rows, so append.cu serves it with
 // kernels of its own. Every rounding step is an explicit `_rn`
 // intrinsic (or rintf, ties to even), whatever flags the including file is compiled with.
@@ -28,8 +30,17 @@ __device__ __forceinline__ float kc_window_value(uint32_t w, int half) {
   return half_from_bits((uint16_t)(w >> (16 * half)));
 }
 
-// s and z of one channel of a block from its G window values (src/format/int4.rs's
-// quantize_affine_group).
+// s and z of one channel's group from its least and largest value (src/format/int4.rs's
+// quantize_affine_group). A zero extreme is +0.0 (FORMATS.md), whichever zero the caller's
+// fminf / fmaxf kept.
+__device__ __forceinline__ KcGroup int4_kc_group_of(float mn, float mx) {
+  mn = __fadd_rn(mn, 0.0f);
+  mx = __fadd_rn(mx, 0.0f);
+  const __half s = int4_affine_scale(mn, mx), z = int4_affine_zero(mn);
+  return {__half_as_ushort(s), __half_as_ushort(z), __half2float(s), __half2float(z)};
+}
+
+// s and z of one channel of a block from its G window values.
 template <int G>
 __device__ __forceinline__ KcGroup int4_kc_group(const uint32_t (&w)[G], int half) {
   float mn = kc_window_value(w[0], half), mx = mn;
@@ -38,11 +49,7 @@ __device__ __forceinline__ KcGroup int4_kc_group(const uint32_t (&w)[G], int hal
     mn = fminf(mn, kc_window_value(w[t], half));
     mx = fmaxf(mx, kc_window_value(w[t], half));
   }
-  // A zero extreme is +0.0 (FORMATS.md), whichever zero fminf / fmaxf kept.
-  mn = __fadd_rn(mn, 0.0f);
-  mx = __fadd_rn(mx, 0.0f);
-  const __half s = int4_affine_scale(mn, mx), z = int4_affine_zero(mn);
-  return {__half_as_ushort(s), __half_as_ushort(z), __half2float(s), __half2float(z)};
+  return int4_kc_group_of(mn, mx);
 }
 
 // Code of x in its group: clamp(rne((x - z) / s), 0, 15), 0 when s == 0. Divides: sealing runs
