@@ -597,8 +597,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
         mx = fmaxf(mx, v[h][t]);
       }
       const KcGroup g = int4_kc_group_of(mn, mx);
-#pragma unroll
-      for (int t = 0; t < N; ++t) c[t / 4] |= int4_kc_code(v[h][t], g) << (8 * (t % 4) + 4 * h);
+      int4_kc_codes<N>(g, mn, mx, h, [&](int t) { return v[h][t]; }, c);
       s |= (uint32_t)g.s << (16 * h);
       z |= (uint32_t)g.z << (16 * h);
     }

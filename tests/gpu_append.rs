@@ -1271,6 +1271,43 @@ fn int4_kc_seals_every_block_of_a_call() {
     }
 }
 
+/// The seal's codes where rounding is hardest: keys on each channel's grid (`kc_keys` kind 1,
+/// every (x - z) / s an integer or a tie, so most words of codes take the exact fallback) and
+/// channels constant or of signed zeros over a block (kind 2, s = 0), appended in order through
+/// shuffled blocks at every block size, the last block left open: the pool's bytes are the
+/// CPU's.
+#[test]
+fn int4_kc_seal_of_grid_keys_matches_cpu() {
+    let Some(gpu) = require_gpu_or_skip("int4_kc_seal_of_grid_keys_matches_cpu") else {
+        return;
+    };
+    let s = gpu.stream();
+    let mut rng = Rng(6060);
+    for (heads, head_dim, bs) in [(2, 64, 16), (3, 96, 32), (1, 128, 64), (4, 32, 16)] {
+        for kind in 1..3 {
+            let c = CacheConfig::new(heads, head_dim, bs, KvFormat::Int4Kc, kc_values(head_dim))
+                .unwrap();
+            let num_blocks = 12;
+            let tokens = num_blocks * bs - 3;
+            let mut blocks: Vec<usize> = (0..num_blocks).collect();
+            rng.shuffle(&mut blocks);
+            let slots: Vec<usize> = (0..tokens).map(|t| blocks[t / bs] * bs + t % bs).collect();
+            let k = to_input::<f16>(&kc_keys(&mut rng, tokens, heads, head_dim, kind));
+            let v = to_input::<f16>(&random_rows(&mut rng, tokens * heads, head_dim));
+            let mut host = HostCache::new(c, num_blocks).unwrap();
+            host.write(&slots, &k, &v).unwrap();
+            let mut dev = DeviceCache::new(&gpu, c, num_blocks).unwrap();
+            let slots_i32: Vec<i32> = slots.iter().map(|&x| x as i32).collect();
+            let slots_d = s.clone_htod(&slots_i32).unwrap();
+            let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
+            ops::append(&mut dev, &slots_d, &k_d, &v_d, tokens).unwrap();
+            if let Some(m) = pool_mismatch(&host, &dev.to_host().unwrap()) {
+                panic!("int4-kc {c:?}, grid keys of kind {kind}: {m}");
+            }
+        }
+    }
+}
+
 // ---- no-GPU behaviour (runs everywhere) -----------------------------------------------------
 
 #[test]
