@@ -513,6 +513,123 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   store8(out + (int64_t)g.row * shape.head_dim + g.chunk * kChunk, v);
 }
 
+// ---- INT4-KC dense tensors -----------------------------------------------------------------
+
+// FORMATS.md's dense int4-kc file: the tensor is [tokens, heads, head_dim], each (head, channel)
+// quantized in groups of kKcDenseGroup tokens, a last group of tokens % kKcDenseGroup (when not
+// 0) over only those. Both kernels go by channel pairs: pair i of the tensor is elements 2i and
+// 2i + 1, one code byte (codes[i]); pair hp of a token's row of plane_pairs = heads * head_dim /
+// 2 pairs has its s and z in word k * plane_pairs + hp of the scales and zeros (f16 pairs,
+// [groups, heads, head_dim] as words), k the token's group.
+constexpr int kKcDenseGroup = 32;
+
+// The sanitized values of pair `pair` of x (elements 2 * pair, 2 * pair + 1), read once.
+template <typename In>
+__device__ __forceinline__ void load_pair(const In *x, uint32_t pair, float (&v)[2],
+                                          uint32_t &non_finite) {
+  if constexpr (sizeof(In) == 4) {
+    const float2 p = __ldcs(reinterpret_cast<const float2 *>(x) + pair);
+    v[0] = p.x;
+    v[1] = p.y;
+  } else {
+    const uint32_t w = __ldcs(reinterpret_cast<const unsigned int *>(x) + pair);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t b = (uint16_t)(w >> (16 * h));
+      v[h] = std::is_same<In, __half>::value ? half_from_bits(b) : bf16_from_bits(b);
+    }
+  }
+  v[0] = sanitize(v[0], non_finite);
+  v[1] = sanitize(v[1], non_finite);
+}
+
+// Elements 2 * pair and 2 * pair + 1 of out, rounded to Out.
+template <typename Out>
+__device__ __forceinline__ void store_pair(Out *out, uint32_t pair, const float (&v)[2]) {
+  if constexpr (sizeof(Out) == 4) {
+    reinterpret_cast<float2 *>(out)[pair] = make_float2(v[0], v[1]);
+  } else {
+    const bool bf = std::is_same<Out, __nv_bfloat16>::value;
+    const uint32_t lo = bf ? bf16_bits(v[0]) : half_bits(v[0]);
+    const uint32_t hi = bf ? bf16_bits(v[1]) : half_bits(v[1]);
+    reinterpret_cast<uint32_t *>(out)[pair] = lo | (hi << 16);
+  }
+}
+
+// Quantize a dense int4-kc tensor: thread i seals pair hp of group k (i = k * plane_pairs + hp,
+// i < tasks = groups * plane_pairs), reading its two channels over the group's tokens. A last
+// group of n < kKcDenseGroup tokens repeats its first token's values in the missing places,
+// which leaves the extremes unchanged; their codes are not stored. Consecutive threads take
+// consecutive pairs of the same token rows, so every load and store is coalesced.
+template <typename In>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    quantize_kc_dense_kernel(const In *__restrict__ x, uint32_t tokens, uint32_t plane_pairs,
+                             FastDiv by_plane_pairs, uint32_t tasks, uint8_t *__restrict__ codes,
+                             uint32_t *__restrict__ s2, uint32_t *__restrict__ z2,
+                             unsigned long long *counters) {
+  constexpr int N = kKcDenseGroup;
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  uint32_t non_finite = 0;
+  if (i < tasks) {
+    const uint32_t k = by_plane_pairs.div(i), hp = i - k * plane_pairs;
+    const uint32_t t0 = k * N;
+    const int n = (int)min(tokens - t0, (uint32_t)N);
+    float v[2][N];
+#pragma unroll
+    for (int t = 0; t < N; ++t) {
+      if (t < n) {
+        float p[2];
+        load_pair(x, (t0 + t) * plane_pairs + hp, p, non_finite);
+        v[0][t] = p[0];
+        v[1][t] = p[1];
+      } else {
+        v[0][t] = v[0][0];
+        v[1][t] = v[1][0];
+      }
+    }
+    uint32_t c[N / 4] = {}, s = 0, z = 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mn = v[h][0], mx = mn;
+#pragma unroll
+      for (int t = 1; t < N; ++t) {
+        mn = fminf(mn, v[h][t]);
+        mx = fmaxf(mx, v[h][t]);
+      }
+      const KcGroup g = int4_kc_group_of(mn, mx);
+      int4_kc_codes<N>(g, mn, mx, h, [&](int t) { return v[h][t]; }, c);
+      s |= (uint32_t)g.s << (16 * h);
+      z |= (uint32_t)g.z << (16 * h);
+    }
+#pragma unroll
+    for (int t = 0; t < N; ++t)
+      if (t < n) codes[(t0 + t) * plane_pairs + hp] = (uint8_t)(c[t / 4] >> (8 * (t % 4)));
+    s2[i] = s;
+    z2[i] = z;
+  }
+  warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
+}
+
+// Dequantize a dense int4-kc tensor: thread j decodes pair j (j < pairs), fma(q, s, z).
+template <typename Out>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    dequantize_kc_dense_kernel(const uint8_t *__restrict__ codes, const uint32_t *__restrict__ s2,
+                               const uint32_t *__restrict__ z2, uint32_t pairs,
+                               uint32_t plane_pairs, FastDiv by_plane_pairs,
+                               Out *__restrict__ out) {
+  const uint32_t j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= pairs) return;
+  const uint32_t t = by_plane_pairs.div(j), hp = j - t * plane_pairs;
+  const uint32_t m = t / kKcDenseGroup * plane_pairs + hp;
+  const uint32_t c = codes[j], s = s2[m], z = z2[m];
+  float v[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    v[h] = __fmaf_rn(small_uint_to_f32((c >> (4 * h)) & 0xFu), half_from_bits((uint16_t)(s >> (16 * h))),
+                     half_from_bits((uint16_t)(z >> (16 * h))));
+  store_pair(out, j, v);
+}
+
 template <typename In, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     quantize_dense_kernel(RowShape shape, const In *__restrict__ x, uint32_t rows, DenseRows dst,
@@ -922,6 +1039,25 @@ int dense_rows(int32_t format, uint8_t *codes, const float *head_scales, int32_t
          FastDiv((uint32_t)heads)};
   return KVQ_OK;
 }
+
+/// The int4-kc dense tensor's pair geometry (quantize_kc_dense_kernel), as both launchers check
+/// it: KVQ_OK with `out` filled, or the error to return. Pairs are counted in 32 bits.
+struct KcDense {
+  uint32_t tokens, plane_pairs, pairs;
+};
+int kc_dense(int64_t rows, int32_t heads, int32_t head_dim, const void *scales,
+             const void *group_zeros, KcDense &out) {
+  const auto aligned4 = [](const void *p) { return (reinterpret_cast<uintptr_t>(p) & 3) == 0; };
+  if (head_dim <= 0 || head_dim % 2 != 0 || rows % heads != 0 || scales == nullptr ||
+      group_zeros == nullptr || !aligned4(scales) || !aligned4(group_zeros))
+    return KVQ_ERR_INVALID;
+  // rows <= 2^31 and head_dim < 2^31: no overflow in 64 bits.
+  if (rows > kMaxRows || rows * head_dim / 2 > kMaxRows) return KVQ_ERR_UNSUPPORTED;
+  out.tokens = (uint32_t)(rows / heads);
+  out.plane_pairs = (uint32_t)((int64_t)heads * head_dim / 2);  // <= pairs when rows > 0
+  out.pairs = (uint32_t)(rows * head_dim / 2);
+  return KVQ_OK;
+}
 }  // namespace
 
 extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, int64_t rows,
@@ -933,6 +1069,20 @@ extern "C" int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, 
       heads <= 0)
     return KVQ_ERR_INVALID;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (format == KVQ_INT4_KC) {
+    KcDense kc;
+    const int status = kc_dense(rows, heads, head_dim, scales, group_zeros, kc);
+    if (status != KVQ_OK || rows == 0) return status;
+    const uint32_t tasks = (kc.tokens + kKcDenseGroup - 1) / kKcDenseGroup * kc.plane_pairs;
+    return with_dtype(dtype, [&](auto in) {
+      using In = typename decltype(in)::type;
+      quantize_kc_dense_kernel<In><<<blocks_for(tasks), kThreadsPerBlock, 0, s>>>(
+          static_cast<const In *>(x), kc.tokens, kc.plane_pairs, FastDiv(kc.plane_pairs), tasks,
+          codes, static_cast<uint32_t *>(scales), reinterpret_cast<uint32_t *>(group_zeros),
+          counters);
+      return launch_status();
+    });
+  }
   if (format == KVQ_DENSE_INT4_UNIFORM) {
     int64_t n = 0;
     const int status = uniform_elems(rows, head_dim, head_scales, num_head_scales, n);
@@ -973,6 +1123,19 @@ extern "C" int kvq_dequantize_dense(int32_t format, const uint8_t *codes,
       heads <= 0)
     return KVQ_ERR_INVALID;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (format == KVQ_INT4_KC) {
+    KcDense kc;
+    const int status = kc_dense(rows, heads, head_dim, scales, group_zeros, kc);
+    if (status != KVQ_OK || rows == 0) return status;
+    return with_dtype(out_dtype, [&](auto o) {
+      using Out = typename decltype(o)::type;
+      dequantize_kc_dense_kernel<Out><<<blocks_for(kc.pairs), kThreadsPerBlock, 0, s>>>(
+          codes, static_cast<const uint32_t *>(scales),
+          reinterpret_cast<const uint32_t *>(group_zeros), kc.pairs, kc.plane_pairs,
+          FastDiv(kc.plane_pairs), static_cast<Out *>(out));
+      return launch_status();
+    });
+  }
   if (format == KVQ_DENSE_INT4_UNIFORM) {
     int64_t n = 0;
     const int status = uniform_elems(rows, head_dim, head_scales, num_head_scales, n);

@@ -172,14 +172,21 @@ int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, int64_t rows,
  * computes them from data). `scales` receives each row's scales: INT4 K f16 [rows, head_dim /
  * 32], INT4 V f16 [rows, head_dim / 64] (its zeros, the same, in group_zeros), FP4 E4M3 bytes
  * [rows, head_dim / 16], INT8 f32 [rows] (4-byte aligned); null for FP8 and uniform INT4.
- * Uniform INT4 packs the flat tensor (head_dim even). */
+ * Uniform INT4 packs the flat tensor (head_dim even).
+ * KVQ_INT4_KC writes FORMATS.md's dense int4-kc file: x is [T, heads, head_dim] (T = rows /
+ * heads, rows a multiple of heads; head_dim even, of any size), quantized per (head, channel)
+ * in groups of 32 tokens, a last group of T % 32 tokens over only those; codes [rows,
+ * head_dim / 2], `scales` and `group_zeros` f16 [ceil(T / 32), heads, head_dim] (s and z, both
+ * 4-byte aligned); no head scales. KVQ_ERR_UNSUPPORTED past 2^31 - 512 element pairs
+ * (rows * head_dim / 2). */
 int kvq_quantize_dense(int32_t format, const void *x, int32_t dtype, int64_t rows, int32_t heads,
                        int32_t head_dim, const float *head_scales, int32_t num_head_scales,
                        uint8_t *codes, void *scales, uint16_t *group_zeros,
                        unsigned long long *counters, void *stream);
 
 /* The inverse of kvq_quantize_dense, to a dense [rows, head_dim] tensor of out_dtype, each value
- * exactly as FORMATS.md decodes it (then rounded to out_dtype). */
+ * exactly as FORMATS.md decodes it (then rounded to out_dtype); KVQ_INT4_KC reads its scales
+ * and zeros as kvq_quantize_dense writes them. */
 int kvq_dequantize_dense(int32_t format, const uint8_t *codes, const float *head_scales,
                          int32_t num_head_scales, const void *scales,
                          const uint16_t *group_zeros, int64_t rows, int32_t heads,

@@ -868,7 +868,7 @@ pub struct QuantizedChannels {
 
 /// The `[T, heads, head_dim]` reading of a dense shape `[..., heads, head_dim]` (T = 1 for a
 /// rank below 3), with the dense file's group size.
-fn kc_shape(shape: &[usize]) -> Result<KcShape> {
+pub(crate) fn kc_shape(shape: &[usize]) -> Result<KcShape> {
     let Some((&head_dim, prefix)) = shape.split_last() else {
         return Err(Error::InvalidArgument(
             "a tensor to quantize needs at least one axis (head_dim)".into(),

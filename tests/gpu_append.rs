@@ -1,7 +1,8 @@
 //! GPU append, gather-dequantize and dense quantize / dequantize against the CPU reference, bit
 //! for bit: every format pair, head_dim 64/128/256, block_size 16/32/64, f32/f16/bf16 inputs,
 //! random and edge values; `int8-pth` at every kind of head_dim (rows that tile warps, straddle
-//! them or span several), and the dense `int8-pth` / `fp4-e2m1` tensors at several head dims.
+//! them or span several), the dense `int8-pth` / `fp4-e2m1` tensors at several head dims, and
+//! the dense `int4-kc` tensors (groups along tokens, a partial last group).
 //! Without a GPU each test prints `SKIPPED: no GPU` and passes, unless `KVQ_REQUIRE_GPU=1` (then
 //! it fails).
 #![cfg(feature = "cuda")]
@@ -871,6 +872,213 @@ fn dense_int8_and_fp4_bad_arguments_are_typed_errors() {
     }
 }
 
+/// Keys for the dense `int4-kc` tests, `[T, heads, head_dim]` flattened, of one of three kinds:
+/// 0, `random_rows` with a random mean per channel and a few outlier channels (a scale and an
+/// offset of tens), every 7th element an edge value (NaN, ±Inf, ±65504, 1e6, -1e30, signed
+/// zeros, subnormal-scale values); 1, a grid, exact in f16: each channel `z0 + m / 2 * s0` for
+/// random m in 0..=30 (0 and 30 the first two of every 16 tokens, so a group of 16, 32 or 64 has
+/// s = s0 and z = z0 exactly), s0 a power of two, so that every (x - z) / s is an integer or a
+/// tie (the codes' exact fallbacks); 2, channels that are constant over some groups (s = 0) or
+/// whose extremes are signed zeros.
+fn kc_keys(rng: &mut Rng, tokens: usize, heads: usize, head_dim: usize, kind: usize) -> Vec<f32> {
+    let plane = heads * head_dim;
+    let n = tokens * plane;
+    match kind {
+        0 => {
+            let mut x = random_rows(rng, tokens * heads, head_dim);
+            let means: Vec<f32> = (0..plane).map(|_| rng.normal() * 4.0).collect();
+            let edges = edge_rows(tokens * heads, head_dim, 0.5);
+            for (i, v) in x.iter_mut().enumerate() {
+                let c = i % plane;
+                *v += means[c];
+                if c % head_dim % 11 == 3 {
+                    *v = *v * 37.0 + 60.0; // an outlier channel: larger and offset
+                }
+                if i % 7 == 0 {
+                    *v = edges[i];
+                }
+            }
+            x
+        }
+        1 => {
+            let s0: Vec<f32> = (0..plane)
+                .map(|_| 2f32.powi(rng.below(20) as i32 - 12))
+                .collect();
+            let z0: Vec<f32> = (0..plane)
+                .map(|c| (rng.below(200) as f32 - 100.0) * s0[c])
+                .collect();
+            (0..n)
+                .map(|i| {
+                    let (t, c) = (i / plane, i % plane);
+                    let m = match t % 16 {
+                        0 => 0,
+                        1 => 30,
+                        _ => rng.below(31),
+                    };
+                    z0[c] + m as f32 * 0.5 * s0[c]
+                })
+                .collect()
+        }
+        _ => (0..n)
+            .map(|i| {
+                let (t, c) = (i / plane, i % plane);
+                match (c + t / 32) % 4 {
+                    0 => 1.25,
+                    1 => [0.0, -0.0][(t + c) % 2],
+                    2 => [-0.0, 0.0, 3.0][t % 3],
+                    _ => rng.normal() * 1e-3,
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Dense `int4-kc` on the GPU against `dense::quantize_int4_kc`: the codes, scales and zeros
+/// bytes and the non-finite count; dequantize of the host's tensor against the host's values
+/// (f32, bit for bit) and of the GPU's tensor to f16 and bf16 (the host's values rounded).
+fn check_dense_kc<T: Input>(gpu: &Gpu, shape: &[usize], x32: &[f32], what: &str) {
+    let x = to_input::<T>(x32);
+    let what = format!("int4-kc {shape:?} {what} {}", std::any::type_name::<T>());
+    let want = dense::quantize_int4_kc(&x, shape).unwrap();
+    let x_d = gpu.stream().clone_htod(&x).unwrap();
+    let got = ops::quantize_int4_kc(gpu, &x_d, shape).unwrap();
+    assert_eq!(
+        got.non_finite().unwrap(),
+        want.non_finite(),
+        "{what}: non-finite"
+    );
+    assert_eq!(got.shape(), shape);
+    let got_host = got.to_host().unwrap();
+    let (wc, ws, wz) = want.clone().into_parts();
+    let (gc, gs, gz) = got_host.clone().into_parts();
+    for (part, w, g) in [
+        ("codes", &wc, &gc),
+        ("scales", &ws, &gs),
+        ("zeros", &wz, &gz),
+    ] {
+        if let Some(i) = first_difference(w.data(), g.data()) {
+            panic!("{what}: {part} differ first at byte {i}");
+        }
+        assert_eq!(w, g, "{what}: {part} (dtype, shape)");
+    }
+
+    let deq = want.dequantize().unwrap();
+    let up = ops::DeviceQuantizedChannels::from_host(gpu, &want).unwrap();
+    let back = ops::dequantize_int4_kc::<f32>(gpu, &up).unwrap();
+    assert_bits_eq(&format!("{what}: dequantize"), &deq, &download(gpu, &back));
+    let back16 = ops::dequantize_int4_kc::<f16>(gpu, &got).unwrap();
+    let want16: Vec<u16> = deq.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    let got16: Vec<u16> = download(gpu, &back16).iter().map(|v| v.to_bits()).collect();
+    assert!(want16 == got16, "{what}: dequantize to f16 differs");
+    let backb = ops::dequantize_int4_kc::<bf16>(gpu, &got).unwrap();
+    let wantb: Vec<u16> = deq.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    let gotb: Vec<u16> = download(gpu, &backb).iter().map(|v| v.to_bits()).collect();
+    assert!(wantb == gotb, "{what}: dequantize to bf16 differs");
+}
+
+/// Dense `int4-kc` tensors (FORMATS.md's file: groups of 32 tokens per head and channel, a last
+/// group of T mod 32) at token counts around the group size and past it, several head counts
+/// and head dims (any even one: 2, 6 and 40 are no multiple of 8 or 32), ranks 1 to 4, f32, f16
+/// and bf16 inputs, random keys with outlier channels and edge values, tie-heavy grids and
+/// constant channels; then a tensor of many thread blocks.
+#[test]
+fn dense_int4_kc_matches_cpu() {
+    let Some(gpu) = require_gpu_or_skip("dense_int4_kc_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng(5150);
+    let mut checked = 0;
+    for (tokens, heads, head_dim) in [
+        (1, 1, 2),
+        (31, 1, 64),
+        (32, 2, 128),
+        (33, 3, 6),
+        (45, 8, 64),
+        (64, 1, 96),
+        (70, 2, 40),
+        (100, 3, 128),
+        (257, 2, 256),
+        (5, 4, 576),
+    ] {
+        for kind in 0..3 {
+            let x = kc_keys(&mut rng, tokens, heads, head_dim, kind);
+            let shape = [tokens, heads, head_dim];
+            let what = format!("kind {kind}");
+            check_dense_kc::<f32>(&gpu, &shape, &x, &what);
+            check_dense_kc::<f16>(&gpu, &shape, &x, &what);
+            check_dense_kc::<bf16>(&gpu, &shape, &x, &what);
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 30);
+    // Other ranks: T is the product of the axes before the head axis (1 below rank 3).
+    for shape in [
+        vec![128],
+        vec![5, 64],
+        vec![2, 35, 2, 8],
+        vec![3, 4, 11, 1, 32],
+    ] {
+        let n: usize = shape.iter().product();
+        let d = *shape.last().unwrap();
+        let x = kc_keys(&mut rng, n / d, 1, d, 0);
+        check_dense_kc::<f32>(&gpu, &shape, &x, "rank");
+        check_dense_kc::<bf16>(&gpu, &shape, &x, "rank");
+    }
+    // Many thread blocks: 4,000 tokens (125 full groups) of 8 heads of 128, and 3,001 tokens (the
+    // last group of 25) of 6 heads of 80.
+    for (tokens, heads, head_dim) in [(4_000, 8, 128), (3_001, 6, 80)] {
+        for kind in 0..2 {
+            let x = kc_keys(&mut rng, tokens, heads, head_dim, kind);
+            let shape = [tokens, heads, head_dim];
+            check_dense_kc::<f16>(&gpu, &shape, &x, &format!("kind {kind}"));
+            check_dense_kc::<f32>(&gpu, &shape, &x, &format!("kind {kind}"));
+        }
+    }
+}
+
+/// What the dense `int4-kc` GPU path refuses, as the host's typed errors before any launch (an
+/// odd or zero head_dim, no axes, data of the wrong length), and the empty tensors it takes
+/// without a launch (no tokens, no heads), equal to the host's.
+#[test]
+fn dense_int4_kc_bad_arguments_are_typed_errors() {
+    let Some(gpu) = require_gpu_or_skip("dense_int4_kc_bad_arguments_are_typed_errors") else {
+        return;
+    };
+    let s = gpu.stream();
+    let q = |shape: &[usize]| {
+        let n = shape.iter().product::<usize>().max(1);
+        let x = s.clone_htod(&vec![1.0f32; n]).unwrap();
+        ops::quantize_int4_kc(&gpu, &x, shape)
+    };
+    for d in [3, 0] {
+        let r = q(&[4, 2, d]);
+        assert!(
+            matches!(r, Err(Error::Config { .. })),
+            "head_dim {d}: {r:?}"
+        );
+    }
+    let r = q(&[]);
+    assert!(
+        matches!(r, Err(Error::InvalidArgument(_))),
+        "no axes: {r:?}"
+    );
+    let x = s.clone_htod(&vec![1.0f32; 100]).unwrap();
+    let r = ops::quantize_int4_kc(&gpu, &x, &[3, 2, 16]);
+    assert!(matches!(r, Err(Error::Length { .. })), "length: {r:?}");
+    for shape in [[0, 2, 64], [3, 0, 64]] {
+        let none = s.null::<f32>().unwrap();
+        let got = ops::quantize_int4_kc(&gpu, &none, &shape).unwrap();
+        let want = dense::quantize_int4_kc(&[0f32; 0], &shape).unwrap();
+        assert_eq!(got.to_host().unwrap(), want, "{shape:?}: empty tensor");
+        assert_eq!(got.non_finite().unwrap(), 0);
+        assert!(
+            ops::dequantize_int4_kc::<f32>(&gpu, &got)
+                .unwrap()
+                .is_empty()
+        );
+    }
+}
+
 /// `int8-pth` append and gather at head dims whose rows do not tile warps evenly (80, 96, 112,
 /// 192: rows of 5, 6, 7 and 12 lanes straddle warps; 48, 320, 576: 3, 20 and 36 lanes) or span
 /// several warps (1024, 2048: 64 and 128 lanes), which reduce each row's amax through shared
@@ -1060,6 +1268,43 @@ fn int4_kc_seals_every_block_of_a_call() {
             CacheConfig::new(heads, head_dim, bs, KvFormat::Int4Kc, kc_values(head_dim)).unwrap();
         check_append::<f16>(&gpu, c, tokens, 4300 + i as u64, Data::Random);
         check_append::<bf16>(&gpu, c, tokens, 4400 + i as u64, Data::Grid);
+    }
+}
+
+/// The seal's codes where rounding is hardest: keys on each channel's grid (`kc_keys` kind 1,
+/// every (x - z) / s an integer or a tie, so most words of codes take the exact fallback) and
+/// channels constant or of signed zeros over a block (kind 2, s = 0), appended in order through
+/// shuffled blocks at every block size, the last block left open: the pool's bytes are the
+/// CPU's.
+#[test]
+fn int4_kc_seal_of_grid_keys_matches_cpu() {
+    let Some(gpu) = require_gpu_or_skip("int4_kc_seal_of_grid_keys_matches_cpu") else {
+        return;
+    };
+    let s = gpu.stream();
+    let mut rng = Rng(6060);
+    for (heads, head_dim, bs) in [(2, 64, 16), (3, 96, 32), (1, 128, 64), (4, 32, 16)] {
+        for kind in 1..3 {
+            let c = CacheConfig::new(heads, head_dim, bs, KvFormat::Int4Kc, kc_values(head_dim))
+                .unwrap();
+            let num_blocks = 12;
+            let tokens = num_blocks * bs - 3;
+            let mut blocks: Vec<usize> = (0..num_blocks).collect();
+            rng.shuffle(&mut blocks);
+            let slots: Vec<usize> = (0..tokens).map(|t| blocks[t / bs] * bs + t % bs).collect();
+            let k = to_input::<f16>(&kc_keys(&mut rng, tokens, heads, head_dim, kind));
+            let v = to_input::<f16>(&random_rows(&mut rng, tokens * heads, head_dim));
+            let mut host = HostCache::new(c, num_blocks).unwrap();
+            host.write(&slots, &k, &v).unwrap();
+            let mut dev = DeviceCache::new(&gpu, c, num_blocks).unwrap();
+            let slots_i32: Vec<i32> = slots.iter().map(|&x| x as i32).collect();
+            let slots_d = s.clone_htod(&slots_i32).unwrap();
+            let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
+            ops::append(&mut dev, &slots_d, &k_d, &v_d, tokens).unwrap();
+            if let Some(m) = pool_mismatch(&host, &dev.to_host().unwrap()) {
+                panic!("int4-kc {c:?}, grid keys of kind {kind}: {m}");
+            }
+        }
     }
 }
 

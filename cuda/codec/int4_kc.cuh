@@ -1,6 +1,8 @@
 // codec/int4_kc.cuh: FORMATS.md "INT4 keys per channel" in a paged cache: sealing a full block
 // (each channel's G window values quantized as one affine group, INT4 V's math along tokens),
-// decoding a sealed block's codes, and the decode kernel's K role (Codec<kInt4Kc>). Not a row
+// decoding a sealed block's codes, and the decode kernel's K role (Codec<kInt4Kc>). The group
+// math (int4_kc_group_of, int4_kc_codes) also serves the dense file's groups of up to 32 tokens
+// (append.cu's quantize_kc_dense_kernel). Not a row
 // codec (kInt4Kc is not in AllFormats): its groups cross rows, so append.cu serves it with
 // kernels of its own. Every rounding step is an explicit `_rn`
 // intrinsic (or rintf, ties to even), whatever flags the including file is compiled with.
@@ -28,47 +30,104 @@ __device__ __forceinline__ float kc_window_value(uint32_t w, int half) {
   return half_from_bits((uint16_t)(w >> (16 * half)));
 }
 
-// s and z of one channel of a block from its G window values (src/format/int4.rs's
-// quantize_affine_group).
-template <int G>
-__device__ __forceinline__ KcGroup int4_kc_group(const uint32_t (&w)[G], int half) {
-  float mn = kc_window_value(w[0], half), mx = mn;
-#pragma unroll
-  for (int t = 1; t < G; ++t) {
-    mn = fminf(mn, kc_window_value(w[t], half));
-    mx = fmaxf(mx, kc_window_value(w[t], half));
-  }
-  // A zero extreme is +0.0 (FORMATS.md), whichever zero fminf / fmaxf kept.
+// s and z of one channel's group from its least and largest value (src/format/int4.rs's
+// quantize_affine_group). A zero extreme is +0.0 (FORMATS.md), whichever zero the caller's
+// fminf / fmaxf kept.
+__device__ __forceinline__ KcGroup int4_kc_group_of(float mn, float mx) {
   mn = __fadd_rn(mn, 0.0f);
   mx = __fadd_rn(mx, 0.0f);
   const __half s = int4_affine_scale(mn, mx), z = int4_affine_zero(mn);
   return {__half_as_ushort(s), __half_as_ushort(z), __half2float(s), __half2float(z)};
 }
 
-// Code of x in its group: clamp(rne((x - z) / s), 0, 15), 0 when s == 0. Divides: sealing runs
-// once per G tokens. A NaN quotient (only from a window never written) clamps to 0 as the CPU's
-// float-to-u8 cast does.
-__device__ __forceinline__ uint32_t int4_kc_code(float x, const KcGroup &g) {
-  if (g.sf == 0.0f) return 0;
-  const float q = rintf(__fdiv_rn(__fsub_rn(x, g.zf), g.sf));
-  return (uint32_t)fminf(fmaxf(q, 0.0f), 15.0f);
+// The codes of one channel's group of N values (N a multiple of 4): value(t) for t < N, each in
+// [mn, mx], the group's extremes, g computed from them (int4_kc_group_of). Code t,
+// clamp(rne((value(t) - z) / s), 0, 15), 0 when s == 0, is OR-ed into byte t % 4 of
+// codes[t / 4] at bit 4 * half (the byte's other nibble is the other channel's).
+//
+// Bit-exact with that division without a division per element (exact.cuh): one reciprocal
+// rc = fl(1 / s) per group, then the numerator fl(x - z) times rc rounded, the code undecided
+// where the product lies within kTieWindow of a rounding boundary. When the group's numerators
+// [fl(mn - z), fl(mx - z)] all map inside the code range (int4_fits_unclamped, the usual case:
+// only an f16 z far from mn, or an s rounded down, leaves it) the rounding needs no clamp
+// (int4_round_biased, on the exact product); else each product is clamped first
+// (int4_nibble_clamped). A word of 4 codes with an undecided one is redone per element, dividing
+// for those only (int4_nibble_exact, out of line): rare on data off the grid of s, most words on
+// it. Codes are masked to their nibble, so a NaN value (a window row never written: outside
+// kvq.h's contract) spoils its own code only.
+template <int N, typename Value>
+__device__ __forceinline__ void int4_kc_codes(const KcGroup &g, float mn, float mx, int half,
+                                              const Value &value, uint32_t (&codes)[N / 4]) {
+  static_assert(N % 4 == 0 && N / 4 <= 32, "whole words of codes, a bit each");
+  if (g.sf == 0.0f) return;
+  const float rc = __frcp_rn(g.sf);
+  const int shift = 4 * half;
+  auto num = [&](int t) { return __fsub_rn(value(t), g.zf); };
+  uint32_t undecided = 0;  // bit j: word j holds an undecided code
+  if (int4_fits_unclamped(__fsub_rn(mn, g.zf), __fsub_rn(mx, g.zf), rc, 0.0f, 15.0f)) {
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j) {
+      bool ambiguous = false;
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        word |= (int4_round_biased<0>(num(4 * j + i), rc, ambiguous) & 0xFu) << (8 * i);
+      codes[j] |= word << shift;
+      undecided |= (ambiguous ? 1u : 0u) << j;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j) {
+      bool ambiguous = false;
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        word |= int4_nibble_clamped(num(4 * j + i), rc, 0.0f, 15.0f, ambiguous) << (8 * i);
+      codes[j] |= word << shift;
+      undecided |= (ambiguous ? 1u : 0u) << j;
+    }
+  }
+  if (__builtin_expect(undecided != 0, 0)) {
+#pragma unroll
+    for (int j = 0; j < N / 4; ++j) {
+      if ((undecided & (1u << j)) == 0) continue;
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        bool ambiguous = false;
+        const float x = num(4 * j + i);
+        uint32_t nibble = int4_nibble_clamped(x, rc, 0.0f, 15.0f, ambiguous);
+        if (ambiguous) nibble = int4_nibble_exact(x, g.sf, 0.0f, 15.0f);
+        word |= nibble << (8 * i);
+      }
+      codes[j] = (codes[j] & ~(0x0F0F0F0Fu << shift)) | (word << shift);
+    }
+  }
 }
 
 // Seal channels 2p and 2p + 1 of a block from their window values, w[t] holding token t's pair
 // (channel 2p in the low half): the code byte of token t (channel 2p in the low nibble) goes to
-// byte t % 4 of codes[t / 4], the pair's s and z to s2 and z2 (channel 2p in the low half).
+// byte t % 4 of codes[t / 4], the pair's s and z to s2 and z2 (channel 2p in the low half). The
+// extremes of both channels come from packed f16 minima and maxima of the words (exact: the
+// extremes of f16 values are f16 values; a NaN loses to a number, as in fminf).
 template <int G>
 __device__ __forceinline__ void int4_kc_seal_pair(const uint32_t (&w)[G], uint32_t (&codes)[G / 4],
                                                   uint32_t &s2, uint32_t &z2) {
 #pragma unroll
   for (int i = 0; i < G / 4; ++i) codes[i] = 0;
+  __half2 lo = bits_h2(w[0]), hi = lo;
+#pragma unroll
+  for (int t = 1; t < G; ++t) {
+    lo = __hmin2(lo, bits_h2(w[t]));
+    hi = __hmax2(hi, bits_h2(w[t]));
+  }
   s2 = z2 = 0;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const KcGroup g = int4_kc_group(w, half);
-#pragma unroll
-    for (int t = 0; t < G; ++t)
-      codes[t / 4] |= int4_kc_code(kc_window_value(w[t], half), g) << (8 * (t % 4) + 4 * half);
+    const float mn = half == 0 ? __low2float(lo) : __high2float(lo);
+    const float mx = half == 0 ? __low2float(hi) : __high2float(hi);
+    const KcGroup g = int4_kc_group_of(mn, mx);
+    int4_kc_codes<G>(g, mn, mx, half, [&](int t) { return kc_window_value(w[t], half); }, codes);
     s2 |= (uint32_t)g.s << (16 * half);
     z2 |= (uint32_t)g.z << (16 * half);
   }

@@ -8,9 +8,13 @@
 
 use super::device::MAX_GPU_HEAD_DIM;
 use super::{DeviceCache, Gpu, driver_err, launch, sys};
-use crate::dense::{DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor};
+use crate::dense::{
+    self, DenseFormat, Fp8ScaleChoice, QuantizedChannels, QuantizedTensor, StoredDtype,
+    StoredTensor,
+};
 use crate::error::{Error, Result};
-use crate::format::{Element, HeadScale, int4};
+use crate::format::int4_kc::{KcShape, Mode};
+use crate::format::{Element, HeadScale, KvFormat, int4};
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use std::ffi::c_void;
@@ -765,5 +769,231 @@ impl DeviceQuantized {
             }
         };
         QuantizedTensor::from_parts(self.format, codes, scales, zeros, global_scales)
+    }
+}
+
+// ---- dense int4-kc ----------------------------------------------------------------------------
+
+/// A dense tensor in per-channel INT4 keys (`int4-kc`, FORMATS.md's dense file) on the device:
+/// the parts of a [`QuantizedChannels`] (same layout, same bytes) in device memory.
+#[derive(Debug)]
+pub struct DeviceQuantizedChannels {
+    shape: Vec<usize>,
+    kc: KcShape,
+    /// Packed codes, `[..., head_dim / 2]`.
+    codes: CudaSlice<u8>,
+    /// f16 `s` as bytes, `[ceil(T / 32), heads, head_dim]`.
+    scales: CudaSlice<u8>,
+    /// f16 `z` as bytes, shaped like `scales`.
+    zeros: CudaSlice<u8>,
+    /// `[non_finite, unused]`, filled by the quantize launch.
+    counters: Option<CudaSlice<u64>>,
+}
+
+/// Element pairs (code bytes) a dense `int4-kc` tensor may have on the GPU, whose kernels count
+/// them in 32 bits (kvq.h, `kvq_quantize_dense`).
+const KC_MAX_PAIRS: usize = (1 << 31) - 512;
+
+/// The `[T, heads, head_dim]` reading of `shape` as [`dense::quantize_int4_kc`] takes it (its
+/// typed errors: no axes, an odd or zero head_dim, a size past memory), within what the kernels
+/// take.
+fn kc_geometry(shape: &[usize]) -> Result<KcShape> {
+    let kc = dense::kc_shape(shape)?;
+    if kc.elements() / 2 > KC_MAX_PAIRS {
+        return Err(Error::Unsupported(format!(
+            "an int4-kc tensor of shape {shape:?} on the GPU (at most {KC_MAX_PAIRS} element pairs)"
+        )));
+    }
+    to_i32("heads", kc.heads())?;
+    to_i32("head_dim", kc.head_dim())?;
+    Ok(kc)
+}
+
+/// Bytes of the scales (and of the zeros) of a dense `int4-kc` tensor: an f16 per group, head and
+/// channel.
+fn kc_meta_bytes(kc: &KcShape) -> usize {
+    kc.groups(Mode::Dense) * kc.heads() * kc.head_dim() * 2
+}
+
+/// Quantize a dense device tensor of `shape` (`[..., heads, head_dim]`, row major, head_dim
+/// even) to `int4-kc` exactly as [`dense::quantize_int4_kc`] does on the host: the tensor read
+/// as `[T, heads, head_dim]`, each (head, channel) in groups of 32 tokens, a last group of
+/// `T mod 32` tokens quantized over those. Inputs are sanitized and counted
+/// ([`DeviceQuantizedChannels::non_finite`]).
+///
+/// Errors, before any launch: the host's for the shape ([`Error::Config`] for an odd head_dim,
+/// [`Error::InvalidArgument`] for no axes, [`Error::Overflow`]), [`Error::Length`] when `data`
+/// does not hold the shape's elements, [`Error::Unsupported`] past 2^31 - 512 element pairs.
+pub fn quantize_int4_kc<T: DeviceElement>(
+    gpu: &Gpu,
+    data: &CudaSlice<T>,
+    shape: &[usize],
+) -> Result<DeviceQuantizedChannels> {
+    let kc = kc_geometry(shape)?;
+    if data.len() != kc.elements() {
+        return Err(Error::Length {
+            what: "tensor data",
+            expected: kc.elements(),
+            actual: data.len(),
+        });
+    }
+    gpu.bind()?;
+    let s = gpu.stream();
+    let mut codes = alloc_bytes(gpu, kc.elements() / 2, "allocating codes")?;
+    let mut scales = alloc_bytes(gpu, kc_meta_bytes(&kc), "allocating scales")?;
+    let mut zeros = alloc_bytes(gpu, kc_meta_bytes(&kc), "allocating zeros")?;
+    let mut counters = s
+        .alloc_zeros::<u64>(sys::KVQ_NUM_COUNTERS)
+        .map_err(driver_err("allocating counters"))?;
+    // An empty tensor (no tokens, no heads) has nothing to launch: its parts are empty.
+    if kc.elements() > 0 {
+        let (x_p, _g1) = data.device_ptr(s);
+        let (c_p, _g2) = codes.device_ptr_mut(s);
+        let (s_p, _g3) = scales.device_ptr_mut(s);
+        let (z_p, _g4) = zeros.device_ptr_mut(s);
+        let (n_p, _g5) = counters.device_ptr_mut(s);
+        // SAFETY: x holds T * heads * head_dim elements (checked above); codes, scales and
+        // zeros were sized from the same validated shape (fresh allocations: 16-byte aligned).
+        unsafe {
+            launch::quantize_dense(
+                KvFormat::Int4Kc as i32,
+                x_p as *const c_void,
+                T::DTYPE.raw(),
+                to_i64(kc.tokens() * kc.heads()),
+                kc.heads() as i32,
+                kc.head_dim() as i32,
+                std::ptr::null(),
+                0,
+                c_p as *mut u8,
+                s_p as *mut c_void,
+                z_p as *mut u16,
+                n_p as *mut u64,
+                s.cu_stream(),
+            )?;
+        }
+    }
+    Ok(DeviceQuantizedChannels {
+        shape: shape.to_vec(),
+        kc,
+        codes,
+        scales,
+        zeros,
+        counters: Some(counters),
+    })
+}
+
+/// Dequantize to a dense device tensor of `T` with [`DeviceQuantizedChannels::shape`]: the f32
+/// values of [`QuantizedChannels::dequantize`], rounded to `T`.
+pub fn dequantize_int4_kc<T: DeviceElement>(
+    gpu: &Gpu,
+    q: &DeviceQuantizedChannels,
+) -> Result<CudaSlice<T>> {
+    let kc = q.kc;
+    gpu.bind()?;
+    let s = gpu.stream();
+    if kc.elements() == 0 {
+        return s
+            .null::<T>()
+            .map_err(driver_err("allocating an empty output"));
+    }
+    // SAFETY: every element is written by the launch below.
+    let mut out =
+        unsafe { s.alloc::<T>(kc.elements()) }.map_err(driver_err("allocating output"))?;
+    {
+        let (c_p, _g1) = q.codes.device_ptr(s);
+        let (s_p, _g2) = q.scales.device_ptr(s);
+        let (z_p, _g3) = q.zeros.device_ptr(s);
+        let (o_p, _g4) = out.device_ptr_mut(s);
+        // SAFETY: a DeviceQuantizedChannels' parts always match its shape (kc_geometry checked
+        // it when it was made).
+        unsafe {
+            launch::dequantize_dense(
+                KvFormat::Int4Kc as i32,
+                c_p as *const u8,
+                std::ptr::null(),
+                0,
+                s_p as *const c_void,
+                z_p as *const u16,
+                to_i64(kc.tokens() * kc.heads()),
+                kc.heads() as i32,
+                kc.head_dim() as i32,
+                T::DTYPE.raw(),
+                o_p as *mut c_void,
+                s.cu_stream(),
+            )?;
+        }
+    }
+    Ok(out)
+}
+
+impl DeviceQuantizedChannels {
+    /// Upload a host [`QuantizedChannels`] (for dequantizing it on the device).
+    pub fn from_host(gpu: &Gpu, q: &QuantizedChannels) -> Result<Self> {
+        let kc = kc_geometry(q.shape())?;
+        gpu.bind()?;
+        let t = q.tensor();
+        let halves =
+            |v: &[half::f16]| -> Vec<u8> { v.iter().flat_map(|h| h.to_le_bytes()).collect() };
+        Ok(DeviceQuantizedChannels {
+            shape: q.shape().to_vec(),
+            kc,
+            codes: upload_bytes(gpu, t.codes(), "uploading codes")?,
+            scales: upload_bytes(gpu, &halves(t.scales()), "uploading scales")?,
+            zeros: upload_bytes(gpu, &halves(t.zeros()), "uploading zeros")?,
+            counters: None,
+        })
+    }
+
+    /// Shape of the original tensor.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    /// Non-finite inputs met while quantizing (waits for the launch); 0 for an upload.
+    pub fn non_finite(&self) -> Result<u64> {
+        match &self.counters {
+            None => Ok(0),
+            Some(c) => {
+                let v = c
+                    .stream()
+                    .clone_dtoh(c)
+                    .map_err(driver_err("reading counters"))?;
+                Ok(v[sys::KVQ_COUNTER_NON_FINITE])
+            }
+        }
+    }
+
+    /// Copy back as a host [`QuantizedChannels`] (waits for the launch). Its `non_finite()` is 0;
+    /// read [`non_finite`](Self::non_finite) instead.
+    pub fn to_host(&self) -> Result<QuantizedChannels> {
+        let s = self.codes.stream();
+        let kc = self.kc;
+        let read = |part: &CudaSlice<u8>, len: usize, what: &'static str| -> Result<Vec<u8>> {
+            let mut v = s.clone_dtoh(part).map_err(driver_err(what))?;
+            v.truncate(len);
+            Ok(v)
+        };
+        let mut codes_shape = self.shape.clone();
+        if let Some(last) = codes_shape.last_mut() {
+            *last /= 2;
+        }
+        let meta_shape = vec![kc.groups(Mode::Dense), kc.heads(), kc.head_dim()];
+        let meta = kc_meta_bytes(&kc);
+        let codes = StoredTensor::new(
+            StoredDtype::U8,
+            codes_shape,
+            read(&self.codes, kc.elements() / 2, "reading codes")?,
+        )?;
+        let scales = StoredTensor::new(
+            StoredDtype::F16,
+            meta_shape.clone(),
+            read(&self.scales, meta, "reading scales")?,
+        )?;
+        let zeros = StoredTensor::new(
+            StoredDtype::F16,
+            meta_shape,
+            read(&self.zeros, meta, "reading zeros")?,
+        )?;
+        QuantizedChannels::from_parts(codes, scales, zeros)
     }
 }

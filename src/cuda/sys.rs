@@ -232,7 +232,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Quantize a dense tensor \\[rows, head_dim\\] (the layout of src/dense.rs): codes \\[rows, code\n bytes\\]. FP8, FP4 and uniform INT4 take num_head_scales f32 head scales: FP8's s and FP4's g\n 1 or `heads` (row r takes head r % heads' scale), uniform INT4's 1 (kvq_dense_scales\n computes them from data). `scales` receives each row's scales: INT4 K f16 \\[rows, head_dim /\n 32\\], INT4 V f16 \\[rows, head_dim / 64\\] (its zeros, the same, in group_zeros), FP4 E4M3 bytes\n \\[rows, head_dim / 16\\], INT8 f32 \\[rows\\] (4-byte aligned); null for FP8 and uniform INT4.\n Uniform INT4 packs the flat tensor (head_dim even)."]
+    #[doc = " Quantize a dense tensor \\[rows, head_dim\\] (the layout of src/dense.rs): codes \\[rows, code\n bytes\\]. FP8, FP4 and uniform INT4 take num_head_scales f32 head scales: FP8's s and FP4's g\n 1 or `heads` (row r takes head r % heads' scale), uniform INT4's 1 (kvq_dense_scales\n computes them from data). `scales` receives each row's scales: INT4 K f16 \\[rows, head_dim /\n 32\\], INT4 V f16 \\[rows, head_dim / 64\\] (its zeros, the same, in group_zeros), FP4 E4M3 bytes\n \\[rows, head_dim / 16\\], INT8 f32 \\[rows\\] (4-byte aligned); null for FP8 and uniform INT4.\n Uniform INT4 packs the flat tensor (head_dim even).\n KVQ_INT4_KC writes FORMATS.md's dense int4-kc file: x is \\[T, heads, head_dim\\] (T = rows /\n heads, rows a multiple of heads; head_dim even, of any size), quantized per (head, channel)\n in groups of 32 tokens, a last group of T % 32 tokens over only those; codes \\[rows,\n head_dim / 2\\], `scales` and `group_zeros` f16 \\[ceil(T / 32), heads, head_dim\\] (s and z, both\n 4-byte aligned); no head scales. KVQ_ERR_UNSUPPORTED past 2^31 - 512 element pairs\n (rows \\* head_dim / 2)."]
     pub fn kvq_quantize_dense(
         format: i32,
         x: *const ::std::os::raw::c_void,
@@ -250,7 +250,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " The inverse of kvq_quantize_dense, to a dense \\[rows, head_dim\\] tensor of out_dtype, each value\n exactly as FORMATS.md decodes it (then rounded to out_dtype)."]
+    #[doc = " The inverse of kvq_quantize_dense, to a dense \\[rows, head_dim\\] tensor of out_dtype, each value\n exactly as FORMATS.md decodes it (then rounded to out_dtype); KVQ_INT4_KC reads its scales\n and zeros as kvq_quantize_dense writes them."]
     pub fn kvq_dequantize_dense(
         format: i32,
         codes: *const u8,
@@ -400,7 +400,7 @@ impl Default for kvq_decode_args {
     }
 }
 unsafe extern "C" {
-    #[doc = " 1 when this build has a decode kernel for keys in k_format and values in v_format\n (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3, int8-pth, fp4-e2m1 and int4 (K:\n KVQ_INT4_SYM32, V: KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both; head_dim 64, 80,\n 96, 112, 128, 192 or 256, a multiple of 32 with INT4 keys or fp4-e2m1 on either side and of\n 64 with INT4 values. A host function: no device is needed."]
+    #[doc = " 1 when this build has a decode kernel for keys in k_format and values in v_format\n (kvq_format ids) at head_dim, else 0: f16, bf16, fp8-e4m3, int8-pth, fp4-e2m1 and int4 (K:\n KVQ_INT4_SYM32 or KVQ_INT4_KC, V: KVQ_INT4_AFFINE64) mixed freely, or fp8-e5m2 for both;\n head_dim 64, 80, 96, 112, 128, 192 or 256, a multiple of 32 with INT4 keys or fp4-e2m1 on\n either side and of 64 with INT4 values. A host function: no device is needed."]
     pub fn kvq_decode_supported(
         k_format: i32,
         v_format: i32,
