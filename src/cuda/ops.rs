@@ -969,6 +969,10 @@ impl DeviceQuantizedChannels {
         let s = self.codes.stream();
         let kc = self.kc;
         let read = |part: &CudaSlice<u8>, len: usize, what: &'static str| -> Result<Vec<u8>> {
+            // An empty part is a one-byte allocation nothing wrote: nothing to read.
+            if len == 0 {
+                return Ok(Vec::new());
+            }
             let mut v = s.clone_dtoh(part).map_err(driver_err(what))?;
             v.truncate(len);
             Ok(v)
