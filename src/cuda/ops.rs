@@ -485,6 +485,21 @@ fn alloc_bytes(gpu: &Gpu, bytes: usize, what: &'static str) -> Result<CudaSlice<
     unsafe { gpu.stream().alloc::<u8>(bytes.max(1)) }.map_err(driver_err(what))
 }
 
+/// The non-finite inputs a quantize launch counted (waits for it); 0 without counters (an
+/// upload).
+fn non_finite_count(counters: Option<&CudaSlice<u64>>) -> Result<u64> {
+    match counters {
+        None => Ok(0),
+        Some(c) => {
+            let v = c
+                .stream()
+                .clone_dtoh(c)
+                .map_err(driver_err("reading counters"))?;
+            Ok(v[sys::KVQ_COUNTER_NON_FINITE])
+        }
+    }
+}
+
 /// `data` uploaded (one zero byte for an empty part, since an empty allocation is refused).
 fn upload_bytes(gpu: &Gpu, data: &[u8], what: &'static str) -> Result<CudaSlice<u8>> {
     let data = if data.is_empty() { &[0u8][..] } else { data };
@@ -712,16 +727,7 @@ impl DeviceQuantized {
 
     /// Non-finite inputs met while quantizing (waits for the launch); 0 for an upload.
     pub fn non_finite(&self) -> Result<u64> {
-        match &self.counters {
-            None => Ok(0),
-            Some(c) => {
-                let v = c
-                    .stream()
-                    .clone_dtoh(c)
-                    .map_err(driver_err("reading counters"))?;
-                Ok(v[sys::KVQ_COUNTER_NON_FINITE])
-            }
-        }
+        non_finite_count(self.counters.as_ref())
     }
 
     /// Copy back as a host [`QuantizedTensor`] (waits for the launch). Its `non_finite()` is 0
@@ -951,16 +957,7 @@ impl DeviceQuantizedChannels {
 
     /// Non-finite inputs met while quantizing (waits for the launch); 0 for an upload.
     pub fn non_finite(&self) -> Result<u64> {
-        match &self.counters {
-            None => Ok(0),
-            Some(c) => {
-                let v = c
-                    .stream()
-                    .clone_dtoh(c)
-                    .map_err(driver_err("reading counters"))?;
-                Ok(v[sys::KVQ_COUNTER_NON_FINITE])
-            }
-        }
+        non_finite_count(self.counters.as_ref())
     }
 
     /// Copy back as a host [`QuantizedChannels`] (waits for the launch). Its `non_finite()` is 0;
