@@ -64,29 +64,22 @@ __device__ __forceinline__ void int4_kc_codes(const KcGroup &g, float mn, float 
   const int shift = 4 * half;
   auto num = [&](int t) { return __fsub_rn(value(t), g.zf); };
   uint32_t undecided = 0;  // bit j: word j holds an undecided code
-  if (int4_fits_unclamped(__fsub_rn(mn, g.zf), __fsub_rn(mx, g.zf), rc, 0.0f, 15.0f)) {
+  // Every word's codes through `nibble` (x, ambiguous) -> the code in its low 4 bits.
+  auto pack = [&](auto nibble) {
 #pragma unroll
     for (int j = 0; j < N / 4; ++j) {
       bool ambiguous = false;
       uint32_t word = 0;
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        word |= (int4_round_biased<0>(num(4 * j + i), rc, ambiguous) & 0xFu) << (8 * i);
+      for (int i = 0; i < 4; ++i) word |= nibble(num(4 * j + i), ambiguous) << (8 * i);
       codes[j] |= word << shift;
       undecided |= (ambiguous ? 1u : 0u) << j;
     }
-  } else {
-#pragma unroll
-    for (int j = 0; j < N / 4; ++j) {
-      bool ambiguous = false;
-      uint32_t word = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        word |= int4_nibble_clamped(num(4 * j + i), rc, 0.0f, 15.0f, ambiguous) << (8 * i);
-      codes[j] |= word << shift;
-      undecided |= (ambiguous ? 1u : 0u) << j;
-    }
-  }
+  };
+  if (int4_fits_unclamped(__fsub_rn(mn, g.zf), __fsub_rn(mx, g.zf), rc, 0.0f, 15.0f))
+    pack([&](float x, bool &a) { return int4_round_biased<0>(x, rc, a) & 0xFu; });
+  else
+    pack([&](float x, bool &a) { return int4_nibble_clamped(x, rc, 0.0f, 15.0f, a); });
   if (__builtin_expect(undecided != 0, 0)) {
 #pragma unroll
     for (int j = 0; j < N / 4; ++j) {
