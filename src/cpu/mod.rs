@@ -81,6 +81,17 @@ impl DecodeShape {
     }
 }
 
+/// A logits soft cap is positive and finite (or absent); the CPU reference and both GPU plans
+/// check it here.
+pub(crate) fn check_soft_cap(cap: Option<f32>) -> Result<()> {
+    match cap.filter(|c| !(c.is_finite() && *c > 0.0)) {
+        Some(c) => Err(Error::InvalidArgument(format!(
+            "logits_soft_cap {c} must be positive and finite"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// How logits become attention weights, beyond the plain causal softmax (see the
 /// [module docs](self)). Per-head sinks are not here: they are a slice argument, one per head.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -113,14 +124,7 @@ impl AttentionOptions {
                 self.softmax_scale
             )));
         }
-        if let Some(c) = self
-            .logits_soft_cap
-            .filter(|c| !(c.is_finite() && *c > 0.0))
-        {
-            return Err(Error::InvalidArgument(format!(
-                "logits_soft_cap {c} must be positive and finite"
-            )));
-        }
+        check_soft_cap(self.logits_soft_cap)?;
         if let Some(s) = sinks {
             if s.len() != num_q_heads {
                 return Err(Error::Length {

@@ -297,11 +297,7 @@ impl PrefillPlan {
 
     /// Logit soft-capping (Gemma 2): `cap * tanh(logit / cap)` (None: off).
     pub fn with_logits_soft_cap(mut self, cap: Option<f32>) -> Result<Self> {
-        if let Some(c) = cap.filter(|c| !c.is_finite() || *c <= 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "logits soft cap must be finite and positive, got {c}"
-            )));
-        }
+        crate::cpu::check_soft_cap(cap)?;
         self.soft_cap = cap;
         if let Some(d) = self.decode_rows.take() {
             self.decode_rows = Some(d.with_logits_soft_cap(cap)?);

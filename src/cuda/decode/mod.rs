@@ -455,11 +455,7 @@ impl DecodePlan {
     /// The same plan with a logits soft cap `c` (positive, finite): `logit = c * tanh(logit /
     /// c)` after the scale, as in Gemma 2 (None: no cap).
     pub fn with_logits_soft_cap(mut self, cap: Option<f32>) -> Result<Self> {
-        if let Some(c) = cap.filter(|c| !(c.is_finite() && *c > 0.0)) {
-            return Err(Error::InvalidArgument(format!(
-                "logits_soft_cap {c} must be positive and finite"
-            )));
-        }
+        crate::cpu::check_soft_cap(cap)?;
         self.soft_cap = cap;
         Ok(self)
     }
