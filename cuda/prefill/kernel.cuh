@@ -175,47 +175,61 @@ struct HasF16Rows<C, std::void_t<decltype(&C::decode_f16)>> : std::true_type {};
 /// Decode the staged rows of one side (kTokens rows of codes, then of metadata) into an operand
 /// tile; rows outside [lo, hi) become zeros (past the sequence or the split: never-written or
 /// stale codes must not reach the MMAs, where 0 * NaN would poison the sum).
+///
+/// A thread's units (chunk c of a row) are decoded all first, then stored: with no branch
+/// between them and no store that might alias the staged rows, their shared-memory loads are in
+/// flight together instead of one unit's load, decode and store after another. A dead row is
+/// decoded like a live one (its staged bytes are in the staging area, whatever they hold) and
+/// its values replaced by zeros.
 template <int F, bool BF16, int D, bool SW, int NT>
 __device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t *meta,
                                             const Side &s, uint8_t *tile, int lo, int hi) {
   using C = Codec<F>;
   constexpr int E = C::kEpt;
   constexpr int kChunks = D / E;
+  constexpr int kUnits = kTokens * kChunks;
+  constexpr int N = (kUnits + NT - 1) / NT;  // units per thread
   static_assert(D % E == 0, "head_dim is whole chunks of the codec (kvq_prefill_supported)");
-  for (int u = threadIdx.x; u < kTokens * kChunks; u += NT) {
-    const int j = u / kChunks, c = u % kChunks;
-    const bool live = j >= lo && j < hi;
+  const unsigned tid = threadIdx.x;
+  const unsigned live_rows = hi > lo ? (unsigned)(hi - lo) : 0u;
+  uint32_t h[N][E / 2];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const unsigned u = tid + i * NT;
+    // Row and chunk; where kChunks divides NT a thread keeps one chunk, NT / kChunks rows apart.
+    const unsigned j = NT % kChunks == 0 ? tid / kChunks + i * (NT / kChunks) : u / kChunks;
+    const unsigned c = NT % kChunks == 0 ? tid % kChunks : u % kChunks;
+    const unsigned jr = kUnits % NT == 0 ? j : min(j, (unsigned)kTokens - 1);  // in the stage
+    const bool live = (kUnits % NT == 0 || u < kUnits) && j - lo < live_rows;
     RowRef r;
-    r.codes = const_cast<uint8_t *>(codes + j * s.codes_row);
-    r.scales = reinterpret_cast<uint16_t *>(const_cast<uint8_t *>(meta + j * s.meta_row));
+    r.codes = const_cast<uint8_t *>(codes + jr * s.codes_row);
+    r.scales = reinterpret_cast<uint16_t *>(const_cast<uint8_t *>(meta + jr * s.meta_row));
     r.zeros = r.scales + 1;
     r.meta_step = s.meta_step;
     r.head_scale = 1.0f;  // FP8: applied to S and O instead
-    uint32_t h[E / 2];
     if constexpr (!BF16 && HasF16Rows<C>::value) {
-      if (live) {
-        C::decode_f16(r, c, h);
-      } else {
-#pragma unroll
-        for (int i = 0; i < E / 2; ++i) h[i] = 0u;
-      }
+      C::decode_f16(r, c, h[i]);
     } else {
       float v[E];
-      if (live) {
-        C::decode(r, c, v);
-      } else {
+      C::decode(r, c, v);
 #pragma unroll
-        for (int i = 0; i < E; ++i) v[i] = 0.f;
-      }
-#pragma unroll
-      for (int i = 0; i < E / 2; ++i)
-        h[i] = (uint32_t)operand_bits<BF16>(v[2 * i]) |
-               ((uint32_t)operand_bits<BF16>(v[2 * i + 1]) << 16);
+      for (int e = 0; e < E / 2; ++e)
+        h[i][e] = (uint32_t)operand_bits<BF16>(v[2 * e]) |
+                  ((uint32_t)operand_bits<BF16>(v[2 * e + 1]) << 16);
     }
+#pragma unroll
+    for (int e = 0; e < E / 2; ++e) h[i][e] = live ? h[i][e] : 0u;
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const unsigned u = tid + i * NT;
+    if (kUnits % NT != 0 && u >= kUnits) break;
+    const unsigned j = NT % kChunks == 0 ? tid / kChunks + i * (NT / kChunks) : u / kChunks;
+    const unsigned c = NT % kChunks == 0 ? tid % kChunks : u % kChunks;
 #pragma unroll
     for (int w = 0; w < E / 8; ++w)
       *reinterpret_cast<uint4 *>(tile + tile_at<D, SW, kTokens>(j, c * E / 8 + w)) =
-          make_uint4(h[4 * w], h[4 * w + 1], h[4 * w + 2], h[4 * w + 3]);
+          make_uint4(h[i][4 * w], h[i][4 * w + 1], h[i][4 * w + 2], h[i][4 * w + 3]);
   }
 }
 
