@@ -388,6 +388,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     HEADS,
                     &AttentionOptions::new(D),
                     None,
+                    None,
                     Accum::F64,
                 )?;
                 let (mut num, mut den) = (0f64, 0f64);

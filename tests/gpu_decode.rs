@@ -239,6 +239,7 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
         &shape,
         &opts,
         sinks.as_deref(),
+        None,
         Accum::F64,
     )
     .expect("cpu");

@@ -223,6 +223,7 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         heads,
         &opts,
         case.sinks.then_some(sinks.as_slice()),
+        None,
         Accum::F64,
     )
     .unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
