@@ -45,6 +45,7 @@ struct Params {
   const float *sinks;   // [num_q_heads] or null
   int32_t window_left;  // < 0: none
   float soft_cap;       // <= 0: none
+  const float *alibi_slopes;  // [num_q_heads] or null
 };
 
 /// Shared-memory stages per warp a launch may use.
