@@ -246,9 +246,10 @@ __device__ __forceinline__ Extremes extremes_for(const Extremes &own, const RowS
   else return C::group_extremes(own);
 }
 
-// Whether append quantizes straight from the packed 16-bit input (INT4 formats, f16 / bf16).
+// Whether append quantizes straight from the packed 16-bit input (f16 / bf16 into the INT4,
+// INT8 and FP4 formats: the codecs with packed_extremes).
 template <typename In, int F>
-constexpr bool kPackedInt4 = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
+constexpr bool kPackedInput = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
 
 // A codec whose encoder is long (kLongEncode: FP4, ~16 instructions an element) takes one row
 // per thread from 16-bit inputs, at 4 blocks per SM (64 registers): 48 -> 58 % of a device copy
@@ -319,8 +320,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
       const uint32_t block = side.by_block_size.div((uint32_t)p.slot);
       r = side.row(block, (uint32_t)p.slot - block * side.block_size, p.head);
     }
-    if constexpr (kPackedInt4<In, F>) {
-      // INT4 from f16 / bf16: extremes on packed pairs, values widened as the codes need them.
+    if constexpr (kPackedInput<In, F>) {
+      // From f16 / bf16: extremes on packed pairs, values widened as the codes need them.
       Extremes own = {0.0f, 0.0f};
       bool needs_clamp = false;
       if (active) {
@@ -336,7 +337,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
       } else {
         p.raw = {};
       }
-      const Extremes group = C::group_extremes(own);
+      const Extremes group = extremes_for<F>(own, shape);
       if (__builtin_expect(needs_clamp, 0))
         C::encode(RawValues<In, E, true>{p.raw}, own, group, chunk, r, active);
       else
