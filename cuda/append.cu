@@ -108,6 +108,10 @@ template <typename In, int E, bool Clamp> struct RawValues {
     const float x = to_f32(reinterpret_cast<const In *>(raw.q)[i]);
     return Clamp ? fminf(fmaxf(x, -kF16Max), kF16Max) : x;
   }
+  // The raw 32-bit word of elements 2i and 2i + 1 (their signs are the sanitized values').
+  __device__ __forceinline__ uint32_t pair_word(int i) const {
+    return reinterpret_cast<const uint32_t *>(raw.q)[i];
+  }
 };
 
 // ---- geometry ---------------------------------------------------------------------------
