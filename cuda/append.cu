@@ -311,6 +311,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
       load_raw<In, E>(x + token * token_stride + p.head * shape.head_dim + chunk * E, p.raw);
       p.slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
                          : (int64_t) static_cast<const int32_t *>(slots)[token];
+    } else if constexpr (kPackedInput<In, F>) {
+      p.raw = {};  // no row: zeros, which the encoders take without a slow path
     }
   };
   uint32_t non_finite = 0, out_of_range = 0;
@@ -319,7 +321,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
     // A slot past the pool is an error the host learns about through the counter.
     out_of_range += count_out_of_range && p.slot >= num_slots && p.head == 0 && chunk == 0;
     const bool active = p.slot >= 0 && p.slot < num_slots;  // -1 also for rows past the end
-    RowRef r = {};
+    RowRef r;  // read only where active
     if (active) {
       const uint32_t block = side.by_block_size.div((uint32_t)p.slot);
       r = side.row(block, (uint32_t)p.slot - block * side.block_size, p.head);
@@ -335,11 +337,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
         }
         // Only bf16 can exceed ±65504 once scrubbed (f16 never takes the clamped copy of the
         // encoder); the clamp is monotonic, so it commutes with taking extremes.
-        needs_clamp = kMayExceedF16<In> && (own.lo < -kF16Max || own.hi > kF16Max);
-        own.lo = fmaxf(own.lo, -kF16Max);
-        own.hi = fminf(own.hi, kF16Max);
-      } else {
-        p.raw = {};
+        if constexpr (kMayExceedF16<In>) {
+          needs_clamp = own.lo < -kF16Max || own.hi > kF16Max;
+          own.lo = fmaxf(own.lo, -kF16Max);
+          own.hi = fminf(own.hi, kF16Max);
+        }
       }
       const Extremes group = extremes_for<F>(own, shape);
       if (__builtin_expect(needs_clamp, 0))
