@@ -218,8 +218,9 @@ template <> struct Codec<kFp4E2m1> {
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) {
       P p[kGroup / 2];
-      load_pairs(reinterpret_cast<const uint32_t *>(raw.q) + k * kGroup / 2, 0x7FFF7FFFu, p);
-      const P m = tree_reduce(p, [](P x, P y) { return __hmax2_nan(x, y); });
+      load_pairs(reinterpret_cast<const uint32_t *>(raw.q) + k * kGroup / 2, 0xFFFFFFFFu, p);
+      // |x| of both halves: HMNMX2 takes the absolute values as operand modifiers.
+      const P m = tree_reduce(p, [](P x, P y) { return __hmax2_nan(__habs2(x), __habs2(y)); });
       const float m0 = __low2float(m), m1 = __high2float(m);
       a[k] = fmaxf(m0, m1);
       finite = finite && m0 <= 0x1.fffffep127f && m1 <= 0x1.fffffep127f;  // false for NaN

@@ -155,8 +155,9 @@ template <> struct Codec<kInt8Pth> {
                                                          Extremes &ex) {
     using P = typename PairOf<In>::type;
     P a[kEpt / 2];
-    load_pairs(raw.q, 0x7FFF7FFFu, a);  // |x| of both halves
-    const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(x, y); });
+    load_pairs(raw.q, 0xFFFFFFFFu, a);
+    // |x| of both halves: HMNMX2 takes the absolute values as operand modifiers.
+    const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(__habs2(x), __habs2(y)); });
     const float m0 = __low2float(m), m1 = __high2float(m);
     ex.lo = 0.0f;
     ex.hi = fmaxf(m0, m1);
