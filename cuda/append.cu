@@ -169,6 +169,11 @@ struct PagedSide {
     return pool + block * block_stride + head * head_stride;
   }
   __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head) const {
+    return row(block, offset, head, head_scales != nullptr ? head_scales[head] : 1.0f);
+  }
+  // The same with the head's scale already read (append reads it with the row's input).
+  __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head,
+                                        float head_scale) const {
     uint8_t *const section = this->section(block, head);
     uint8_t *meta = section + meta_offset + offset * meta_row;
     RowRef r;
@@ -176,7 +181,7 @@ struct PagedSide {
     r.scales = reinterpret_cast<uint16_t *>(meta);
     r.zeros = reinterpret_cast<uint16_t *>(meta) + 1;
     r.meta_step = meta_step;
-    r.head_scale = head_scales != nullptr ? head_scales[head] : 1.0f;
+    r.head_scale = head_scale;
     return r;
   }
 };
@@ -285,6 +290,7 @@ template <typename In, int E> struct PendingRow {
   RawChunk<In, E> raw;
   uint32_t head;
   int64_t slot;
+  float head_scale;  // FP8's s, FP4's g: read with the input, off the slot's critical path
 };
 
 template <typename In, int F>
@@ -307,6 +313,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
     const uint32_t token = side.by_heads.div(row);
     p.head = row - token * side.num_heads;
     p.slot = -1;
+    p.head_scale = 1.0f;
+    if constexpr (C::kHeadScale)
+      if (side.head_scales != nullptr && in_block && token < num_tokens)
+        p.head_scale = side.head_scales[p.head];
     if (in_block && token < num_tokens) {
       load_raw<In, E>(x + token * token_stride + p.head * shape.head_dim + chunk * E, p.raw);
       p.slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
@@ -324,7 +334,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
     RowRef r;  // read only where active
     if (active) {
       const uint32_t block = side.by_block_size.div((uint32_t)p.slot);
-      r = side.row(block, (uint32_t)p.slot - block * side.block_size, p.head);
+      r = side.row(block, (uint32_t)p.slot - block * side.block_size, p.head, p.head_scale);
     }
     if constexpr (kPackedInput<In, F>) {
       // From f16 / bf16: extremes on packed pairs, values widened as the codes need them.
