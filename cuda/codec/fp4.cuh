@@ -239,9 +239,9 @@ template <> struct Codec<kFp4E2m1> {
     const float d[kGroups] = {hd::mul_rn(__low2float(sv), g), hd::mul_rn(__high2float(sv), g)};
     uint4 raw;
     uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
-    // Bit j: word j (8 elements, half a group) holds an element to redo (word by word, as FP8
-    // redoes pairs: a divergent branch costs the warp only the words some lane needs).
-    uint32_t undecided = 0;
+    // near[j]: word j (8 elements, half a group) holds an element to redo (word by word, as
+    // FP8 redoes pairs: a divergent branch costs the warp only the words some lane needs).
+    bool near[4];
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) {
       const E2m1Group grp(d[k]);
@@ -249,18 +249,18 @@ template <> struct Codec<kFp4E2m1> {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * k + h;
-        bool near = !fast;
+        near[j] = !fast;
         uint32_t m = 0;
 #pragma unroll
-        for (int i = 7; i >= 0; --i) m = hd::funnel_l(e2m1_mag(v(8 * j + i), grp, near), m, 4);
+        for (int i = 7; i >= 0; --i)
+          m = hd::funnel_l(e2m1_mag(v(8 * j + i), grp, near[j]), m, 4);
         w[j] = m;
-        undecided |= (near ? 1u : 0u) << j;
       }
     }
-    if (__builtin_expect(undecided != 0, 0)) {
+    if (__builtin_expect(near[0] || near[1] || near[2] || near[3], 0)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (undecided & (1u << j))
+        if (near[j])
           w[j] = e2m1_word_careful(v(8 * j), v(8 * j + 1), v(8 * j + 2), v(8 * j + 3),
                                    v(8 * j + 4), v(8 * j + 5), v(8 * j + 6), v(8 * j + 7),
                                    d[j / 2]);
