@@ -260,10 +260,11 @@ __device__ __forceinline__ Extremes extremes_for(const Extremes &own, const RowS
 template <typename In, int F>
 constexpr bool kPackedInput = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
 
-// A codec whose encoder is long (kLongEncode: FP4, ~16 instructions an element) takes one row
-// per thread from 16-bit inputs, at 4 blocks per SM (64 registers): 48 -> 58 % of a device copy
-// on grid values, 60 -> 65 % on random ones, where 2 rows at 3 blocks spilled (session 12's
-// sweep, PERFORMANCE.md).
+// A codec whose encoder is long (kLongEncode: FP4, 32 elements and two block scales a thread)
+// takes one row per thread from 16-bit inputs, at 4 blocks per SM (64 registers): 48 -> 58 % of
+// a device copy on grid values, 60 -> 65 % on random ones, where 2 rows at 3 blocks spilled
+// (session 12's sweep with the encoder of then, ~24 instructions an element on the kernel's hot
+// path; ~15 since "Append v3", PERFORMANCE.md, whose sweep is to be redone).
 template <class C, class = void> struct LongEncodeOf : std::false_type {};
 template <class C>
 struct LongEncodeOf<C, std::void_t<decltype(C::kLongEncode)>> : std::bool_constant<C::kLongEncode> {};
