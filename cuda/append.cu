@@ -108,6 +108,10 @@ template <typename In, int E, bool Clamp> struct RawValues {
     const float x = to_f32(reinterpret_cast<const In *>(raw.q)[i]);
     return Clamp ? fminf(fmaxf(x, -kF16Max), kF16Max) : x;
   }
+  // The raw 32-bit word of elements 2i and 2i + 1 (their signs are the sanitized values').
+  __device__ __forceinline__ uint32_t pair_word(int i) const {
+    return reinterpret_cast<const uint32_t *>(raw.q)[i];
+  }
 };
 
 // ---- geometry ---------------------------------------------------------------------------
@@ -165,6 +169,11 @@ struct PagedSide {
     return pool + block * block_stride + head * head_stride;
   }
   __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head) const {
+    return row(block, offset, head, head_scales != nullptr ? head_scales[head] : 1.0f);
+  }
+  // The same with the head's scale already read (append reads it with the row's input).
+  __device__ __forceinline__ RowRef row(uint32_t block, uint32_t offset, uint32_t head,
+                                        float head_scale) const {
     uint8_t *const section = this->section(block, head);
     uint8_t *meta = section + meta_offset + offset * meta_row;
     RowRef r;
@@ -172,7 +181,7 @@ struct PagedSide {
     r.scales = reinterpret_cast<uint16_t *>(meta);
     r.zeros = reinterpret_cast<uint16_t *>(meta) + 1;
     r.meta_step = meta_step;
-    r.head_scale = head_scales != nullptr ? head_scales[head] : 1.0f;
+    r.head_scale = head_scale;
     return r;
   }
 };
@@ -246,14 +255,16 @@ __device__ __forceinline__ Extremes extremes_for(const Extremes &own, const RowS
   else return C::group_extremes(own);
 }
 
-// Whether append quantizes straight from the packed 16-bit input (INT4 formats, f16 / bf16).
+// Whether append quantizes straight from the packed 16-bit input (f16 / bf16 into the INT4,
+// INT8 and FP4 formats: the codecs with packed_extremes).
 template <typename In, int F>
-constexpr bool kPackedInt4 = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
+constexpr bool kPackedInput = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
 
-// A codec whose encoder is long (kLongEncode: FP4, ~16 instructions an element) takes one row
-// per thread from 16-bit inputs, at 4 blocks per SM (64 registers): 48 -> 58 % of a device copy
-// on grid values, 60 -> 65 % on random ones, where 2 rows at 3 blocks spilled (session 12's
-// sweep, PERFORMANCE.md).
+// A codec whose encoder is long (kLongEncode: FP4, 32 elements and two block scales a thread)
+// takes one row per thread from 16-bit inputs, at 4 blocks per SM (64 registers): 48 -> 58 % of
+// a device copy on grid values, 60 -> 65 % on random ones, where 2 rows at 3 blocks spilled
+// (session 12's sweep with the encoder of then, ~24 instructions an element on the kernel's hot
+// path; ~15 since "Append v3", PERFORMANCE.md, whose sweep is to be redone).
 template <class C, class = void> struct LongEncodeOf : std::false_type {};
 template <class C>
 struct LongEncodeOf<C, std::void_t<decltype(C::kLongEncode)>> : std::bool_constant<C::kLongEncode> {};
@@ -280,6 +291,7 @@ template <typename In, int E> struct PendingRow {
   RawChunk<In, E> raw;
   uint32_t head;
   int64_t slot;
+  float head_scale;  // FP8's s, FP4's g: read with the input, off the slot's critical path
 };
 
 template <typename In, int F>
@@ -302,10 +314,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
     const uint32_t token = side.by_heads.div(row);
     p.head = row - token * side.num_heads;
     p.slot = -1;
+    p.head_scale = 1.0f;
+    if constexpr (C::kHeadScale)
+      if (side.head_scales != nullptr && in_block && token < num_tokens)
+        p.head_scale = side.head_scales[p.head];
     if (in_block && token < num_tokens) {
       load_raw<In, E>(x + token * token_stride + p.head * shape.head_dim + chunk * E, p.raw);
       p.slot = slots_i64 ? static_cast<const int64_t *>(slots)[token]
                          : (int64_t) static_cast<const int32_t *>(slots)[token];
+    } else if constexpr (kPackedInput<In, F>) {
+      p.raw = {};  // no row: zeros, which the encoders take without a slow path
     }
   };
   uint32_t non_finite = 0, out_of_range = 0;
@@ -314,13 +332,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
     // A slot past the pool is an error the host learns about through the counter.
     out_of_range += count_out_of_range && p.slot >= num_slots && p.head == 0 && chunk == 0;
     const bool active = p.slot >= 0 && p.slot < num_slots;  // -1 also for rows past the end
-    RowRef r = {};
+    RowRef r;  // read only where active
     if (active) {
       const uint32_t block = side.by_block_size.div((uint32_t)p.slot);
-      r = side.row(block, (uint32_t)p.slot - block * side.block_size, p.head);
+      r = side.row(block, (uint32_t)p.slot - block * side.block_size, p.head, p.head_scale);
     }
-    if constexpr (kPackedInt4<In, F>) {
-      // INT4 from f16 / bf16: extremes on packed pairs, values widened as the codes need them.
+    if constexpr (kPackedInput<In, F>) {
+      // From f16 / bf16: extremes on packed pairs, values widened as the codes need them.
       Extremes own = {0.0f, 0.0f};
       bool needs_clamp = false;
       if (active) {
@@ -330,13 +348,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
         }
         // Only bf16 can exceed ±65504 once scrubbed (f16 never takes the clamped copy of the
         // encoder); the clamp is monotonic, so it commutes with taking extremes.
-        needs_clamp = kMayExceedF16<In> && (own.lo < -kF16Max || own.hi > kF16Max);
-        own.lo = fmaxf(own.lo, -kF16Max);
-        own.hi = fminf(own.hi, kF16Max);
-      } else {
-        p.raw = {};
+        if constexpr (kMayExceedF16<In>) {
+          needs_clamp = own.lo < -kF16Max || own.hi > kF16Max;
+          own.lo = fmaxf(own.lo, -kF16Max);
+          own.hi = fminf(own.hi, kF16Max);
+        }
       }
-      const Extremes group = C::group_extremes(own);
+      const Extremes group = extremes_for<F>(own, shape);
       if (__builtin_expect(needs_clamp, 0))
         C::encode(RawValues<In, E, true>{p.raw}, own, group, chunk, r, active);
       else

@@ -286,6 +286,7 @@ extern "C" int kvq_decode_attention(const kvq_decode_args *a, void *stream) {
   p.sinks = a->sinks;
   p.window_left = a->window_left;
   p.soft_cap = a->logits_soft_cap;
+  p.alibi_slopes = a->alibi_slopes;
 
   const int64_t y = (int64_t)l.num_kv_heads * p.m_tiles;
   if (y > 65535 || a->batch > 65535) return KVQ_ERR_UNSUPPORTED;

@@ -240,11 +240,16 @@ typedef struct kvq_rows {
  *   q             q_dtype (KVQ_DTYPE_F16 or _BF16), rows at q_rows
  *   out           out_dtype (KVQ_DTYPE_F16, _BF16 or _F32), rows at out_rows
  *   lse           f32 at lse_rows, natural log of the softmax denominator (logits include
- *                 softmax_scale and the cap; the sink included); may be null
+ *                 softmax_scale, the cap and the ALiBi bias; the sink included); may be null
  *   logits        softmax_scale * q.k, then logits_soft_cap * tanh(logits / logits_soft_cap)
- *                 when logits_soft_cap > 0
+ *                 when logits_soft_cap > 0, then + alibi_slopes[h] * (j - p) for the key at
+ *                 position j when alibi_slopes is given
  *   sinks         [num_q_heads] f32 or null: a logit per head that joins every row's softmax
- *                 denominator only (gpt-oss); not scaled, not capped
+ *                 denominator only (gpt-oss); not scaled, not capped, not biased
+ *   alibi_slopes  [num_q_heads] f32 or null: ALiBi's slope m_h (finite) per query head; the
+ *                 logit of the query at position p (head h) for the key at j <= p gains
+ *                 m_h * (j - p), after the cap (null: no bias; with slopes every step takes the
+ *                 kernel's masked path, as with a cap)
  *   block_tables  [batch, max_blocks] int32, context_lens [batch] int32
  *   ws_o, ws_lse, ws_counters  split-KV workspace, used when num_splits > 1:
  *                 ws_o [batch, num_splits, num_q_heads * q_len, head_dim] f32,
@@ -295,6 +300,7 @@ typedef struct kvq_decode_args {
   const float *sinks;    /* may be null */
   int32_t window_left;   /* < 0: no window */
   float logits_soft_cap; /* <= 0: none */
+  const float *alibi_slopes; /* may be null */
 } kvq_decode_args;
 
 /* 1 when this build has a decode kernel for keys in k_format and values in v_format
@@ -344,9 +350,12 @@ int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim, i
  *               q / out / lse are tokens qo_indptr[0] .. qo_indptr[batch] (qo_indptr[0] is 0
  *               unless the launch serves the tail of a batch whose first rows went elsewhere)
  *   sinks       [num_q_heads] f32 or null: a logit per head that joins every row's softmax
- *               denominator only (gpt-oss); not scaled, not capped
+ *               denominator only (gpt-oss); not scaled, not capped, not biased
+ *   alibi_slopes  [num_q_heads] f32 or null: ALiBi's slope m_h (finite) per query head; the
+ *               logit of the query at position p (head h) for the key at j <= p gains
+ *               m_h * (j - p), after the cap (null: no bias)
  *   logits      softmax_scale * q.k, then logits_soft_cap * tanh(logits / logits_soft_cap)
- *               when logits_soft_cap > 0
+ *               when logits_soft_cap > 0, then the ALiBi bias
  *   ws_o, ws_lse  split-KV workspace, used when num_splits > 1: f32 [num_splits, max_tokens *
  *               num_q_heads, head_dim] and [num_splits, max_tokens * num_q_heads]; a second
  *               kernel merges the splits (one launch at a time per workspace)
@@ -382,6 +391,7 @@ typedef struct kvq_prefill_args {
   int32_t window_left;  /* < 0: no window */
   float softmax_scale;
   float logits_soft_cap; /* <= 0: none */
+  const float *alibi_slopes; /* may be null */
 } kvq_prefill_args;
 
 /* 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every

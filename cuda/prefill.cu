@@ -340,6 +340,7 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   p.window_left = a->window_left < 0 ? -1 : a->window_left;
   p.sm_scale = a->softmax_scale;
   p.soft_cap = a->logits_soft_cap > 0.f ? a->logits_soft_cap : 0.f;
+  p.alibi_slopes = a->alibi_slopes;
 
   if (l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
   const bool kb = rk.bf16, vb = rv.bf16;

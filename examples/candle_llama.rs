@@ -221,6 +221,7 @@ fn step(w: &Weights, att: &mut Attention, inp: &StepInput, dev: &Device) -> Res<
                     HEADS,
                     &AttentionOptions::new(D_HEAD),
                     None,
+                    None,
                     Accum::F64,
                 )?;
                 Tensor::from_vec(out.out, (n, HEADS, D_HEAD), dev)?

@@ -213,6 +213,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
             out_rows: rows,
             lse: None,
             sinks: None,
+            alibi_slopes: None,
         },
     )?;
     let graph = s
@@ -364,6 +365,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     out_rows: prow,
                     lse: None,
                     sinks: None,
+                    alibi_slopes: None,
                 },
             )?;
             b.record(&s)?;
@@ -387,6 +389,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     &q,
                     HEADS,
                     &AttentionOptions::new(D),
+                    None,
                     None,
                     Accum::F64,
                 )?;
@@ -619,6 +622,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                 out_rows: rows,
                 lse: None,
                 sinks: None,
+                alibi_slopes: None,
             },
         )?;
         direct_us += t.elapsed().as_secs_f64() * 1e6 / N as f64;
@@ -688,6 +692,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     out_rows: rows,
                     lse: None,
                     sinks: None,
+                    alibi_slopes: None,
                 },
             )
         })?;

@@ -78,6 +78,7 @@ fn run() -> kvq::Result<()> {
             out_rows: rows,
             lse: None,
             sinks: None, // or Some(&sinks): a learned logit per query head (gpt-oss)
+            alibi_slopes: None, // or Some(&slopes): ALiBi's slope per query head
         },
     )?; // queued on the plan's stream: no allocation, no host sync, capturable in a graph
     cache.check_appends()?; // now and then: slots or block ids outside the pool are errors
@@ -130,8 +131,9 @@ fn run() -> kvq::Result<()> {
             q_rows: rows,
             out: &mut chunk_out,
             out_rows: rows,
-            lse: None,   // or Some((&mut lse, rows)): natural-log lse per row
-            sinks: None, // or Some(&sinks): a learned logit per query head (gpt-oss)
+            lse: None,          // or Some((&mut lse, rows)): natural-log lse per row
+            sinks: None,        // or Some(&sinks): a learned logit per query head (gpt-oss)
+            alibi_slopes: None, // or Some(&slopes): ALiBi's slope per query head
         },
     )?;
     cache.check_appends()?;

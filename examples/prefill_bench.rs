@@ -196,6 +196,7 @@ fn measure(
                 out_rows: rows,
                 lse: None,
                 sinks: None,
+                alibi_slopes: None,
             },
         )
     })?;

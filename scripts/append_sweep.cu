@@ -2,15 +2,24 @@
 // sweep of tunings (or of whole append.cu versions, with -I) builds on the GPU machine itself
 // (it has nvcc), several at once:
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a -Icuda -DKVQ_APPEND_ROWS=1 -DKVQ_APPEND_MIN_BLOCKS=4 \
-//        scripts/append_sweep.cu -o /tmp/sweep && /tmp/sweep
+//   nvcc -O3 -std=c++17 -arch=sm_90a -fmad=false -Icuda -DKVQ_APPEND_ROWS=1 \
+//        -DKVQ_APPEND_MIN_BLOCKS=4 scripts/append_sweep.cu -o /tmp/sweep && /tmp/sweep
 //
-// The workload is benches/gpu_append.rs's: f16 K and V [262,144 tokens, 8 heads, 128] (1 GiB
-// together) of its grid values (or, with the argument `random`, its random ones), pages of 16 in
-// a scrambled order, int64 slots; bytes = inputs + slots read, codes and
-// metadata written; a 2 GiB device copy (read + write) timed in the same process. Each pair prints
-// its median GB/s, % of the copy, and a 64-bit checksum of the whole pool, which must be the same
-// for every tuning (the quantized bytes do not depend on how rows are walked).
+// (-fmad=false as build.rs compiles append.cu; without the two -D, append.cu's own tuning.) The
+// workload is benches/gpu_append.rs's: f16 K and V [262,144 tokens, 8 heads, 128] (1 GiB
+// together) of its grid values and of its random ones, pages of 16 in a scrambled order, int64
+// slots; bytes = inputs + slots read, codes and metadata written; a 2 GiB device copy (read +
+// write) timed in the same process. Each pair prints its median GB/s, % of the copy, and a 64-bit
+// checksum of the whole pool, which must be the same for every tuning and every version of
+// append.cu (the quantized bytes do not depend on how rows are walked or coded).
+//
+//   /tmp/sweep [grid|random|both] [PAIR...]
+//
+// runs one kind of values or both (the default), and only the pairs named (int4-k32/int4-v64,
+// fp8-e4m3, fp8-e5m2, int8-pth, fp4-e2m1, f16; default all). -DKVQ_SWEEP_LABEL=\"name\" tags the
+// output lines, for A/B runs of two builds: e.g. the append.cu of an older commit, unpacked under
+// old/ (git archive COMMIT cuda | tar -x -C old), built with -Iold/cuda before -Icuda, so that
+// its append.cu and codecs are the ones included.
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -108,14 +117,21 @@ struct Synth {
   }
 };
 
+#ifndef KVQ_SWEEP_LABEL
+#define KVQ_SWEEP_LABEL ""
+#endif
+
 int main(int argc, char **argv) {
-  const bool random = argc > 1 && std::string(argv[1]) == "random";
+  int kinds = 3;  // bit 0: grid values, bit 1: random ones
+  std::vector<std::string> only;
+  for (int a = 1; a < argc; ++a) {
+    const std::string arg = argv[a];
+    if (arg == "grid") kinds = 1;
+    else if (arg == "random") kinds = 2;
+    else if (arg == "both") kinds = 3;
+    else only.push_back(arg);
+  }
   const int64_t n = kTokens * kHeads * kDim;
-  std::vector<__half> host(n);
-  Synth synth;
-  for (int64_t i = 0; i < n; ++i)
-    host[i] = __float2half(random ? synth.uniform(-10.0f, 10.0f)
-                                  : (float)((uint64_t)i * 2654435761ull % 2001) / 100.0f - 10.0f);
   const int64_t pages = kTokens / kBlockSize;
   std::vector<int64_t> slots(kTokens);
   for (int64_t t = 0; t < kTokens; ++t)
@@ -125,8 +141,6 @@ int main(int argc, char **argv) {
   CHECK(cudaMalloc(&k, n * 2));
   CHECK(cudaMalloc(&v, n * 2));
   CHECK(cudaMalloc(&dslots, kTokens * 8));
-  CHECK(cudaMemcpy(k, host.data(), n * 2, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(v, host.data(), n * 2, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dslots, slots.data(), kTokens * 8, cudaMemcpyHostToDevice));
 
   const size_t copy_bytes = 2ull << 30;
@@ -140,11 +154,11 @@ int main(int argc, char **argv) {
   CHECK(cudaFree(src));
   CHECK(cudaFree(dst));
 #ifdef KVQ_APPEND_ROWS
-  printf("rows %d min_blocks %d: ", KVQ_APPEND_ROWS, KVQ_APPEND_MIN_BLOCKS);
+  printf("%s rows %d min_blocks %d: ", KVQ_SWEEP_LABEL, KVQ_APPEND_ROWS, KVQ_APPEND_MIN_BLOCKS);
 #else
-  printf("default tuning: ");
+  printf("%s default tuning: ", KVQ_SWEEP_LABEL);
 #endif
-  printf("%s values, dtod copy %.0f GB/s\n", random ? "random" : "grid", copy_gbps);
+  printf("dtod copy %.0f GB/s\n", copy_gbps);
 
   constexpr int kPairs = 6;
   const int pairs[kPairs][2] = {{KVQ_INT4_SYM32, KVQ_INT4_AFFINE64}, {KVQ_FP8_E4M3, KVQ_FP8_E4M3},
@@ -159,42 +173,54 @@ int main(int argc, char **argv) {
   std::vector<float> hs(kHeads, 10.0f / 448.0f), gs(kHeads, 10.0f / 2688.0f);
   CHECK(cudaMemcpy(scales, hs.data(), kHeads * 4, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(fp4_scales, gs.data(), kHeads * 4, cudaMemcpyHostToDevice));
-  for (int p = 0; p < kPairs; ++p) {
-    kvq_cache c = {};
-    c.layout = layout_of(pairs[p][0], pairs[p][1]);
-    const size_t pool_bytes = (size_t)c.layout.block_stride * pages;
-    CHECK(cudaMalloc(&c.pool, pool_bytes));
-    CHECK(cudaMemset(c.pool, 0, pool_bytes));
-    c.k_scales = c.v_scales = pairs[p][0] == KVQ_FP4_E2M1 ? fp4_scales : scales;
-    auto run = [&] {
-      const int r = kvq_append(&c, pages, dslots, 1, kTokens, k, v, KVQ_DTYPE_F16,
-                               kHeads * kDim, kHeads * kDim, nullptr, nullptr);
-      if (r != KVQ_OK) {
-        fprintf(stderr, "kvq_append: %d %s\n", r, kvq_last_error());
-        exit(1);
-      }
-    };
-    const float ms = median_ms(9, run);
-    cudaFuncAttributes ka = {}, va = {};
-    with_format<false>(pairs[p][0], [&](auto f) {
-      return (int)cudaFuncGetAttributes(&ka, append_kernel<__half, decltype(f)::value>);
-    });
-    with_format<false>(pairs[p][1], [&](auto f) {
-      return (int)cudaFuncGetAttributes(&va, append_kernel<__half, decltype(f)::value>);
-    });
-    const int64_t written = kTokens * kHeads *
-                            (int64_t)(c.layout.k_codes_row + c.layout.k_meta_row +
-                                      c.layout.v_codes_row + c.layout.v_meta_row);
-    const int64_t bytes = 2 * n * 2 + kTokens * 8 + written;
-    const double gbps = bytes / ms / 1e6;
-    std::vector<uint64_t> pool(pool_bytes / 8);
-    CHECK(cudaMemcpy(pool.data(), c.pool, pool_bytes, cudaMemcpyDeviceToHost));
-    uint64_t h = 1469598103934665603ull;
-    for (uint64_t w : pool) h = (h ^ w) * 1099511628211ull;
-    printf("%-18s %8.1f us %6.0f GB/s %5.1f %% of copy  regs K %d V %d  pool %016llx\n",
-           names[p], ms * 1e3, gbps, 100.0 * gbps / copy_gbps, ka.numRegs, va.numRegs,
-           (unsigned long long)h);
-    CHECK(cudaFree(c.pool));
+  std::vector<__half> host(n);
+  for (int kind = 0; kind < 2; ++kind) {
+    if (!(kinds & (1 << kind))) continue;
+    const bool random = kind == 1;
+    Synth synth;
+    for (int64_t i = 0; i < n; ++i)
+      host[i] = __float2half(random ? synth.uniform(-10.0f, 10.0f)
+                                    : (float)((uint64_t)i * 2654435761ull % 2001) / 100.0f - 10.0f);
+    CHECK(cudaMemcpy(k, host.data(), n * 2, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(v, host.data(), n * 2, cudaMemcpyHostToDevice));
+    for (int p = 0; p < kPairs; ++p) {
+      if (!only.empty() && std::find(only.begin(), only.end(), names[p]) == only.end()) continue;
+      kvq_cache c = {};
+      c.layout = layout_of(pairs[p][0], pairs[p][1]);
+      const size_t pool_bytes = (size_t)c.layout.block_stride * pages;
+      CHECK(cudaMalloc(&c.pool, pool_bytes));
+      CHECK(cudaMemset(c.pool, 0, pool_bytes));
+      c.k_scales = c.v_scales = pairs[p][0] == KVQ_FP4_E2M1 ? fp4_scales : scales;
+      auto run = [&] {
+        const int r = kvq_append(&c, pages, dslots, 1, kTokens, k, v, KVQ_DTYPE_F16,
+                                 kHeads * kDim, kHeads * kDim, nullptr, nullptr);
+        if (r != KVQ_OK) {
+          fprintf(stderr, "kvq_append: %d %s\n", r, kvq_last_error());
+          exit(1);
+        }
+      };
+      const float ms = median_ms(9, run);
+      cudaFuncAttributes ka = {}, va = {};
+      with_format<false>(pairs[p][0], [&](auto f) {
+        return (int)cudaFuncGetAttributes(&ka, append_kernel<__half, decltype(f)::value>);
+      });
+      with_format<false>(pairs[p][1], [&](auto f) {
+        return (int)cudaFuncGetAttributes(&va, append_kernel<__half, decltype(f)::value>);
+      });
+      const int64_t written = kTokens * kHeads *
+                              (int64_t)(c.layout.k_codes_row + c.layout.k_meta_row +
+                                        c.layout.v_codes_row + c.layout.v_meta_row);
+      const int64_t bytes = 2 * n * 2 + kTokens * 8 + written;
+      const double gbps = bytes / ms / 1e6;
+      std::vector<uint64_t> pool(pool_bytes / 8);
+      CHECK(cudaMemcpy(pool.data(), c.pool, pool_bytes, cudaMemcpyDeviceToHost));
+      uint64_t h = 1469598103934665603ull;
+      for (uint64_t w : pool) h = (h ^ w) * 1099511628211ull;
+      printf("%s %-6s %-18s %8.1f us %6.0f GB/s %5.1f %% of copy  regs K %d V %d  pool %016llx\n",
+             KVQ_SWEEP_LABEL, random ? "random" : "grid", names[p], ms * 1e3, gbps,
+             100.0 * gbps / copy_gbps, ka.numRegs, va.numRegs, (unsigned long long)h);
+      CHECK(cudaFree(c.pool));
+    }
   }
   return 0;
 }

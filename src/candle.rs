@@ -267,6 +267,7 @@ impl DecodeOp<'_> {
                 out_rows,
                 lse: None,
                 sinks: None,
+                alibi_slopes: None,
             },
         )?;
         Ok((
@@ -387,6 +388,7 @@ impl PrefillOp<'_> {
                 out_rows: TokenRows::contiguous(heads, d),
                 lse: None,
                 sinks: None,
+                alibi_slopes: None,
             },
         )?;
         Ok((

@@ -1,5 +1,5 @@
-//! The CPU reference prefill (ragged batches, window, soft cap, sinks) against decode and a
-//! naive f64 attention over the dequantized cache, and `merge_states` against attention over
+//! The CPU reference prefill (ragged batches, window, soft cap, sinks, ALiBi) against decode and
+//! a naive f64 attention over the dequantized cache, and `merge_states` against attention over
 //! the union of the keys.
 
 use kvq::cache::{BlockTables, HostCache};
@@ -68,13 +68,20 @@ fn setup(k_format: KvFormat, v_format: KvFormat, lens: &[usize], seed: u64) -> S
     }
 }
 
+/// Per-query-head arguments: sinks and ALiBi slopes.
+#[derive(Clone, Copy, Default)]
+struct Heads<'a> {
+    sinks: Option<&'a [f32]>,
+    alibi: Option<&'a [f32]>,
+}
+
 /// Naive f64 attention of `n` query tokens (`q` `[n, NQ, D]`) that are the last `n` of a
 /// sequence with dense K/V `[len, NKV, D]`: out `[n, NQ, D]`, lse `[n, NQ]`.
 fn naive(
     q: &[f32],
     (k, v): (&[f32], &[f32]),
     opts: &AttentionOptions,
-    sinks: Option<&[f32]>,
+    heads: Heads<'_>,
 ) -> (Vec<f64>, Vec<f64>) {
     let n = q.len() / (NQ * D);
     let len = k.len() / (NKV * D);
@@ -91,11 +98,15 @@ fn naive(
                     let kr = &k[(t * NKV + g) * D..][..D];
                     let dot: f64 = qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum();
                     let l = opts.softmax_scale as f64 * dot;
-                    opts.logits_soft_cap
-                        .map_or(l, |c| c as f64 * (l / c as f64).tanh())
+                    let l = opts
+                        .logits_soft_cap
+                        .map_or(l, |c| c as f64 * (l / c as f64).tanh());
+                    l + heads
+                        .alibi
+                        .map_or(0.0, |m| m[h] as f64 * (t as f64 - p as f64))
                 })
                 .collect();
-            let sink = sinks.map(|s| s[h] as f64);
+            let sink = heads.sinks.map(|s| s[h] as f64);
             let m = logits
                 .iter()
                 .copied()
@@ -118,18 +129,29 @@ fn naive(
 
 /// Prefill of `tokens[b]` new tokens per sequence, each checked against [`naive`] within
 /// f32 rounding of the f64 result.
-fn check_prefill(s: &Setup, tokens: &[u32], opts: &AttentionOptions, sinks: Option<&[f32]>) {
+fn check_prefill(s: &Setup, tokens: &[u32], opts: &AttentionOptions, heads: Heads<'_>) {
     let mut qo = vec![0u32];
     for &n in tokens {
         qo.push(qo.last().unwrap() + n);
     }
     let total = *qo.last().unwrap() as usize;
     let q = Synth::new(total as u64).normal(total * NQ * D, 1.0);
-    let r = prefill_attention(&s.cache, &s.tables, &qo, &q, NQ, opts, sinks, Accum::F64).unwrap();
+    let r = prefill_attention(
+        &s.cache,
+        &s.tables,
+        &qo,
+        &q,
+        NQ,
+        opts,
+        heads.sinks,
+        heads.alibi,
+        Accum::F64,
+    )
+    .unwrap();
     assert_eq!((r.out.len(), r.lse.len()), (total * NQ * D, total * NQ));
     for (b, (k, v)) in s.dense.iter().enumerate() {
         let (t0, t1) = (qo[b] as usize, qo[b + 1] as usize);
-        let (want, want_lse) = naive(&q[t0 * NQ * D..t1 * NQ * D], (k, v), opts, sinks);
+        let (want, want_lse) = naive(&q[t0 * NQ * D..t1 * NQ * D], (k, v), opts, heads);
         let got = &r.out[t0 * NQ * D..t1 * NQ * D];
         let scale = want.iter().fold(1e-30, |m: f64, x| m.max(x.abs()));
         for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
@@ -159,12 +181,13 @@ fn single_tokens_equal_decode() {
         let opts = AttentionOptions::new(D);
         for accum in [Accum::F32, Accum::F64] {
             let dec = decode_attention(&s.cache, &s.tables, &q, &shape, accum).unwrap();
-            let pre =
-                prefill_attention(&s.cache, &s.tables, &qo, &q, NQ, &opts, None, accum).unwrap();
+            let pre = prefill_attention(&s.cache, &s.tables, &qo, &q, NQ, &opts, None, None, accum)
+                .unwrap();
             // [batch, NQ, 1, D] and [tokens = batch, NQ, D] are the same order.
             assert_eq!(pre, dec, "{kf}/{vf} {accum:?}");
             let with =
-                decode_attention_with(&s.cache, &s.tables, &q, &shape, &opts, None, accum).unwrap();
+                decode_attention_with(&s.cache, &s.tables, &q, &shape, &opts, None, None, accum)
+                    .unwrap();
             assert_eq!(with, dec);
         }
     }
@@ -176,8 +199,18 @@ fn single_tokens_equal_decode() {
 fn ragged_batch_matches_naive() {
     for (i, (kf, vf)) in PAIRS.into_iter().enumerate() {
         let s = setup(kf, vf, &[37, 50, 9, 20], 10 + i as u64);
-        check_prefill(&s, &[37, 13, 0, 1], &AttentionOptions::new(D), None);
-        check_prefill(&s, &[0, 50, 9, 0], &AttentionOptions::new(D), None);
+        check_prefill(
+            &s,
+            &[37, 13, 0, 1],
+            &AttentionOptions::new(D),
+            Heads::default(),
+        );
+        check_prefill(
+            &s,
+            &[0, 50, 9, 0],
+            &AttentionOptions::new(D),
+            Heads::default(),
+        );
     }
 }
 
@@ -195,7 +228,7 @@ fn window_and_soft_cap_match_naive() {
                 window_left,
                 logits_soft_cap,
             };
-            check_prefill(&s, &[45, 11], &opts, None);
+            check_prefill(&s, &[45, 11], &opts, Heads::default());
         }
     }
     check_prefill(
@@ -205,7 +238,7 @@ fn window_and_soft_cap_match_naive() {
             window_left: Some(5),
             ..base
         },
-        None,
+        Heads::default(),
     );
     // Window 0: the output is the token's own value row.
     let opts = AttentionOptions {
@@ -220,6 +253,7 @@ fn window_and_soft_cap_match_naive() {
         &q,
         NQ,
         &opts,
+        None,
         None,
         Accum::F64,
     )
@@ -241,13 +275,17 @@ fn sinks_match_naive() {
         let s = setup(kf, vf, &[25, 33], 30 + i as u64);
         let sinks = [-1.5f32, 0.0, 2.0, 8.0];
         let opts = AttentionOptions::new(D);
-        check_prefill(&s, &[25, 6], &opts, Some(&sinks));
+        let with_sinks = Heads {
+            sinks: Some(&sinks),
+            alibi: None,
+        };
+        check_prefill(&s, &[25, 6], &opts, with_sinks);
         let capped = AttentionOptions {
             window_left: Some(9),
             logits_soft_cap: Some(5.0),
             ..opts
         };
-        check_prefill(&s, &[25, 6], &capped, Some(&sinks));
+        check_prefill(&s, &[25, 6], &capped, with_sinks);
         // Decode with options: q_len 3 is the last 3 tokens, head-major.
         let shape = DecodeShape::new(NQ, 3, D);
         let q = Synth::new(4).normal(2 * NQ * 3 * D, 1.0);
@@ -258,6 +296,7 @@ fn sinks_match_naive() {
             &shape,
             &capped,
             Some(&sinks),
+            None,
             Accum::F64,
         )
         .unwrap();
@@ -267,7 +306,7 @@ fn sinks_match_naive() {
             let qt: Vec<f32> = (0..3)
                 .flat_map(|i| (0..NQ).flat_map(move |h| qb[(h * 3 + i) * D..][..D].to_vec()))
                 .collect();
-            let (want, want_lse) = naive(&qt, (&kv.0, &kv.1), &capped, Some(&sinks));
+            let (want, want_lse) = naive(&qt, (&kv.0, &kv.1), &capped, with_sinks);
             for h in 0..NQ {
                 for i in 0..3 {
                     let got = &r.out[((b * NQ + h) * 3 + i) * D..][..D];
@@ -354,7 +393,17 @@ fn invalid_inputs_are_errors() {
     let opts = AttentionOptions::new(D);
     let q = vec![0.5f32; 12 * NQ * D];
     let run = |qo: &[u32], q: &[f32], opts: &AttentionOptions, sinks: Option<&[f32]>| {
-        prefill_attention(&s.cache, &s.tables, qo, q, NQ, opts, sinks, Accum::F64)
+        prefill_attention(
+            &s.cache,
+            &s.tables,
+            qo,
+            q,
+            NQ,
+            opts,
+            sinks,
+            None,
+            Accum::F64,
+        )
     };
     assert!(run(&[0, 10, 12], &q, &opts, None).is_ok());
     // qo_indptr: wrong length, not starting at 0, decreasing, total not matching q.
@@ -388,6 +437,34 @@ fn invalid_inputs_are_errors() {
         run(&[0, 10, 12], &q, &opts, Some(&[0.0, f32::NAN, 0.0, 0.0])),
         Err(Error::NonFinite { what: "sinks", .. })
     ));
+    // ALiBi slopes: wrong length, non-finite.
+    let run_alibi = |slopes: &[f32]| {
+        prefill_attention(
+            &s.cache,
+            &s.tables,
+            &[0, 10, 12],
+            &q,
+            NQ,
+            &opts,
+            None,
+            Some(slopes),
+            Accum::F64,
+        )
+    };
+    assert!(run_alibi(&[0.5; NQ]).is_ok());
+    assert!(matches!(
+        run_alibi(&[0.5; NQ + 1]),
+        Err(Error::Length { .. })
+    ));
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        assert!(matches!(
+            run_alibi(&[0.5, 0.25, bad, 0.125]),
+            Err(Error::NonFinite {
+                what: "alibi_slopes",
+                count: 1
+            })
+        ));
+    }
     // Soft cap not positive and finite; scale not finite.
     for cap in [0.0, -1.0, f32::INFINITY, f32::NAN] {
         let bad = AttentionOptions {
@@ -423,6 +500,7 @@ fn invalid_inputs_are_errors() {
             3,
             &opts,
             None,
+            None,
             Accum::F64
         ),
         Err(Error::InvalidArgument(_))
@@ -438,6 +516,7 @@ fn invalid_inputs_are_errors() {
             NQ,
             &opts,
             None,
+            None,
             Accum::F64
         ),
         Err(Error::BlockIndex { .. })
@@ -452,14 +531,209 @@ fn invalid_inputs_are_errors() {
             &shape,
             &opts,
             Some(&[1.0]),
+            None,
             Accum::F64
         ),
         Err(Error::Length { .. })
     ));
+    assert!(matches!(
+        decode_attention_with(
+            &s.cache,
+            &s.tables,
+            &q[..2 * NQ * D],
+            &shape,
+            &opts,
+            None,
+            Some(&[0.5, 0.5, f32::NAN, 0.5]),
+            Accum::F64
+        ),
+        Err(Error::NonFinite {
+            what: "alibi_slopes",
+            ..
+        })
+    ));
     // An empty batch, and sequences with no new tokens, give empty results.
     let none = BlockTables::from_rows(&[], &[]).unwrap();
-    let r = prefill_attention(&s.cache, &none, &[0], &[], NQ, &opts, None, Accum::F64).unwrap();
+    let r = prefill_attention(
+        &s.cache,
+        &none,
+        &[0],
+        &[],
+        NQ,
+        &opts,
+        None,
+        None,
+        Accum::F64,
+    )
+    .unwrap();
     assert!(r.out.is_empty() && r.lse.is_empty());
     let r = run(&[0, 0, 0], &[], &opts, None).unwrap();
     assert!(r.out.is_empty() && r.lse.is_empty());
+}
+
+/// (g) ALiBi by hand: one head, two tokens whose keys give known logits. The query at
+/// position 1 sees key 0 at distance 1 (bias -m) and itself (bias 0); the query at position 0
+/// sees only itself, whatever the slope. The bias comes after the soft cap.
+#[test]
+fn alibi_two_tokens_by_hand() {
+    let d = 16;
+    let cfg = CacheConfig::new(1, d, BS, KvFormat::F16, KvFormat::F16).unwrap();
+    let mut cache = HostCache::new(cfg, 1).unwrap();
+    // q . k0 = 16 * 0.5 = 8 and q . k1 = 0 (q all ones); v0 all 2, v1 all 6 (exact in f16).
+    let k: Vec<f32> = [vec![0.5f32; d], vec![0.0; d]].concat();
+    let v: Vec<f32> = [vec![2.0f32; d], vec![6.0; d]].concat();
+    cache.write(&[0, 1], &k, &v).unwrap();
+    let tables = BlockTables::from_rows(&[&[0]], &[2]).unwrap();
+    let q = vec![1.0f32; 2 * d];
+    let m = 0.75f32;
+    for cap in [None, Some(1.5f32)] {
+        let opts = AttentionOptions {
+            softmax_scale: 0.25, // logit of key 0: 2, then capped: 1.5 tanh(2 / 1.5)
+            window_left: None,
+            logits_soft_cap: cap,
+        };
+        let l0 = cap.map_or(2.0, |c| c as f64 * (2.0 / c as f64).tanh());
+        let l0 = l0 - m as f64; // position 0 from position 1
+        let (w0, w1) = (l0.exp(), 1.0f64); // key 1: logit 0, bias 0
+        let want = (2.0 * w0 + 6.0 * w1) / (w0 + w1);
+        let want_lse = (w0 + w1).ln();
+        // Prefill of both tokens (token-major [2, 1, d]).
+        let r = prefill_attention(
+            &cache,
+            &tables,
+            &[0, 2],
+            &q,
+            1,
+            &opts,
+            None,
+            Some(&[m]),
+            Accum::F64,
+        )
+        .unwrap();
+        assert!(r.out[..d].iter().all(|&x| x == 2.0), "{cap:?}");
+        let own = cap.map_or(2.0, |c| c as f64 * (2.0 / c as f64).tanh()); // bias 0
+        assert!((r.lse[0] as f64 - own).abs() <= 1e-6);
+        for &x in &r.out[d..] {
+            assert!((x as f64 - want).abs() <= 1e-6, "{cap:?}: {x} vs {want}");
+        }
+        assert!((r.lse[1] as f64 - want_lse).abs() <= 1e-6);
+        // Decode of the last token: the same row.
+        let shape = DecodeShape::new(1, 1, d);
+        let dec = decode_attention_with(
+            &cache,
+            &tables,
+            &q[d..],
+            &shape,
+            &opts,
+            None,
+            Some(&[m]),
+            Accum::F64,
+        )
+        .unwrap();
+        assert_eq!(dec.out, r.out[d..]);
+        assert_eq!(dec.lse, r.lse[1..]);
+    }
+}
+
+/// (h) ALiBi against the naive attention: the standard geometric slopes and larger ones, alone
+/// and with a window, a soft cap and sinks, in ragged prefill and in decode (q_len 3); slopes
+/// of 0 equal no slopes, bit for bit.
+#[test]
+fn alibi_matches_naive_and_zero_slopes_are_none() {
+    // 2^(-8 (h + 1) / NQ): 1/4, 1/16, 1/64, 1/256.
+    let geometric: Vec<f32> = (0..NQ)
+        .map(|h| 2f32.powf(-8.0 * (h + 1) as f32 / NQ as f32))
+        .collect();
+    let large = [1.0f32, 2.5, 0.5, 8.0];
+    let sinks = [-1.5f32, 0.0, 2.0, 8.0];
+    for (i, (kf, vf)) in PAIRS.into_iter().enumerate() {
+        let s = setup(kf, vf, &[45, 30, 12], 60 + i as u64);
+        let base = AttentionOptions::new(D);
+        let options = [
+            base,
+            AttentionOptions {
+                window_left: Some(9),
+                logits_soft_cap: Some(5.0),
+                ..base
+            },
+        ];
+        for opts in options {
+            for slopes in [&geometric[..], &large[..]] {
+                for sinks in [None, Some(&sinks[..])] {
+                    let heads = Heads {
+                        sinks,
+                        alibi: Some(slopes),
+                    };
+                    check_prefill(&s, &[45, 11, 1], &opts, heads);
+                    check_prefill(&s, &[0, 30, 12], &opts, heads);
+                }
+            }
+        }
+        // Decode with q_len 3, head-major, against the naive token-major rows.
+        let capped = options[1];
+        let shape = DecodeShape::new(NQ, 3, D);
+        let q = Synth::new(6).normal(3 * NQ * 3 * D, 1.0);
+        let heads = Heads {
+            sinks: Some(&sinks),
+            alibi: Some(&large),
+        };
+        let r = decode_attention_with(
+            &s.cache,
+            &s.tables,
+            &q,
+            &shape,
+            &capped,
+            heads.sinks,
+            heads.alibi,
+            Accum::F64,
+        )
+        .unwrap();
+        for (b, kv) in s.dense.iter().enumerate() {
+            let qb = &q[b * NQ * 3 * D..][..NQ * 3 * D];
+            let qt: Vec<f32> = (0..3)
+                .flat_map(|i| (0..NQ).flat_map(move |h| qb[(h * 3 + i) * D..][..D].to_vec()))
+                .collect();
+            let (want, want_lse) = naive(&qt, (&kv.0, &kv.1), &capped, heads);
+            for h in 0..NQ {
+                for i in 0..3 {
+                    let got = &r.out[((b * NQ + h) * 3 + i) * D..][..D];
+                    for (&g, &w) in got.iter().zip(&want[(i * NQ + h) * D..][..D]) {
+                        assert!((g as f64 - w).abs() <= 1e-6 * (1.0 + w.abs()));
+                    }
+                    let g = r.lse[(b * NQ + h) * 3 + i] as f64;
+                    assert!((g - want_lse[i * NQ + h]).abs() <= 1e-5);
+                }
+            }
+        }
+        // Slopes of 0 are no slopes, in both accumulators.
+        let zeros = [0.0f32; NQ];
+        let qo = [0u32, 45, 56, 57];
+        let qp = Synth::new(7).normal(57 * NQ * D, 1.0);
+        for accum in [Accum::F32, Accum::F64] {
+            for opts in options {
+                let pre = |alibi| {
+                    prefill_attention(
+                        &s.cache,
+                        &s.tables,
+                        &qo,
+                        &qp,
+                        NQ,
+                        &opts,
+                        Some(&sinks),
+                        alibi,
+                        accum,
+                    )
+                    .unwrap()
+                };
+                assert_eq!(pre(Some(&zeros)), pre(None), "{kf}/{vf} {accum:?}");
+                let dec = |alibi| {
+                    decode_attention_with(
+                        &s.cache, &s.tables, &q, &shape, &opts, None, alibi, accum,
+                    )
+                    .unwrap()
+                };
+                assert_eq!(dec(Some(&zeros)), dec(None), "{kf}/{vf} {accum:?}");
+            }
+        }
+    }
 }

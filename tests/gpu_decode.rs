@@ -2,7 +2,8 @@
 //! on the same quantized cache: every supported K x V format pair, head_dim 64/128/256, block
 //! sizes 16/32/64, GQA groups 1..16 (6 included), q_len 1..8 (causal), mixed lengths in a batch,
 //! block- and split-boundary lengths (int4-kc: sealed blocks and the open window on either side
-//! of a split), a 128k context, forced split counts, and real MiniLM K/V.
+//! of a split), a 128k context, forced split counts, windows, soft caps, sinks and ALiBi slopes,
+//! and real MiniLM K/V.
 //!
 //! Each case: relative error ‖e‖ / ‖ref‖ ≤ 2e-3 over the whole output, where e is |out − ref|
 //! beyond half an ulp of the output type (rounding the result to f16 / bf16 is not kernel
@@ -99,6 +100,16 @@ struct Case {
     window: Option<usize>,
     cap: Option<f32>,
     sinks: bool,
+    /// ALiBi slopes: this factor times the standard geometric series ([`alibi_slopes`]).
+    alibi: Option<f32>,
+}
+
+/// ALiBi's slopes for `heads` query heads, `factor * 2^(-8 (h + 1) / heads)` (the standard
+/// series at factor 1).
+fn alibi_slopes(heads: usize, factor: f32) -> Vec<f32> {
+    (0..heads)
+        .map(|h| factor * 2f32.powf(-8.0 * (h + 1) as f32 / heads as f32))
+        .collect()
 }
 
 impl Case {
@@ -119,12 +130,13 @@ impl Case {
             window: None,
             cap: None,
             sinks: false,
+            alibi: None,
         }
     }
     fn name(&self) -> String {
         format!(
             "{}/{} d{} bs{} kv{} G{} q_len{} {} lens{:?} splits{:?} launch{:?} window{:?} cap{:?} \
-             sinks{}",
+             sinks{} alibi{:?}",
             self.k,
             self.v,
             self.head_dim,
@@ -142,7 +154,8 @@ impl Case {
             self.launch,
             self.window,
             self.cap,
-            self.sinks
+            self.sinks,
+            self.alibi
         )
     }
 }
@@ -232,6 +245,7 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
             .map(|h| 1.0 + 2.0 * (h as f32 * 0.37).sin())
             .collect()
     });
+    let slopes = case.alibi.map(|f| alibi_slopes(heads, f));
     let want = decode_attention_with(
         &host,
         &tables,
@@ -239,6 +253,7 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
         &shape,
         &opts,
         sinks.as_deref(),
+        slopes.as_deref(),
         Accum::F64,
     )
     .expect("cpu");
@@ -274,6 +289,7 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
     let mut out_dev = s.clone_htod(&vec![T::nan(); q.len()]).expect("out");
     let mut lse_dev = s.clone_htod(&vec![f32::NAN; want.lse.len()]).expect("lse");
     let sinks_dev = sinks.as_ref().map(|x| s.clone_htod(x).expect("sinks"));
+    let slopes_dev = slopes.as_ref().map(|x| s.clone_htod(x).expect("slopes"));
     let rows = RowStrides::batch_head_token(heads, case.q_len, d);
     plan.decode_step(
         &mut ws,
@@ -290,6 +306,7 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
                 RowStrides::batch_head_token(heads, case.q_len, 1),
             )),
             sinks: sinks_dev.as_ref().map(|x| x as &dyn DevicePtr<f32>),
+            alibi_slopes: slopes_dev.as_ref().map(|x| x as &dyn DevicePtr<f32>),
         },
     )
     .unwrap_or_else(|e| panic!("{name}: decode failed: {e}"));
@@ -714,6 +731,51 @@ fn windows_caps_and_sinks() {
             c.cap = cap;
             c.sinks = sinks;
             c.splits = splits;
+            check(&gpu, &mut rng, &c);
+        }
+    }
+}
+
+/// ALiBi slopes (the standard geometric series and 4 or 16 times it), alone and with a window,
+/// a soft cap and sinks, over six format pairs, 1-7 splits, q_len 1-3, GQA groups 1, 4, 6:
+/// every step takes the masked path, which adds the bias.
+#[test]
+fn alibi_slopes_with_windows_caps_and_sinks() {
+    let Some(gpu) = require_gpu_or_skip("alibi_slopes_with_windows_caps_and_sinks") else {
+        return;
+    };
+    let mut rng = rng("alibi_slopes_with_windows_caps_and_sinks");
+    for (k, v) in [
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::Bf16, KvFormat::Bf16),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Int4Kc, KvFormat::Int4Affine64),
+        (KvFormat::Int8Pth, KvFormat::Fp4E2m1),
+    ] {
+        for (alibi, window, cap, sinks, splits) in [
+            (1.0, None, None, false, None),
+            (16.0, None, None, false, Some(5)),
+            (1.0, Some(100), Some(5.0), true, Some(3)),
+            (4.0, Some(17), None, true, Some(7)),
+            (16.0, None, Some(8.0), true, Some(1)),
+            (1.0, Some(300), None, false, Some(2)),
+        ] {
+            let lens = vec![
+                3 + rng.below(30),
+                300 + rng.below(100),
+                1500 + rng.below(600),
+            ];
+            let mut c = Case::new(k, v, 128, lens);
+            c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
+            c.q_len = 1 + rng.below(3);
+            c.group = rng.pick(&[1, 4, 6]);
+            c.block_size = rng.pick(&[16, 32, 64]);
+            c.window = window;
+            c.cap = cap;
+            c.sinks = sinks;
+            c.splits = splits;
+            c.alibi = Some(alibi);
             check(&gpu, &mut rng, &c);
         }
     }

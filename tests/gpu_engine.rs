@@ -199,6 +199,7 @@ fn fork_reserve_copy_on_write_decode() {
                 out_rows: rows,
                 lse: None,
                 sinks: None,
+                alibi_slopes: None,
             },
         )
         .unwrap();
@@ -305,6 +306,7 @@ fn continuous_batching_with_a_captured_graph() {
                     out_rows: rows,
                     lse: Some((&mut lse, lse_rows)),
                     sinks: None,
+                    alibi_slopes: None,
                 },
             )
             .unwrap();
@@ -372,6 +374,7 @@ fn continuous_batching_with_a_captured_graph() {
             out_rows: r2,
             lse: None,
             sinks: None,
+            alibi_slopes: None,
         },
     )
     .unwrap();
@@ -395,6 +398,7 @@ fn continuous_batching_with_a_captured_graph() {
             out_rows: r3,
             lse: None,
             sinks: None,
+            alibi_slopes: None,
         },
     );
     assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
@@ -448,6 +452,7 @@ fn strided_views_and_output_types() {
                     out_rows,
                     lse: None,
                     sinks: None,
+                    alibi_slopes: None,
                 },
             )
             .unwrap();
@@ -477,6 +482,7 @@ fn strided_views_and_output_types() {
                     out_rows,
                     lse: None,
                     sinks: None,
+                    alibi_slopes: None,
                 },
             )
             .unwrap();
@@ -505,6 +511,7 @@ fn strided_views_and_output_types() {
                         RowStrides::token_major(HEADS, 1, 1),
                     )),
                     sinks: None,
+                    alibi_slopes: None,
                 },
             )
             .unwrap();
@@ -525,6 +532,7 @@ fn strided_views_and_output_types() {
                     out_rows,
                     lse: None,
                     sinks: None,
+                    alibi_slopes: None,
                 },
             );
             assert!(matches!(r, Err(Error::Length { .. })), "{r:?}");
@@ -546,6 +554,7 @@ fn strided_views_and_output_types() {
                     out_rows: overlap,
                     lse: None,
                     sinks: None,
+                    alibi_slopes: None,
                 },
             );
             assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
@@ -1001,6 +1010,7 @@ fn padding_and_faults() {
         workspace_counters: ws_c.device_ptr(s).0,
         counters: counters_ptr,
         sinks: 0,
+        alibi_slopes: 0,
     };
     let out_ptr = out.device_ptr(s).0;
     let lse_ptr = lse.device_ptr(s).0;

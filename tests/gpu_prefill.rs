@@ -2,9 +2,9 @@
 //! reference (`kvq::cpu::prefill_attention`, f64) on the same quantized cache: every K x V
 //! format pair with a kernel, every head dim, ragged batches that mix whole prompts, chunks
 //! after a cached prefix, decode rows and padding, GQA groups 1..8 (6 included), block sizes
-//! 16 / 32 / 64, sliding windows, logit soft-capping, sinks, forced key splits, strided views and
-//! every output type, `int4-kc` keys in sealed blocks and in a sequence's open last block, plus
-//! `merge_states`.
+//! 16 / 32 / 64, sliding windows, logit soft-capping, sinks, ALiBi slopes, forced key splits,
+//! strided views and every output type, `int4-kc` keys in sealed blocks and in a sequence's open
+//! last block, plus `merge_states`.
 //!
 //! Each case: relative error ‖e‖ / ‖ref‖ over the whole output (e beyond half an ulp of the
 //! output type) ≤ 2e-3 with f16 operands (4e-3 with bf16: P and decoded keys carry 8 bits), no
@@ -98,6 +98,9 @@ struct Case {
     window: Option<usize>,
     cap: Option<f32>,
     sinks: bool,
+    /// ALiBi slopes: this factor times the standard geometric series
+    /// (`factor * 2^(-8 (h + 1) / heads)`).
+    alibi: Option<f32>,
     splits: Option<usize>,
     /// Extra elements between tokens of q (a fused-QKV view) and an f32 output.
     strided: bool,
@@ -119,6 +122,7 @@ impl Case {
             window: None,
             cap: None,
             sinks: false,
+            alibi: None,
             splits: None,
             strided: false,
             route: false,
@@ -126,7 +130,8 @@ impl Case {
     }
     fn name(&self) -> String {
         format!(
-            "{}/{} d{} bs{} kv{} G{} {} seqs{:?} window{:?} cap{:?} sinks{} splits{:?}{}{}",
+            "{}/{} d{} bs{} kv{} G{} {} seqs{:?} window{:?} cap{:?} sinks{} alibi{:?} \
+             splits{:?}{}{}",
             self.k,
             self.v,
             self.head_dim,
@@ -138,6 +143,7 @@ impl Case {
             self.window,
             self.cap,
             self.sinks,
+            self.alibi,
             self.splits,
             if self.strided { " strided/f32" } else { "" },
             if self.route { " routed" } else { "" }
@@ -212,6 +218,9 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     let q_t: Vec<Q> = q.iter().map(|&x| Q::from_f32(x)).collect();
     let q_ref: Vec<f32> = q_t.iter().map(|&x| x.widen()).collect();
     let sinks: Vec<f32> = (0..heads).map(|_| rng.normal() * 2.0).collect();
+    let slopes: Vec<f32> = (0..heads)
+        .map(|h| case.alibi.unwrap_or(0.0) * 2f32.powf(-8.0 * (h + 1) as f32 / heads as f32))
+        .collect();
     let mut opts = AttentionOptions::new(d);
     opts.window_left = case.window;
     opts.logits_soft_cap = case.cap;
@@ -223,6 +232,7 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         heads,
         &opts,
         case.sinks.then_some(sinks.as_slice()),
+        case.alibi.is_some().then_some(slopes.as_slice()),
         Accum::F64,
     )
     .unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
@@ -274,6 +284,7 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         .clone_htod(&vec![f32::NAN; total.max(1) * heads])
         .expect("lse");
     let sinks_dev = s.clone_htod(&sinks).expect("sinks");
+    let slopes_dev = s.clone_htod(&slopes).expect("slopes");
     plan.prefill(
         &mut ws,
         &dcache,
@@ -290,6 +301,7 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
             out_rows: TokenRows::contiguous(heads, d),
             lse: Some((&mut lse_dev, TokenRows::contiguous(heads, 1))),
             sinks: case.sinks.then_some(&sinks_dev),
+            alibi_slopes: case.alibi.is_some().then_some(&slopes_dev),
         },
     )
     .unwrap_or_else(|e| panic!("{name}: prefill failed: {e}"));
@@ -620,6 +632,72 @@ fn decode_rows_routed_to_the_decode_kernel() {
         c.sinks = true;
         check(&gpu, &mut rng, &c);
         c.splits = Some(3);
+        check(&gpu, &mut rng, &c);
+    }
+}
+
+/// ALiBi slopes (the standard geometric series, and 16 times it) in ragged steps that mix
+/// prompts, chunks after a cached prefix, decode rows and padding: alone, with a window, a soft
+/// cap and sinks, with key splits, over f16, FP8, INT4 and int4-kc keys and bf16 queries; then
+/// with the leading decode rows (and 3-token drafts) routed to the decode kernel.
+#[test]
+fn alibi_slopes_ragged_and_routed() {
+    let Some(gpu) = require_gpu_or_skip("alibi_slopes_ragged_and_routed") else {
+        return;
+    };
+    let mut rng = rng("alibi_slopes_ragged_and_routed");
+    for (k, v, q_bf16) in [
+        (KvFormat::F16, KvFormat::F16, false),
+        (KvFormat::Bf16, KvFormat::Bf16, true),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, false),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64, true),
+        (KvFormat::Int4Kc, KvFormat::Int4Affine64, false),
+    ] {
+        let mut c = Case::new(k, v, 128, mixed());
+        c.q_bf16 = q_bf16;
+        c.alibi = Some(1.0);
+        check(&gpu, &mut rng, &c);
+        c.alibi = Some(16.0);
+        c.window = Some(50);
+        c.cap = Some(5.0);
+        c.sinks = true;
+        check(&gpu, &mut rng, &c);
+        c.alibi = Some(1.0);
+        c.window = None;
+        c.cap = None;
+        c.splits = Some(3);
+        check(&gpu, &mut rng, &c);
+        // Routed: decode rows first, then drafts of 3 tokens, with and without the options.
+        let mut c = Case::new(
+            k,
+            v,
+            128,
+            vec![(1, 77), (1, 300), (1, 1), (40, 40), (0, 0), (25, 600)],
+        );
+        c.q_bf16 = q_bf16;
+        c.route = true;
+        c.alibi = Some(1.0);
+        check(&gpu, &mut rng, &c);
+        c.alibi = Some(16.0);
+        c.cap = Some(5.0);
+        c.sinks = true;
+        c.window = Some(20);
+        c.splits = Some(3);
+        check(&gpu, &mut rng, &c);
+        c.seqs = vec![(3, 50), (3, 400), (3, 3), (5, 70), (20, 100)];
+        c.alibi = Some(4.0);
+        c.window = None;
+        c.splits = None;
+        check(&gpu, &mut rng, &c);
+    }
+    // Other head dims (64: wide tiles), a GQA group of 6.
+    let (k, v) = (KvFormat::Int4Sym32, KvFormat::Fp8E4m3);
+    for d in [64, 96, 256] {
+        assert!(kernel_available_for(k, v, d, false), "d{d}");
+        let mut c = Case::new(k, v, d, vec![(130, 130), (9, 90), (1, 17)]);
+        c.group = 6;
+        c.num_kv_heads = 1;
+        c.alibi = Some(1.0);
         check(&gpu, &mut rng, &c);
     }
 }

@@ -13,7 +13,116 @@
 
 #include <stdint.h>
 
+#ifndef __CUDA_ARCH__
+#include <cmath>
+#include <cstring>
+#endif
+
+// KVQ_HD: a function of the fast exact encoders that also compiles for the host, so that a host
+// program can check it against the CPU encoders on billions of inputs (scripts/encode_check.cu).
+#define KVQ_HD __host__ __device__ __forceinline__
+
 namespace kvq {
+
+// ---- the encoders' f32 and bit operations, for device and host alike ----------------------
+//
+// Each is one correctly rounded operation (f32, round to nearest even) or a bit move, with the
+// same result on both sides: the host compiles plain f32 arithmetic (SSE, no contraction across
+// these calls) and std::fmaf.
+namespace hd {
+KVQ_HD float fma_rn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fmaf(a, b, c);
+#endif
+}
+KVQ_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+KVQ_HD float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+KVQ_HD float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+KVQ_HD uint32_t bits(float x) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+#endif
+}
+KVQ_HD float from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+#endif
+}
+// An approximate reciprocal of a normal x whose reciprocal is normal: rcp.approx.ftz.f32, at most
+// one ulp from 1 / x (PTX ISA), so within 2^-23 of it relatively. The encoders that use it allow
+// 2^-21. The host (scripts/encode_check.cu) rounds 1 / x correctly, then moves it `rcp_ulps`
+// ulps, to check that the codes do not depend on which approximation the device returns.
+inline int rcp_ulps = 0;  // host only
+KVQ_HD float rcp_approx(float x) {
+#ifdef __CUDA_ARCH__
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+#else
+  float r = 1.0f / x;
+  for (int i = 0; i < rcp_ulps; ++i) r = std::nextafter(r, INFINITY);
+  for (int i = 0; i > rcp_ulps; --i) r = std::nextafter(r, 0.0f);
+  return r;
+#endif
+}
+// The high word of (hi:lo) << n (n < 32): hi shifted left, lo's top bits shifted in.
+KVQ_HD uint32_t funnel_l(uint32_t lo, uint32_t hi, uint32_t n) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_l(lo, hi, n);
+#else
+  return (uint32_t)((((uint64_t)hi << 32) | lo) << n >> 32);
+#endif
+}
+// PTX prmt.b32 (default mode): byte i of the result is byte (s >> 4i) & 7 of (b:a), or, when bit
+// 3 of that selector nibble is set, its sign bit replicated over the byte (__byte_perm ignores
+// that bit).
+KVQ_HD uint32_t prmt(uint32_t a, uint32_t b, uint32_t s) {
+#ifdef __CUDA_ARCH__
+  if ((s & 0x8888u) == 0) return __byte_perm(a, b, s);
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(s));
+  return d;
+#else
+  const uint64_t x = ((uint64_t)b << 32) | a;
+  uint32_t d = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t sel = (s >> (4 * i)) & 0xF;
+    uint32_t byte = (uint32_t)(x >> (8 * (sel & 7))) & 0xFF;
+    if (sel & 8) byte = (byte & 0x80) ? 0xFF : 0x00;
+    d |= byte << (8 * i);
+  }
+  return d;
+#endif
+}
+}  // namespace hd
 
 // Adding 1.5 * 2^23 to |y| < 2^22 rounds y to an integer (ties to even) held in the low bits.
 constexpr float kRoundMagic = 12582912.0f;

@@ -7,9 +7,14 @@
 #include <cuda_fp8.h>
 #include <stdint.h>
 
+#include <type_traits>
+#include <utility>
+
+#include "codec/exact.cuh"
 #include "codec/format.cuh"
 #include "codec/fp8.cuh"
 #include "prim/bits.cuh"
+#include "prim/packed.cuh"
 
 namespace kvq {
 
@@ -19,7 +24,7 @@ constexpr float kFp4GlobalMax = 2688.0f;
 
 // E2M1 of y (never NaN): nearest grid value, ties to the even mantissa, saturating at 6; a
 // result of magnitude 0 is +0 (0x0, never 0x8).
-__device__ __forceinline__ uint32_t e2m1_encode(float y) {
+KVQ_HD uint32_t e2m1_encode(float y) {
   const float a = fabsf(y);
   const uint32_t m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
                      (a >= 3.5f) + (a > 5.0f);
@@ -28,93 +33,129 @@ __device__ __forceinline__ uint32_t e2m1_encode(float y) {
 
 // ---- fast exact E2M1 codes: no division per element ---------------------------------------
 //
-// Z(a) = min(2a, a + 2, a / 2 + 4, 7) is increasing and piecewise linear on [0, 6] and maps the
-// E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 onto the codes 0..7 and the decision boundaries
-// 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 onto the half-integers 0.5 .. 6.5; every boundary's tie goes
-// to the even code, and Z = 7 above 6, so e2m1_encode's magnitude is rne(Z(|y|)) for every y.
-// With r = fl(1 / d) normal, Z is evaluated on the exact product |x| * r (one fma or an exact
-// power-of-two multiple of r per piece, each rounded once) instead of on y = fl(x / d): for
-// q = |x| / d, |x * r - q| and |y - q| are each <= q * 2^-24 (or 2^-150 in the subnormals), and the
-// piece that decides has q <= 8, so the computed z is within 2^-19 of Z(|y|). If z is farther
-// than 2^-17 from every half-integer, rne(z) = rne(Z(|y|)): no boundary lies between them, and
-// z's residual against rne(z) is exact (Sterbenz). The rare undecided elements (ties of data on a
-// grid commensurate with d) are redone by division.
-constexpr float kFp4TieWindow = 0x1p-17f;
-// Adding it to z in [-7, 7] rounds z to an integer n held in the low bits as 8 + n, in 1..15.
-constexpr float kFp4BiasedMagic = 12582920.0f;  // 1.5 * 2^23 + 8 (even: ties stay to even)
+// The magnitude code m of y = fl(x / d) (e2m1_encode, FORMATS.md) is rne(Z(|y|)) for |y| < 7,
+// with Z(a) = min(2a, a + 2, a / 2 + 4): Z is increasing and piecewise linear, maps the E2M1
+// magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 onto 0..7 and the decision boundaries 0.25, 0.75, 1.25,
+// 1.75, 2.5, 3.5, 5 onto the half-integers 0.5 .. 6.5, each tie to the even code as the table says
+// (and Z in [7, 7.5) for a in [6, 7): code 7).
+//
+// Z is the bit pattern of an f32: for a real v >= 0 let G(v) be the f32 bit pattern of v
+// continued linearly between floats (G(v) = v 2^149 below 2^-126, (e + 127 + f) 2^23 for v =
+// 2^e (1 + f) above). Then G(a 2^-126) = Z(a) 2^22 for a in [0, 8): the subnormals are E2M1's
+// subnormal 0.5, the binades of 1, 2, 4 its exponents. So with rho ~ 2^-126 / d, the bits b of
+// u = fl(|x| rho), one multiplication, are Z(|y|) 2^22 up to a small error, and m is b rounded
+// at bit 22.
+//
+// Error: with r = rcp_approx(d) within 2^-21 of 1 / d and rho = fl(r 2^-126) (subnormal, within
+// 2^-150 of r 2^-126, when r < 1), u is within relative 2^-21 + 2^-24 / r + 2^-24 (plus 2^-150
+// absolute where u is subnormal) of |x| 2^-126 / d, and |y| 2^-126 within 2^-24 of it. G's
+// slope at v is at most 2^24 / v, so |b - G(|y| 2^-126)| <= 8 + 1 / r + 2 + 1/2 + (tiny) <
+// Delta = 13 + d (1 + 2^-20), d <= 2^16 (1 / r <= d (1 + 2^-21)).
+//
+// Decision: w = 64 (b + 2^21 + Delta) puts the code (b + 2^21 + Delta) >> 22 in bits 28..30; if
+// the low 28 bits of w exceed 128 Delta, no tie (k + 1/2) 2^22 lies within Delta of b, so
+// rne(Z(|y|)) is that code. Else (an element within about 2^-18 relative of a boundary: ties of
+// data on a grid commensurate with d, and a few random values) the word is redone by division
+// (e2m1_word_careful). A group takes this path when d is in [2^-126, 2^16] and b + Delta of its
+// largest |x| lies below the tie 7.5 2^22 (|y| < 7: then no code passes 7 and w does not
+// overflow), else (a block scale that saturated, or one in E4M3's subnormals far below the
+// group's amax / 6) it is divided element by element; d == 0 gives rho = 0, every code 0.
+constexpr float kFp4MaxD = 0x1p16f;
+constexpr uint32_t kFp4TieSeven = 15u << 21;  // bits of the tie between codes 7 and 8
 
-// The reciprocal of a group's d and its halves / doubles the pieces of Z need (all exact
-// multiples of r while r and r / 2 are normal: d in [2^-126, 2^125]).
-struct E2m1Recip {
-  float r, r2, rh;
-  bool valid;
-  __device__ __forceinline__ explicit E2m1Recip(float d) {
-    r = __frcp_rn(d);
-    r2 = __fmul_rn(r, 2.0f);
-    rh = __fmul_rn(r, 0.5f);
-    valid = d >= 0x1p-126f && d <= 0x1p125f;
+// One group's constants: rho, and k = 64 (2^21 + Delta), t = 128 Delta (mod 2^32).
+struct E2m1Group {
+  float rho;
+  uint32_t k, t, delta;
+  bool valid;  // d in the fast path's range
+  KVQ_HD explicit E2m1Group(float d) {
+    valid = d >= 0x1p-126f && d <= kFp4MaxD;
+    rho = valid ? hd::mul_rn(hd::rcp_approx(d), 0x1p-126f) : 0.0f;
+    // 2^23 + rne(13 + d (1 + 2^-20)): Delta in the low bits (d = 0 when not valid).
+    const uint32_t db = hd::bits(hd::fma_rn(valid ? d : 0.0f, 1.0f + 0x1p-20f, 8388621.0f));
+    delta = db - 0x4B000000u;
+    k = db * 64u + (0x08000000u - 0x4B000000u * 64u);
+    t = db * 128u - 0x4B000000u * 128u;
+  }
+  // Whether every |x| <= amax is decided here (or d == 0): |y| < 7.
+  KVQ_HD bool fast(float amax) const {
+    return hd::bits(hd::mul_rn(amax, rho)) + delta < kFp4TieSeven;
   }
 };
 
-// A word whose low 4 bits are 8 + (the signed E2M1 code of x / d as -7..7), bits 4..21 clear;
-// sets `ambiguous` when it may differ from e2m1_encode(fl(x / d)).
-__device__ __forceinline__ uint32_t e2m1_biased_fast(float x, const E2m1Recip &k,
-                                                    bool &ambiguous) {
-  const float a = fabsf(x);
-  const float z = fminf(fminf(__fmul_rn(a, k.r2), __fmaf_rn(a, k.r, 2.0f)),
-                        fminf(__fmaf_rn(a, k.rh, 4.0f), 7.0f));
-  // z with x's sign: rne is odd, so this rounds to the signed code.
-  const float zs = __uint_as_float(__float_as_uint(z) | (__float_as_uint(x) & 0x80000000u));
-  const float t = __fadd_rn(zs, kFp4BiasedMagic);
-  // |n| = rne(z); z - |n| is exact.
-  ambiguous |= fabsf(__fsub_rn(z, fabsf(__fsub_rn(t, kFp4BiasedMagic)))) >= 0.5f - kFp4TieWindow;
-  return __float_as_uint(t);
+// 64 (b + 2^21 + Delta) for x: E2M1 magnitude code of fl(x / d) in bits 28..30 unless `near` is
+// set (then it may differ).
+KVQ_HD uint32_t e2m1_mag(float x, const E2m1Group &g, bool &near) {
+  const uint32_t w = hd::bits(hd::mul_rn(fabsf(x), g.rho)) * 64u + g.k;
+  near |= (w & 0x0FFFFFFFu) <= g.t;
+  return w;
 }
 
-// Eight biased nibbles 8 + n (element i at bits 4i) → E2M1 codes: n for n >= 0, 8 | -n for
-// n < 0 (so -0 is never written). Per nibble: x = b ^ 8 is n for n >= 0 and 16 + n (bit 3 set)
-// for n < 0, where (x ^ 7) + 1 = 8 - n; no carry leaves a nibble.
-__device__ __forceinline__ uint32_t e2m1_word_from_biased(uint32_t b) {
-  const uint32_t x = b ^ 0x88888888u;
-  const uint32_t neg = (x >> 3) & 0x11111111u;
-  return (x ^ (neg * 7u)) + neg;
-}
-
-// Eight elements' biased nibbles: four shifted adds leave 16 clean bits (the magic number's
-// bits start at 22), a byte permute joins the halves.
-__device__ __forceinline__ uint32_t e2m1_join(const uint32_t (&t)[8]) {
-  uint32_t half[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    uint32_t acc = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc += t[4 * h + i] << (4 * i);
-    half[h] = acc;
-  }
-  return __byte_perm(half[0], half[1], 0x5410);
-}
-
-// The biased word of elements (x0..x7) with every element decided: the fast nibble where it
-// decides, that of e2m1_encode(fl(x / d)) by division where it does not, or everywhere when d
-// is outside the fast path's range. Out of line because it is rare, and because inlined it would
-// share the fast path's values (keeping them live: spills) and outgrow the instruction cache
-// (see int4_nibble_exact).
-static __device__ __noinline__ uint32_t e2m1_word_careful(float x0, float x1, float x2, float x3,
-                                                          float x4, float x5, float x6, float x7,
-                                                          float d) {
+// The magnitude codes (element i in bits 4i..4i+2) of eight elements, every one decided: the
+// fast code where it decides, that of e2m1_encode(fl(x / d)) by division where it does not (or
+// the group is outside the fast path). Out of line because it is rare, and because inlined it
+// would share the fast path's values (keeping them live: spills) and outgrow the instruction
+// cache (see int4_nibble_exact).
+static __host__ __device__ __noinline__ uint32_t e2m1_word_careful(float x0, float x1, float x2,
+                                                                   float x3, float x4, float x5,
+                                                                   float x6, float x7, float d) {
   const float x[8] = {x0, x1, x2, x3, x4, x5, x6, x7};
-  const E2m1Recip k(d);
-  uint32_t t[8];
+  const E2m1Group g(d);
+  uint32_t m = 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    bool ambiguous = !k.valid;
-    t[i] = e2m1_biased_fast(x[i], k, ambiguous);
-    if (ambiguous) {
-      const uint32_t c = e2m1_encode(__fdiv_rn(x[i], d));
-      t[i] = (c & 8u) != 0u ? 8u - (c & 7u) : 8u + c;
-    }
+  for (int i = 7; i >= 0; --i) {
+    bool near = !g.valid || !g.fast(fabsf(x[i]));
+    uint32_t c = e2m1_mag(x[i], g, near) >> 28;
+    if (near) c = d == 0.0f ? 0u : e2m1_encode(hd::div_rn(x[i], d)) & 7u;
+    m = (m << 4) | c;
   }
-  return e2m1_join(t);
+  return m;
+}
+
+// Bit 4i + 3 set where element i (of eight) of a word has its sign bit set, from the raw pairs
+// p0..p3 of a 16-bit input (element 2i in the low half of p_i): bytes of the signs spread by
+// byte permutes, their bits picked.
+KVQ_HD uint32_t e2m1_signs16(uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
+  const uint32_t lo = hd::prmt(p0, p1, 0xFDB9), hi = hd::prmt(p2, p3, 0xFDB9);  // 0x00 / 0xFF
+  return (hd::prmt(lo, hi, 0x6420) & 0x08080808u) | (hd::prmt(lo, hi, 0x7531) & 0x80808080u);
+}
+
+// The same from f32 values.
+template <typename Values> KVQ_HD uint32_t e2m1_signs32(const Values &v, int first) {
+  uint32_t s = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s |= (hd::bits(v(first + i)) >> 31) << (4 * i + 3);
+  return s;
+}
+
+// Whether a values functor offers the raw 16-bit pairs of its input (pair_word(i): elements 2i,
+// 2i + 1), as append's packed path does.
+template <class V, class = void> struct HasPairWords : std::false_type {};
+template <class V>
+struct HasPairWords<V, std::void_t<decltype(std::declval<const V &>().pair_word(0))>>
+    : std::true_type {};
+
+// The E4M3 block scale bytes of two groups (group k in byte k) with largest magnitudes a0, a1
+// under global scale g: E4M3(fl(fl(a / 6) / g)), FORMATS.md. Decided without a division when
+// fl(a c_lo) and fl(a c_hi) encode alike, c_lo and c_hi bracketing 1 / (6 g): with rcp_approx(g)
+// within 2^-21 and fl(1 / 6), fl(c (1 -+ 2^-19)) lie below / above 1 / (6 g) by more than the
+// 2^-23 that the two divisions' roundings move u (a >= 2^-120, g in [2^-100, 2^100]: all of it
+// normal; a u below 2^-126 encodes to 0 with both ends), and the encoding is monotonic.
+static __host__ __device__ __noinline__ uint32_t e4m3_scales_exact(float a0, float a1, float g) {
+  const float u0 = hd::div_rn(hd::div_rn(a0, 6.0f), g), u1 = hd::div_rn(hd::div_rn(a1, 6.0f), g);
+  return __nv_cvt_float2_to_fp8x2(make_float2(u0, u1), __NV_SATFINITE, __NV_E4M3);
+}
+KVQ_HD uint32_t e4m3_scales(float a0, float a1, float g) {
+  const bool valid = g >= 0x1p-100f && g <= 0x1p100f && (a0 == 0.0f || a0 >= 0x1p-120f) &&
+                     (a1 == 0.0f || a1 >= 0x1p-120f);
+  const float c = hd::mul_rn(hd::rcp_approx(valid ? g : 1.0f), 1.0f / 6.0f);
+  const float c_lo = hd::mul_rn(c, 1.0f - 0x1p-19f), c_hi = hd::mul_rn(c, 1.0f + 0x1p-19f);
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(
+      make_float2(hd::mul_rn(a0, c_lo), hd::mul_rn(a1, c_lo)), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(
+      make_float2(hd::mul_rn(a0, c_hi), hd::mul_rn(a1, c_hi)), __NV_SATFINITE, __NV_E4M3);
+  if (__builtin_expect(lo != hi || !valid, 0)) return e4m3_scales_exact(a0, a1, g);
+  return lo;
 }
 
 // Value of an E2M1 code (low 4 bits) as f16 bits: exact.
@@ -146,71 +187,101 @@ template <> struct Codec<kFp4E2m1> {
   // FP8's head scale), prefill and the decode kernel.
   static constexpr bool kDense = true;
   static constexpr bool kHeadScale = true;  // g, per KV head
-  static constexpr bool kPackedExtremes = false;
+  static constexpr bool kPackedExtremes = true;
   static constexpr bool kRowGroup = false;
   static constexpr bool kLongEncode = true;  // append tuning (append.cu's AppendTuning)
   static_assert(kEpt * kBits / 8 == 16, "each thread stores one 16-byte vector of codes");
 
-  // ---- row role: each thread's groups are its own, so no extremes travel ----
+  // ---- row role: each thread's groups are its own, so no extremes travel; a thread's
+  // "extremes" are its two groups' amax: -amax of group 0 in lo, amax of group 1 in hi (so that
+  // append's clamp of bf16 extremes to +-65504 clamps both) ----
 
-  static __device__ __forceinline__ Extremes extremes(const float (&)[kEpt]) {
-    return {0.0f, 0.0f};
+  static __device__ __forceinline__ Extremes extremes(const float (&v)[kEpt]) {
+    float a[kGroups] = {0.0f, 0.0f};
+#pragma unroll
+    for (int k = 0; k < kGroups; ++k)
+#pragma unroll
+      for (int i = 0; i < kGroup; ++i) a[k] = fmaxf(a[k], fabsf(v[k * kGroup + i]));
+    return {-a[0], a[1]};
   }
   static __device__ __forceinline__ Extremes group_extremes(const Extremes &own) { return own; }
 
-  template <typename Values>
-  static __device__ __forceinline__ void encode(const Values &v, const Extremes &,
-                                                const Extremes &, int chunk, const RowRef &r,
-                                                bool active) {
-    const float g = active ? r.head_scale : 1.0f;  // idle lanes: any valid scale
-    uint4 raw;
-    uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
-    uint8_t sb[kGroups];
-    float d[kGroups];
-    // Bit j: word j (8 elements, half a group) holds an element to redo (word by word, as FP8
-    // redoes pairs: a divergent branch costs the warp only the words some lane needs).
-    uint32_t undecided = 0;
+  // The same from a chunk of f16 / bf16 input, on packed pairs (HMNMX2, NaN-propagating), before
+  // sanitizing; returns false when the chunk holds a NaN or ±Inf. Exact: the extremes of 16-bit
+  // values are 16-bit values.
+  template <typename In>
+  static __device__ __forceinline__ bool packed_extremes(const RawChunk<In, kEpt> &raw,
+                                                         Extremes &ex) {
+    using P = typename PairOf<In>::type;
+    float a[kGroups];
+    bool finite = true;
 #pragma unroll
     for (int k = 0; k < kGroups; ++k) {
-      float amax = 0.0f;
+      P p[kGroup / 2];
+      load_pairs(reinterpret_cast<const uint32_t *>(raw.q) + k * kGroup / 2, 0xFFFFFFFFu, p);
+      // |x| of both halves: HMNMX2 takes the absolute values as operand modifiers.
+      const P m = tree_reduce(p, [](P x, P y) { return __hmax2_nan(__habs2(x), __habs2(y)); });
+      const float m0 = __low2float(m), m1 = __high2float(m);
+      a[k] = fmaxf(m0, m1);
+      finite = finite && m0 <= 0x1.fffffep127f && m1 <= 0x1.fffffep127f;  // false for NaN
+    }
+    ex = {-a[0], a[1]};
+    return finite;
+  }
+
+  template <typename Values>
+  static KVQ_HD void encode(const Values &v, const Extremes &own, const Extremes &, int chunk,
+                            const RowRef &r, bool active) {
+    const float g = active ? r.head_scale : 1.0f;  // idle lanes: any valid scale
+    const float amax[kGroups] = {-own.lo, own.hi};
+    const uint32_t sb = e4m3_scales(amax[0], amax[1], g);
+    const __half2 sv = __half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)sb, __NV_E4M3));
+    const float d[kGroups] = {hd::mul_rn(__low2float(sv), g), hd::mul_rn(__high2float(sv), g)};
+    uint4 raw;
+    uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
+    // near[j]: word j (8 elements, half a group) holds an element to redo (word by word, as
+    // FP8 redoes pairs: a divergent branch costs the warp only the words some lane needs).
+    bool near[4];
 #pragma unroll
-      for (int i = 0; i < kGroup; ++i) amax = fmaxf(amax, fabsf(v(k * kGroup + i)));
-      const float u = __fdiv_rn(__fdiv_rn(amax, 6.0f), g);
-      sb[k] = (uint8_t)__nv_cvt_float_to_fp8(u, __NV_SATFINITE, __NV_E4M3);
-      d[k] = __fmul_rn(e4m3_value(sb[k]), g);
-      const E2m1Recip rk(d[k]);
+    for (int k = 0; k < kGroups; ++k) {
+      const E2m1Group grp(d[k]);
+      const bool fast = d[k] == 0.0f || (grp.valid && grp.fast(amax[k]));
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int j = 2 * k + h;
-        bool ambiguous = !rk.valid;  // d outside the fast path's range: every element divided
-        uint32_t t[8];
+        near[j] = !fast;
+        uint32_t m = 0;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) t[i] = e2m1_biased_fast(v(8 * j + i), rk, ambiguous);
-        w[j] = e2m1_join(t);
-        undecided |= (ambiguous ? 1u : 0u) << j;
-      }
-      // d == 0: every code of the group is 0 (biased 8).
-      if (d[k] == 0.0f) {
-        w[2 * k] = w[2 * k + 1] = 0x88888888u;
-        undecided &= ~(3u << (2 * k));
+        for (int i = 7; i >= 0; --i)
+          m = hd::funnel_l(e2m1_mag(v(8 * j + i), grp, near[j]), m, 4);
+        w[j] = m;
       }
     }
-    if (__builtin_expect(undecided != 0, 0)) {
+    if (__builtin_expect(near[0] || near[1] || near[2] || near[3], 0)) {
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        if (undecided & (1u << j))
+        if (near[j])
           w[j] = e2m1_word_careful(v(8 * j), v(8 * j + 1), v(8 * j + 2), v(8 * j + 3),
                                    v(8 * j + 4), v(8 * j + 5), v(8 * j + 6), v(8 * j + 7),
                                    d[j / 2]);
       }
     }
+    // Signs: bit 3 of a nonzero code's nibble (m + 7 has bit 3 set for m in 1..7; no carry
+    // leaves a nibble), so that -0 is never written.
 #pragma unroll
-    for (int j = 0; j < 4; ++j) w[j] = e2m1_word_from_biased(w[j]);
+    for (int j = 0; j < 4; ++j) {
+      uint32_t s;
+      if constexpr (HasPairWords<Values>::value)
+        s = e2m1_signs16(v.pair_word(4 * j), v.pair_word(4 * j + 1), v.pair_word(4 * j + 2),
+                         v.pair_word(4 * j + 3));
+      else
+        s = e2m1_signs32(v, 8 * j);
+      w[j] |= s & (w[j] + 0x77777777u);
+    }
     if (active) {
       reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
-      uint8_t *meta = reinterpret_cast<uint8_t *>(r.scales);
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) meta[chunk * kGroups + k] = sb[k];
+      *reinterpret_cast<uint16_t *>(reinterpret_cast<uint8_t *>(r.scales) + chunk * kGroups) =
+          (uint16_t)sb;
     }
   }
 

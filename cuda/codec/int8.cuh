@@ -8,53 +8,105 @@
 #include "codec/exact.cuh"
 #include "codec/format.cuh"
 #include "prim/bits.cuh"
+#include "prim/packed.cuh"
 #include "prim/warp.cuh"
 
 namespace kvq {
 
-// ---- fast exact INT8 codes: no division per element (the method of codec/exact.cuh) --------
+// ---- fast exact INT8 codes: no division per element --------------------------------------
 //
-// With s = fl(amax / 127) normal and r = fl(1 / s) (normal: s <= 65504 / 127), the exact product
-// p = x * r is within |q| * 2^-24 of q = x / s, and fl(q) within |q| * 2^-24 (or 2^-150 where q is
-// subnormal) of q. |x| <= amax gives |q| <= 127 * (1 + 2^-23), so |p - fl(q)| <= 2^-16. One fma
-// rounds p to the integer n (ties to even); a second gives the residual p - n, rounded once
-// (error <= 2^-26). If |fl(p - n)| < 0.5 - 2^-15, then |fl(q) - n| < 0.5 and rne(fl(q)) = n; the
-// rare elements nearer a half-integer (ties of data on a grid commensurate with s) are redone by
-// division. n needs no clamp: |p| < 127.5 - 2^-15 is checked once per thread on its amax, which
-// with the above makes rne(fl(q)) lie in [-127, 127] too.
-constexpr float kInt8TieWindow = 0x1p-15f;
+// s = fl(amax / 127) (int8_scale). For s normal (s >= 2^-126) and |x| <= amax, |fl(x / s)| <=
+// 127 (1 + 2^-23), so FORMATS.md's clamp never acts and the code is n = rne(fl(x / s)).
+//
+// With r within 2^-21 of 1 / s (hd::rcp_approx), r_lo = fl(r (1 - 2^-20)) < (1 / s)(1 - 2^-22)
+// and r_hi = fl(r (1 + 2^-20)) > (1 / s)(1 + 2^-22), while fl(q) lies within q 2^-24 of q = x / s
+// (or is 0 and |x r_hi| < 1/2 when q underflows): so x r_lo < fl(q) < x r_hi for x > 0 (reversed
+// for x < 0), and since rne is monotonic, rne(x r_lo) <= n <= rne(x r_hi). An fma adding 1.5 * 2^23
+// rounds each exact product to an integer (|x r| < 2^22) held in the low bits, the low byte n as
+// two's complement; where the two words are equal, that is n. A word of four codes in which a
+// pair differs (x / s within about |x / s| 2^-19 of a half-integer: ties of data on a grid
+// commensurate with s, and a few random values) is redone by int8_word_careful.
+constexpr float kInt8BracketLo = 1.0f - 0x1p-20f, kInt8BracketHi = 1.0f + 0x1p-20f;
 
-// A word whose low byte is rne(x * r) as two's complement (the magic number's low byte is 0);
-// sets `ambiguous` when that may differ from rne(fl(x / s)).
-__device__ __forceinline__ uint32_t int8_round(float x, float r, bool &ambiguous) {
-  const float t = __fmaf_rn(x, r, kRoundMagic);
-  const float n = __fsub_rn(t, kRoundMagic);
-  ambiguous |= fabsf(__fmaf_rn(x, r, -n)) >= 0.5f - kInt8TieWindow;
-  return __float_as_uint(t);
+// fl(amax / 127) for amax >= 0 finite, by two fmas around fl(1 / 127) (Markstein): equal to
+// __fdiv_rn(amax, 127.0f) for every non-negative finite f32 (all 2^31 checked, encode_check).
+KVQ_HD float int8_scale(float amax) {
+  constexpr float kInv127 = 1.0f / 127.0f;
+  const float q = hd::mul_rn(amax, kInv127);
+  return hd::fma_rn(hd::fma_rn(-q, 127.0f, amax), kInv127, q);
+}
+
+// The bracket of 1 / s; `valid` when s is normal (else every code is divided).
+struct Int8Bracket {
+  float lo, hi;
+  bool valid;
+  KVQ_HD explicit Int8Bracket(float s) {
+    valid = s >= 0x1p-126f;
+    const float r = hd::rcp_approx(valid ? s : 1.0f);
+    lo = hd::mul_rn(r, kInt8BracketLo);
+    hi = hd::mul_rn(r, kInt8BracketHi);
+  }
+};
+
+// A word whose low byte is rne(x r_lo) as two's complement; or-s into `differ` the bits in which
+// the rounding of x r_hi differs (0 when both decide the same code).
+KVQ_HD uint32_t int8_code(float x, const Int8Bracket &b, uint32_t &differ) {
+  const uint32_t lo = hd::bits(hd::fma_rn(x, b.lo, kRoundMagic));
+  const uint32_t hi = hd::bits(hd::fma_rn(x, b.hi, kRoundMagic));
+  differ |= lo ^ hi;
+  return lo;
 }
 
 // The low bytes of four words, in order.
-__device__ __forceinline__ uint32_t int8_join(uint32_t b0, uint32_t b1, uint32_t b2, uint32_t b3) {
-  return __byte_perm(__byte_perm(b0, b1, 0x0040), __byte_perm(b2, b3, 0x0040), 0x5410);
+KVQ_HD uint32_t int8_join(uint32_t b0, uint32_t b1, uint32_t b2, uint32_t b3) {
+  return hd::prmt(hd::prmt(b0, b1, 0x0040), hd::prmt(b2, b3, 0x0040), 0x5410);
 }
 
-// Word (x0, x1, x2, x3) with every element decided: the fast code where it decides,
-// clamp(rne(fl(x / s)), -127, 127) by division where it does not, or everywhere when `all` (a
-// scale outside the fast path's range). Out of line because it is rare, and because inlined it
-// would share the fast path's values (keeping them live: spills) and outgrow the instruction
-// cache (see int4_nibble_exact).
-static __device__ __noinline__ uint32_t int8_word_careful(float x0, float x1, float x2, float x3,
-                                                          float s, float r, bool all) {
+// Word (x0, x1, x2, x3) with every element decided: the bracket's code where it decides,
+// clamp(rne(fl(x / s)), -127, 127) by division where it does not, or everywhere when the bracket
+// is not valid (s subnormal). Out of line because it is rare, and because inlined it would share
+// the fast path's values (keeping them live: spills) and outgrow the instruction cache (see
+// int4_nibble_exact).
+static __host__ __device__ __noinline__ uint32_t int8_word_careful(float x0, float x1, float x2,
+                                                                   float x3, float s) {
   const float x[4] = {x0, x1, x2, x3};
+  const Int8Bracket br(s);
   uint32_t b[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    bool ambiguous = all;
-    b[i] = int8_round(x[i], r, ambiguous);
-    if (ambiguous)
-      b[i] = (uint32_t)(int)fminf(fmaxf(rintf(__fdiv_rn(x[i], s)), -127.0f), 127.0f) & 0xFFu;
+    uint32_t differ = 0;
+    b[i] = int8_code(x[i], br, differ);
+    if (differ != 0 || !br.valid) {
+      // Clamping before rounding equals clamping after, for integer bounds.
+      const float y = fminf(fmaxf(hd::div_rn(x[i], s), -127.0f), 127.0f);
+      b[i] = hd::bits(hd::add_rn(y, kRoundMagic));
+    }
   }
   return int8_join(b[0], b[1], b[2], b[3]);
+}
+
+// The 16 codes of one thread's chunk (element 4j + i in byte i of w[j]) under the row's scale s
+// (s != 0), every one decided.
+template <typename Values>
+KVQ_HD void int8_encode_chunk(const Values &v, float s, uint32_t (&w)[4]) {
+  const Int8Bracket br(s);
+  // differ[j]: word j holds an element to redo (word by word, as FP8 redoes pairs: a divergent
+  // branch costs the warp only the words some lane needs).
+  uint32_t differ[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    differ[j] = 0;
+    uint32_t b[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) b[i] = int8_code(v(4 * j + i), br, differ[j]);
+    w[j] = int8_join(b[0], b[1], b[2], b[3]);
+  }
+  if (__builtin_expect((differ[0] | differ[1] | differ[2] | differ[3]) != 0 || !br.valid, 0)) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      if (differ[j] != 0 || !br.valid)
+        w[j] = int8_word_careful(v(4 * j), v(4 * j + 1), v(4 * j + 2), v(4 * j + 3), s);
+  }
 }
 
 template <> struct Codec<kInt8Pth> {
@@ -67,7 +119,7 @@ template <> struct Codec<kInt8Pth> {
   // decode kernel.
   static constexpr bool kDense = true;
   static constexpr bool kHeadScale = false;
-  static constexpr bool kPackedExtremes = false;
+  static constexpr bool kPackedExtremes = true;
   // The scale's amax runs over the whole row: its lanes reduce (row_extremes where a row's lanes
   // divide a warp; the row kernels reduce other rows through shared memory, append.cu).
   static constexpr bool kRowGroup = true;
@@ -81,45 +133,44 @@ template <> struct Codec<kInt8Pth> {
   static __device__ __forceinline__ Extremes group_extremes(const Extremes &own) { return own; }
 
   // The row's amax from each lane's own, the row being `lanes` consecutive lanes (a power of
-  // two dividing 32, rows aligned to it). Every lane of the warp must call it.
+  // two dividing 32, rows aligned to it). Every lane of the warp must call it. The common row of
+  // 8 lanes (head_dim 128) takes three shuffles without a loop.
   static __device__ __forceinline__ Extremes row_extremes(const Extremes &own, int lanes) {
     float hi = own.hi;
-    for (int off = 1; off < lanes; off <<= 1) hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    if (lanes == 8) {
+#pragma unroll
+      for (int off = 1; off < 8; off <<= 1) hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    } else {
+      for (int off = 1; off < lanes; off <<= 1)
+        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    }
     return {0.0f, hi};
   }
 
+  // This thread's amax (as extremes) of a chunk of f16 / bf16 input, found on packed pairs
+  // (HMNMX2, NaN-propagating), before sanitizing; returns false when the chunk holds a NaN or
+  // ±Inf. Exact: the extremes of 16-bit values are 16-bit values.
+  template <typename In>
+  static __device__ __forceinline__ bool packed_extremes(const RawChunk<In, kEpt> &raw,
+                                                         Extremes &ex) {
+    using P = typename PairOf<In>::type;
+    P a[kEpt / 2];
+    load_pairs(raw.q, 0xFFFFFFFFu, a);
+    // |x| of both halves: HMNMX2 takes the absolute values as operand modifiers.
+    const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(__habs2(x), __habs2(y)); });
+    const float m0 = __low2float(m), m1 = __high2float(m);
+    ex.lo = 0.0f;
+    ex.hi = fmaxf(m0, m1);
+    return m0 <= 0x1.fffffep127f && m1 <= 0x1.fffffep127f;  // false for NaN
+  }
+
   template <typename Values>
-  static __device__ __forceinline__ void encode(const Values &v, const Extremes &own,
-                                                const Extremes &row, int chunk, const RowRef &r,
-                                                bool active) {
-    const float s = __fdiv_rn(row.hi, 127.0f);
+  static KVQ_HD void encode(const Values &v, const Extremes &, const Extremes &row, int chunk,
+                            const RowRef &r, bool active) {
+    const float s = int8_scale(row.hi);
     uint4 raw = make_uint4(0, 0, 0, 0);  // s == 0: every code is 0
     uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
-    if (s != 0.0f) {
-      const float rc = __frcp_rn(s);
-      // Outside the fast path's range (s subnormal, or |x| * rc near the clamp, which the row's
-      // amax rules out) every element is divided.
-      const bool all = !(s >= 0x1p-126f && __fmul_rn(own.hi, rc) < 127.5f - kInt8TieWindow);
-      // Bit j: word j holds an element to redo (word by word, as FP8 redoes pairs: a divergent
-      // branch costs the warp only the words some lane needs).
-      uint32_t undecided = all ? 0xFu : 0u;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        bool ambiguous = false;
-        uint32_t b[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) b[i] = int8_round(v(4 * j + i), rc, ambiguous);
-        w[j] = int8_join(b[0], b[1], b[2], b[3]);
-        undecided |= (ambiguous ? 1u : 0u) << j;
-      }
-      if (__builtin_expect(undecided != 0, 0)) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (undecided & (1u << j))
-            w[j] = int8_word_careful(v(4 * j), v(4 * j + 1), v(4 * j + 2), v(4 * j + 3), s, rc,
-                                     all);
-      }
-    }
+    if (s != 0.0f) int8_encode_chunk(v, s, w);
     if (active) {
       reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
       if (chunk == 0) *reinterpret_cast<float *>(r.scales) = s;

@@ -56,6 +56,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   int *row_lim = reinterpret_cast<int *>(row_qs + kRows);
   float *row_L = reinterpret_cast<float *>(row_lim + kRows);
   float *row_M = row_L + kRows;
+  // ALiBi: per row its slope (log2 domain; 0 past the tile's rows) and its position, in row_L
+  // and row_M, which the warp merge writes only after the main loop (the masked path's last
+  // reads).
+  float *row_slope = row_L;
+  int *row_pos = reinterpret_cast<int *>(row_M);
   // INT4 K only: [D / 32][4] float4 {z(2t), z(2t+1), z(2t), z(2t+1)}, the C operand of lane t.
   float *row_z = row_M + kRows;
   int *flag = reinterpret_cast<int *>(row_z + (D / 32) * 16);
@@ -87,6 +92,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
     row_lo[tid] = (gr < p.group * p.q_len && p.window_left >= 0)
                       ? max(0, len - p.q_len + i - p.window_left)
                       : 0;
+    if (p.alibi_slopes != nullptr) {
+      row_slope[tid] = gr < p.group * p.q_len ? p.alibi_slopes[h] * kLog2e : 0.f;
+      row_pos[tid] = len - p.q_len + i;
+    }
     // The query tile is read below while this block's copies fly; fetched from HBM behind them
     // it waited for the queue (6-7 % of the samples of short INT4 launches, PERFORMANCE.md v11),
     // so its lines are requested first.
@@ -244,9 +253,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   int lim_all = t1;
   for (int r = 0; r < kRows && row0 + r < rows; ++r) lim_all = min(lim_all, row_lim[r]);
   // Steps starting in [lo_all, lo_all + plain_span] see every key in every row's window: the
-  // plain path, one unsigned compare (none under a soft cap, which the masked path applies).
-  const bool capped = p.soft_cap > 0.f;
-  if (capped || lim_all - STEP < lo_all) lo_all = INT32_MAX / 2, lim_all = lo_all + STEP;
+  // plain path, one unsigned compare (none under a soft cap or ALiBi slopes, which the masked
+  // path applies).
+  const bool capped = p.soft_cap > 0.f, biased = p.alibi_slopes != nullptr;
+  if (capped || biased || lim_all - STEP < lo_all)
+    lo_all = INT32_MAX / 2, lim_all = lo_all + STEP;
   const uint32_t plain_span = (uint32_t)(lim_all - STEP - lo_all);
   // INT4 K: the zero terms of rows r0, r1 of group G at kz_lane[4 G], as the MMA's C operand
   // (read when used: registers are scarcer than shared-memory bandwidth).
@@ -520,6 +531,12 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
             // cap * tanh(logit / cap) in the log2 domain: y * ln 2 is the logit.
             const float m = kLn2 / p.soft_cap, c2 = p.soft_cap * kLog2e;
             y0 = c2 * tanh_approx(y0 * m), y1 = c2 * tanh_approx(y1 * m);
+          }
+          if (biased) {
+            // ALiBi after the cap: the row's slope times the key's offset from the row's
+            // position (<= 0 where the row sees the key).
+            y0 = fmaf(row_slope[2 * t], (float)(tok - row_pos[2 * t]), y0);
+            y1 = fmaf(row_slope[2 * t + 1], (float)(tok - row_pos[2 * t + 1]), y1);
           }
           s[ch][2 * h] = (ok && tok < lim_r0 && tok >= row_lo[2 * t]) ? y0 : -INFINITY;
           s[ch][2 * h + 1] = (ok && tok < lim_r1 && tok >= row_lo[2 * t + 1]) ? y1 : -INFINITY;

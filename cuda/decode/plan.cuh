@@ -45,6 +45,7 @@ struct Params {
   const float *sinks;   // [num_q_heads] or null
   int32_t window_left;  // < 0: none
   float soft_cap;       // <= 0: none
+  const float *alibi_slopes;  // [num_q_heads] or null
 };
 
 /// Shared-memory stages per warp a launch may use.
@@ -103,8 +104,9 @@ struct Cfg {
   static constexpr int QFRAG = (D / 32 + D % 32 / 16) * 64 * 8;
   // int4-kc keys: each lane's 8 consecutive query elements of each 32 (f16, natural order).
   static constexpr int QNAT = F::KBLK ? D / 32 * 32 * 16 : 0;
-  // Per row: q / out / lse offsets (int64), then factor, q scale, limit, L, M; INT4-K zero
-  // terms (D / 32 groups x 16); a flag; per row the window's first position.
+  // Per row: q / out / lse offsets (int64), then factor, q scale, limit, L, M (before the warp
+  // merge: the ALiBi slope and position); INT4-K zero terms (D / 32 groups x 16); a flag; per
+  // row the window's first position.
   static constexpr int SMALL = kRows * 8 * 3 + kRows * 4 * 5 + (D / 32) * 16 * 4 + 16 + kRows * 4;
   static constexpr int PRE = r128(QFRAG + QNAT + SMALL);
   // Per-warp O tiles are stored at a pitch of D + 1 floats: the lanes of one store (rows 2t,

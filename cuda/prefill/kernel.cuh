@@ -91,6 +91,7 @@ struct Params {
   int32_t num_splits, split_tokens, window_left;
   float sm_scale;  // softmax_scale
   float soft_cap;  // <= 0: none
+  const float *alibi_slopes;  // [num_q_heads] or null
 };
 
 /// Bytes of one row of operand tiles in shared memory: 16 bytes of padding put the 8 rows that
@@ -513,6 +514,9 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
   __shared__ int64_t row_out[R], row_lse[R];
   __shared__ int row_head[R];
   __shared__ float row_qs[R];  // factor of each row's scores (q's power-of-two scaling)
+  // ALiBi: each row's slope (log2 domain; 0 past the rows) and position, for the masked path.
+  __shared__ float row_slope[R];
+  __shared__ int row_pos[R];
 
   int b, index, count;
   if (!find_tile<R>(p, blockIdx.x, &b, &index, &count)) return;
@@ -534,16 +538,20 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 
   if (tid < R) {
     const int r = r0 + tid;
-    int lo = 0, hi = 0;
+    int lo = 0, hi = 0, pos = 0;
+    float slope = 0.f;
     if (r < rows) {
       const int i = r / G, h = kvh * G + r % G;
-      const int pos = past + i;
+      pos = past + i;
       hi = min(pos + 1, s_hi);
       lo = max(max(p.window_left >= 0 ? pos - p.window_left : 0, s_lo), 0);
       row_head[tid] = h;
       row_out[tid] = (int64_t)(q0 + i) * p.o_tok + (int64_t)h * p.o_head;
       row_lse[tid] = (int64_t)(q0 + i) * p.l_tok + (int64_t)h * p.l_head;
+      if (p.alibi_slopes != nullptr) slope = p.alibi_slopes[h] * kLog2e;
     }
+    row_slope[tid] = slope;
+    row_pos[tid] = pos;
     row_lo[tid] = lo;
     row_hi[tid] = max(hi, lo);
     row_qs[tid] = 1.f;
@@ -697,14 +705,18 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
   // Per-head scales (FP8), null for formats without one.
   if (p.k_scales != nullptr) k_factor = p.k_scales[kvh];
   if (p.v_scales != nullptr) v_factor = p.v_scales[kvh];
-  const bool capped = p.soft_cap > 0.f;
-  // Logits in the log2 domain: x * mul (no cap) or cap2 * tanh(x * mul) (capped).
+  const bool capped = p.soft_cap > 0.f, biased = p.alibi_slopes != nullptr;
+  // Logits in the log2 domain: x * mul (no cap) or cap2 * tanh(x * mul) (capped), then plus
+  // the ALiBi bias (biased).
   const float mul = capped ? p.sm_scale * k_factor / p.soft_cap : p.sm_scale * k_factor * kLog2e;
   const float cap2 = p.soft_cap * kLog2e;
   const float mul_a = mul * row_qs[ra], mul_b = mul * row_qs[rb];
   // A step whose keys every row of the warp sees, without a cap, takes the plain path: the
   // scale folds into the exponent's FMA and nothing is masked (a positive scale keeps the max).
+  // ALiBi slopes empty the range every row sees instead (the masked path applies them; a third
+  // term in plain_ok cost ptxas 23 registers at head_dim 64, wide tiles).
   const bool plain_ok = !capped && mul > 0.f;
+  if (biased) in_lo = INT32_MAX;
 
   float o[D / 8][4];
 #pragma unroll
@@ -808,7 +820,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 
     // Running max of the logits (log2 domain). The exponent below is s * e_a - sub_a: plain,
     // s is the raw score and e_a the row's scale; otherwise s is the finished logit (scaled,
-    // capped, masked to -inf) and e_a is 1.
+    // capped, biased, masked to -inf) and e_a is 1.
     float mx_a = -INFINITY, mx_b = -INFINITY, e_a = 1.f, e_b = 1.f;
     if (plain_ok && tok0 >= in_lo && tok0 + kTokens <= in_hi) {
 #pragma unroll
@@ -832,6 +844,11 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
             x = cap2 * th;
           }
           const int k = j * 8 + (e & 1);
+          if (biased) {
+            // ALiBi after the cap: the row's slope times the key's offset from its position.
+            const int rr = e < 2 ? ra : rb;
+            x = fmaf(row_slope[rr], (float)(tok0 + 2 * t + k - row_pos[rr]), x);
+          }
           const bool in = e < 2 ? (unsigned)(da + k) < wa : (unsigned)(db + k) < wb;
           s[j][e] = in ? x : -INFINITY;
         }

@@ -1,6 +1,7 @@
 //! The one inner loop of the reference attention: causal softmax attention of a group of query
 //! rows over the K/V rows of one KV head, whatever those rows are stored in. Decode, prefill and
-//! the dense baseline all run it, so the options (window, soft cap, sinks) mean the same in each.
+//! the dense baseline all run it, so the options (window, soft cap, sinks, ALiBi) mean the same
+//! in each.
 
 use std::ops::{Add, Div, Mul, Sub};
 
@@ -27,6 +28,8 @@ pub(crate) trait Acc:
     const ZERO: Self;
     const NEG_INFINITY: Self;
     fn of(x: f32) -> Self;
+    /// A count of positions (ALiBi's distances), exact in f64.
+    fn of_count(n: usize) -> Self;
     fn to_f32(self) -> f32;
     fn exp(self) -> Self;
     fn ln(self) -> Self;
@@ -38,6 +41,9 @@ impl Acc for f32 {
     const NEG_INFINITY: Self = f32::NEG_INFINITY;
     fn of(x: f32) -> Self {
         x
+    }
+    fn of_count(n: usize) -> Self {
+        n as f32
     }
     fn to_f32(self) -> f32 {
         self
@@ -58,6 +64,9 @@ impl Acc for f64 {
     const NEG_INFINITY: Self = f64::NEG_INFINITY;
     fn of(x: f32) -> Self {
         x as f64
+    }
+    fn of_count(n: usize) -> Self {
+        n as f64
     }
     fn to_f32(self) -> f32 {
         self as f32
@@ -124,6 +133,9 @@ pub(crate) struct GroupShape<'a> {
     /// One sink logit per head of the group (`group` entries; row `r` uses `sinks[r / q_len]`):
     /// it joins the softmax denominator with a zero value vector.
     pub(crate) sinks: Option<&'a [f32]>,
+    /// One ALiBi slope per head of the group (row `r` uses `alibi_slopes[r / q_len]`): the
+    /// logit at `pos` of a row at position `p` gains `slope * (pos - p)`, after the cap.
+    pub(crate) alibi_slopes: Option<&'a [f32]>,
 }
 
 /// Attend the query rows `q` (`[group, q_len, head_dim]`, the q heads sharing `kv_head`) to the
@@ -150,6 +162,7 @@ pub(crate) fn attend_group<A: Acc, R: KvRows>(
     let last = |r: usize| ctx - g.q_len + r % g.q_len;
     let first = |r: usize| g.window_left.map_or(0, |w| last(r).saturating_sub(w));
     let sees = |r: usize, pos: usize| first(r) <= pos && pos <= last(r);
+    let slope = |r: usize| g.alibi_slopes.map(|s| A::of(s[r / g.q_len]));
     // Positions before every row's window are read by nobody: skip them.
     let start = (0..n_rows).map(first).min().unwrap_or(ctx);
     let scale = A::of(g.softmax_scale);
@@ -171,8 +184,13 @@ pub(crate) fn attend_group<A: Acc, R: KvRows>(
                 .zip(&s.k)
                 .fold(A::ZERO, |acc, (&a, &b)| acc + a * A::of(b));
             let logit = scale * dot;
-            s.logits[r * ctx + pos] = match cap {
+            let logit = match cap {
                 Some(c) => c * (logit / c).tanh(),
+                None => logit,
+            };
+            // ALiBi: pos <= last(r), so the bias is -slope times the distance.
+            s.logits[r * ctx + pos] = match slope(r) {
+                Some(m) => logit - m * A::of_count(last(r) - pos),
                 None => logit,
             };
         }

@@ -35,7 +35,10 @@
 //! - per-head sinks (a separate argument): a learned logit `s[h]` that joins the softmax
 //!   denominator with a zero value vector, `m = max(max_j logit_j, s[h])`,
 //!   `out = Σ exp(logit_j - m) v_j / (Σ exp(logit_j - m) + exp(s[h] - m))`, and the lse includes
-//!   it.
+//!   it;
+//! - per-head ALiBi slopes (a separate argument): the logit of the query at position `p` for
+//!   the key at position `j <= p` gains `m[h] * (j - p)` (at most 0), added after the soft cap;
+//!   sinks are not biased. Slopes of 0 give exactly the unbiased result.
 //!
 //! [`prefill_attention`] takes a ragged batch (`qo_indptr`, any number of new tokens per
 //! sequence, token-major `q`); [`merge_states`] combines two partial attentions of the same
@@ -93,7 +96,8 @@ pub(crate) fn check_soft_cap(cap: Option<f32>) -> Result<()> {
 }
 
 /// How logits become attention weights, beyond the plain causal softmax (see the
-/// [module docs](self)). Per-head sinks are not here: they are a slice argument, one per head.
+/// [module docs](self)). Per-head sinks and ALiBi slopes are not here: they are slice
+/// arguments, one entry per head.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionOptions {
     /// Multiplier of `q · k` (usually `1 / sqrt(head_dim)`); must be finite.
@@ -116,8 +120,14 @@ impl AttentionOptions {
         }
     }
 
-    /// Check the options, and `sinks` (one finite logit per query head) with them.
-    fn check(&self, sinks: Option<&[f32]>, num_q_heads: usize) -> Result<()> {
+    /// Check the options, and `sinks` (one finite logit per query head) and `alibi_slopes` (one
+    /// finite slope per query head) with them.
+    fn check(
+        &self,
+        sinks: Option<&[f32]>,
+        alibi_slopes: Option<&[f32]>,
+        num_q_heads: usize,
+    ) -> Result<()> {
         if !self.softmax_scale.is_finite() {
             return Err(Error::InvalidArgument(format!(
                 "softmax_scale {} must be finite",
@@ -125,33 +135,23 @@ impl AttentionOptions {
             )));
         }
         check_soft_cap(self.logits_soft_cap)?;
-        if let Some(s) = sinks {
-            if s.len() != num_q_heads {
-                return Err(Error::Length {
-                    what: "sinks (one per query head)",
-                    expected: num_q_heads,
-                    actual: s.len(),
-                });
-            }
-            let bad = s.iter().filter(|x| !x.is_finite()).count() as u64;
-            if bad > 0 {
-                return Err(Error::NonFinite {
-                    what: "sinks",
-                    count: bad,
-                });
-            }
-        }
-        Ok(())
+        check_per_head(sinks, num_q_heads, "sinks (one per query head)", "sinks")?;
+        check_per_head(
+            alibi_slopes,
+            num_q_heads,
+            "alibi_slopes (one per query head)",
+            "alibi_slopes",
+        )
     }
 
     /// The kernel geometry of `group` heads × `q_len` rows over `context_len` positions;
-    /// `sinks` are those of the group's heads.
+    /// `heads` are the sinks and ALiBi slopes of the group's heads.
     fn group<'a>(
         &self,
         q_len: usize,
         head_dim: usize,
         context_len: usize,
-        sinks: Option<&'a [f32]>,
+        heads: HeadTerms<'a>,
     ) -> GroupShape<'a> {
         GroupShape {
             q_len,
@@ -160,7 +160,50 @@ impl AttentionOptions {
             softmax_scale: self.softmax_scale,
             window_left: self.window_left,
             soft_cap: self.logits_soft_cap,
-            sinks,
+            sinks: heads.sinks,
+            alibi_slopes: heads.alibi_slopes,
+        }
+    }
+}
+
+/// A per-query-head argument (sinks, ALiBi slopes), if given: one finite value per head.
+fn check_per_head(
+    x: Option<&[f32]>,
+    num_q_heads: usize,
+    what_len: &'static str,
+    what: &'static str,
+) -> Result<()> {
+    let Some(x) = x else {
+        return Ok(());
+    };
+    if x.len() != num_q_heads {
+        return Err(Error::Length {
+            what: what_len,
+            expected: num_q_heads,
+            actual: x.len(),
+        });
+    }
+    let bad = x.iter().filter(|v| !v.is_finite()).count() as u64;
+    if bad > 0 {
+        return Err(Error::NonFinite { what, count: bad });
+    }
+    Ok(())
+}
+
+/// The per-query-head arguments of a call (sinks, ALiBi slopes), each `num_q_heads` long.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct HeadTerms<'a> {
+    sinks: Option<&'a [f32]>,
+    alibi_slopes: Option<&'a [f32]>,
+}
+
+impl<'a> HeadTerms<'a> {
+    /// Those of the `group` query heads of `kv_head`.
+    fn of_group(&self, kv_head: usize, group: usize) -> HeadTerms<'a> {
+        let part = |x: Option<&'a [f32]>| x.map(|s| &s[kv_head * group..][..group]);
+        HeadTerms {
+            sinks: part(self.sinks),
+            alibi_slopes: part(self.alibi_slopes),
         }
     }
 }
@@ -262,13 +305,18 @@ pub fn decode_attention(
         window_left: None,
         logits_soft_cap: None,
     };
-    decode_attention_with(cache, tables, q, shape, &opts, None, accum)
+    decode_attention_with(cache, tables, q, shape, &opts, None, None, accum)
 }
 
-/// [`decode_attention`] with a window, a soft cap and per-head sinks (`num_q_heads` finite
-/// logits). The scale is `opts.softmax_scale`; `shape.softmax_scale` is ignored, so that one
-/// call has one scale. With no window, cap or sink the result is bit for bit that of
-/// [`decode_attention`].
+/// [`decode_attention`] with a window, a soft cap, per-head sinks (`num_q_heads` finite
+/// logits) and per-head ALiBi slopes (`num_q_heads` finite slopes; see the
+/// [module docs](self)). The scale is `opts.softmax_scale`; `shape.softmax_scale` is ignored,
+/// so that one call has one scale. With no window, cap, sink or slope the result is bit for bit
+/// that of [`decode_attention`].
+///
+/// Errors as [`decode_attention`]'s, plus [`Error::Length`] for sinks or slopes of the wrong
+/// length and [`Error::NonFinite`] for a non-finite sink or slope.
+#[allow(clippy::too_many_arguments)] // the kernel's arguments, one for one
 pub fn decode_attention_with(
     cache: &HostCache,
     tables: &BlockTables,
@@ -276,6 +324,7 @@ pub fn decode_attention_with(
     shape: &DecodeShape,
     opts: &AttentionOptions,
     sinks: Option<&[f32]>,
+    alibi_slopes: Option<&[f32]>,
     accum: Accum,
 ) -> Result<AttentionOutput> {
     let c = cache.config();
@@ -286,7 +335,7 @@ pub fn decode_attention_with(
         ..*shape
     };
     check_query(q, &shape, c.num_kv_heads, c.head_dim, &lens)?;
-    opts.check(sinks, shape.num_q_heads)?;
+    opts.check(sinks, alibi_slopes, shape.num_q_heads)?;
     let sources = (0..tables.batch()).map(|b| PagedRows {
         cache,
         table: tables.row(b),
@@ -301,7 +350,10 @@ pub fn decode_attention_with(
         num_q_heads: shape.num_q_heads,
         q_len: shape.q_len,
         opts,
-        sinks,
+        heads: HeadTerms {
+            sinks,
+            alibi_slopes,
+        },
     };
     run(sources, &batch, accum)
 }
@@ -363,7 +415,7 @@ pub fn attention_dense(
         num_q_heads: shape.num_q_heads,
         q_len: shape.q_len,
         opts: &opts,
-        sinks: None,
+        heads: HeadTerms::default(),
     };
     run(std::iter::once(source), &batch, accum)
 }
@@ -451,7 +503,7 @@ struct Batch<'a> {
     num_q_heads: usize,
     q_len: usize,
     opts: &'a AttentionOptions,
-    sinks: Option<&'a [f32]>,
+    heads: HeadTerms<'a>,
 }
 
 /// GQA: the query heads split evenly over the KV heads.
@@ -488,7 +540,7 @@ fn run_in<A: Acc, R: KvRows + Sync>(
         num_q_heads,
         q_len,
         opts,
-        sinks,
+        heads,
     } = batch;
     let group = num_q_heads / num_kv_heads;
     // Elements of q / out, and entries of lse, per KV-head group.
@@ -506,8 +558,7 @@ fn run_in<A: Acc, R: KvRows + Sync>(
     let mut total_positions = 0usize;
     for (rows, &context_len) in sources.iter().zip(context_lens) {
         for kv_head in 0..num_kv_heads {
-            let head_sinks = sinks.map(|s| &s[kv_head * group..][..group]);
-            let g = opts.group(q_len, head_dim, context_len, head_sinks);
+            let g = opts.group(q_len, head_dim, context_len, heads.of_group(kv_head, group));
             let ((q, out), lse) = chunks.next().expect("q length checked");
             work.push((rows, kv_head, g, q, out, lse));
             total_positions += context_len;

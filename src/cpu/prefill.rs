@@ -4,8 +4,8 @@
 
 use super::kernel::{Acc, GroupShape, Scratch, attend_group};
 use super::{
-    Accum, AttentionOptions, AttentionOutput, PagedRows, check_heads, check_output, execute,
-    threads,
+    Accum, AttentionOptions, AttentionOutput, HeadTerms, PagedRows, check_heads, check_output,
+    execute, threads,
 };
 use crate::cache::{BlockTables, HostCache};
 use crate::error::{Error, Result, reserved};
@@ -28,12 +28,15 @@ const CHUNK_LOGITS: usize = 1 << 22;
 ///   `[total_tokens, num_q_heads]`: token-major like `q`, unlike decode's `[batch, heads,
 ///   q_len]`.
 /// - `sinks`: one finite logit per query head, or none.
+/// - `alibi_slopes`: one finite ALiBi slope per query head, or none: the logit of token `i`
+///   (position `p`) for the key at position `j` gains `slope * (j - p)`, after the soft cap.
 ///
 /// With one token per sequence the result is bit for bit that of [`decode_attention`]
-/// (`q_len = 1`, the same scale). Errors as decode's, plus [`Error::Length`] for `qo_indptr`
-/// or `sinks` of the wrong length and [`Error::InvalidArgument`] for a `qo_indptr` that does
-/// not start at 0, decreases, or gives a sequence more tokens than its context, and for a soft
-/// cap that is not positive and finite.
+/// (`q_len = 1`, the same scale). Errors as decode's, plus [`Error::Length`] for `qo_indptr`,
+/// `sinks` or `alibi_slopes` of the wrong length, [`Error::NonFinite`] for a non-finite sink
+/// or slope and [`Error::InvalidArgument`] for a `qo_indptr` that does not start at 0,
+/// decreases, or gives a sequence more tokens than its context, and for a soft cap that is not
+/// positive and finite.
 ///
 /// [`decode_attention`]: super::decode_attention
 #[allow(clippy::too_many_arguments)] // the kernel's arguments, one for one
@@ -45,12 +48,13 @@ pub fn prefill_attention(
     num_q_heads: usize,
     opts: &AttentionOptions,
     sinks: Option<&[f32]>,
+    alibi_slopes: Option<&[f32]>,
     accum: Accum,
 ) -> Result<AttentionOutput> {
     let c = cache.config();
     tables.validate(cache.num_blocks(), c.block_size)?;
     check_heads(num_q_heads, c.num_kv_heads)?;
-    opts.check(sinks, num_q_heads)?;
+    opts.check(sinks, alibi_slopes, num_q_heads)?;
     let spans = check_indptr(qo_indptr, &tables.context_lens)?;
     let total = qo_indptr.last().map_or(0, |&t| t as usize);
     let mut expected = total;
@@ -88,7 +92,10 @@ pub fn prefill_attention(
         q,
         num_q_heads,
         opts,
-        sinks,
+        heads: HeadTerms {
+            sinks,
+            alibi_slopes,
+        },
         chunk_logits: CHUNK_LOGITS,
     };
     match accum {
@@ -155,7 +162,7 @@ struct Prefill<'a> {
     q: &'a [f32],
     num_q_heads: usize,
     opts: &'a AttentionOptions,
-    sinks: Option<&'a [f32]>,
+    heads: HeadTerms<'a>,
     /// [`CHUNK_LOGITS`], smaller in tests to cut short prompts too.
     chunk_logits: usize,
 }
@@ -213,7 +220,7 @@ impl Prefill<'_> {
         let mut cost = 0usize;
         for (b, s) in self.spans.iter().enumerate() {
             for kv_head in 0..nkv {
-                let sinks = self.sinks.map(|s| &s[kv_head * group..][..group]);
+                let heads = self.heads.of_group(kv_head, group);
                 for i0 in (0..s.tokens).step_by(chunk) {
                     let n = chunk.min(s.tokens - i0);
                     // The chunk's tokens are the last n of a context ending at its last token.
@@ -226,7 +233,7 @@ impl Prefill<'_> {
                             len: s.context_len,
                         },
                         kv_head,
-                        g: self.opts.group(n, d, context_len, sinks),
+                        g: self.opts.group(n, d, context_len, heads),
                         token0: s.token0 + i0,
                         out: out_parts[kv_head].by_ref().take(n).collect(),
                         lse: lse_parts[kv_head].by_ref().take(n).collect(),
@@ -319,13 +326,18 @@ mod tests {
         let qo = [0u32, 200, 230];
         let q = rng.normal(230 * nq * d, 1.0);
         let sinks = [0.5f32, -1.0, 0.0, 3.0];
+        let slopes = [0.5f32, 0.25, 0.0625, 0.0078125];
         let plain = AttentionOptions::new(d);
         let windowed = AttentionOptions {
             window_left: Some(20),
             logits_soft_cap: Some(4.0),
             ..plain
         };
-        for opts in [plain, windowed] {
+        for (opts, alibi) in [
+            (plain, None),
+            (windowed, None),
+            (windowed, Some(&slopes[..])),
+        ] {
             let spans = check_indptr(&qo, &tables.context_lens).unwrap();
             let run = |chunk_logits: usize, accum: Accum| {
                 let p = Prefill {
@@ -335,7 +347,10 @@ mod tests {
                     q: &q,
                     num_q_heads: nq,
                     opts: &opts,
-                    sinks: Some(&sinks),
+                    heads: HeadTerms {
+                        sinks: Some(&sinks),
+                        alibi_slopes: alibi,
+                    },
                     chunk_logits,
                 };
                 match accum {
@@ -362,6 +377,7 @@ mod tests {
                             &shape,
                             &opts,
                             Some(&sinks),
+                            alibi,
                             accum,
                         )
                         .unwrap();

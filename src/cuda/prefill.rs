@@ -144,6 +144,12 @@ pub struct PrefillStep<'a, Q, O> {
     /// Optional per-query-head sink logits `[num_q_heads]` (gpt-oss): each joins its head's
     /// softmax denominator, with a zero value.
     pub sinks: Option<&'a dyn DevicePtr<f32>>,
+    /// Optional per-query-head ALiBi slopes `[num_q_heads]`, finite (not checked on the host,
+    /// which does not read device memory): the logit of token `i` of sequence `b` (position
+    /// `p = L_b - n_b + i`) of head `h` for the key at position `j <= p` gains
+    /// `slopes[h] * (j - p)`, after the soft cap; sinks are not biased. Routed decode rows
+    /// ([`with_decode_rows`](PrefillPlan::with_decode_rows)) take them too.
+    pub alibi_slopes: Option<&'a dyn DevicePtr<f32>>,
 }
 
 /// How prefill launches for one cache layout and capacity are made.
@@ -248,7 +254,7 @@ impl PrefillPlan {
     /// kernel, the rest to the prefill kernel, in two launches on the stream of one call, with
     /// the same tables. The decode kernel reads a quantized cache at its full bandwidth, where
     /// the prefill kernel pads a few-token row to its 64-row tile. Both kernels apply this
-    /// plan's window, soft cap and the step's sinks. Rows are served by the prefill kernel
+    /// plan's window, soft cap and the step's sinks and ALiBi slopes. Rows are served by the prefill kernel
     /// alone under [`with_graph_grid`](Self::with_graph_grid) (the cut is made on the host per
     /// step).
     ///
@@ -502,6 +508,9 @@ impl PrefillPlan {
         if let Some(s) = step.sinks {
             need_len("sinks ([num_q_heads])", heads, s.len())?;
         }
+        if let Some(m) = step.alibi_slopes {
+            need_len("alibi_slopes ([num_q_heads])", heads, m.len())?;
+        }
         ws.check(self)?;
         if let (Some((plan, _)), Some(dws)) = (route, &ws.decode) {
             dws.check(plan)?;
@@ -539,6 +548,7 @@ impl PrefillPlan {
             out_rows,
             lse,
             sinks,
+            alibi_slopes,
             ..
         } = step;
         self.gpu
@@ -559,6 +569,13 @@ impl PrefillPlan {
                     None => (0, TokenRows::contiguous(heads, 1), None),
                 };
                 let (sink_p, _g5) = match sinks {
+                    Some(x) => {
+                        let (p, g) = x.device_ptr(s);
+                        (p, Some(g))
+                    }
+                    None => (0, None),
+                };
+                let (slopes_p, _g6) = match alibi_slopes {
                     Some(x) => {
                         let (p, g) = x.device_ptr(s);
                         (p, Some(g))
@@ -593,6 +610,7 @@ impl PrefillPlan {
                         workspace_counters: dws[2],
                         counters: cache.counters_ptr() as CUdeviceptr,
                         sinks: sink_p,
+                        alibi_slopes: slopes_p,
                     };
                     // SAFETY: rows 0..lead of the checked tables (each context holds its
                     // lead_len new tokens and fits both plans: with_decode_rows), q / out / lse
@@ -643,14 +661,15 @@ impl PrefillPlan {
                     },
                     softmax_scale: self.softmax_scale,
                     logits_soft_cap: self.soft_cap.unwrap_or(0.0),
+                    alibi_slopes: slopes_p as *const f32,
                 };
                 // SAFETY: the cache comes from a live DeviceCache of this plan's layout; the tables
                 // were checked against its pool, cover `batch` rows and their (uploaded) lengths
-                // hold each sequence's new tokens; q / out / lse / sinks hold every row their
-                // strides address for `total` tokens (checked above), and the device qo_indptr is
-                // the caller's copy of the checked host one (the kernel clamps it otherwise); with
-                // splits, `total * splits` rows fit the workspace (splits_for); all of it lives on
-                // this context, ordered with this stream.
+                // hold each sequence's new tokens; q / out / lse / sinks / slopes hold every row
+                // (head) their strides address for `total` tokens (checked above), and the device
+                // qo_indptr is the caller's copy of the checked host one (the kernel clamps it
+                // otherwise); with splits, `total * splits` rows fit the workspace (splits_for);
+                // all of it lives on this context, ordered with this stream.
                 unsafe { launch::prefill_attention(&a, s.cu_stream()) }
             })
     }

@@ -200,6 +200,11 @@ pub struct DecodeStep<'a, Q, O> {
     /// Optional per-head sinks (`[num_q_heads]` f32 logits that join every row's softmax
     /// denominator, unscaled and uncapped; gpt-oss).
     pub sinks: Option<&'a dyn DevicePtr<f32>>,
+    /// Optional per-head ALiBi slopes (`[num_q_heads]` f32, finite: not checked on the host,
+    /// which does not read device memory): the logit of a query at position `p` of head `h` for
+    /// the key at position `j <= p` gains `slopes[h] * (j - p)`, after the soft cap; sinks are
+    /// not biased. Every step then takes the kernel's masked path.
+    pub alibi_slopes: Option<&'a dyn DevicePtr<f32>>,
 }
 
 /// The capacity a [`DecodePlan`] serves.
@@ -661,6 +666,7 @@ impl DecodePlan {
                     (l, RowStrides::batch_head_token(h, n, 1))
                 }),
                 sinks: None,
+                alibi_slopes: None,
             },
         )
     }
@@ -737,6 +743,9 @@ impl DecodePlan {
         if let Some(sk) = step.sinks {
             need_len("sinks ([num_q_heads])", heads, sk.len())?;
         }
+        if let Some(m) = step.alibi_slopes {
+            need_len("alibi_slopes ([num_q_heads])", heads, m.len())?;
+        }
         let DecodeStep {
             q,
             out,
@@ -744,6 +753,7 @@ impl DecodePlan {
             q_rows,
             out_rows,
             sinks,
+            alibi_slopes,
             ..
         } = step;
         launch_gpu.ordered(&[cache.gpu(), tables.gpu(), ws.gpu()], || {
@@ -759,6 +769,13 @@ impl DecodePlan {
             let (sinks_p, _g4) = match sinks {
                 Some(sk) => {
                     let (p, g) = sk.device_ptr(s);
+                    (p, Some(g))
+                }
+                None => (0, None),
+            };
+            let (slopes_p, _g5) = match alibi_slopes {
+                Some(m) => {
+                    let (p, g) = m.device_ptr(s);
                     (p, Some(g))
                 }
                 None => (0, None),
@@ -784,6 +801,7 @@ impl DecodePlan {
                 workspace_counters: ws.ptrs[2],
                 counters: cache.counters_ptr() as CUdeviceptr,
                 sinks: sinks_p,
+                alibi_slopes: slopes_p,
             };
             // SAFETY: the cache view comes from a live DeviceCache of this plan's layout; the
             // tables were checked against its pool and cover `batch` rows of `max_blocks`, their
@@ -893,6 +911,7 @@ impl DecodePlan {
                 None => -1,
             },
             logits_soft_cap: self.soft_cap.unwrap_or(0.0),
+            alibi_slopes: args.alibi_slopes as *const f32,
         };
         // SAFETY: forwarded from the caller's contract; shapes come from the plan.
         unsafe { launch::decode_attention(&a, stream) }
@@ -908,7 +927,8 @@ impl DecodePlan {
     /// - `q`, `out` and `lse` (if not 0) hold every row their strides address for `batch`
     ///   sequences of `num_q_heads` heads and `q_len` tokens; output rows do not overlap;
     ///   the workspace pointers hold [`workspace_elems`](Self::workspace_elems) elements, the
-    ///   counters zero before the first launch;
+    ///   counters zero before the first launch; `sinks` and `alibi_slopes` (if not 0) hold
+    ///   `num_q_heads` f32, the slopes finite;
     /// - `block_tables` holds `batch * max_blocks` i32 and `context_lens` `batch` i32, with
     ///   every `context_lens[b]` 0 or in `q_len..=min(max_context_len, max_blocks *
     ///   block_size)` and the first `ceil(context_lens[b] / block_size)` entries of row `b`
@@ -966,6 +986,9 @@ pub struct RawDecodeArgs {
     pub counters: CUdeviceptr,
     /// Optional `[num_q_heads]` f32 sinks (0: none).
     pub sinks: CUdeviceptr,
+    /// Optional `[num_q_heads]` f32 ALiBi slopes, finite (0: none; see
+    /// [`DecodeStep::alibi_slopes`]).
+    pub alibi_slopes: CUdeviceptr,
 }
 
 #[cfg(test)]
