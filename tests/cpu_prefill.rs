@@ -4,8 +4,8 @@
 
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{
-    Accum, AttentionOptions, DecodeShape, DenseKv, attention_dense, decode_attention,
-    decode_attention_with, merge_states, prefill_attention,
+    Accum, AttentionOptions, AttentionOutput, DecodeShape, DenseKv, attention_dense,
+    decode_attention, decode_attention_with, merge_states, prefill_attention,
 };
 use kvq::synth::Synth;
 use kvq::{CacheConfig, Error, KvFormat};
@@ -268,6 +268,35 @@ fn window_and_soft_cap_match_naive() {
     }
 }
 
+/// A q_len-3 decode's output and lse (head-major [batch, NQ, 3]) against the naive attention of
+/// the same rows, token-major, over each sequence's dense K / V.
+fn check_decode_q3(
+    s: &Setup,
+    q: &[f32],
+    r: &AttentionOutput,
+    opts: &AttentionOptions,
+    heads: Heads<'_>,
+) {
+    for (b, kv) in s.dense.iter().enumerate() {
+        // Token-major [3, NQ, D] from head-major [NQ, 3, D].
+        let qb = &q[b * NQ * 3 * D..][..NQ * 3 * D];
+        let qt: Vec<f32> = (0..3)
+            .flat_map(|i| (0..NQ).flat_map(move |h| qb[(h * 3 + i) * D..][..D].to_vec()))
+            .collect();
+        let (want, want_lse) = naive(&qt, (&kv.0, &kv.1), opts, heads);
+        for h in 0..NQ {
+            for i in 0..3 {
+                let got = &r.out[((b * NQ + h) * 3 + i) * D..][..D];
+                for (&g, &w) in got.iter().zip(&want[(i * NQ + h) * D..][..D]) {
+                    assert!((g as f64 - w).abs() <= 1e-6 * (1.0 + w.abs()));
+                }
+                let g = r.lse[(b * NQ + h) * 3 + i] as f64;
+                assert!((g - want_lse[i * NQ + h]).abs() <= 1e-5);
+            }
+        }
+    }
+}
+
 /// (d) Sinks join the denominator only; with decode_attention_with too.
 #[test]
 fn sinks_match_naive() {
@@ -300,24 +329,7 @@ fn sinks_match_naive() {
             Accum::F64,
         )
         .unwrap();
-        for (b, kv) in s.dense.iter().enumerate() {
-            // Token-major [3, NQ, D] from head-major [NQ, 3, D].
-            let qb = &q[b * NQ * 3 * D..][..NQ * 3 * D];
-            let qt: Vec<f32> = (0..3)
-                .flat_map(|i| (0..NQ).flat_map(move |h| qb[(h * 3 + i) * D..][..D].to_vec()))
-                .collect();
-            let (want, want_lse) = naive(&qt, (&kv.0, &kv.1), &capped, with_sinks);
-            for h in 0..NQ {
-                for i in 0..3 {
-                    let got = &r.out[((b * NQ + h) * 3 + i) * D..][..D];
-                    for (&g, &w) in got.iter().zip(&want[(i * NQ + h) * D..][..D]) {
-                        assert!((g as f64 - w).abs() <= 1e-6 * (1.0 + w.abs()));
-                    }
-                    let g = r.lse[(b * NQ + h) * 3 + i] as f64;
-                    assert!((g - want_lse[i * NQ + h]).abs() <= 1e-5);
-                }
-            }
-        }
+        check_decode_q3(&s, &q, &r, &capped, with_sinks);
     }
 }
 
@@ -688,23 +700,7 @@ fn alibi_matches_naive_and_zero_slopes_are_none() {
             Accum::F64,
         )
         .unwrap();
-        for (b, kv) in s.dense.iter().enumerate() {
-            let qb = &q[b * NQ * 3 * D..][..NQ * 3 * D];
-            let qt: Vec<f32> = (0..3)
-                .flat_map(|i| (0..NQ).flat_map(move |h| qb[(h * 3 + i) * D..][..D].to_vec()))
-                .collect();
-            let (want, want_lse) = naive(&qt, (&kv.0, &kv.1), &capped, heads);
-            for h in 0..NQ {
-                for i in 0..3 {
-                    let got = &r.out[((b * NQ + h) * 3 + i) * D..][..D];
-                    for (&g, &w) in got.iter().zip(&want[(i * NQ + h) * D..][..D]) {
-                        assert!((g as f64 - w).abs() <= 1e-6 * (1.0 + w.abs()));
-                    }
-                    let g = r.lse[(b * NQ + h) * 3 + i] as f64;
-                    assert!((g - want_lse[i * NQ + h]).abs() <= 1e-5);
-                }
-            }
-        }
+        check_decode_q3(&s, &q, &r, &capped, heads);
         // Slopes of 0 are no slopes, in both accumulators.
         let zeros = [0.0f32; NQ];
         let qo = [0u32, 45, 56, 57];

@@ -701,14 +701,7 @@ fn windows_caps_and_sinks() {
         return;
     };
     let mut rng = rng("windows_caps_and_sinks");
-    for (k, v) in [
-        (KvFormat::F16, KvFormat::F16),
-        (KvFormat::Bf16, KvFormat::Bf16),
-        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
-        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
-        (KvFormat::Int4Kc, KvFormat::Int4Affine64),
-        (KvFormat::Int8Pth, KvFormat::Fp4E2m1),
-    ] {
+    for (k, v) in OPTION_PAIRS {
         for (window, cap, sinks, splits) in [
             (Some(100), None, false, None),
             (Some(0), Some(5.0), true, Some(4)),
@@ -717,23 +710,49 @@ fn windows_caps_and_sinks() {
             (Some(5000), None, true, Some(7)),
             (Some(300), Some(5.0), true, Some(2)),
         ] {
-            let lens = vec![
-                3 + rng.below(30),
-                300 + rng.below(100),
-                1500 + rng.below(600),
-            ];
-            let mut c = Case::new(k, v, 128, lens);
-            c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
-            c.q_len = 1 + rng.below(3);
-            c.group = rng.pick(&[1, 4, 6]);
-            c.block_size = rng.pick(&[16, 32, 64]);
-            c.window = window;
-            c.cap = cap;
-            c.sinks = sinks;
-            c.splits = splits;
+            let c = option_case(&mut rng, k, v, window, cap, sinks, splits);
             check(&gpu, &mut rng, &c);
         }
     }
+}
+
+/// The format pairs the option tests run: 16-bit, FP8, INT4 (row groups and per-channel keys),
+/// INT8 keys with FP4 values.
+const OPTION_PAIRS: [(KvFormat, KvFormat); 6] = [
+    (KvFormat::F16, KvFormat::F16),
+    (KvFormat::Bf16, KvFormat::Bf16),
+    (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+    (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+    (KvFormat::Int4Kc, KvFormat::Int4Affine64),
+    (KvFormat::Int8Pth, KvFormat::Fp4E2m1),
+];
+
+/// A case of three sequences (short, a few hundred tokens, about two thousand) at head_dim 128
+/// with random q type, q_len 1-3, group and block size, and the given options.
+fn option_case(
+    rng: &mut Rng,
+    k: KvFormat,
+    v: KvFormat,
+    window: Option<usize>,
+    cap: Option<f32>,
+    sinks: bool,
+    splits: Option<usize>,
+) -> Case {
+    let lens = vec![
+        3 + rng.below(30),
+        300 + rng.below(100),
+        1500 + rng.below(600),
+    ];
+    let mut c = Case::new(k, v, 128, lens);
+    c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
+    c.q_len = 1 + rng.below(3);
+    c.group = rng.pick(&[1, 4, 6]);
+    c.block_size = rng.pick(&[16, 32, 64]);
+    c.window = window;
+    c.cap = cap;
+    c.sinks = sinks;
+    c.splits = splits;
+    c
 }
 
 /// ALiBi slopes (the standard geometric series and 4 or 16 times it), alone and with a window,
@@ -745,14 +764,7 @@ fn alibi_slopes_with_windows_caps_and_sinks() {
         return;
     };
     let mut rng = rng("alibi_slopes_with_windows_caps_and_sinks");
-    for (k, v) in [
-        (KvFormat::F16, KvFormat::F16),
-        (KvFormat::Bf16, KvFormat::Bf16),
-        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
-        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
-        (KvFormat::Int4Kc, KvFormat::Int4Affine64),
-        (KvFormat::Int8Pth, KvFormat::Fp4E2m1),
-    ] {
+    for (k, v) in OPTION_PAIRS {
         for (alibi, window, cap, sinks, splits) in [
             (1.0, None, None, false, None),
             (16.0, None, None, false, Some(5)),
@@ -761,20 +773,7 @@ fn alibi_slopes_with_windows_caps_and_sinks() {
             (16.0, None, Some(8.0), true, Some(1)),
             (1.0, Some(300), None, false, Some(2)),
         ] {
-            let lens = vec![
-                3 + rng.below(30),
-                300 + rng.below(100),
-                1500 + rng.below(600),
-            ];
-            let mut c = Case::new(k, v, 128, lens);
-            c.q_bf16 = k == KvFormat::Bf16 || rng.below(2) == 0;
-            c.q_len = 1 + rng.below(3);
-            c.group = rng.pick(&[1, 4, 6]);
-            c.block_size = rng.pick(&[16, 32, 64]);
-            c.window = window;
-            c.cap = cap;
-            c.sinks = sinks;
-            c.splits = splits;
+            let mut c = option_case(&mut rng, k, v, window, cap, sinks, splits);
             c.alibi = Some(alibi);
             check(&gpu, &mut rng, &c);
         }
