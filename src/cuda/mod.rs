@@ -92,6 +92,24 @@ pub(crate) fn owned_ptr<T>(buf: &cudarc::driver::CudaSlice<T>) -> cudarc::driver
     p
 }
 
+/// Device address of an optional caller's f32 array (sinks, ALiBi slopes; 0 when absent) and
+/// the guard that orders its use on stream `s` (hold it until the launch is queued).
+pub(crate) fn optional_ptr<'a>(
+    x: Option<&'a dyn cudarc::driver::DevicePtr<f32>>,
+    s: &'a Arc<cudarc::driver::CudaStream>,
+) -> (
+    cudarc::driver::sys::CUdeviceptr,
+    Option<cudarc::driver::SyncOnDrop<'a>>,
+) {
+    match x {
+        Some(x) => {
+            let (p, g) = x.device_ptr(s);
+            (p, Some(g))
+        }
+        None => (0, None),
+    }
+}
+
 /// A cudarc driver error as [`Error::Driver`], naming what failed and keeping the driver's code.
 pub(crate) fn driver_err(what: &'static str) -> impl FnOnce(DriverError) -> Error {
     move |e| Error::Driver { what, code: e.0 }

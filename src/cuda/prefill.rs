@@ -568,20 +568,8 @@ impl PrefillPlan {
                     }
                     None => (0, TokenRows::contiguous(heads, 1), None),
                 };
-                let (sink_p, _g5) = match sinks {
-                    Some(x) => {
-                        let (p, g) = x.device_ptr(s);
-                        (p, Some(g))
-                    }
-                    None => (0, None),
-                };
-                let (slopes_p, _g6) = match alibi_slopes {
-                    Some(x) => {
-                        let (p, g) = x.device_ptr(s);
-                        (p, Some(g))
-                    }
-                    None => (0, None),
-                };
+                let (sink_p, _g5) = super::optional_ptr(sinks, s);
+                let (slopes_p, _g6) = super::optional_ptr(alibi_slopes, s);
                 if let Some((plan, dws)) = route.filter(|_| lead > 0) {
                     // Token i of sequence b < lead is token b * lead_len + i of the views.
                     let rows = |r: TokenRows| RowStrides {

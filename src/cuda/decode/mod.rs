@@ -766,20 +766,8 @@ impl DecodePlan {
                 }
                 None => (0, RowStrides::batch_head_token(heads, q_len, 1), None),
             };
-            let (sinks_p, _g4) = match sinks {
-                Some(sk) => {
-                    let (p, g) = sk.device_ptr(s);
-                    (p, Some(g))
-                }
-                None => (0, None),
-            };
-            let (slopes_p, _g5) = match alibi_slopes {
-                Some(m) => {
-                    let (p, g) = m.device_ptr(s);
-                    (p, Some(g))
-                }
-                None => (0, None),
-            };
+            let (sinks_p, _g4) = super::optional_ptr(sinks, s);
+            let (slopes_p, _g5) = super::optional_ptr(alibi_slopes, s);
             let args = RawDecodeArgs {
                 cache: cache.as_raw(),
                 num_blocks: cache.num_blocks(),
