@@ -331,9 +331,12 @@ template <> struct Codec<kFp4E2m1> {
     return g == 0.0f ? 1.0f : g;
   }
 
-  // ---- decode-kernel fragment roles (decode/frag.cuh): each code becomes the E4M3 byte of
-  // value(c) * 2^-6 (a bit move), then f16 by conversion, times its group's scale (exact in
-  // f16, as decode_f16); g and the 2^6 are applied to S and O (unit) ----
+  // ---- decode-kernel fragment roles (decode/frag.cuh): each code becomes the f16 of
+  // value(c) * 2^-14 by bit moves alone (sign to bit 15, the three magnitude bits to the
+  // exponent's two low bits and the mantissa's top one: E2M1's normals and its subnormal land on
+  // f16's exactly), times its group's scale * 2^7 (exact in f16: 2 and 4 significant bits,
+  // 2^-17..21); g and the 2^7 are applied to S and O (unit). Hopper issues conversions at a
+  // quarter of the rate of bit operations, so the codes take none ----
 
   static constexpr bool kDecodeK = true, kDecodeV = true, kDecodeMixed = true;
   static constexpr kvq_decode::Fmt kDecodeFmt = kvq_decode::Fmt::F4;
@@ -342,43 +345,45 @@ template <> struct Codec<kFp4E2m1> {
   static constexpr bool kScaledWords = true;  // the unpacks take the word's group scale
 
   /// Factor between an unpacked code (times its group scale) and its value, before g.
-  static __device__ __forceinline__ float unit() { return 64.0f; }
+  static __device__ __forceinline__ float unit() { return 128.0f; }
 
   /// Factor on the query of k-step j: none.
   static __device__ __forceinline__ float q_scale(int) { return 1.f; }
 
   /// Element (0..) of a load that half `e` of K fragment register `p` holds: a word's four
-  /// registers hold its elements (0, 2), (4, 6), (1, 3), (5, 7) (see e4m3_of_codes).
+  /// registers hold its elements (0, 2), (4, 6), (1, 3), (5, 7) (see f16_high_bytes).
   static __device__ __forceinline__ int k_pair_elem(int p, int e) {
     const int r = p % 4;
     return 8 * (p / 4) + 4 * (r % 2) + r / 2 + 2 * e;
   }
 
-  /// The E4M3 bytes of value(c) * 2^-6 for the codes c in the low (lo) and high (hi) nibbles
-  /// of x's bytes: sign to bit 7, the three magnitude bits to bits 4..2 (exponent e, mantissa
-  /// m / 2: 2^(e-7) (1 + m/2) and the subnormal 2^-6 m/2 are E2M1's values times 2^-6).
-  static __device__ __forceinline__ void e4m3_of_codes(uint32_t x, uint32_t &lo, uint32_t &hi) {
-    lo = ((x << 4) & 0x80808080u) | ((x << 2) & 0x1C1C1C1Cu);
-    hi = (x & 0x80808080u) | ((x >> 2) & 0x1C1C1C1Cu);
+  /// The high bytes of the f16 of value(c) * 2^-14 for the codes c in the low (lo) and high
+  /// (hi) nibbles of x's bytes: sign to bit 7, the three magnitude bits to bits 3..1 (the low
+  /// byte is 0: 2^(e-15) (1 + m/2) and the subnormal 2^-14 m/2 are E2M1's values times 2^-14).
+  static __device__ __forceinline__ void f16_high_bytes(uint32_t x, uint32_t &lo, uint32_t &hi) {
+    lo = ((x << 4) & 0x80808080u) | ((x << 1) & 0x0E0E0E0Eu);
+    hi = (x & 0x80808080u) | ((x >> 3) & 0x0E0E0E0Eu);
   }
 
-  /// A group scale byte as f16x2 (s, s), and two tokens' (s_a, s_b): exact.
+  /// A group scale byte pair (s_a, s_b) as the f16x2 (s_a 2^7, s_b 2^7): exact (E4M3's values
+  /// are f16's, and 448 * 2^7 is below f16's largest).
   static __device__ __forceinline__ uint32_t scale2(uint8_t a, uint8_t b) {
-    return h2_bits(fp8x2_to_half2<kFp8E4m3>((uint16_t)(a | (b << 8))));
+    return h2_bits(__hmul2(fp8x2_to_half2<kFp8E4m3>((uint16_t)(a | (b << 8))),
+                           __half2(__ushort_as_half(0x5800), __ushort_as_half(0x5800))));
   }
 
-  /// E4M3 bytes (b0, b1) and (b2, b3) of `e` as f16x2 times the f16x2 scale `s`.
+  /// High bytes (b0, b1) and (b2, b3) of `e` as f16x2 times the f16x2 scale `s`.
   static __device__ __forceinline__ void scaled_pairs(uint32_t e, uint32_t s, uint32_t &p01,
                                                       uint32_t &p23) {
-    p01 = h2_bits(__hmul2(fp8x2_to_half2<kFp8E4m3>((uint16_t)(e & 0xFFFFu)), bits_h2(s)));
-    p23 = h2_bits(__hmul2(fp8x2_to_half2<kFp8E4m3>((uint16_t)(e >> 16)), bits_h2(s)));
+    p01 = h2_bits(__hmul2(bits_h2(prmt(e, 0u, 0x1404)), bits_h2(s)));
+    p23 = h2_bits(__hmul2(bits_h2(prmt(e, 0u, 0x3424)), bits_h2(s)));
   }
 
   /// K role: code word `w` (8 codes of one group, scale byte `sb`) → four fragment registers
   /// (pairs as k_pair_elem says).
   static __device__ __forceinline__ void k_unpack(uint32_t w, uint8_t sb, uint32_t (&out)[4]) {
     uint32_t lo, hi;
-    e4m3_of_codes(w, lo, hi);
+    f16_high_bytes(w, lo, hi);
     const uint32_t s = scale2(sb, sb);
     scaled_pairs(lo, s, out[0], out[1]);
     scaled_pairs(hi, s, out[2], out[3]);
@@ -392,10 +397,10 @@ template <> struct Codec<kFp4E2m1> {
     const uint32_t s = scale2(sa, sb);
     uint32_t lo, hi;
     // Bytes (a0, b0, a1, b1): columns 0 / 2 in the low nibbles, 1 / 3 in the high ones.
-    e4m3_of_codes(prmt(a, b, 0x5140), lo, hi);
+    f16_high_bytes(prmt(a, b, 0x5140), lo, hi);
     scaled_pairs(lo, s, out[0], out[2]);
     scaled_pairs(hi, s, out[1], out[3]);
-    e4m3_of_codes(prmt(a, b, 0x7362), lo, hi);
+    f16_high_bytes(prmt(a, b, 0x7362), lo, hi);
     scaled_pairs(lo, s, out[4], out[6]);
     scaled_pairs(hi, s, out[5], out[7]);
   }

@@ -472,7 +472,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
                 if constexpr (ScaledWordsOf<typename F::KC>::value) {
                   // The word's group scale: the byte of its group in the token's meta row.
                   constexpr int GB = F::KC::kGroup * F::KBITS / 8;  // code bytes per group
-                  const int grp = (t * F::KCH + F::k_vec(t, v) * F::KVEC + 4 * (u + x)) / GB;
+                  // Split where a lane's bytes are whole groups, so that the words of one
+                  // group visibly share a load.
+                  const int off = F::k_vec(t, v) * F::KVEC + 4 * (u + x);
+                  const int grp = F::KCH % GB == 0 ? t * (F::KCH / GB) + off / GB
+                                                   : (t * F::KCH + off) / GB;
                   const uint8_t sb = st[km_lane + (ch * kChunk + h * 8) * F::KM_ROW + grp];
                   F::KC::k_unpack(w[h][u + x], sb, r);
                 } else {
@@ -683,7 +687,10 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
             if constexpr (ScaledWordsOf<typename F::VC>::value) {
               // The words' group scales: the byte of their group in each token's meta row.
               constexpr int GB = F::VC::kGroup * F::VBITS / 8;  // code bytes per group
-              const uint8_t *vm = st + vm_lane + (F::v_col(g, v) + 4 * i) / GB;
+              const int off = F::v_vec(g, v) * F::VVEC + 4 * i;  // in lane g's bytes
+              const uint8_t *vm = st + vm_lane +
+                                  (F::V_LANE % GB == 0 ? g * (F::V_LANE / GB) + off / GB
+                                                       : (g * F::V_LANE + off) / GB);
               auto sb = [&](int e) { return vm[v_row(ks, e) * F::VM_ROW]; };
               F::VC::v_unpack(w0[i], w1[i], sb(0), sb(1), b01);
               F::VC::v_unpack(w8[i], w9[i], sb(2), sb(3), b89);
