@@ -494,6 +494,52 @@ __device__ __forceinline__ void decode_kc(const uint8_t *raw, const Side &s, con
   cp_async_commit();
 }
 
+#if KVQ_HAS_WGMMA
+/// Issue S = Q K^T of this warpgroup's 64 rows over the 64 keys of K operand tile `kt` as one
+/// commit group (not waited): K-major A and B, 64-column block kk / 4 of the rows, 32 bytes per
+/// k-step within it; A is the held Q fragments (QREG) or this warpgroup's rows of the Q tile
+/// (`qt`). s is written asynchronously until a wgmma_wait covers the group.
+template <int D, bool KB, bool QREG, int R, int NQ>
+__device__ __forceinline__ void wg_issue_s(float (&s)[8][4], const uint32_t (&qf)[NQ][4],
+                                           uint32_t kt, uint32_t qt) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
+    if constexpr (QREG) {
+      wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
+    } else {
+      const uint64_t qd = b128_desc(qt + (kk / 4) * (R * 128) + (kk % 4) * 32, R * 128);
+      wgmma_m64n64k16_ss<KB>(s, qd, kd, kk > 0);
+    }
+  }
+  wgmma_commit();
+}
+
+/// Issue O += P V over the 64 keys of V operand tile `vt` (not committed, not waited): per 16
+/// keys A = P (n-tiles 2 ks2, 2 ks2 + 1 of the S fragments, packed), B = V as an N-major
+/// descriptor (16 keys are 2048 bytes of every column block). O's and P's last writes land
+/// before the fence; o is written, and pa read, asynchronously until a wgmma_wait covers it.
+template <int D, bool VB>
+__device__ __forceinline__ void wg_issue_pv(float (&o)[D / 8][4], uint32_t (&pa)[8][2],
+                                            uint32_t vt) {
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+    for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) fence_operand(pa[j][0]), fence_operand(pa[j][1]);
+  wgmma_fence();
+#pragma unroll
+  for (int ks2 = 0; ks2 < 4; ++ks2) {
+    const uint32_t a[4] = {pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0],
+                           pa[2 * ks2 + 1][1]};
+    const uint64_t desc = b128_desc(vt + ks2 * 2048, 8192);
+    if constexpr (D == 128) wgmma_m64n128k16<VB, 1>(o, a, desc, 1);
+    else wgmma_m64n64k16<VB, 1>(o, a, desc, 1);
+  }
+}
+#endif
+
 /// KC: the instance for int4-kc keys (f16 operands), whatever p.k says; the other instances
 /// carry none of its code.
 template <int D, bool KB, bool VB, int R, bool KC = false>
@@ -779,21 +825,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
     for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #if KVQ_HAS_WGMMA
     if constexpr (WG) {
-      // K-major A and B: 64-column block kk / 4 of the rows, 32 bytes per k-step within it; A
-      // is this warpgroup's 64 rows of the Q tile (or, held, its registers).
-      const uint32_t kt = smem_u32(k_op(st)), qt = smem_u32(qs) + (warp / 4) * 64 * 128;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
-        if constexpr (QREG) {
-          wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
-        } else {
-          const uint64_t qd = b128_desc(qt + (kk / 4) * (R * 128) + (kk % 4) * 32, R * 128);
-          wgmma_m64n64k16_ss<KB>(s, qd, kd, kk > 0);
-        }
-      }
-      wgmma_commit();
+      wg_issue_s<D, KB, QREG, R>(s, qf, smem_u32(k_op(st)), smem_u32(qs) + (warp / 4) * 64 * 128);
       wgmma_wait<0>();
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -888,22 +920,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
     // (or, wgmma, an N-major B: 16 keys are 2048 bytes of every column block).
 #if KVQ_HAS_WGMMA
     if constexpr (WG) {
-      const uint32_t vt = smem_u32(v_op(st));
-      // O's rescale and P's packing land before the fence.
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-        for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) fence_operand(pa[j][0]), fence_operand(pa[j][1]);
-      wgmma_fence();
-#pragma unroll
-      for (int ks2 = 0; ks2 < 4; ++ks2) {
-        const uint32_t a[4] = {pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0],
-                               pa[2 * ks2 + 1][1]};
-        const uint64_t desc = b128_desc(vt + ks2 * 2048, 8192);
-        if constexpr (D == 128) wgmma_m64n128k16<VB, 1>(o, a, desc, 1);
-        else wgmma_m64n64k16<VB, 1>(o, a, desc, 1);
-      }
+      wg_issue_pv<D, VB>(o, pa, smem_u32(v_op(st)));
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
