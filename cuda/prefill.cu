@@ -98,9 +98,8 @@ bool supported(int32_t k, int32_t v, int32_t d, int32_t q_dtype) {
 
 /// Raise the instance's dynamic shared-memory limit to all the device gives a block beside its
 /// static shared memory, once per device (launches after the first, e.g. under graph capture,
-/// make no attribute calls); `*limit` gets that limit, `*binary` the binary version the device
-/// runs (for the layout, smem_layout's `ovl`).
-template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limit, int *binary) {
+/// make no attribute calls); `*limit` gets that limit.
+template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limit) {
   static std::atomic<uint64_t> done{0};  // bit d: done on device d (< 64)
   int dev = 0, optin = 0;
   cudaFuncAttributes attr{};
@@ -113,7 +112,6 @@ template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limi
     return e;
   }
   *limit = optin - (int)attr.sharedSizeBytes;
-  *binary = attr.binaryVersion;
   const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
   e = cudaFuncSetAttribute(prefill_kernel<D, KB, VB, R, KC>,
@@ -129,13 +127,13 @@ struct Prepare {
   const Side &k, &v;
   int32_t *smem;
   template <int D, bool KB, bool VB, int R, bool KC> int run() {
-    int limit = 0, binary = 0;
-    const cudaError_t e = prepare<D, KB, VB, R, KC>(&limit, &binary);
+    int limit = 0;
+    const cudaError_t e = prepare<D, KB, VB, R, KC>(&limit);
     if (e != cudaSuccess) {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
     }
-    const int bytes = smem_layout<D, R>(k, v, overlapped_binary<D, R>(binary)).bytes;
+    const int bytes = smem_layout<D, R>(k, v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
     *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
@@ -150,13 +148,13 @@ struct Launch {
     // Tiles of the capacity: sum over sequences of ceil(n_b G / R) <= ceil(total G / R) + batch.
     const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
     if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
-    int limit = 0, binary = 0;
-    const cudaError_t e = prepare<D, KB, VB, R, KC>(&limit, &binary);
+    int limit = 0;
+    const cudaError_t e = prepare<D, KB, VB, R, KC>(&limit);
     if (e != cudaSuccess) {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
     }
-    const int bytes = smem_layout<D, R>(p.k, p.v, overlapped_binary<D, R>(binary)).bytes;
+    const int bytes = smem_layout<D, R>(p.k, p.v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
     const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
     prefill_kernel<D, KB, VB, R, KC><<<grid, threads_of<R>(), bytes, stream>>>(p);

@@ -17,9 +17,7 @@
 // format's codec (codec/: the exact FORMATS.md values; FP8's per-head scale is left out and
 // applied to S and O) into an operand tile: a step ahead into the second tile up to head_dim 128
 // (pipelined), else into one tile between two barriers. The next step's copies fly during this
-// step's decode and MMAs. Wide tiles at head_dim 128 on sm_90a overlap their tensor cores with
-// the rest (overlapped): a step issues its S and the previous step's O += P V ahead of its copies
-// and decode and leaves the P V running through its softmax (V has three operand tiles).
+// step's decode and MMAs.
 //
 // Operand types: bf16 for a bf16 side, else f16 (exact for FP8 codes; decoded INT4 values are
 // rounded once). bf16 queries over an f16 key operand are scaled per row by a power of two into
@@ -136,30 +134,9 @@ template <int D, int R> __host__ __device__ constexpr bool q_in_registers() {
   return pipelined(D) && D > 64 && (!uses_wgmma<D>() || R == kRows);
 }
 
-/// Whether the instance overlaps its tensor cores with the rest of a step (wide wgmma tiles at
-/// head_dim 128): a step issues its S = Q K^T and the previous step's O += P V together and
-/// leaves the latter in flight through its softmax, so V's operand tile of a step is read one
-/// step longer and V has three operand tiles. The others keep one MMA in flight at a time and
-/// run two blocks an SM, which overlap each other: narrow tiles at head_dim 128 hold Q in
-/// registers (no room for a second step's P) and have no room for a third V tile beside a
-/// quantized side's staging areas; wide tiles at head_dim 64 would hold S, P and O through the
-/// decode (ptxas 13.0: 188 registers, one block an SM; 8 bytes of spill at 128).
-template <int D, int R> __host__ __device__ constexpr bool overlapped() {
-  return uses_wgmma<D>() && D == 128 && R == kWideRows;
-}
-/// overlapped<D, R>() as the host can tell it, from the instance's binary version
-/// (cudaFuncAttributes::binaryVersion, 10 x major + minor): every sm_90+ binary of a wide tile at
-/// head_dim 128. That is a superset of the binaries that overlap (sm_90a; an sm_90 binary
-/// without the a has no wgmma), so the layout the host sizes is never smaller than the kernel's.
-template <int D, int R> __host__ __device__ constexpr bool overlapped_binary(int version) {
-  return version >= 90 && D == 128 && R == kWideRows;
-}
-
 /// Where a launch's dynamic shared memory goes (offsets from its first 1024-byte boundary; the
-/// size has room for the alignment): the Q tile, then per side its operand tiles (two, three for
-/// V where the tensor cores are overlapped, or one for a quantized side off the pipelined
-/// schedule) and for a quantized side two staging areas. `ovl`: the kernel passes overlapped<D,
-/// R>(), the host overlapped_binary<D, R>() (at least as large a layout).
+/// size has room for the alignment): the Q tile, then per side its operand tiles (two, or one for
+/// a quantized side off the pipelined schedule) and for a quantized side two staging areas.
 /// When Q is held in registers and its tile is the size of an operand tile, the Q tile is K's
 /// second operand tile: Q is in registers before step 1's copies or decode write there. Tiles are
 /// sized for rows of pitch<D>() bytes, which also holds a B128 tile (a multiple of 1024 bytes at
@@ -167,8 +144,7 @@ template <int D, int R> __host__ __device__ constexpr bool overlapped_binary(int
 struct Layout {
   int q, k_op, k_stage, v_op, v_stage, bytes;
 };
-template <int D, int R>
-__host__ __device__ inline Layout smem_layout(const Side &k, const Side &v, bool ovl) {
+template <int D, int R> __host__ __device__ inline Layout smem_layout(const Side &k, const Side &v) {
   constexpr int d = D;
   const bool pipe = pipelined(d);
   const int tile = kTokens * (2 * d + 16);
@@ -178,7 +154,7 @@ __host__ __device__ inline Layout smem_layout(const Side &k, const Side &v, bool
   l.q = at, at += q_alias ? 0 : R * (2 * d + 16);
   l.k_op = at, at += (k.direct || pipe) ? 2 * tile : tile;
   l.k_stage = at, at += k.direct ? 0 : 2 * stage_bytes(k);
-  l.v_op = at, at += (v.direct || pipe) ? (ovl ? 3 : 2) * tile : tile;
+  l.v_op = at, at += (v.direct || pipe) ? 2 * tile : tile;
   l.v_stage = at, at += v.direct ? 0 : 2 * stage_bytes(v);
   if (q_alias) l.q = l.k_op + tile;
   l.bytes = at + 1024;
@@ -518,52 +494,6 @@ __device__ __forceinline__ void decode_kc(const uint8_t *raw, const Side &s, con
   cp_async_commit();
 }
 
-#if KVQ_HAS_WGMMA
-/// Issue S = Q K^T of this warpgroup's 64 rows over the 64 keys of K operand tile `kt` as one
-/// commit group (not waited): K-major A and B, 64-column block kk / 4 of the rows, 32 bytes per
-/// k-step within it; A is the held Q fragments (QREG) or this warpgroup's rows of the Q tile
-/// (`qt`). s is written asynchronously until a wgmma_wait covers the group.
-template <int D, bool KB, bool QREG, int R, int NQ>
-__device__ __forceinline__ void wg_issue_s(float (&s)[8][4], const uint32_t (&qf)[NQ][4],
-                                           uint32_t kt, uint32_t qt) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
-    if constexpr (QREG) {
-      wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
-    } else {
-      const uint64_t qd = b128_desc(qt + (kk / 4) * (R * 128) + (kk % 4) * 32, R * 128);
-      wgmma_m64n64k16_ss<KB>(s, qd, kd, kk > 0);
-    }
-  }
-  wgmma_commit();
-}
-
-/// Issue O += P V over the 64 keys of V operand tile `vt` (not committed, not waited): per 16
-/// keys A = P (n-tiles 2 ks2, 2 ks2 + 1 of the S fragments, packed), B = V as an N-major
-/// descriptor (16 keys are 2048 bytes of every column block). O's and P's last writes land
-/// before the fence; o is written, and pa read, asynchronously until a wgmma_wait covers it.
-template <int D, bool VB>
-__device__ __forceinline__ void wg_issue_pv(float (&o)[D / 8][4], uint32_t (&pa)[8][2],
-                                            uint32_t vt) {
-#pragma unroll
-  for (int i = 0; i < D / 8; ++i)
-    for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) fence_operand(pa[j][0]), fence_operand(pa[j][1]);
-  wgmma_fence();
-#pragma unroll
-  for (int ks2 = 0; ks2 < 4; ++ks2) {
-    const uint32_t a[4] = {pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0],
-                           pa[2 * ks2 + 1][1]};
-    const uint64_t desc = b128_desc(vt + ks2 * 2048, 8192);
-    if constexpr (D == 128) wgmma_m64n128k16<VB, 1>(o, a, desc, 1);
-    else wgmma_m64n64k16<VB, 1>(o, a, desc, 1);
-  }
-}
-#endif
-
 /// KC: the instance for int4-kc keys (f16 operands), whatever p.k says; the other instances
 /// carry none of its code.
 template <int D, bool KB, bool VB, int R, bool KC = false>
@@ -577,9 +507,6 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
   constexpr bool QREG = q_in_registers<D, R>();
   // wgmma (a warpgroup per 64 rows) on B128 tiles, else mma.sync per warp on padded rows.
   constexpr bool WG = uses_wgmma<D>();
-  // Wide wgmma tiles: a step's S and the previous step's O += P V in flight together, the latter
-  // through the step's softmax (overlapped above; the loop below says what orders what).
-  constexpr bool OVL = overlapped<D, R>();
   static_assert(!WG || (kTokens == 64 && R % 64 == 0), "warpgroups of 64 rows, 64-token steps");
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t *const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
@@ -631,7 +558,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
   }
 
   const bool k_direct = !KC && p.k.direct, v_direct = p.v.direct;
-  const Layout L = smem_layout<D, R>(p.k, p.v, OVL);
+  const Layout L = smem_layout<D, R>(p.k, p.v);
   uint8_t *qs = smem + L.q;
 
   // ---- Q tile: cp.async of each row (rows past the sequence: zeros). Commit group 1 of 3.
@@ -667,8 +594,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
     return smem + L.k_op + ((k_direct || PIPE) ? (s & 1) * TILE : 0);
   };
   auto v_op = [&](int s) {
-    if constexpr (OVL) return smem + L.v_op + (s % 3) * TILE;
-    else return smem + L.v_op + ((v_direct || PIPE) ? (s & 1) * TILE : 0);
+    return smem + L.v_op + ((v_direct || PIPE) ? (s & 1) * TILE : 0);
   };
   auto k_stage = [&](int s) { return smem + L.k_stage + (s & 1) * stage_bytes(p.k); };
   auto v_stage = [&](int s) { return smem + L.v_stage + (s & 1) * stage_bytes(p.v); };
@@ -816,32 +742,6 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) q_frag(kk, qf[kk]);
   }
-  // Overlapped (OVL): step st issues S(st) = Q K(st)^T and O += P(st - 1) V(st - 1) right after
-  // its barrier, then queues the next copies and decodes the next step under them; it waits for
-  // S(st) alone for its softmax (wait_group 1: P V runs on), then for P V before O's rescale and
-  // P(st)'s packing into pa. Every wgmma of step st is waited in step st, before the next
-  // barrier, so each write to a tile follows every warpgroup's last read of it:
-  //   K tile st & 1: read by S(st), waited in step st; next written (step st + 2's copies or
-  //     decoded rows) in step st + 1, after its barrier.
-  //   V tile st % 3: read by P V of step st, issued and waited in step st + 1; next written
-  //     (step st + 3's) in step st + 2, after its barrier. With two tiles it would be rewritten
-  //     in step st + 1 itself, while that P V reads it.
-  //   A tile written in step st (copies, decoded rows) is read from step st + 1 on, after the
-  //     writers' cp.async wait, fence.proxy.async and that step's barrier.
-  //   Registers: s is S's from its issue to wait_group 1, o and pa P V's from its issue to
-  //     wait_group 0; fence_operand keeps the code's accesses on either side.
-  // Step 0's "previous" P V and the one after the loop are issued whatever nsteps is (a wgmma
-  // under a branch, and O's rescale between the two issues, made ptxas 13.0 serialize every
-  // wgmma of the loop): before the first step pa is zero and V tile 2, which step 1 is the first
-  // to write, zeros (stored and fenced before the barrier below), so that they add zero.
-  uint32_t pa[8][2] = {};  // P as A operands: n-tile j, rows a / b, tokens 2t, 2t + 1
-#if KVQ_HAS_WGMMA
-  if constexpr (OVL) {
-    uint4 *z = reinterpret_cast<uint4 *>(v_op(2));
-    for (int u = tid; u < kTokens * D * 2 / 16; u += kThreads) z[u] = make_uint4(0u, 0u, 0u, 0u);
-    fence_proxy_async();
-  }
-#endif
   if (PIPE) {
     cp_async_wait<1>();  // step 0
     __syncthreads();
@@ -857,16 +757,6 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 #endif
     // Step st is in (and, pipelined, decoded); every warp is done with step st - 1's tiles.
     __syncthreads();
-    float s[8][4];
-#if KVQ_HAS_WGMMA
-    if constexpr (OVL) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      wg_issue_s<D, KB, QREG, R>(s, qf, smem_u32(k_op(st)), smem_u32(qs) + (warp / 4) * 64 * 128);
-      wg_issue_pv<D, VB>(o, pa, smem_u32(v_op(st + 2)));  // step st - 1's tile
-      wgmma_commit();
-    }
-#endif
     issue(st + 1, st + (PIPE ? 2 : 1));
     find_pages(st + 3);  // set (st - 1) % 4: read by the copies queued before this barrier
     if (PIPE) {
@@ -884,19 +774,27 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
     const uint32_t vs_u = smem_u32(v_op(st)) + v_lane;
 
     // S = Q K^T: 16 rows x 64 tokens (8 n-tiles of 8 tokens) a warp.
-    if constexpr (!OVL) {
+    float s[8][4];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    }
+    for (int j = 0; j < 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #if KVQ_HAS_WGMMA
     if constexpr (WG) {
-      if constexpr (OVL) {
-        wgmma_wait<1>();  // S(st); P V of step st - 1 may still run
-      } else {
-        wg_issue_s<D, KB, QREG, R>(s, qf, smem_u32(k_op(st)),
-                                   smem_u32(qs) + (warp / 4) * 64 * 128);
-        wgmma_wait<0>();
+      // K-major A and B: 64-column block kk / 4 of the rows, 32 bytes per k-step within it; A
+      // is this warpgroup's 64 rows of the Q tile (or, held, its registers).
+      const uint32_t kt = smem_u32(k_op(st)), qt = smem_u32(qs) + (warp / 4) * 64 * 128;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
+        if constexpr (QREG) {
+          wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
+        } else {
+          const uint64_t qd = b128_desc(qt + (kk / 4) * (R * 128) + (kk % 4) * 32, R * 128);
+          wgmma_m64n64k16_ss<KB>(s, qd, kd, kk > 0);
+        }
       }
+      wgmma_commit();
+      wgmma_wait<0>();
 #pragma unroll
       for (int j = 0; j < 8; ++j)
         for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
@@ -971,11 +869,10 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
     m_a = mn_a, m_b = mn_b;
     const float sub_a = mn_a == -INFINITY ? 0.f : mn_a, sub_b = mn_b == -INFINITY ? 0.f : mn_b;
     l_a *= al_a, l_b *= al_b;
-    if constexpr (!OVL) {  // OVL: O is P V's until the wait below, rescaled after it
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-        o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
-    }
+    for (int i = 0; i < D / 8; ++i)
+      o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
+    uint32_t pa[8][2];  // P as A operands: n-tile j, rows a (0) / b (1), tokens 2t, 2t + 1
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float p0 = fast_exp2(fmaf(s[j][0], e_a, -sub_a));
@@ -983,35 +880,30 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
       const float p2 = fast_exp2(fmaf(s[j][2], e_b, -sub_b));
       const float p3 = fast_exp2(fmaf(s[j][3], e_b, -sub_b));
       l_a += p0 + p1, l_b += p2 + p3;
-      if constexpr (OVL) {
-        // pa is step st - 1's P, which its P V may still read: packed after the wait below.
-        s[j][0] = p0, s[j][1] = p1, s[j][2] = p2, s[j][3] = p3;
-      } else {
-        pa[j][0] = pack2<VB>(p0, p1);
-        pa[j][1] = pack2<VB>(p2, p3);
-      }
+      pa[j][0] = pack2<VB>(p0, p1);
+      pa[j][1] = pack2<VB>(p2, p3);
     }
 
     // O += P V: per 16 tokens, A = P (n-tiles 2ks, 2ks + 1), B = V^T by transposed ldmatrix
     // (or, wgmma, an N-major B: 16 keys are 2048 bytes of every column block).
 #if KVQ_HAS_WGMMA
-    if constexpr (OVL) {
-      // P V of step st - 1 (and S(st)) done: O and pa are this thread's again. P(st) V(st) is
-      // issued by step st + 1 (or after the loop).
-      wgmma_wait<0>();
+    if constexpr (WG) {
+      const uint32_t vt = smem_u32(v_op(st));
+      // O's rescale and P's packing land before the fence.
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
+      for (int i = 0; i < D / 8; ++i)
         for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
-        o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
-      }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        fence_operand(pa[j][0]), fence_operand(pa[j][1]);
-        pa[j][0] = pack2<VB>(s[j][0], s[j][1]);
-        pa[j][1] = pack2<VB>(s[j][2], s[j][3]);
+      for (int j = 0; j < 8; ++j) fence_operand(pa[j][0]), fence_operand(pa[j][1]);
+      wgmma_fence();
+#pragma unroll
+      for (int ks2 = 0; ks2 < 4; ++ks2) {
+        const uint32_t a[4] = {pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0],
+                               pa[2 * ks2 + 1][1]};
+        const uint64_t desc = b128_desc(vt + ks2 * 2048, 8192);
+        if constexpr (D == 128) wgmma_m64n128k16<VB, 1>(o, a, desc, 1);
+        else wgmma_m64n64k16<VB, 1>(o, a, desc, 1);
       }
-    } else if constexpr (WG) {
-      wg_issue_pv<D, VB>(o, pa, smem_u32(v_op(st)));
       wgmma_commit();
       wgmma_wait<0>();
 #pragma unroll
@@ -1032,18 +924,6 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
       }
     }
   }
-#if KVQ_HAS_WGMMA
-  if constexpr (OVL) {
-    // The last step's P V (its V tile was published by its barrier and is rewritten by no one;
-    // no step: zero P over the zero tile).
-    wg_issue_pv<D, VB>(o, pa, smem_u32(v_op(nsteps + 2)));  // step nsteps - 1's tile
-    wgmma_commit();
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
-  }
-#endif
   cp_async_wait<0>();
 
   // One count per thread block that met a fault.
