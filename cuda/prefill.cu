@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <type_traits>
 
 #include "common.cuh"
 #include "kvq.h"
@@ -96,28 +98,64 @@ bool supported(int32_t k, int32_t v, int32_t d, int32_t q_dtype) {
   return true;
 }
 
-/// Raise the instance's dynamic shared-memory limit to all the device gives a block beside its
-/// static shared memory, once per device (launches after the first, e.g. under graph capture,
-/// make no attribute calls); `*limit` gets that limit.
-template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limit) {
-  static std::atomic<uint64_t> done{0};  // bit d: done on device d (< 64)
+/// Raise a kernel's dynamic shared-memory limit to all the device gives a block beside its
+/// static shared memory, once per device (`done` bit d: done on device d < 64; launches after
+/// the first, e.g. under graph capture, make no attribute-setting calls); `*limit` gets that
+/// limit and `*binary` (if not null) the SM version of the code the device runs.
+cudaError_t prepare_kernel(const void *fn, std::atomic<uint64_t> &done, int *limit, int *binary) {
   int dev = 0, optin = 0;
   cudaFuncAttributes attr{};
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, prefill_kernel<D, KB, VB, R, KC>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&attr, fn);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();  // not left pending for the next launcher to report
     return e;
   }
   *limit = optin - (int)attr.sharedSizeBytes;
+  if (binary != nullptr) *binary = attr.binaryVersion;
   const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  e = cudaFuncSetAttribute(prefill_kernel<D, KB, VB, R, KC>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, *limit);
+  e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, *limit);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   else (void)cudaGetLastError();
+  return e;
+}
+
+template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limit) {
+  static std::atomic<uint64_t> done{0};
+  return prepare_kernel((const void *)prefill_kernel<D, KB, VB, R, KC>, done, limit, nullptr);
+}
+
+/// Whether the warp-specialized kernel (prefill/kernel.cuh) serves an instance: head_dim 128,
+/// wide tiles, and sides it takes (ws_sides). KVQ_PREFILL_WS=0 turns it off, for A/B runs
+/// against the block-synchronous kernel.
+/// Call fn(std::bool_constant<QUANT>) for the warp-specialized instance of sides k and v of
+/// operand type KB (QUANT: both quantized).
+template <bool KB, class Fn> cudaError_t with_ws(const Side &k, Fn &&fn) {
+  if constexpr (KB) return fn(std::false_type{});
+  else return k.direct ? fn(std::false_type{}) : fn(std::true_type{});
+}
+
+template <int D, bool KB, bool VB, int R, bool KC>
+bool ws_serves(const Side &k, const Side &v) {
+  static const bool off = [] {
+    const char *e = std::getenv("KVQ_PREFILL_WS");
+    return e != nullptr && e[0] == '0';
+  }();
+  return D == kWsD && R == kWideRows && !KC && ws_sides(k, v, KB, VB) && !off;
+}
+
+/// Prepare the warp-specialized kernel of operand type KB for sides k and v; *usable is false
+/// where the device runs it from code built without sm_90a features (its stub) or its layout
+/// does not fit.
+template <bool KB, bool QUANT> cudaError_t prepare_ws(const Side &k, const Side &v, bool *usable) {
+  static std::atomic<uint64_t> done{0};
+  int limit = 0, binary = 0;
+  const cudaError_t e =
+      prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT>, done, &limit, &binary);
+  *usable = e == cudaSuccess && binary == 90 && ws_smem_bytes(k, v) <= limit;
   return e;
 }
 
@@ -133,8 +171,18 @@ struct Prepare {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
     }
-    const int bytes = smem_layout<D, R>(k, v).bytes;
+    int bytes = smem_layout<D, R>(k, v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
+    if (ws_serves<D, KB, VB, R, KC>(k, v)) {
+      bool usable = false;
+      const cudaError_t w = with_ws<KB>(
+          k, [&](auto q) { return prepare_ws<KB, decltype(q)::value>(k, v, &usable); });
+      if (w != cudaSuccess) {
+        set_last_error(w);
+        return KVQ_ERR_LAUNCH;
+      }
+      if (usable) bytes = bytes > ws_smem_bytes(k, v) ? bytes : ws_smem_bytes(k, v);
+    }
     *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
   }
@@ -157,6 +205,21 @@ struct Launch {
     const int bytes = smem_layout<D, R>(p.k, p.v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
     const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
+    if (ws_serves<D, KB, VB, R, KC>(p.k, p.v)) {
+      bool usable = false;
+      const cudaError_t w = with_ws<KB>(p.k, [&](auto q) {
+        constexpr bool Q = decltype(q)::value;
+        const cudaError_t e = prepare_ws<KB, Q>(p.k, p.v, &usable);
+        if (e == cudaSuccess && usable)
+          prefill_ws_kernel<KB, KB, Q><<<grid, ws_threads(Q), ws_smem_bytes(p.k, p.v), stream>>>(p);
+        return e;
+      });
+      if (w != cudaSuccess) {
+        set_last_error(w);
+        return KVQ_ERR_LAUNCH;
+      }
+      if (usable) return launch_status();
+    }
     prefill_kernel<D, KB, VB, R, KC><<<grid, threads_of<R>(), bytes, stream>>>(p);
     return launch_status();
   }

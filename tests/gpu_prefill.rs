@@ -454,6 +454,51 @@ fn groups_blocks_and_views() {
     }
 }
 
+/// Wide tiles at head_dim 128 (on sm_90a the warp-specialized kernel: a producer warpgroup
+/// that copies, or copies raw and decodes, and two consumer warpgroups handing stages over
+/// through mbarriers), in quick mode too so that the sanitizers see it: f16 and bf16 caches,
+/// bf16 queries over f16 keys, FP8 and INT4 on both sides, ALiBi, windows, soft cap, sinks,
+/// key splits (empty ones among them), ragged rows with one tile past a sequence's rows, and
+/// pages of 32 tokens.
+#[test]
+fn wide_tiles_warp_specialized() {
+    let Some(gpu) = require_gpu_or_skip("wide_tiles_warp_specialized") else {
+        return;
+    };
+    let mut rng = rng("wide_tiles_warp_specialized");
+    for (k, v, q_bf16) in [
+        (KvFormat::F16, KvFormat::F16, false),
+        (KvFormat::F16, KvFormat::F16, true),
+        (KvFormat::Bf16, KvFormat::Bf16, true),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, true),
+        (KvFormat::Fp8E5m2, KvFormat::Int4Affine64, false),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64, true),
+    ] {
+        // 4 x (130 + 64 + 40) rows over 3 sequences: wide tiles (>= 128 rows a sequence).
+        let mut base = Case::new(k, v, 128, vec![(130, 130), (64, 600), (40, 41)]);
+        base.q_bf16 = q_bf16;
+        check(&gpu, &mut rng, &base);
+        let mut c = base.clone();
+        c.block_size = 32;
+        c.window = Some(70);
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.cap = Some(5.0);
+        c.sinks = true;
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.alibi = Some(1.0);
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.splits = Some(3);
+        c.sinks = true;
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.strided = true;
+        check(&gpu, &mut rng, &c);
+    }
+}
+
 #[test]
 fn windows_caps_sinks_and_splits() {
     let Some(gpu) = require_gpu_or_skip("windows_caps_sinks_and_splits") else {

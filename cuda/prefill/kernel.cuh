@@ -45,6 +45,7 @@
 #include "prim/convert.cuh"
 #include "prim/cp_async.cuh"
 #include "prim/fast_math.cuh"
+#include "prim/mbarrier.cuh"
 #include "prim/mma.cuh"
 #include "prim/wgmma.cuh"
 
@@ -272,10 +273,10 @@ __device__ __forceinline__ int seq_tokens(const Params &p, int b, int *q0, bool 
 
 /// Which sequence and which of its tiles CTA `tile` serves: a block-wide scan of the tiles per
 /// sequence (ceil(n_b * G / R)). False when `tile` is past the batch's last.
-template <int R>
+template <int R, int kThreads>
 __device__ __forceinline__ bool find_tile(const Params &p, int tile, int *seq, int *index,
                                           int *count) {
-  constexpr int kThreads = threads_of<R>(), kWarps = kThreads / 32;
+  constexpr int kWarps = kThreads / 32;
   __shared__ int s_seq, s_index, s_count, s_warp[kWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if (tid == 0) s_seq = -1;
@@ -373,25 +374,30 @@ __device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_
 /// Queue the copies of a quantized side's codes and metadata of one step into staging area
 /// `st` (kTokens rows of codes, then of metadata); runs past the keys are skipped (never
 /// decoded), runs of blocks outside the pool read as zeros.
+/// One run's copies of issue_raw: the run at pool offset `at` (-1: zeros), first row `off`
+/// within its page, run index `run` of the step.
+template <int kThreads>
+__device__ __forceinline__ void issue_raw_run(const Side &s, const uint8_t *head, int64_t at,
+                                              int32_t off, int run, uint8_t *st) {
+  const int cr = s.codes_row, mr = s.meta_row;  // 16-byte units of a run's codes, metadata
+  const uint8_t *sec = head + (at >= 0 ? at : 0);
+  uint8_t *dc = st + run * kRun * cr, *dm = st + kTokens * cr + run * kRun * mr;
+  for (int u = threadIdx.x; u < cr + mr; u += kThreads) {
+    const bool meta = u >= cr;
+    const int x = meta ? u - cr : u;
+    const int row0 = meta ? s.meta_off + off * mr : s.codes_off + off * cr;
+    const uint8_t *src = sec + row0 + x * 16;
+    cp_async16(smem_u32((meta ? dm : dc) + x * 16), src, at >= 0 ? 16u : 0u);
+  }
+}
+/// pg in shared memory: a loop over the runs.
 template <int kThreads>
 __device__ __forceinline__ void issue_raw(const Side &s, const uint8_t *head, const StepPages &pg,
                                           int nruns, uint8_t *st) {
-  const int cr = s.codes_row, mr = s.meta_row;  // 16-byte units of a run's codes, metadata
 #pragma unroll 1
-  for (int run = 0; run < nruns; ++run) {
-    const int64_t at = pg.at[run];
-    const uint8_t *sec = head + (at >= 0 ? at : 0);
-    uint8_t *dc = st + run * kRun * cr, *dm = st + kTokens * cr + run * kRun * mr;
-    for (int u = threadIdx.x; u < cr + mr; u += kThreads) {
-      const bool meta = u >= cr;
-      const int x = meta ? u - cr : u;
-      const int row0 = meta ? s.meta_off + pg.off[run] * mr : s.codes_off + pg.off[run] * cr;
-      const uint8_t *src = sec + row0 + x * 16;
-      cp_async16(smem_u32((meta ? dm : dc) + x * 16), src, at >= 0 ? 16u : 0u);
-    }
-  }
+  for (int run = 0; run < nruns; ++run)
+    issue_raw_run<kThreads>(s, head, pg.at[run], pg.off[run], run, st);
 }
-
 // ---- int4-kc keys (kvq.h's layout note on KVQ_INT4_KC), instances of their own (KC): a sealed
 // block's code rows and its s, z are staged and decoded; the rows of the sequence's open block
 // (its f16 window) are copied into the operand tile as they are, at decode time. A staged step:
@@ -496,6 +502,342 @@ __device__ __forceinline__ void decode_kc(const uint8_t *raw, const Side &s, con
 
 /// KC: the instance for int4-kc keys (f16 operands), whatever p.k says; the other instances
 /// carry none of its code.
+/// Bounds and places of a CTA's query rows (shared memory).
+template <int R> struct RowInfo {
+  int lo[R], hi[R];        // keys [lo, hi) the row sees in this split
+  int64_t out[R], lse[R];  // the row's offsets in out and lse
+  int head[R];
+  float qs[R];     // factor of the row's scores (q's power-of-two scaling)
+  float slope[R];  // ALiBi slope (log2 domain; 0 past the rows), for the masked path
+  int pos[R];      // the row's position, for ALiBi
+};
+
+/// What a CTA serves: rows [r0, r0 + R) of sequence b's rows (its n new tokens x G heads of KV
+/// head kvh) over keys [s_lo, s_hi) of split `split`.
+struct TileJob {
+  int b, q0, n, rows, r0, len, kvh, split;
+  bool bad_len;  // qo_indptr or context_lens out of range: counted as a fault
+};
+
+/// Find the CTA's tile (false: past the batch's last) and fill the rows' bounds (threads < R).
+template <int R, int kThreads>
+__device__ __forceinline__ bool begin_tile(const Params &p, RowInfo<R> &rw, TileJob &j) {
+  int index, count;
+  if (!find_tile<R, kThreads>(p, blockIdx.x, &j.b, &index, &count)) return false;
+  j.kvh = blockIdx.y, j.split = blockIdx.z;
+  const int G = p.group;
+  bool bad_q;
+  j.n = seq_tokens(p, j.b, &j.q0, &bad_q);
+  const int cap = p.max_blocks * p.block_size;
+  int len = p.context_lens[j.b];
+  j.bad_len = bad_q || len < j.n || len > cap;
+  j.len = min(max(len, 0), cap);
+  j.rows = j.n * G;
+  j.r0 = (count - 1 - index) * R;  // the last tile first: it has the most keys
+  const int past = j.len - j.n;     // position of the first new token
+  const int s_lo = j.split * p.split_tokens, s_hi = min(j.len, s_lo + p.split_tokens);
+  const int tid = threadIdx.x;
+  if (tid < R) {
+    const int r = j.r0 + tid;
+    int lo = 0, hi = 0, pos = 0;
+    float slope = 0.f;
+    if (r < j.rows) {
+      const int i = r / G, h = j.kvh * G + r % G;
+      pos = past + i;
+      hi = min(pos + 1, s_hi);
+      lo = max(max(p.window_left >= 0 ? pos - p.window_left : 0, s_lo), 0);
+      rw.head[tid] = h;
+      rw.out[tid] = (int64_t)(j.q0 + i) * p.o_tok + (int64_t)h * p.o_head;
+      rw.lse[tid] = (int64_t)(j.q0 + i) * p.l_tok + (int64_t)h * p.l_head;
+      if (p.alibi_slopes != nullptr) slope = p.alibi_slopes[h] * kLog2e;
+    }
+    rw.slope[tid] = slope;
+    rw.pos[tid] = pos;
+    rw.lo[tid] = lo;
+    rw.hi[tid] = max(hi, lo);
+    rw.qs[tid] = 1.f;
+  }
+  return true;
+}
+
+/// Queue the copies of the CTA's Q rows into the Q tile (rows past the sequence: zeros), as
+/// one commit group.
+template <int D, int R, bool SW, int kThreads>
+__device__ __forceinline__ void load_q(const Params &p, const TileJob &j, uint8_t *qs) {
+  constexpr int U = D * 2 / 16;
+  const int G = p.group;
+  for (int u = threadIdx.x; u < R * U; u += kThreads) {
+    const int rr = u / U, c = u % U, r = j.r0 + rr;
+    const uint8_t *src = static_cast<const uint8_t *>(p.q);
+    uint32_t bytes = 0;
+    if (r < j.rows) {
+      src += ((int64_t)(j.q0 + r / G) * p.q_tok + (int64_t)(j.kvh * G + r % G) * p.q_head) * 2 +
+             c * 16;
+      bytes = 16;
+    }
+    cp_async16(smem_u32(qs + tile_at<D, SW, R>(rr, c)), src, bytes);
+  }
+  cp_async_commit();
+}
+
+/// bf16 queries over an f16 key operand: each row of the Q tile scaled by a power of two into
+/// f16's range and stored as f16 (warp w of nw takes rows w, w + nw, ...); the factor goes to
+/// rw.qs.
+template <int D, int R, bool SW>
+__device__ __forceinline__ void scale_q(uint8_t *qs, RowInfo<R> &rw, int warp, int nw) {
+  const int lane = threadIdx.x % 32;
+  // Element d of row r, in the Q tile's layout.
+  auto q_elem = [&](int r, int d) { return qs + tile_at<D, SW, R>(r, d / 8) + (d % 8) * 2; };
+  for (int r = warp; r < R; r += nw) {
+    float mx = 0.f;
+    for (int d = lane; d < D; d += 32)
+      mx = fmaxf(mx, fabsf(__bfloat162float(*reinterpret_cast<__nv_bfloat16 *>(q_elem(r, d)))));
+#pragma unroll
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
+    const int e = (mx > 0.f && mx <= 3.0e38f) ? ilogbf(mx) : 0;
+    const float sc = ldexpf(1.f, -e);
+    for (int d = lane; d < D; d += 32) {
+      uint8_t *x = q_elem(r, d);
+      const float v = __bfloat162float(*reinterpret_cast<__nv_bfloat16 *>(x));
+      *reinterpret_cast<__half *>(x) = __float2half_rn(v * sc);
+    }
+    if (lane == 0) rw.qs[r] = ldexpf(1.f, e);
+  }
+}
+
+/// Keys any row of the CTA sees in this split: [*lo, *hi), empty when *hi <= *lo.
+/// Every warp computes it (lanes over the rows, then shuffles), with no barrier.
+template <int R>
+__device__ __forceinline__ void tile_keys(const RowInfo<R> &rw, int *lo, int *hi) {
+  int kv_lo = INT32_MAX, kv_hi = 0;
+#pragma unroll
+  for (int r = threadIdx.x % 32; r < R; r += 32)
+    if (rw.hi[r] > rw.lo[r]) kv_lo = min(kv_lo, rw.lo[r]), kv_hi = max(kv_hi, rw.hi[r]);
+#pragma unroll
+  for (int o = 16; o; o >>= 1) {
+    kv_lo = min(kv_lo, __shfl_xor_sync(kFull, kv_lo, o));
+    kv_hi = max(kv_hi, __shfl_xor_sync(kFull, kv_hi, o));
+  }
+  *lo = kv_lo, *hi = kv_hi;
+}
+
+/// One warp's online softmax over steps of kTokens keys (log2 domain), for this thread's rows
+/// a and b of the C fragments: rows ra = 16 w + g and rb = ra + 8 of the CTA (warp w of the
+/// MMAs).
+template <int R> struct WarpSoftmax {
+  const RowInfo<R> &rw;
+  int ra, rb, t;
+  int lo_a, hi_a, lo_b, hi_b;
+  // Keys any of the warp's rows sees, [w_lo, w_hi), and that all of them see, [in_lo, in_hi).
+  int w_lo, w_hi, in_lo, in_hi;
+  float mul_a, mul_b, cap2;
+  bool plain_ok, capped, biased;
+  float m_a, m_b, l_a, l_b;
+
+  __device__ __forceinline__ WarpSoftmax(const Params &p, const RowInfo<R> &rows, int warp,
+                                         float k_factor)
+      : rw(rows) {
+    const int lane = threadIdx.x % 32, g = lane / 4;
+    t = lane % 4;
+    ra = warp * 16 + g, rb = ra + 8;
+    lo_a = rw.lo[ra], hi_a = rw.hi[ra], lo_b = rw.lo[rb], hi_b = rw.hi[rb];
+    w_lo = INT32_MAX, w_hi = 0, in_lo = 0, in_hi = INT32_MAX;
+    for (int r = warp * 16; r < warp * 16 + 16; ++r) {
+      if (rw.hi[r] > rw.lo[r]) w_lo = min(w_lo, rw.lo[r]), w_hi = max(w_hi, rw.hi[r]);
+      in_lo = max(in_lo, rw.lo[r]), in_hi = min(in_hi, rw.hi[r]);
+    }
+    capped = p.soft_cap > 0.f, biased = p.alibi_slopes != nullptr;
+    // Logits in the log2 domain: x * mul (no cap) or cap2 * tanh(x * mul) (capped), then plus
+    // the ALiBi bias (biased).
+    const float mul =
+        capped ? p.sm_scale * k_factor / p.soft_cap : p.sm_scale * k_factor * kLog2e;
+    cap2 = p.soft_cap * kLog2e;
+    mul_a = mul * rw.qs[ra], mul_b = mul * rw.qs[rb];
+    // A step whose keys every row of the warp sees, without a cap, takes the plain path: the
+    // scale folds into the exponent's FMA and nothing is masked (a positive scale keeps the
+    // max). ALiBi slopes empty the range every row sees instead (the masked path applies them;
+    // a third term in plain_ok cost ptxas 23 registers at head_dim 64, wide tiles).
+    plain_ok = !capped && mul > 0.f;
+    if (biased) in_lo = INT32_MAX;
+    m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+  }
+
+  /// Step of keys [tok0, tok0 + kTokens): from the scores s (16 rows x 64 keys a warp), rescale
+  /// O and l, and return P as A operands in pa (n-tile j, rows a (0) / b (1), keys 2t, 2t + 1).
+  template <bool VB, int D>
+  __device__ __forceinline__ void step(float (&s)[8][4], int tok0, float (&o)[D / 8][4],
+                                       uint32_t (&pa)[8][2]) {
+    float al_a, al_b;
+    scores<VB>(s, tok0, pa, &al_a, &al_b);
+    rescale<D>(o, al_a, al_b);
+  }
+
+  /// O's rows scaled by the step's alphas (from scores).
+  template <int D>
+  __device__ __forceinline__ void rescale(float (&o)[D / 8][4], float al_a, float al_b) {
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i)
+      o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
+  }
+
+  /// The softmax of a step without O: the running max and l updated, P in pa, and the factors
+  /// O's rows must be scaled by before P V is added (alpha, in *al_a and *al_b).
+  /// NT n-tiles of 8 keys from tok0 (8: a step of kTokens).
+  template <bool VB, int NT = 8>
+  __device__ __forceinline__ void scores(float (&s)[NT][4], int tok0, uint32_t (&pa)[NT][2],
+                                         float *al_out_a, float *al_out_b) {
+    // Running max of the logits (log2 domain). The exponent below is s * e_a - sub_a: plain,
+    // s is the raw score and e_a the row's scale; otherwise s is the finished logit (scaled,
+    // capped, biased, masked to -inf) and e_a is 1.
+    float mx_a = -INFINITY, mx_b = -INFINITY, e_a = 1.f, e_b = 1.f;
+    if (plain_ok && tok0 >= in_lo && tok0 + NT * 8 <= in_hi) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
+      }
+      e_a = mul_a, e_b = mul_b;
+    } else {
+      // Key tok is in row a's range when tok - lo_a < hi_a - lo_a (unsigned).
+      const int da = tok0 + 2 * t - lo_a, db = tok0 + 2 * t - lo_b;
+      const unsigned wa = hi_a - lo_a, wb = hi_b - lo_b;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = s[j][e] * (e < 2 ? mul_a : mul_b);
+          if (capped) {
+            float th;
+            asm("tanh.approx.f32 %0, %1;" : "=f"(th) : "f"(x));
+            x = cap2 * th;
+          }
+          const int k = j * 8 + (e & 1);
+          if (biased) {
+            // ALiBi after the cap: the row's slope times the key's offset from its position.
+            const int rr = e < 2 ? ra : rb;
+            x = fmaf(rw.slope[rr], (float)(tok0 + 2 * t + k - rw.pos[rr]), x);
+          }
+          const bool in = e < 2 ? (unsigned)(da + k) < wa : (unsigned)(db + k) < wb;
+          s[j][e] = in ? x : -INFINITY;
+        }
+        mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
+      }
+    }
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(kFull, mx_a, x));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(kFull, mx_b, x));
+    }
+    mx_a *= e_a, mx_b *= e_b;
+    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    // A row that has seen nothing keeps m = -inf: alpha 1 (O and l are 0), subtract 0.
+    const float al_a = mn_a == -INFINITY ? 1.f : fast_exp2(m_a - mn_a);
+    const float al_b = mn_b == -INFINITY ? 1.f : fast_exp2(m_b - mn_b);
+    m_a = mn_a, m_b = mn_b;
+    const float sub_a = mn_a == -INFINITY ? 0.f : mn_a, sub_b = mn_b == -INFINITY ? 0.f : mn_b;
+    l_a *= al_a, l_b *= al_b;
+    *al_out_a = al_a, *al_out_b = al_b;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float p0 = fast_exp2(fmaf(s[j][0], e_a, -sub_a));
+      const float p1 = fast_exp2(fmaf(s[j][1], e_a, -sub_a));
+      const float p2 = fast_exp2(fmaf(s[j][2], e_b, -sub_b));
+      const float p3 = fast_exp2(fmaf(s[j][3], e_b, -sub_b));
+      l_a += p0 + p1, l_b += p2 + p3;
+      pa[j][0] = pack2<VB>(p0, p1);
+      pa[j][1] = pack2<VB>(p2, p3);
+    }
+  }
+
+  /// Epilogue: row sums across the quad, then this thread's two rows: the normalized partial
+  /// and its lse to the workspace (more than one split), else out (sinks applied) and lse.
+  template <int D>
+  __device__ __forceinline__ void finish(const Params &p, const TileJob &j, float (&o)[D / 8][4],
+                                         float v_factor) {
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      l_a += __shfl_xor_sync(kFull, l_a, x);
+      l_b += __shfl_xor_sync(kFull, l_b, x);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int rr = half ? rb : ra;
+      if (j.r0 + rr >= j.rows) continue;
+      const float m = half ? m_b : m_a, l = half ? l_b : l_a;
+      const int h = rw.head[rr];
+      const int64_t grow = (int64_t)(j.q0 + (j.r0 + rr) / p.group) * p.num_q_heads + h;
+      if (p.num_splits > 1) {
+        // Normalized partial and its natural-log lse; the merge applies the sinks.
+        const float inv = l > 0.f ? v_factor / l : 0.f;
+        float *dst = p.ws_o + ((int64_t)j.split * p.ws_rows + grow) * D;
+#pragma unroll
+        for (int c = 0; c < D / 8; ++c) {
+          const int d = c * 8 + 2 * t;
+          const float *oc = o[c] + 2 * half;
+          *reinterpret_cast<float2 *>(dst + d) = make_float2(oc[0] * inv, oc[1] * inv);
+        }
+        if (t == 0)
+          p.ws_lse[(int64_t)j.split * p.ws_rows + grow] =
+              l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+        continue;
+      }
+      float M = m, scale_o = 1.f, L = l;
+      if (p.sinks != nullptr) {
+        const float s2 = p.sinks[h] * kLog2e;
+        M = fmaxf(m, s2);
+        scale_o = m == -INFINITY ? 0.f : fast_exp2(m - M);
+        L = l * scale_o + fast_exp2(s2 - M);
+      }
+      const float inv = L > 0.f ? scale_o * v_factor / L : 0.f;
+#pragma unroll
+      for (int c = 0; c < D / 8; ++c) {
+        const int d = c * 8 + 2 * t;
+        const float *oc = o[c] + 2 * half;
+        store_out(p.out, rw.out[rr] + d, oc[0] * inv, p.out_dtype);
+        store_out(p.out, rw.out[rr] + d + 1, oc[1] * inv, p.out_dtype);
+      }
+      if (t == 0 && p.lse != nullptr)
+        p.lse[rw.lse[rr]] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    }
+  }
+};
+
+#if KVQ_HAS_WGMMA
+/// O += P V on a warpgroup, waited: P from this thread's A fragments (n-tile j, rows a / b), V
+/// the operand tile at shared address vt (an N-major B: 16 keys are 2048 bytes of every column
+/// block). The fences keep O's rescale and P's packing before the MMAs, and every use of o and
+/// pa after the wait.
+template <bool VB, int D>
+__device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], uint32_t (&pa)[8][2], uint32_t vt) {
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+    for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) fence_operand(pa[j][0]), fence_operand(pa[j][1]);
+  wgmma_fence();
+#pragma unroll
+  for (int ks2 = 0; ks2 < 4; ++ks2) {
+    const uint32_t a[4] = {pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0], pa[2 * ks2 + 1][1]};
+    const uint64_t desc = b128_desc(vt + ks2 * 2048, 8192);
+    if constexpr (D == 128) wgmma_m64n128k16<VB, 1>(o, a, desc, 1);
+    else wgmma_m64n64k16<VB, 1>(o, a, desc, 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i)
+    for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) fence_operand(pa[j][0]), fence_operand(pa[j][1]);
+}
+#endif
+
+/// The first 1024-byte boundary at or after the dynamic shared memory's start (B128 tiles).
+__device__ __forceinline__ uint8_t *align1024(uint8_t *raw) {
+  return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
+}
+
 template <int D, bool KB, bool VB, int R, bool KC = false>
 __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p) {
   static_assert(!(KC && KB), "int4-kc keys decode to f16 operands");
@@ -509,85 +851,29 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
   constexpr bool WG = uses_wgmma<D>();
   static_assert(!WG || (kTokens == 64 && R % 64 == 0), "warpgroups of 64 rows, 64-token steps");
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  uint8_t *const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  __shared__ int row_lo[R], row_hi[R];  // keys [lo, hi) each row sees in this split
-  __shared__ int64_t row_out[R], row_lse[R];
-  __shared__ int row_head[R];
-  __shared__ float row_qs[R];  // factor of each row's scores (q's power-of-two scaling)
-  // ALiBi: each row's slope (log2 domain; 0 past the rows) and position, for the masked path.
-  __shared__ float row_slope[R];
-  __shared__ int row_pos[R];
+  uint8_t *const smem = align1024(smem_raw);
+  __shared__ RowInfo<R> rw;
 
-  int b, index, count;
-  if (!find_tile<R>(p, blockIdx.x, &b, &index, &count)) return;
-  const int kvh = blockIdx.y, split = blockIdx.z;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int G = p.group;
-
-  int q0;
-  bool bad_q;
-  const int n = seq_tokens(p, b, &q0, &bad_q);
-  const int cap = p.max_blocks * p.block_size;
-  int len = p.context_lens[b];
-  const bool bad_len = bad_q || len < n || len > cap;
-  len = min(max(len, 0), cap);
-  const int rows = n * G;
-  const int r0 = (count - 1 - index) * R;  // the last tile first: it has the most keys
-  const int past = len - n;                    // position of the first new token
-  const int s_lo = split * p.split_tokens, s_hi = min(len, s_lo + p.split_tokens);
-
-  if (tid < R) {
-    const int r = r0 + tid;
-    int lo = 0, hi = 0, pos = 0;
-    float slope = 0.f;
-    if (r < rows) {
-      const int i = r / G, h = kvh * G + r % G;
-      pos = past + i;
-      hi = min(pos + 1, s_hi);
-      lo = max(max(p.window_left >= 0 ? pos - p.window_left : 0, s_lo), 0);
-      row_head[tid] = h;
-      row_out[tid] = (int64_t)(q0 + i) * p.o_tok + (int64_t)h * p.o_head;
-      row_lse[tid] = (int64_t)(q0 + i) * p.l_tok + (int64_t)h * p.l_head;
-      if (p.alibi_slopes != nullptr) slope = p.alibi_slopes[h] * kLog2e;
-    }
-    row_slope[tid] = slope;
-    row_pos[tid] = pos;
-    row_lo[tid] = lo;
-    row_hi[tid] = max(hi, lo);
-    row_qs[tid] = 1.f;
-  }
+  TileJob job;
+  if (!begin_tile<R, kThreads>(p, rw, job)) return;
+  const int kvh = job.kvh, len = job.len;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
   const bool k_direct = !KC && p.k.direct, v_direct = p.v.direct;
   const Layout L = smem_layout<D, R>(p.k, p.v);
   uint8_t *qs = smem + L.q;
 
-  // ---- Q tile: cp.async of each row (rows past the sequence: zeros). Commit group 1 of 3.
-  {
-    constexpr int U = D * 2 / 16;
-    for (int u = tid; u < R * U; u += kThreads) {
-      const int rr = u / U, c = u % U, r = r0 + rr;
-      const uint8_t *src = static_cast<const uint8_t *>(p.q);
-      uint32_t bytes = 0;
-      if (r < rows) {
-        src += ((int64_t)(q0 + r / G) * p.q_tok + (int64_t)(kvh * G + r % G) * p.q_head) * 2 +
-               c * 16;
-        bytes = 16;
-      }
-      cp_async16(smem_u32(qs + tile_at<D, WG, R>(rr, c)), src, bytes);
-    }
-    cp_async_commit();
-  }
+  // ---- Q tile: commit group 1 of 3.
+  load_q<D, R, WG, kThreads>(p, job, qs);
   __syncthreads();  // row bounds
 
-  // Keys this CTA's rows see in this split: [kv_lo, kv_hi).
-  int kv_lo = INT32_MAX, kv_hi = 0;
-  for (int r = 0; r < R; ++r)
-    if (row_hi[r] > row_lo[r]) kv_lo = min(kv_lo, row_lo[r]), kv_hi = max(kv_hi, row_hi[r]);
+  int kv_lo, kv_hi;
+  tile_keys(rw, &kv_lo, &kv_hi);
   const int base = kv_hi > kv_lo ? kv_lo / kRun * kRun : 0;
   const int nsteps = kv_hi > kv_lo ? (kv_hi - base + kTokens - 1) / kTokens : 0;
 
   const uint8_t *head = p.pool + (int64_t)kvh * p.head_stride;
-  const int32_t *table = p.block_tables + (int64_t)b * p.max_blocks;
+  const int32_t *table = p.block_tables + (int64_t)job.b * p.max_blocks;
   bool fault = false;
   // Step s's operand tile and (quantized side) staging area of each side.
   auto k_op = [&](int s) {
@@ -669,59 +955,20 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 
   cp_async_wait<2>();  // the Q tile
   __syncthreads();
-  // bf16 queries over an f16 key operand: each row scaled by a power of two into f16's range.
   if (p.q_bf16 && !KB) {
-    // Element d of row r, in the Q tile's layout.
-    auto q_elem = [&](int r, int d) { return qs + tile_at<D, WG, R>(r, d / 8) + (d % 8) * 2; };
-    for (int r = warp; r < R; r += kWarps) {
-      float mx = 0.f;
-      for (int d = lane; d < D; d += 32)
-        mx = fmaxf(mx, fabsf(__bfloat162float(*reinterpret_cast<__nv_bfloat16 *>(q_elem(r, d)))));
-#pragma unroll
-      for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, o));
-      const int e = (mx > 0.f && mx <= 3.0e38f) ? ilogbf(mx) : 0;
-      const float sc = ldexpf(1.f, -e);
-      for (int d = lane; d < D; d += 32) {
-        uint8_t *x = q_elem(r, d);
-        const float v = __bfloat162float(*reinterpret_cast<__nv_bfloat16 *>(x));
-        *reinterpret_cast<__half *>(x) = __float2half_rn(v * sc);
-      }
-      if (lane == 0) row_qs[r] = ldexpf(1.f, e);
-    }
+    scale_q<D, R, WG>(qs, rw, warp, kWarps);
     __syncthreads();
-  }
-
-  // This warp's rows: a = warp * 16 + g, b = a + 8 (C-fragment rows).
-  const int ra = warp * 16 + g, rb = ra + 8;
-  const int lo_a = row_lo[ra], hi_a = row_hi[ra], lo_b = row_lo[rb], hi_b = row_hi[rb];
-  // Keys any of the warp's rows sees, [w_lo, w_hi), and that all of them see, [in_lo, in_hi).
-  int w_lo = INT32_MAX, w_hi = 0, in_lo = 0, in_hi = INT32_MAX;
-  for (int r = warp * 16; r < warp * 16 + 16; ++r) {
-    if (row_hi[r] > row_lo[r]) w_lo = min(w_lo, row_lo[r]), w_hi = max(w_hi, row_hi[r]);
-    in_lo = max(in_lo, row_lo[r]), in_hi = min(in_hi, row_hi[r]);
   }
 
   float k_factor = 1.f, v_factor = 1.f;
   // Per-head scales (FP8), null for formats without one.
   if (p.k_scales != nullptr) k_factor = p.k_scales[kvh];
   if (p.v_scales != nullptr) v_factor = p.v_scales[kvh];
-  const bool capped = p.soft_cap > 0.f, biased = p.alibi_slopes != nullptr;
-  // Logits in the log2 domain: x * mul (no cap) or cap2 * tanh(x * mul) (capped), then plus
-  // the ALiBi bias (biased).
-  const float mul = capped ? p.sm_scale * k_factor / p.soft_cap : p.sm_scale * k_factor * kLog2e;
-  const float cap2 = p.soft_cap * kLog2e;
-  const float mul_a = mul * row_qs[ra], mul_b = mul * row_qs[rb];
-  // A step whose keys every row of the warp sees, without a cap, takes the plain path: the
-  // scale folds into the exponent's FMA and nothing is masked (a positive scale keeps the max).
-  // ALiBi slopes empty the range every row sees instead (the masked path applies them; a third
-  // term in plain_ok cost ptxas 23 registers at head_dim 64, wide tiles).
-  const bool plain_ok = !capped && mul > 0.f;
-  if (biased) in_lo = INT32_MAX;
+  WarpSoftmax<R> sm(p, rw, warp, k_factor);
 
   float o[D / 8][4];
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
 
   // ldmatrix row addresses of this lane: Q (A operand) rows warp*16 + lane % 16, column half
   // lane / 16; K (B operand, two n-tiles) token (lane / 16) * 8 + lane % 8, column half
@@ -769,7 +1016,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
       __syncthreads();
     }
     // No key of this step for the warp: skipped, but the warpgroup's MMAs take every warp.
-    if (!WG && (tok0 >= w_hi || tok0 + kTokens <= w_lo)) continue;
+    if (!WG && (tok0 >= sm.w_hi || tok0 + kTokens <= sm.w_lo)) continue;
     const uint32_t ks_u = smem_u32(k_op(st)) + k_lane;
     const uint32_t vs_u = smem_u32(v_op(st)) + v_lane;
 
@@ -818,98 +1065,13 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
       }
     }
 
-    // Running max of the logits (log2 domain). The exponent below is s * e_a - sub_a: plain,
-    // s is the raw score and e_a the row's scale; otherwise s is the finished logit (scaled,
-    // capped, biased, masked to -inf) and e_a is 1.
-    float mx_a = -INFINITY, mx_b = -INFINITY, e_a = 1.f, e_b = 1.f;
-    if (plain_ok && tok0 >= in_lo && tok0 + kTokens <= in_hi) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
-      }
-      e_a = mul_a, e_b = mul_b;
-    } else {
-      // Key tok is in row a's range when tok - lo_a < hi_a - lo_a (unsigned).
-      const int da = tok0 + 2 * t - lo_a, db = tok0 + 2 * t - lo_b;
-      const unsigned wa = hi_a - lo_a, wb = hi_b - lo_b;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float x = s[j][e] * (e < 2 ? mul_a : mul_b);
-          if (capped) {
-            float th;
-            asm("tanh.approx.f32 %0, %1;" : "=f"(th) : "f"(x));
-            x = cap2 * th;
-          }
-          const int k = j * 8 + (e & 1);
-          if (biased) {
-            // ALiBi after the cap: the row's slope times the key's offset from its position.
-            const int rr = e < 2 ? ra : rb;
-            x = fmaf(row_slope[rr], (float)(tok0 + 2 * t + k - row_pos[rr]), x);
-          }
-          const bool in = e < 2 ? (unsigned)(da + k) < wa : (unsigned)(db + k) < wb;
-          s[j][e] = in ? x : -INFINITY;
-        }
-        mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
-      }
-    }
-#pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-      mx_a = fmaxf(mx_a, __shfl_xor_sync(kFull, mx_a, x));
-      mx_b = fmaxf(mx_b, __shfl_xor_sync(kFull, mx_b, x));
-    }
-    mx_a *= e_a, mx_b *= e_b;
-    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-    // A row that has seen nothing keeps m = -inf: alpha 1 (O and l are 0), subtract 0.
-    const float al_a = mn_a == -INFINITY ? 1.f : fast_exp2(m_a - mn_a);
-    const float al_b = mn_b == -INFINITY ? 1.f : fast_exp2(m_b - mn_b);
-    m_a = mn_a, m_b = mn_b;
-    const float sub_a = mn_a == -INFINITY ? 0.f : mn_a, sub_b = mn_b == -INFINITY ? 0.f : mn_b;
-    l_a *= al_a, l_b *= al_b;
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
     uint32_t pa[8][2];  // P as A operands: n-tile j, rows a (0) / b (1), tokens 2t, 2t + 1
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float p0 = fast_exp2(fmaf(s[j][0], e_a, -sub_a));
-      const float p1 = fast_exp2(fmaf(s[j][1], e_a, -sub_a));
-      const float p2 = fast_exp2(fmaf(s[j][2], e_b, -sub_b));
-      const float p3 = fast_exp2(fmaf(s[j][3], e_b, -sub_b));
-      l_a += p0 + p1, l_b += p2 + p3;
-      pa[j][0] = pack2<VB>(p0, p1);
-      pa[j][1] = pack2<VB>(p2, p3);
-    }
+    sm.template step<VB, D>(s, tok0, o, pa);
 
     // O += P V: per 16 tokens, A = P (n-tiles 2ks, 2ks + 1), B = V^T by transposed ldmatrix
     // (or, wgmma, an N-major B: 16 keys are 2048 bytes of every column block).
 #if KVQ_HAS_WGMMA
-    if constexpr (WG) {
-      const uint32_t vt = smem_u32(v_op(st));
-      // O's rescale and P's packing land before the fence.
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-        for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) fence_operand(pa[j][0]), fence_operand(pa[j][1]);
-      wgmma_fence();
-#pragma unroll
-      for (int ks2 = 0; ks2 < 4; ++ks2) {
-        const uint32_t a[4] = {pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0],
-                               pa[2 * ks2 + 1][1]};
-        const uint64_t desc = b128_desc(vt + ks2 * 2048, 8192);
-        if constexpr (D == 128) wgmma_m64n128k16<VB, 1>(o, a, desc, 1);
-        else wgmma_m64n64k16<VB, 1>(o, a, desc, 1);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i)
-        for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
-    }
+    if constexpr (WG) wg_pv<VB, D>(o, pa, smem_u32(v_op(st)));
 #endif
 #pragma unroll
     for (int ks2 = 0; ks2 < (WG ? 0 : 4); ++ks2) {
@@ -927,54 +1089,270 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
   cp_async_wait<0>();
 
   // One count per thread block that met a fault.
-  if (__syncthreads_or(fault || bad_len) && tid == 0 && p.counters != nullptr)
+  if (__syncthreads_or(fault || job.bad_len) && tid == 0 && p.counters != nullptr)
     atomicAdd(p.counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
 
-  // ---- Epilogue: row sums across the quad, then this thread's two rows.
+  sm.template finish<D>(p, job, o, v_factor);
+}
+
+// ---- Warp-specialized wide tiles (sm_90a, head_dim 128; both sides stored as their 16-bit
+// operands, or both quantized). Producer warps fill a ring of kWsStages stages with each step's
+// K and V operand tiles — copied, or for quantized sides copied raw into a staging area a step
+// ahead and decoded by the producers — and hand every stage over through an mbarrier; two
+// consumer warpgroups (64 rows each, Q fragments held in registers) run S = Q K^T, the softmax
+// and O += P V from the ring and give each stage back through a second mbarrier. No block-wide
+// barrier is left in the loop, so one consumer warpgroup's softmax runs beside the other's
+// MMAs, and the copies and the decode run ahead of both.
+
+constexpr int kWsStages = 4;
+/// Threads of a warp-specialized block: its producer threads (one warpgroup, or for quantized
+/// sides kWsQuantProducers: the decode is most of a producer's work), then two consumer
+/// warpgroups.
+constexpr int kWsQuantProducers = 256;
+__host__ __device__ constexpr int ws_producers(bool quant) {
+  return quant ? kWsQuantProducers : 128;
+}
+__host__ __device__ constexpr int ws_threads(bool quant) { return ws_producers(quant) + 256; }
+constexpr int kWsD = 128;
+/// Steps whose copies a producer thread keeps in flight before handing the oldest over (16-bit
+/// sides).
+constexpr int kWsInFlight = 3;
+static_assert(kWsInFlight <= kWsStages, "in-flight steps hold stages");
+/// Named barrier of the producer warpgroup (0 is __syncthreads).
+constexpr int kWsProducerBar = 1;
+/// Quantized sides: steps whose raw rows are in flight ahead of the one being decoded, in a
+/// ring of staging areas (the step being decoded holds one).
+constexpr int kWsRawAhead = 1;
+constexpr int kWsRawSlots = kWsRawAhead + 1;
+
+/// Dynamic shared memory of the warp-specialized kernel: the Q tile, per stage the K and V
+/// operand tiles (B128), for quantized sides kWsRawSlots staging areas of raw rows, plus room
+/// for the 1024-byte alignment.
+__host__ __device__ inline int ws_operands_bytes() {
+  return kWideRows * kWsD * 2 + kWsStages * 2 * kTokens * kWsD * 2;
+}
+__host__ __device__ inline int ws_smem_bytes(const Side &k, const Side &v) {
+  const int raw = k.direct ? 0 : kWsRawSlots * (stage_bytes(k) + stage_bytes(v));
+  return ws_operands_bytes() + raw + 1024;
+}
+/// Whether the warp-specialized kernel serves a pair of sides: both 16-bit (one operand type),
+/// or both quantized (f16 operands); int4-kc keys and mixed pairs take the block-synchronous one.
+__host__ __device__ inline bool ws_sides(const Side &k, const Side &v, bool kb, bool vb) {
+  return kb == vb && k.direct == v.direct && k.format != KVQ_INT4_KC;
+}
+
+/// QUANT: both sides quantized (decoded by the producer into f16 operands), else both 16-bit.
+template <bool KB, bool VB, bool QUANT>
+__global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const Params p) {
+  static_assert(!QUANT || (!KB && !VB), "quantized sides decode to f16 operands");
+#if KVQ_HAS_WGMMA
+  // Registers of a producer and a consumer thread (setmaxnreg). The block's pool is what it
+  // launched with (kLaunchRegs a thread, from the launch bound): a consumer's increase waits
+  // until the producers' decrease covers it, so the two must fit in it.
+  constexpr int NP = ws_producers(QUANT), kThreads = ws_threads(QUANT);
+  constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  constexpr int kProducerRegs = QUANT ? (NP == 128 ? 120 : 64) : 56;
+  constexpr int kConsumerRegs = QUANT ? 192 : 224;
+  static_assert(NP * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
+                "register pool");
+  constexpr int D = kWsD, R = kWideRows, S = kWsStages;
+  constexpr int TILE = kTokens * D * 2;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t *const smem = align1024(smem_raw);
+  __shared__ RowInfo<R> rw;
+  __shared__ uint64_t full[S], empty[S];  // stage landed (producer threads), consumed (consumers)
+  __shared__ StepPages warp_pages[NP / 32];  // quantized sides: each producer warp's runs
+
+  TileJob job;
+  if (!begin_tile<R, kThreads>(p, rw, job)) return;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  uint8_t *const qs = smem;
+  auto k_op = [&](int s) { return smem + R * D * 2 + s * 2 * TILE; };
+  auto v_op = [&](int s) { return k_op(s) + TILE; };
+  if (tid == 0) {
 #pragma unroll
-  for (int x = 1; x <= 2; x <<= 1) {
-    l_a += __shfl_xor_sync(kFull, l_a, x);
-    l_b += __shfl_xor_sync(kFull, l_b, x);
+    for (int s = 0; s < S; ++s) mbar_init(&full[s], NP), mbar_init(&empty[s], 256);
+    fence_mbarrier_init();
   }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int rr = half ? rb : ra;
-    if (r0 + rr >= rows) continue;
-    const float m = half ? m_b : m_a, l = half ? l_b : l_a;
-    const int h = row_head[rr];
-    const int64_t grow = (int64_t)(q0 + (r0 + rr) / G) * p.num_q_heads + h;
-    if (p.num_splits > 1) {
-      // Normalized partial and its natural-log lse; the merge applies the sinks.
-      const float inv = l > 0.f ? v_factor / l : 0.f;
-      float *dst = p.ws_o + ((int64_t)split * p.ws_rows + grow) * D;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const int d = j * 8 + 2 * t;
-        const float *oj = o[j] + 2 * half;
-        *reinterpret_cast<float2 *>(dst + d) = make_float2(oj[0] * inv, oj[1] * inv);
+  load_q<D, R, true, kThreads>(p, job, qs);
+  cp_async_wait<0>();
+  __syncthreads();  // row bounds, the barriers, the Q tile
+  if (p.q_bf16 && !KB) {
+    scale_q<D, R, true>(qs, rw, warp, kThreads / 32);
+    __syncthreads();
+  }
+
+  int kv_lo, kv_hi;
+  tile_keys(rw, &kv_lo, &kv_hi);
+  const int base = kv_hi > kv_lo ? kv_lo / kRun * kRun : 0;
+  const int nsteps = kv_hi > kv_lo ? (kv_hi - base + kTokens - 1) / kTokens : 0;
+  bool fault = false;
+
+  if (warp < NP / 32) {
+    // ---- Producers. Lane r < 4 of every producer warp looks up run r of a step, its table
+    // entry loaded one step ahead so that the load's latency hides behind a step's copies; the
+    // warp shares the four by shuffles.
+    setmaxnreg_dec<kProducerRegs>();
+    const uint8_t *head = p.pool + (int64_t)job.kvh * p.head_stride;
+    const int32_t *table = p.block_tables + (int64_t)job.b * p.max_blocks;
+    bool live = false;       // this lane's run of the looked-up step lies before kv_hi
+    int entry = 0, off = 0;  // its table entry and first row within its page
+    auto load_entry = [&](int st) {
+      const int tok = base + st * kTokens + lane * kRun;
+      live = lane < kTokens / kRun && st < nsteps && tok < kv_hi;
+      if (live) {
+        const int page = tok / p.block_size;
+        off = tok - page * p.block_size;
+        entry = __ldg(table + page);
       }
-      if (t == 0)
-        p.ws_lse[(int64_t)split * p.ws_rows + grow] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
-      continue;
-    }
-    float M = m, scale_o = 1.f, L = l;
-    if (p.sinks != nullptr) {
-      const float s2 = p.sinks[h] * kLog2e;
-      M = fmaxf(m, s2);
-      scale_o = m == -INFINITY ? 0.f : fast_exp2(m - M);
-      L = l * scale_o + fast_exp2(s2 - M);
-    }
-    const float inv = L > 0.f ? scale_o * v_factor / L : 0.f;
+    };
+    // This lane's run of the step whose entries were loaded last: its pool offset, or -1.
+    auto lane_run = [&] {
+      int64_t at = -1;
+      if (live) {
+        if (entry >= 0 && (int64_t)entry < p.num_blocks) at = (int64_t)entry * p.block_stride;
+        else fault = true;
+      }
+      return at;
+    };
+    // The pages of the step whose entries were loaded last.
+    auto pages = [&] {
+      const int64_t at = lane_run();
+      StepPages pg;
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const int d = j * 8 + 2 * t;
-      const float *oj = o[j] + 2 * half;
-      store_out(p.out, row_out[rr] + d, oj[0] * inv, p.out_dtype);
-      store_out(p.out, row_out[rr] + d + 1, oj[1] * inv, p.out_dtype);
+      for (int r = 0; r < kTokens / kRun; ++r) {
+        pg.at[r] = __shfl_sync(kFull, at, r);
+        pg.off[r] = __shfl_sync(kFull, off, r);
+      }
+      return pg;
+    };
+    // Step j's operand tiles are written: make them visible to wgmma (async proxy) and hand
+    // the stage over.
+    auto hand_over = [&](int j) {
+      fence_proxy_async();
+      mbar_arrive(&full[j % S]);
+    };
+    auto producer_sync = [] {
+      asm volatile("bar.sync %0, %1;\n" ::"n"(kWsProducerBar), "n"(NP) : "memory");
+    };
+    load_entry(0);
+    if constexpr (!QUANT) {
+#pragma unroll 1
+      for (int st = 0; st < nsteps; ++st) {
+        const int s = st % S;
+        const StepPages pg = pages();
+        load_entry(st + 1);
+        if (st >= S) mbar_wait(&empty[s], (st / S + 1) & 1);  // step st - S consumed
+        const int hi = kv_hi - (base + st * kTokens);
+        issue_direct<D, true, 128>(head, p.k.codes_off, pg, hi, k_op(s));
+        issue_direct<D, true, 128>(head, p.v.codes_off, pg, hi, v_op(s));
+        cp_async_commit();
+        if (st >= kWsInFlight - 1) {
+          cp_async_wait<kWsInFlight - 1>();
+          hand_over(st - (kWsInFlight - 1));
+        }
+      }
+      // The last steps still in flight, oldest first.
+      cp_async_wait<0>();
+      for (int j = max(nsteps - (kWsInFlight - 1), 0); j < nsteps; ++j) hand_over(j);
+    } else {
+      // Quantized sides (f16 operands): raw rows are copied kWsRawAhead steps ahead into a
+      // ring of kWsRawSlots staging areas; step st's are decoded into the stage's operand tiles.
+      const int ks = stage_bytes(p.k), vs = stage_bytes(p.v);
+      uint8_t *const raw0 = smem + ws_operands_bytes();
+      auto raw_k = [&](int j) { return raw0 + (j % kWsRawSlots) * (ks + vs); };
+      // Queue step j's raw rows (if it exists) as one commit group, empty or not.
+      auto issue_step = [&](int j) {
+        if (j < nsteps) {
+          // The runs' pages through shared memory (the warp's own set): issue_raw loops over
+          // them.
+          const int64_t at = lane_run();
+          if (lane < kTokens / kRun) {
+            warp_pages[warp].at[lane] = at;
+            warp_pages[warp].off[lane] = off;
+          }
+          __syncwarp();
+          load_entry(j + 1);
+          const int runs = min(kTokens / kRun, (kv_hi - (base + j * kTokens) + kRun - 1) / kRun);
+          issue_raw<NP>(p.k, head, warp_pages[warp], runs, raw_k(j));
+          issue_raw<NP>(p.v, head, warp_pages[warp], runs, raw_k(j) + ks);
+          __syncwarp();  // read before the next step's are written
+        }
+        cp_async_commit();
+      };
+#pragma unroll
+      for (int j = 0; j < kWsRawAhead; ++j) issue_step(j);
+#pragma unroll 1
+      for (int st = 0; st < nsteps; ++st) {
+        const int s = st % S;
+        // Every producer thread is done decoding step st - 1, whose staging area the copies
+        // of step st + kWsRawAhead reuse.
+        producer_sync();
+        issue_step(st + kWsRawAhead);
+        cp_async_wait<kWsRawAhead>();
+        producer_sync();  // step st's raw rows have landed, every thread's
+        if (st >= S) mbar_wait(&empty[s], (st / S + 1) & 1);  // step st - S consumed
+        const int tok0 = base + st * kTokens;
+        const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
+        const uint8_t *rk = raw_k(st), *rv = rk + ks;
+        decode_any<KB, D, true, NP>(rk, rk + kTokens * p.k.codes_row, p.k, k_op(s), lo, hi);
+        decode_any<VB, D, true, NP>(rv, rv + kTokens * p.v.codes_row, p.v, v_op(s), lo, hi);
+        hand_over(st);
+      }
+      cp_async_wait<0>();
     }
-    if (t == 0 && p.lse != nullptr)
-      p.lse[row_lse[rr]] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+  } else {
+    // ---- Consumers: warpgroup c = (warp - NP / 32) / 4 serves rows 64 c .. 64 c + 63.
+    setmaxnreg_inc<kConsumerRegs>();
+    const int cw = warp - NP / 32;  // the warp's 16 rows: 16 cw ..
+    float k_factor = 1.f, v_factor = 1.f;
+    if (p.k_scales != nullptr) k_factor = p.k_scales[job.kvh];
+    if (p.v_scales != nullptr) v_factor = p.v_scales[job.kvh];
+    WarpSoftmax<R> sm(p, rw, cw, k_factor);
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    uint32_t qf[D / 16][4];  // the warp's Q fragments (A of S), chunk 2 kk + lane / 16
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+      ldmatrix_x4(smem_u32(qs) + tile_at<D, true, R>(cw * 16 + lane % 16, 2 * kk + lane / 16),
+                  qf[kk]);
+#pragma unroll 1
+    for (int st = 0; st < nsteps; ++st) {
+      const int s = st % S;
+      mbar_wait(&full[s], (st / S) & 1);
+      float sc[8][4];
+      const uint32_t kt = smem_u32(k_op(s));
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
+        wgmma_m64n64k16<KB, 0>(sc, qf[kk], kd, kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        for (int e = 0; e < 4; ++e) fence_operand(sc[j][e]);
+
+      uint32_t pa[8][2];
+      sm.template step<VB, D>(sc, base + st * kTokens, o, pa);
+
+      wg_pv<VB, D>(o, pa, smem_u32(v_op(s)));
+      mbar_arrive(&empty[s]);  // this thread is done with the stage's tiles
+    }
+    sm.template finish<D>(p, job, o, v_factor);
   }
+
+  // One count per thread block that met a fault.
+  if (__syncthreads_or(fault || job.bad_len) && tid == 0 && p.counters != nullptr)
+    atomicAdd(p.counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
+#else
+  // Built without sm_90a features: the launcher never selects this instance (its binary
+  // version, prefill.cu); were it run, every row would be left unwritten, so count it.
+  if (threadIdx.x == 0 && p.counters != nullptr)
+    atomicAdd(p.counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
+#endif
 }
 
 }  // namespace kvq_prefill

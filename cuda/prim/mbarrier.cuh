@@ -1,0 +1,53 @@
+// prim/mbarrier.cuh: shared-memory barriers (mbarrier, sm_90) that hand pipeline stages between
+// warps without a block-wide barrier, and the register hand-over of warp-specialized blocks.
+#pragma once
+
+#include <stdint.h>
+
+#include "prim/cp_async.cuh"
+
+namespace kvq {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+
+/// Initialize a barrier whose phase completes after `count` arrivals; the block must then
+/// synchronize (fence_mbarrier_init and a barrier) before any thread uses it.
+__device__ __forceinline__ void mbar_init(uint64_t *bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+/// One arrival (release: this thread's earlier writes are visible to the waiters).
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar))
+               : "memory");
+}
+
+/// Wait (acquire) until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "KVQ_MBAR_WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra KVQ_MBAR_WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/// Give up registers (a producer warpgroup) or take them (consumers): every warp of the
+/// warpgroup executes it with the same count, a multiple of 8 in 24..256.
+template <int N> __device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+#endif
+
+}  // namespace kvq
