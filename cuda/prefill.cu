@@ -101,8 +101,9 @@ bool supported(int32_t k, int32_t v, int32_t d, int32_t q_dtype) {
 /// Raise a kernel's dynamic shared-memory limit to all the device gives a block beside its
 /// static shared memory, once per device (`done` bit d: done on device d < 64; launches after
 /// the first, e.g. under graph capture, make no attribute-setting calls); `*limit` gets that
-/// limit and `*binary` (if not null) the SM version of the code the device runs.
-cudaError_t prepare_kernel(const void *fn, std::atomic<uint64_t> &done, int *limit, int *binary) {
+/// limit and `*attr_out` (if not null) the kernel's attributes.
+cudaError_t prepare_kernel(const void *fn, std::atomic<uint64_t> &done, int *limit,
+                           cudaFuncAttributes *attr_out) {
   int dev = 0, optin = 0;
   cudaFuncAttributes attr{};
   cudaError_t e = cudaGetDevice(&dev);
@@ -114,7 +115,7 @@ cudaError_t prepare_kernel(const void *fn, std::atomic<uint64_t> &done, int *lim
     return e;
   }
   *limit = optin - (int)attr.sharedSizeBytes;
-  if (binary != nullptr) *binary = attr.binaryVersion;
+  if (attr_out != nullptr) *attr_out = attr;
   const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
   e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, *limit);
@@ -148,14 +149,17 @@ bool ws_serves(const Side &k, const Side &v) {
 }
 
 /// Prepare the warp-specialized kernel of operand type KB for sides k and v; *usable is false
-/// where the device runs it from code built without sm_90a features (its stub) or its layout
-/// does not fit.
+/// where its layout does not fit or the device runs code of it built without sm_90a features:
+/// other GPUs, or compute_90 PTX alone JIT-compiled for a Hopper GPU, whose stub (binary version
+/// 90 too) declares no shared memory, unlike the kernel.
 template <bool KB, bool QUANT> cudaError_t prepare_ws(const Side &k, const Side &v, bool *usable) {
   static std::atomic<uint64_t> done{0};
-  int limit = 0, binary = 0;
+  int limit = 0;
+  cudaFuncAttributes attr{};
   const cudaError_t e =
-      prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT>, done, &limit, &binary);
-  *usable = e == cudaSuccess && binary == 90 && ws_smem_bytes(k, v) <= limit;
+      prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT>, done, &limit, &attr);
+  *usable = e == cudaSuccess && attr.binaryVersion == 90 && attr.sharedSizeBytes > 0 &&
+            ws_smem_bytes(k, v) <= limit;
   return e;
 }
 

@@ -1348,8 +1348,9 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
   if (__syncthreads_or(fault || job.bad_len) && tid == 0 && p.counters != nullptr)
     atomicAdd(p.counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
 #else
-  // Built without sm_90a features: the launcher never selects this instance (its binary
-  // version, prefill.cu); were it run, every row would be left unwritten, so count it.
+  // Built without sm_90a features: the launcher never selects this instance (prefill.cu tells
+  // it by its binary version and by the shared memory it declares, none here); were it run,
+  // every row would be left unwritten, so count it.
   if (threadIdx.x == 0 && p.counters != nullptr)
     atomicAdd(p.counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
 #endif
