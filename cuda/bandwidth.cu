@@ -10,6 +10,7 @@
 
 #include "common.cuh"
 #include "kvq.h"
+#include "prim/mbarrier.cuh"
 
 namespace {
 
@@ -167,43 +168,22 @@ __global__ void __launch_bounds__(T, min_blocks(T, MinBlocks))
 constexpr int kBulkThreads = 256;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ uint32_t smem_addr(const void *p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t *bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
-}
-// One arrival that also raises the bytes the current phase waits for.
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n\t.reg .pred p;\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-      "selp.u32 %0, 1, 0, p;\n\t}"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
+using kvq::fence_mbarrier_init, kvq::mbar_arrive_expect_tx, kvq::mbar_init, kvq::mbar_try_wait,
+    kvq::smem_u32;
+
 // Copy `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to this CTA's
 // shared memory; completion is counted on `bar` as transaction bytes.
 __device__ __forceinline__ void bulk_to_shared(void *dst, const void *src, uint32_t bytes,
                                                uint64_t *bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_addr(dst)),
-      "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_addr(bar))
+          "r"(smem_u32(dst)),
+      "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
 }
 // Wait for phase `parity` of `bar`; false after about a second, so that a protocol error shows up
 // as a wrong checksum instead of a hung process.
-__device__ __forceinline__ bool mbar_wait(uint64_t *bar, uint32_t parity) {
+__device__ __forceinline__ bool mbar_wait_or_give_up(uint64_t *bar, uint32_t parity) {
   const long long t0 = clock64();
   while (!mbar_try_wait(bar, parity))
     if (clock64() - t0 > (2ll << 30)) return false;
@@ -237,7 +217,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) mbar_init(&full[s], 1);
     // Make the initialised barriers visible to the async proxy that completes the copies.
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbarrier_init();
     for (int j = 0; j < S && j < mine; ++j) issue(j, j);
   }
   __syncthreads();
@@ -246,7 +226,7 @@ __global__ void __launch_bounds__(kBulkThreads, 1)
   int s = 0;
   uint32_t phase = 0;
   for (int j = 0; j < mine; ++j) {
-    const bool arrived = mbar_wait(&full[s], phase);
+    const bool arrived = mbar_wait_or_give_up(&full[s], phase);
     const int vecs = (int)(piece_bytes(piece_offset(j)) / 16);
     const uint4 *v = reinterpret_cast<const uint4 *>(stages + s * B);
 #pragma unroll 8

@@ -129,9 +129,6 @@ template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limi
   return prepare_kernel((const void *)prefill_kernel<D, KB, VB, R, KC>, done, limit, nullptr);
 }
 
-/// Whether the warp-specialized kernel (prefill/kernel.cuh) serves an instance: head_dim 128,
-/// wide tiles, and sides it takes (ws_sides). KVQ_PREFILL_WS=0 turns it off, for A/B runs
-/// against the block-synchronous kernel.
 /// Call fn(std::bool_constant<QUANT>) for the warp-specialized instance of sides k and v of
 /// operand type KB (QUANT: both quantized).
 template <bool KB, class Fn> cudaError_t with_ws(const Side &k, Fn &&fn) {
@@ -139,6 +136,9 @@ template <bool KB, class Fn> cudaError_t with_ws(const Side &k, Fn &&fn) {
   else return k.direct ? fn(std::false_type{}) : fn(std::true_type{});
 }
 
+/// Whether the warp-specialized kernel (prefill/kernel.cuh) may serve an instance: head_dim
+/// 128, wide tiles, and sides it takes (ws_sides). KVQ_PREFILL_WS=0 turns it off, for A/B runs
+/// against the block-synchronous kernel.
 template <int D, bool KB, bool VB, int R, bool KC>
 bool ws_serves(const Side &k, const Side &v) {
   static const bool off = [] {
@@ -163,6 +163,19 @@ template <bool KB, bool QUANT> cudaError_t prepare_ws(const Side &k, const Side 
   return e;
 }
 
+/// Prepare the warp-specialized kernel for an instance: KVQ_OK with *usable (false where it does
+/// not serve the instance), or KVQ_ERR_LAUNCH (the error recorded).
+template <int D, bool KB, bool VB, int R, bool KC>
+int ws_instance(const Side &k, const Side &v, bool *usable) {
+  *usable = false;
+  if (!ws_serves<D, KB, VB, R, KC>(k, v)) return KVQ_OK;
+  const cudaError_t e =
+      with_ws<KB>(k, [&](auto q) { return prepare_ws<KB, decltype(q)::value>(k, v, usable); });
+  if (e == cudaSuccess) return KVQ_OK;
+  set_last_error(e);
+  return KVQ_ERR_LAUNCH;
+}
+
 /// Prepare an instance (its shared-memory limit) and check that its layout fits; *smem gets
 /// the largest layout prepared.
 struct Prepare {
@@ -177,16 +190,10 @@ struct Prepare {
     }
     int bytes = smem_layout<D, R>(k, v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
-    if (ws_serves<D, KB, VB, R, KC>(k, v)) {
-      bool usable = false;
-      const cudaError_t w = with_ws<KB>(
-          k, [&](auto q) { return prepare_ws<KB, decltype(q)::value>(k, v, &usable); });
-      if (w != cudaSuccess) {
-        set_last_error(w);
-        return KVQ_ERR_LAUNCH;
-      }
-      if (usable) bytes = bytes > ws_smem_bytes(k, v) ? bytes : ws_smem_bytes(k, v);
-    }
+    bool usable = false;
+    const int status = ws_instance<D, KB, VB, R, KC>(k, v, &usable);
+    if (status != KVQ_OK) return status;
+    if (usable) bytes = bytes > ws_smem_bytes(k, v) ? bytes : ws_smem_bytes(k, v);
     *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
   }
@@ -200,6 +207,19 @@ struct Launch {
     // Tiles of the capacity: sum over sequences of ceil(n_b G / R) <= ceil(total G / R) + batch.
     const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
     if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
+    const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
+    bool usable = false;
+    const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, &usable);
+    if (status != KVQ_OK) return status;
+    if (usable) {
+      const int bytes = ws_smem_bytes(p.k, p.v);
+      with_ws<KB>(p.k, [&](auto q) {
+        constexpr bool Q = decltype(q)::value;
+        prefill_ws_kernel<KB, KB, Q><<<grid, ws_threads(Q), bytes, stream>>>(p);
+        return cudaSuccess;
+      });
+      return launch_status();
+    }
     int limit = 0;
     const cudaError_t e = prepare<D, KB, VB, R, KC>(&limit);
     if (e != cudaSuccess) {
@@ -208,22 +228,6 @@ struct Launch {
     }
     const int bytes = smem_layout<D, R>(p.k, p.v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
-    const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
-    if (ws_serves<D, KB, VB, R, KC>(p.k, p.v)) {
-      bool usable = false;
-      const cudaError_t w = with_ws<KB>(p.k, [&](auto q) {
-        constexpr bool Q = decltype(q)::value;
-        const cudaError_t e = prepare_ws<KB, Q>(p.k, p.v, &usable);
-        if (e == cudaSuccess && usable)
-          prefill_ws_kernel<KB, KB, Q><<<grid, ws_threads(Q), ws_smem_bytes(p.k, p.v), stream>>>(p);
-        return e;
-      });
-      if (w != cudaSuccess) {
-        set_last_error(w);
-        return KVQ_ERR_LAUNCH;
-      }
-      if (usable) return launch_status();
-    }
     prefill_kernel<D, KB, VB, R, KC><<<grid, threads_of<R>(), bytes, stream>>>(p);
     return launch_status();
   }

@@ -374,30 +374,26 @@ __device__ __forceinline__ void issue_direct(const uint8_t *head, int32_t codes_
 /// Queue the copies of a quantized side's codes and metadata of one step into staging area
 /// `st` (kTokens rows of codes, then of metadata); runs past the keys are skipped (never
 /// decoded), runs of blocks outside the pool read as zeros.
-/// One run's copies of issue_raw: the run at pool offset `at` (-1: zeros), first row `off`
-/// within its page, run index `run` of the step.
-template <int kThreads>
-__device__ __forceinline__ void issue_raw_run(const Side &s, const uint8_t *head, int64_t at,
-                                              int32_t off, int run, uint8_t *st) {
-  const int cr = s.codes_row, mr = s.meta_row;  // 16-byte units of a run's codes, metadata
-  const uint8_t *sec = head + (at >= 0 ? at : 0);
-  uint8_t *dc = st + run * kRun * cr, *dm = st + kTokens * cr + run * kRun * mr;
-  for (int u = threadIdx.x; u < cr + mr; u += kThreads) {
-    const bool meta = u >= cr;
-    const int x = meta ? u - cr : u;
-    const int row0 = meta ? s.meta_off + off * mr : s.codes_off + off * cr;
-    const uint8_t *src = sec + row0 + x * 16;
-    cp_async16(smem_u32((meta ? dm : dc) + x * 16), src, at >= 0 ? 16u : 0u);
-  }
-}
-/// pg in shared memory: a loop over the runs.
 template <int kThreads>
 __device__ __forceinline__ void issue_raw(const Side &s, const uint8_t *head, const StepPages &pg,
                                           int nruns, uint8_t *st) {
+  const int cr = s.codes_row, mr = s.meta_row;  // 16-byte units of a run's codes, metadata
 #pragma unroll 1
-  for (int run = 0; run < nruns; ++run)
-    issue_raw_run<kThreads>(s, head, pg.at[run], pg.off[run], run, st);
+  for (int run = 0; run < nruns; ++run) {
+    const int64_t at = pg.at[run];
+    const int32_t off = pg.off[run];
+    const uint8_t *sec = head + (at >= 0 ? at : 0);
+    uint8_t *dc = st + run * kRun * cr, *dm = st + kTokens * cr + run * kRun * mr;
+    for (int u = threadIdx.x; u < cr + mr; u += kThreads) {
+      const bool meta = u >= cr;
+      const int x = meta ? u - cr : u;
+      const int row0 = meta ? s.meta_off + off * mr : s.codes_off + off * cr;
+      const uint8_t *src = sec + row0 + x * 16;
+      cp_async16(smem_u32((meta ? dm : dc) + x * 16), src, at >= 0 ? 16u : 0u);
+    }
+  }
 }
+
 // ---- int4-kc keys (kvq.h's layout note on KVQ_INT4_KC), instances of their own (KC): a sealed
 // block's code rows and its s, z are staged and decoded; the rows of the sequence's open block
 // (its f16 window) are copied into the operand tile as they are, at decode time. A staged step:
@@ -500,8 +496,6 @@ __device__ __forceinline__ void decode_kc(const uint8_t *raw, const Side &s, con
   cp_async_commit();
 }
 
-/// KC: the instance for int4-kc keys (f16 operands), whatever p.k says; the other instances
-/// carry none of its code.
 /// Bounds and places of a CTA's query rows (shared memory).
 template <int R> struct RowInfo {
   int lo[R], hi[R];        // keys [lo, hi) the row sees in this split
@@ -513,7 +507,7 @@ template <int R> struct RowInfo {
 };
 
 /// What a CTA serves: rows [r0, r0 + R) of sequence b's rows (its n new tokens x G heads of KV
-/// head kvh) over keys [s_lo, s_hi) of split `split`.
+/// head kvh; the first is token q0 of the batch) over the keys of split `split` of its len.
 struct TileJob {
   int b, q0, n, rows, r0, len, kvh, split;
   bool bad_len;  // qo_indptr or context_lens out of range: counted as a fault
@@ -667,32 +661,13 @@ template <int R> struct WarpSoftmax {
   template <bool VB, int D>
   __device__ __forceinline__ void step(float (&s)[8][4], int tok0, float (&o)[D / 8][4],
                                        uint32_t (&pa)[8][2]) {
-    float al_a, al_b;
-    scores<VB>(s, tok0, pa, &al_a, &al_b);
-    rescale<D>(o, al_a, al_b);
-  }
-
-  /// O's rows scaled by the step's alphas (from scores).
-  template <int D>
-  __device__ __forceinline__ void rescale(float (&o)[D / 8][4], float al_a, float al_b) {
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
-  }
-
-  /// The softmax of a step without O: the running max and l updated, P in pa, and the factors
-  /// O's rows must be scaled by before P V is added (alpha, in *al_a and *al_b).
-  /// NT n-tiles of 8 keys from tok0 (8: a step of kTokens).
-  template <bool VB, int NT = 8>
-  __device__ __forceinline__ void scores(float (&s)[NT][4], int tok0, uint32_t (&pa)[NT][2],
-                                         float *al_out_a, float *al_out_b) {
     // Running max of the logits (log2 domain). The exponent below is s * e_a - sub_a: plain,
     // s is the raw score and e_a the row's scale; otherwise s is the finished logit (scaled,
     // capped, biased, masked to -inf) and e_a is 1.
     float mx_a = -INFINITY, mx_b = -INFINITY, e_a = 1.f, e_b = 1.f;
-    if (plain_ok && tok0 >= in_lo && tok0 + NT * 8 <= in_hi) {
+    if (plain_ok && tok0 >= in_lo && tok0 + kTokens <= in_hi) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+      for (int j = 0; j < 8; ++j) {
         mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
         mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
       }
@@ -702,7 +677,7 @@ template <int R> struct WarpSoftmax {
       const int da = tok0 + 2 * t - lo_a, db = tok0 + 2 * t - lo_b;
       const unsigned wa = hi_a - lo_a, wb = hi_b - lo_b;
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float x = s[j][e] * (e < 2 ? mul_a : mul_b);
@@ -737,9 +712,11 @@ template <int R> struct WarpSoftmax {
     m_a = mn_a, m_b = mn_b;
     const float sub_a = mn_a == -INFINITY ? 0.f : mn_a, sub_b = mn_b == -INFINITY ? 0.f : mn_b;
     l_a *= al_a, l_b *= al_b;
-    *al_out_a = al_a, *al_out_b = al_b;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
+    for (int i = 0; i < D / 8; ++i)
+      o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
       const float p0 = fast_exp2(fmaf(s[j][0], e_a, -sub_a));
       const float p1 = fast_exp2(fmaf(s[j][1], e_a, -sub_a));
       const float p2 = fast_exp2(fmaf(s[j][2], e_b, -sub_b));
@@ -838,6 +815,8 @@ __device__ __forceinline__ uint8_t *align1024(uint8_t *raw) {
   return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
 }
 
+/// KC: the instance for int4-kc keys (f16 operands), whatever p.k says; the other instances
+/// carry none of its code.
 template <int D, bool KB, bool VB, int R, bool KC = false>
 __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p) {
   static_assert(!(KC && KB), "int4-kc keys decode to f16 operands");
@@ -1151,7 +1130,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
   // until the producers' decrease covers it, so the two must fit in it.
   constexpr int NP = ws_producers(QUANT), kThreads = ws_threads(QUANT);
   constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-  constexpr int kProducerRegs = QUANT ? (NP == 128 ? 120 : 64) : 56;
+  constexpr int kProducerRegs = QUANT ? 64 : 56;
   constexpr int kConsumerRegs = QUANT ? 192 : 224;
   static_assert(NP * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
                 "register pool");

@@ -26,7 +26,30 @@ __device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
                : "memory");
 }
 
-/// Wait (acquire) until the phase of parity `parity` has completed.
+/// One arrival that also raises the bytes the current phase waits for (bulk copies complete
+/// them as transactions).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+/// Whether the phase of parity `parity` has completed (acquire), after the hardware's own
+/// bounded wait.
+__device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, unsigned parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(smem_u32(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+/// Wait (acquire) until the phase of parity `parity` has completed: mbar_try_wait in a loop of
+/// PTX (as a C++ loop around it, ptxas kept more registers live across it and spilled).
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
   asm volatile(
       "{\n.reg .pred done;\n"
