@@ -241,7 +241,8 @@ template <int F, int D> __host__ __device__ constexpr bool fits() {
 }
 
 /// decode_side for the side's run-time format: a fold over every stored format (AllFormats),
-/// so a new codec is decoded here without an edit.
+/// so a new codec is decoded here without an edit. Only the formats that decode to the
+/// instance's operand type (BF16) are compiled in: the launcher picks the instance by it.
 template <bool BF16, int D, bool SW, int NT, int... F>
 __device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes,
                                           const uint8_t *meta, const Side &s, uint8_t *tile,
@@ -249,7 +250,7 @@ __device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes
   auto one = [&](auto f) {
     constexpr int G = decltype(f)::value;
     // 16-bit formats are always their operand type: copied, never decoded.
-    if constexpr (fits<G, D>() && Codec<G>::kBits < 16)
+    if constexpr (fits<G, D>() && Codec<G>::kBits < 16 && Codec<G>::kBf16Operands == BF16)
       decode_side<G, BF16, D, SW, NT>(codes, meta, s, tile, lo, hi);
   };
   (void)((s.format == F && (one(FormatTag<F>{}), true)) || ...);
