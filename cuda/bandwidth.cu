@@ -168,19 +168,9 @@ __global__ void __launch_bounds__(T, min_blocks(T, MinBlocks))
 constexpr int kBulkThreads = 256;
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-using kvq::fence_mbarrier_init, kvq::mbar_arrive_expect_tx, kvq::mbar_init, kvq::mbar_try_wait,
-    kvq::smem_u32;
+using kvq::bulk_to_shared, kvq::fence_mbarrier_init, kvq::mbar_arrive_expect_tx, kvq::mbar_init,
+    kvq::mbar_try_wait, kvq::smem_u32;
 
-// Copy `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to this CTA's
-// shared memory; completion is counted on `bar` as transaction bytes.
-__device__ __forceinline__ void bulk_to_shared(void *dst, const void *src, uint32_t bytes,
-                                               uint64_t *bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_u32(dst)),
-      "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
 // Wait for phase `parity` of `bar`; false after about a second, so that a protocol error shows up
 // as a wrong checksum instead of a hung process.
 __device__ __forceinline__ bool mbar_wait_or_give_up(uint64_t *bar, uint32_t parity) {

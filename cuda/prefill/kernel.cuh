@@ -1098,8 +1098,6 @@ constexpr int kWsD = 128;
 /// sides).
 constexpr int kWsInFlight = 3;
 static_assert(kWsInFlight <= kWsStages, "in-flight steps hold stages");
-/// Named barrier of the producer warpgroup (0 is __syncthreads).
-constexpr int kWsProducerBar = 1;
 /// Quantized sides: steps whose raw rows are in flight ahead of the one being decoded, in a
 /// ring of staging areas (the step being decoded holds one).
 constexpr int kWsRawAhead = 1;
@@ -1141,7 +1139,9 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
   uint8_t *const smem = align1024(smem_raw);
   __shared__ RowInfo<R> rw;
   __shared__ uint64_t full[S], empty[S];  // stage landed (producer threads), consumed (consumers)
-  __shared__ StepPages warp_pages[NP / 32];  // quantized sides: each producer warp's runs
+  // Quantized sides: a staging area's raw rows landed (the copying lanes and their bytes),
+  // decoded (a producer warp each).
+  __shared__ uint64_t raw_full[kWsRawSlots], raw_free[kWsRawSlots];
 
   TileJob job;
   if (!begin_tile<R, kThreads>(p, rw, job)) return;
@@ -1152,6 +1152,9 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < S; ++s) mbar_init(&full[s], NP), mbar_init(&empty[s], 256);
+#pragma unroll
+    for (int s = 0; s < kWsRawSlots; ++s)
+      mbar_init(&raw_full[s], kTokens / kRun), mbar_init(&raw_free[s], NP / 32);
     fence_mbarrier_init();
   }
   load_q<D, R, true, kThreads>(p, job, qs);
@@ -1169,24 +1172,27 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
   bool fault = false;
 
   if (warp < NP / 32) {
-    // ---- Producers. Lane r < 4 of every producer warp looks up run r of a step, its table
-    // entry loaded one step ahead so that the load's latency hides behind a step's copies; the
-    // warp shares the four by shuffles.
+    // ---- Producers. A step's four runs are looked up by four threads, each run's table entry
+    // loaded one step ahead so that the load's latency hides behind a step's copies: for 16-bit
+    // sides lane r of every producer warp (the warp shares the four by shuffles), for quantized
+    // sides lane 0 of producer warp r, which also copies the run (the copies spread over warps).
     setmaxnreg_dec<kProducerRegs>();
     const uint8_t *head = p.pool + (int64_t)job.kvh * p.head_stride;
     const int32_t *table = p.block_tables + (int64_t)job.b * p.max_blocks;
-    bool live = false;       // this lane's run of the looked-up step lies before kv_hi
+    const int my_run = QUANT ? warp : lane;
+    const bool looks_up = QUANT ? lane == 0 && warp < kTokens / kRun : lane < kTokens / kRun;
+    bool live = false;       // this thread's run of the looked-up step lies before kv_hi
     int entry = 0, off = 0;  // its table entry and first row within its page
     auto load_entry = [&](int st) {
-      const int tok = base + st * kTokens + lane * kRun;
-      live = lane < kTokens / kRun && st < nsteps && tok < kv_hi;
+      const int tok = base + st * kTokens + my_run * kRun;
+      live = looks_up && st < nsteps && tok < kv_hi;
       if (live) {
         const int page = tok / p.block_size;
         off = tok - page * p.block_size;
         entry = __ldg(table + page);
       }
     };
-    // This lane's run of the step whose entries were loaded last: its pool offset, or -1.
+    // This thread's run of the step whose entries were loaded last: its pool offset, or -1.
     auto lane_run = [&] {
       int64_t at = -1;
       if (live) {
@@ -1212,9 +1218,6 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
       fence_proxy_async();
       mbar_arrive(&full[j % S]);
     };
-    auto producer_sync = [] {
-      asm volatile("bar.sync %0, %1;\n" ::"n"(kWsProducerBar), "n"(NP) : "memory");
-    };
     load_entry(0);
     if constexpr (!QUANT) {
 #pragma unroll 1
@@ -1236,41 +1239,64 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
       cp_async_wait<0>();
       for (int j = max(nsteps - (kWsInFlight - 1), 0); j < nsteps; ++j) hand_over(j);
     } else {
-      // Quantized sides (f16 operands): raw rows are copied kWsRawAhead steps ahead into a
-      // ring of kWsRawSlots staging areas; step st's are decoded into the stage's operand tiles.
+      // Quantized sides (f16 operands): lane 0 of producer warp r < 4 copies run r of step j's
+      // raw rows (codes, metadata; both sides: contiguous in the pool) by bulk copies,
+      // kWsRawAhead steps ahead, into staging area j % kWsRawSlots, and arrives on its
+      // raw_full barrier expecting their bytes; every producer thread waits there, decodes the
+      // step into the stage's operand tiles, and gives the staging area back (raw_free).
       const int ks = stage_bytes(p.k), vs = stage_bytes(p.v);
       uint8_t *const raw0 = smem + ws_operands_bytes();
       auto raw_k = [&](int j) { return raw0 + (j % kWsRawSlots) * (ks + vs); };
-      // Queue step j's raw rows (if it exists) as one commit group, empty or not.
       auto issue_step = [&](int j) {
-        if (j < nsteps) {
-          // The runs' pages through shared memory (the warp's own set): issue_raw loops over
-          // them.
-          const int64_t at = lane_run();
-          if (lane < kTokens / kRun) {
-            warp_pages[warp].at[lane] = at;
-            warp_pages[warp].off[lane] = off;
-          }
-          __syncwarp();
-          load_entry(j + 1);
-          const int runs = min(kTokens / kRun, (kv_hi - (base + j * kTokens) + kRun - 1) / kRun);
-          issue_raw<NP>(p.k, head, warp_pages[warp], runs, raw_k(j));
-          issue_raw<NP>(p.v, head, warp_pages[warp], runs, raw_k(j) + ks);
-          __syncwarp();  // read before the next step's are written
-        }
-        cp_async_commit();
-      };
+        if (!looks_up || j >= nsteps) return;
+        const int slot = j % kWsRawSlots;
+        if (j >= kWsRawSlots) mbar_wait(&raw_free[slot], (j / kWsRawSlots + 1) & 1);
+        const bool run_live = live;
+        const int run_off = off;
+        const int64_t at = lane_run();
+        load_entry(j + 1);
+        uint8_t *const st = raw_k(j);
+        const Side *sides[2] = {&p.k, &p.v};
+        uint8_t *const dst[2] = {st, st + ks};
+        uint32_t bytes = 0;
+        if (run_live && at >= 0) {
 #pragma unroll
+          for (int i = 0; i < 2; ++i)
+            bytes += kRun * (sides[i]->codes_row + sides[i]->meta_row);
+        }
+        mbar_arrive_expect_tx(&raw_full[slot], bytes);
+        if (!run_live) return;  // past the keys: never decoded
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const Side &sd = *sides[i];
+          uint8_t *dc = dst[i] + my_run * kRun * sd.codes_row;
+          uint8_t *dm = dst[i] + kTokens * sd.codes_row + my_run * kRun * sd.meta_row;
+          if (at >= 0) {
+            const uint8_t *sec = head + at;
+            bulk_to_shared(dc, sec + sd.codes_off + run_off * sd.codes_row,
+                           kRun * sd.codes_row, &raw_full[slot]);
+            if (sd.meta_row > 0)
+              bulk_to_shared(dm, sec + sd.meta_off + run_off * sd.meta_row, kRun * sd.meta_row,
+                             &raw_full[slot]);
+          } else {
+            // A block outside the pool (counted): its rows read as zeros.
+            for (int x = 0; x < kRun * sd.codes_row; x += 16)
+              *reinterpret_cast<uint4 *>(dc + x) = make_uint4(0, 0, 0, 0);
+            for (int x = 0; x < kRun * sd.meta_row; x += 16)
+              *reinterpret_cast<uint4 *>(dm + x) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        // Zeros stored here, where a later step's bulk copies write: order them first.
+        if (at < 0) fence_proxy_async();
+      };
+#pragma unroll 1
       for (int j = 0; j < kWsRawAhead; ++j) issue_step(j);
 #pragma unroll 1
       for (int st = 0; st < nsteps; ++st) {
-        const int s = st % S;
-        // Every producer thread is done decoding step st - 1, whose staging area the copies
-        // of step st + kWsRawAhead reuse.
-        producer_sync();
+        const int s = st % S, slot = st % kWsRawSlots;
         issue_step(st + kWsRawAhead);
-        cp_async_wait<kWsRawAhead>();
-        producer_sync();  // step st's raw rows have landed, every thread's
+        __syncwarp();  // the copying lane rejoins its warp before the decode
+        mbar_wait(&raw_full[slot], (st / kWsRawSlots) & 1);  // step st's raw rows landed
         if (st >= S) mbar_wait(&empty[s], (st / S + 1) & 1);  // step st - S consumed
         const int tok0 = base + st * kTokens;
         const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
@@ -1278,8 +1304,10 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
         decode_any<KB, D, true, NP>(rk, rk + kTokens * p.k.codes_row, p.k, k_op(s), lo, hi);
         decode_any<VB, D, true, NP>(rv, rv + kTokens * p.v.codes_row, p.v, v_op(s), lo, hi);
         hand_over(st);
+        // This warp is done reading the staging area.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&raw_free[slot]);
       }
-      cp_async_wait<0>();
     }
   } else {
     // ---- Consumers: warpgroup c = (warp - NP / 32) / 4 serves rows 64 c .. 64 c + 63.

@@ -34,6 +34,18 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, uint32_t by
                : "memory");
 }
 
+/// Copy `bytes` (a multiple of 16; both addresses 16-byte aligned) from global memory into this
+/// CTA's shared memory as one bulk copy (cp.async.bulk, async proxy), counted on `bar` as
+/// transaction bytes when it lands.
+__device__ __forceinline__ void bulk_to_shared(void *dst, const void *src, uint32_t bytes,
+                                               uint64_t *bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_u32(dst)),
+      "l"(__cvta_generic_to_global(src)), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
 /// Whether the phase of parity `parity` has completed (acquire), after the hardware's own
 /// bounded wait.
 __device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, unsigned parity) {
