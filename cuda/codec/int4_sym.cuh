@@ -119,16 +119,25 @@ template <> struct Codec<kInt4Sym32> {
                                                     uint32_t (&h)[kEpt / 2]) {
     const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
     const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
-    const __half2 s = __half2half2(__ushort_as_half(r.scales[chunk * r.meta_step]));
-    const __half2 bias = __float2half2_rn(1032.0f), lim = __float2half2_rn(65504.0f);
+    const __half s1 = __ushort_as_half(r.scales[chunk * r.meta_step]);
+    const __half2 s = __half2half2(s1), bias = __float2half2_rn(1032.0f);
+    // Each byte becomes 1024 + (n ^ 8) per nibble, exact f16s, then minus 1032 the signed code.
+    auto unpack = [&](auto clamp) {
 #pragma unroll
-    for (int i = 0; i < kEpt / 2; ++i) {
-      // Byte i holds elements 2i (low nibble) and 2i + 1; each becomes 1024 + (n ^ 8), an
-      // exact f16, then minus 1032 the signed code.
-      const uint32_t b = (w[i / 4] >> (8 * (i % 4))) & 0xFFu;
-      const uint32_t x = (((b & 0xFu) | ((b & 0xF0u) << 12)) ^ 0x00080008u) | 0x64006400u;
-      const __half2 v = __hmul2(__hsub2(bits_h2(x), bias), s);
-      h[i] = h2_bits(__hmin2(__hmax2(v, __hneg2(lim)), lim));
+      for (int k = 0; k < kEpt / 8; ++k) {
+        const uint32_t w4 = w[k] >> 4;
+        const uint32_t x[4] = {nibble_pair_f16<0, 8>(w[k], w4), nibble_pair_f16<1, 8>(w[k], w4),
+                               nibble_pair_f16<2, 8>(w[k], w4), nibble_pair_f16<3, 8>(w[k], w4)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h[4 * k + i] = clamp(__hmul2(__hsub2(bits_h2(x[i]), bias), s));
+      }
+    };
+    // |q| <= 8: below this scale no product leaves f16's range, and none needs the clamp.
+    if (fabsf(__half2float(s1)) <= 8000.f) {
+      unpack([](__half2 v) { return h2_bits(v); });
+    } else {
+      const __half2 lim = __float2half2_rn(65504.0f);
+      unpack([&](__half2 v) { return h2_bits(__hmin2(__hmax2(v, __hneg2(lim)), lim)); });
     }
   }
 

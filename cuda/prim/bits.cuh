@@ -18,6 +18,17 @@ __device__ __forceinline__ uint32_t and_xor(uint32_t x, uint32_t c) {
   return d;
 }
 
+/// Byte i of `w` as an f16 pair of exact integers 1024 + (n ^ flip): its low nibble n in the low
+/// half, its high nibble in the high half (`w4` is w >> 4, shared by a word's four bytes; flip is
+/// 0, or 8 to turn a two's-complement nibble into an offset one). One PRMT and one LOP3.
+template <int I, uint32_t FLIP>
+__device__ __forceinline__ uint32_t nibble_pair_f16(uint32_t w, uint32_t w4) {
+  static_assert(I >= 0 && I < 4 && FLIP < 16, "a byte of the word, a nibble's flip");
+  // Bytes 0, 1: byte I of w; bytes 2, 3: byte I of w4 (the high nibble low).
+  const uint32_t t = prmt(w, w4, I | (I << 4) | ((I + 4) << 8) | ((I + 4) << 12));
+  return and_xor<0x000F000Fu>(t, 0x64006400u | (FLIP * 0x00010001u));
+}
+
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) {
   return *reinterpret_cast<uint32_t *>(&h);
 }
