@@ -130,36 +130,37 @@ template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limi
 }
 
 /// Call fn(std::bool_constant<QUANT>) for the warp-specialized instance of sides k and v of
-/// operand type KB (QUANT: both quantized).
-template <bool KB, class Fn> cudaError_t with_ws(const Side &k, Fn &&fn) {
-  if constexpr (KB) return fn(std::false_type{});
+/// operand type KB at tiles of R rows (QUANT: both quantized; wide tiles only, ws_sides).
+template <bool KB, int R, class Fn> cudaError_t with_ws(const Side &k, Fn &&fn) {
+  if constexpr (KB || R != kWideRows) return fn(std::false_type{});
   else return k.direct ? fn(std::false_type{}) : fn(std::true_type{});
 }
 
 /// Whether the warp-specialized kernel (prefill/kernel.cuh) may serve an instance: head_dim
-/// 128, wide tiles, and sides it takes (ws_sides). KVQ_PREFILL_WS=0 turns it off, for A/B runs
-/// against the block-synchronous kernel.
+/// 128 and sides it takes at the instance's tiles (ws_sides). KVQ_PREFILL_WS=0 turns it off,
+/// for A/B runs against the block-synchronous kernel.
 template <int D, bool KB, bool VB, int R, bool KC>
 bool ws_serves(const Side &k, const Side &v) {
   static const bool off = [] {
     const char *e = std::getenv("KVQ_PREFILL_WS");
     return e != nullptr && e[0] == '0';
   }();
-  return D == kWsD && R == kWideRows && !KC && ws_sides(k, v, KB, VB) && !off;
+  return D == kWsD && !KC && ws_sides(k, v, KB, VB, R) && !off;
 }
 
-/// Prepare the warp-specialized kernel of operand type KB for sides k and v; *usable is false
-/// where its layout does not fit or the device runs code of it built without sm_90a features:
-/// other GPUs, or compute_90 PTX alone JIT-compiled for a Hopper GPU, whose stub (binary version
-/// 90 too) declares no shared memory, unlike the kernel.
-template <bool KB, bool QUANT> cudaError_t prepare_ws(const Side &k, const Side &v, bool *usable) {
+/// Prepare the warp-specialized kernel of operand type KB at tiles of R rows for sides k and v;
+/// *usable is false where its layout does not fit or the device runs code of it built without
+/// sm_90a features: other GPUs, or PTX alone JIT-compiled for a Hopper GPU, whose stub (binary
+/// version 90 too) declares no shared memory, unlike the kernel.
+template <bool KB, bool QUANT, int R>
+cudaError_t prepare_ws(const Side &k, const Side &v, bool *usable) {
   static std::atomic<uint64_t> done{0};
   int limit = 0;
   cudaFuncAttributes attr{};
   const cudaError_t e =
-      prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT>, done, &limit, &attr);
+      prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT, R>, done, &limit, &attr);
   *usable = e == cudaSuccess && attr.binaryVersion == 90 && attr.sharedSizeBytes > 0 &&
-            ws_smem_bytes(k, v) <= limit;
+            ws_smem_bytes(k, v, R) <= limit;
   return e;
 }
 
@@ -169,8 +170,8 @@ template <int D, bool KB, bool VB, int R, bool KC>
 int ws_instance(const Side &k, const Side &v, bool *usable) {
   *usable = false;
   if (!ws_serves<D, KB, VB, R, KC>(k, v)) return KVQ_OK;
-  const cudaError_t e =
-      with_ws<KB>(k, [&](auto q) { return prepare_ws<KB, decltype(q)::value>(k, v, usable); });
+  const cudaError_t e = with_ws<KB, R>(
+      k, [&](auto q) { return prepare_ws<KB, decltype(q)::value, R>(k, v, usable); });
   if (e == cudaSuccess) return KVQ_OK;
   set_last_error(e);
   return KVQ_ERR_LAUNCH;
@@ -193,7 +194,7 @@ struct Prepare {
     bool usable = false;
     const int status = ws_instance<D, KB, VB, R, KC>(k, v, &usable);
     if (status != KVQ_OK) return status;
-    if (usable) bytes = bytes > ws_smem_bytes(k, v) ? bytes : ws_smem_bytes(k, v);
+    if (usable) bytes = bytes > ws_smem_bytes(k, v, R) ? bytes : ws_smem_bytes(k, v, R);
     *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
   }
@@ -212,10 +213,10 @@ struct Launch {
     const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, &usable);
     if (status != KVQ_OK) return status;
     if (usable) {
-      const int bytes = ws_smem_bytes(p.k, p.v);
-      with_ws<KB>(p.k, [&](auto q) {
+      const int bytes = ws_smem_bytes(p.k, p.v, R);
+      with_ws<KB, R>(p.k, [&](auto q) {
         constexpr bool Q = decltype(q)::value;
-        prefill_ws_kernel<KB, KB, Q><<<grid, ws_threads(Q), bytes, stream>>>(p);
+        prefill_ws_kernel<KB, KB, Q, R><<<grid, ws_threads(Q, R), bytes, stream>>>(p);
         return cudaSuccess;
       });
       return launch_status();

@@ -1075,29 +1075,35 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
   sm.template finish<D>(p, job, o, v_factor);
 }
 
-// ---- Warp-specialized wide tiles (sm_90a, head_dim 128; both sides stored as their 16-bit
-// operands, or both quantized). Producer warps fill a ring of kWsStages stages with each step's
-// K and V operand tiles — copied, or for quantized sides copied raw into a staging area a step
-// ahead and decoded by the producers — and hand every stage over through an mbarrier; two
-// consumer warpgroups (64 rows each, Q fragments held in registers) run S = Q K^T, the softmax
-// and O += P V from the ring and give each stage back through a second mbarrier. No block-wide
-// barrier is left in the loop, so one consumer warpgroup's softmax runs beside the other's
-// MMAs, and the copies and the decode run ahead of both.
+// ---- Warp-specialized tiles (sm_90a, head_dim 128; wide tiles whose sides are both stored as
+// their 16-bit operands or both quantized, narrow tiles of 16-bit sides). Producer warps fill a
+// ring of stages with each step's K and V operand tiles — copied, or for quantized sides copied
+// raw into a staging area a step ahead and decoded by the producers — and hand every stage over
+// through an mbarrier; a consumer warpgroup per 64 rows (Q fragments held in registers) runs
+// S = Q K^T, the softmax and O += P V from the ring and gives each stage back through a second
+// mbarrier. No block-wide barrier is left in the loop, so one consumer warpgroup's softmax
+// runs beside another's MMAs (of the block, or of the SM's other block at narrow tiles), and
+// the copies and the decode run ahead of them.
 
-constexpr int kWsStages = 4;
 /// Threads of a warp-specialized block: its producer threads (one warpgroup, or for quantized
-/// sides kWsQuantProducers: the decode is most of a producer's work), then two consumer
-/// warpgroups.
+/// sides kWsQuantProducers: the decode is most of a producer's work), then a consumer
+/// warpgroup per 64 of its R rows.
 constexpr int kWsQuantProducers = 256;
 __host__ __device__ constexpr int ws_producers(bool quant) {
   return quant ? kWsQuantProducers : 128;
 }
-__host__ __device__ constexpr int ws_threads(bool quant) { return ws_producers(quant) + 256; }
+__host__ __device__ constexpr int ws_threads(bool quant, int r) {
+  return ws_producers(quant) + 2 * r;
+}
+/// Blocks an SM holds: wide tiles one (two consumer warpgroups), narrow tiles (16-bit sides
+/// only) two, so that an SM still has two consumer warpgroups.
+__host__ __device__ constexpr int ws_blocks_per_sm(int r) { return r == kWideRows ? 1 : 2; }
+/// Stages of the ring: what fits the blocks an SM holds.
+__host__ __device__ constexpr int ws_stages(int r) { return r == kWideRows ? 4 : 2; }
 constexpr int kWsD = 128;
 /// Steps whose copies a producer thread keeps in flight before handing the oldest over (16-bit
-/// sides).
-constexpr int kWsInFlight = 3;
-static_assert(kWsInFlight <= kWsStages, "in-flight steps hold stages");
+/// sides): at most three, at most the stages.
+__host__ __device__ constexpr int ws_in_flight(int r) { return ws_stages(r) < 3 ? ws_stages(r) : 3; }
 /// Quantized sides: steps whose raw rows are in flight ahead of the one being decoded, in a
 /// ring of staging areas (the step being decoded holds one).
 constexpr int kWsRawAhead = 1;
@@ -1106,34 +1112,41 @@ constexpr int kWsRawSlots = kWsRawAhead + 1;
 /// Dynamic shared memory of the warp-specialized kernel: the Q tile, per stage the K and V
 /// operand tiles (B128), for quantized sides kWsRawSlots staging areas of raw rows, plus room
 /// for the 1024-byte alignment.
-__host__ __device__ inline int ws_operands_bytes() {
-  return kWideRows * kWsD * 2 + kWsStages * 2 * kTokens * kWsD * 2;
+__host__ __device__ inline int ws_operands_bytes(int r) {
+  return r * kWsD * 2 + ws_stages(r) * 2 * kTokens * kWsD * 2;
 }
-__host__ __device__ inline int ws_smem_bytes(const Side &k, const Side &v) {
+__host__ __device__ inline int ws_smem_bytes(const Side &k, const Side &v, int r) {
   const int raw = k.direct ? 0 : kWsRawSlots * (stage_bytes(k) + stage_bytes(v));
-  return ws_operands_bytes() + raw + 1024;
+  return ws_operands_bytes(r) + raw + 1024;
 }
-/// Whether the warp-specialized kernel serves a pair of sides: both 16-bit (one operand type),
-/// or both quantized (f16 operands); int4-kc keys and mixed pairs take the block-synchronous one.
-__host__ __device__ inline bool ws_sides(const Side &k, const Side &v, bool kb, bool vb) {
-  return kb == vb && k.direct == v.direct && k.format != KVQ_INT4_KC;
+/// Whether the warp-specialized kernel serves a pair of sides at tiles of r rows: both 16-bit
+/// (one operand type), or at wide tiles both quantized (f16 operands); int4-kc keys and mixed
+/// pairs take the block-synchronous one.
+__host__ __device__ inline bool ws_sides(const Side &k, const Side &v, bool kb, bool vb, int r) {
+  return kb == vb && k.direct == v.direct && k.format != KVQ_INT4_KC &&
+         (r == kWideRows || k.direct);
 }
 
 /// QUANT: both sides quantized (decoded by the producer into f16 operands), else both 16-bit.
-template <bool KB, bool VB, bool QUANT>
-__global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const Params p) {
+/// R: the tile's query rows (kWideRows, or kRows for 16-bit sides).
+template <bool KB, bool VB, bool QUANT, int R>
+__global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
+    prefill_ws_kernel(const Params p) {
   static_assert(!QUANT || (!KB && !VB), "quantized sides decode to f16 operands");
+  static_assert(R == kWideRows || (R == kRows && !QUANT), "narrow tiles: 16-bit sides");
 #if KVQ_HAS_WGMMA
   // Registers of a producer and a consumer thread (setmaxnreg). The block's pool is what it
   // launched with (kLaunchRegs a thread, from the launch bound): a consumer's increase waits
   // until the producers' decrease covers it, so the two must fit in it.
-  constexpr int NP = ws_producers(QUANT), kThreads = ws_threads(QUANT);
-  constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  constexpr int NP = ws_producers(QUANT), NC = 2 * R, kThreads = ws_threads(QUANT, R);
+  constexpr int kLaunchRegs = 65536 / (kThreads * ws_blocks_per_sm(R)) / 8 * 8;
   constexpr int kProducerRegs = QUANT ? 64 : 56;
-  constexpr int kConsumerRegs = QUANT ? 192 : 224;
-  static_assert(NP * kProducerRegs + 256 * kConsumerRegs <= kThreads * kLaunchRegs,
+  constexpr int kPoolLeft = (kThreads * kLaunchRegs - NP * kProducerRegs) / NC / 8 * 8;
+  constexpr int kConsumerRegs = kPoolLeft < 224 ? kPoolLeft : 224;
+  static_assert(NP * kProducerRegs + NC * kConsumerRegs <= kThreads * kLaunchRegs,
                 "register pool");
-  constexpr int D = kWsD, R = kWideRows, S = kWsStages;
+  constexpr int D = kWsD, S = ws_stages(R), kInFlight = ws_in_flight(R);
+  static_assert(kInFlight <= S, "in-flight steps hold stages");
   constexpr int TILE = kTokens * D * 2;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t *const smem = align1024(smem_raw);
@@ -1151,7 +1164,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
   auto v_op = [&](int s) { return k_op(s) + TILE; };
   if (tid == 0) {
 #pragma unroll
-    for (int s = 0; s < S; ++s) mbar_init(&full[s], NP), mbar_init(&empty[s], 256);
+    for (int s = 0; s < S; ++s) mbar_init(&full[s], NP), mbar_init(&empty[s], NC);
 #pragma unroll
     for (int s = 0; s < kWsRawSlots; ++s)
       mbar_init(&raw_full[s], kTokens / kRun), mbar_init(&raw_free[s], NP / 32);
@@ -1230,14 +1243,14 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
         issue_direct<D, true, 128>(head, p.k.codes_off, pg, hi, k_op(s));
         issue_direct<D, true, 128>(head, p.v.codes_off, pg, hi, v_op(s));
         cp_async_commit();
-        if (st >= kWsInFlight - 1) {
-          cp_async_wait<kWsInFlight - 1>();
-          hand_over(st - (kWsInFlight - 1));
+        if (st >= kInFlight - 1) {
+          cp_async_wait<kInFlight - 1>();
+          hand_over(st - (kInFlight - 1));
         }
       }
       // The last steps still in flight, oldest first.
       cp_async_wait<0>();
-      for (int j = max(nsteps - (kWsInFlight - 1), 0); j < nsteps; ++j) hand_over(j);
+      for (int j = max(nsteps - (kInFlight - 1), 0); j < nsteps; ++j) hand_over(j);
     } else {
       // Quantized sides (f16 operands): lane 0 of producer warp r < 4 copies run r of step j's
       // raw rows (codes, metadata; both sides: contiguous in the pool) by bulk copies,
@@ -1245,7 +1258,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT), 1) prefill_ws_kernel(const 
       // raw_full barrier expecting their bytes; every producer thread waits there, decodes the
       // step into the stage's operand tiles, and gives the staging area back (raw_free).
       const int ks = stage_bytes(p.k), vs = stage_bytes(p.v);
-      uint8_t *const raw0 = smem + ws_operands_bytes();
+      uint8_t *const raw0 = smem + ws_operands_bytes(R);
       auto raw_k = [&](int j) { return raw0 + (j % kWsRawSlots) * (ks + vs); };
       auto issue_step = [&](int j) {
         if (!looks_up || j >= nsteps) return;
