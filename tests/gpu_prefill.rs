@@ -499,6 +499,46 @@ fn wide_tiles_warp_specialized() {
     }
 }
 
+/// Narrow tiles at head_dim 128 over 16-bit caches (on sm_90a the warp-specialized kernel at 64
+/// rows a block, two blocks an SM): extend-like steps of a few new tokens over longer contexts,
+/// f16 and bf16 caches, bf16 queries over f16 keys, windows, soft cap, sinks, ALiBi, key splits,
+/// strided views and pages of 32 tokens; in quick mode too, for the sanitizers.
+#[test]
+fn narrow_tiles_warp_specialized() {
+    let Some(gpu) = require_gpu_or_skip("narrow_tiles_warp_specialized") else {
+        return;
+    };
+    let mut rng = rng("narrow_tiles_warp_specialized");
+    for (k, v, q_bf16) in [
+        (KvFormat::F16, KvFormat::F16, false),
+        (KvFormat::F16, KvFormat::F16, true),
+        (KvFormat::Bf16, KvFormat::Bf16, true),
+    ] {
+        // 4 x (16 + 3 + 9) rows over 3 sequences: narrow tiles (< 128 rows a sequence).
+        let mut base = Case::new(k, v, 128, vec![(16, 400), (3, 90), (9, 9)]);
+        base.q_bf16 = q_bf16;
+        check(&gpu, &mut rng, &base);
+        let mut c = base.clone();
+        c.block_size = 32;
+        c.window = Some(70);
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.cap = Some(5.0);
+        c.sinks = true;
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.alibi = Some(1.0);
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.splits = Some(3);
+        c.sinks = true;
+        check(&gpu, &mut rng, &c);
+        let mut c = base.clone();
+        c.strided = true;
+        check(&gpu, &mut rng, &c);
+    }
+}
+
 #[test]
 fn windows_caps_sinks_and_splits() {
     let Some(gpu) = require_gpu_or_skip("windows_caps_sinks_and_splits") else {

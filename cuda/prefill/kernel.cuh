@@ -1153,7 +1153,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   __shared__ RowInfo<R> rw;
   __shared__ uint64_t full[S], empty[S];  // stage landed (producer threads), consumed (consumers)
   // Quantized sides: a staging area's raw rows landed (the copying lanes and their bytes),
-  // decoded (a producer warp each).
+  // decoded (every producer thread).
   __shared__ uint64_t raw_full[kWsRawSlots], raw_free[kWsRawSlots];
 
   TileJob job;
@@ -1167,7 +1167,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     for (int s = 0; s < S; ++s) mbar_init(&full[s], NP), mbar_init(&empty[s], NC);
 #pragma unroll
     for (int s = 0; s < kWsRawSlots; ++s)
-      mbar_init(&raw_full[s], kTokens / kRun), mbar_init(&raw_free[s], NP / 32);
+      mbar_init(&raw_full[s], kTokens / kRun), mbar_init(&raw_free[s], NP);
     fence_mbarrier_init();
   }
   load_q<D, R, true, kThreads>(p, job, qs);
@@ -1317,9 +1317,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         decode_any<KB, D, true, NP>(rk, rk + kTokens * p.k.codes_row, p.k, k_op(s), lo, hi);
         decode_any<VB, D, true, NP>(rv, rv + kTokens * p.v.codes_row, p.v, v_op(s), lo, hi);
         hand_over(st);
-        // This warp is done reading the staging area.
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&raw_free[slot]);
+        mbar_arrive(&raw_free[slot]);  // this thread is done reading the staging area
       }
     }
   } else {
