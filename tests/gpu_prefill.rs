@@ -454,6 +454,31 @@ fn groups_blocks_and_views() {
     }
 }
 
+/// `base`, then `base` with each option the warp-specialized kernel's tests cover: pages of 32
+/// tokens with a window, soft cap with sinks, ALiBi, key splits (empty ones among them) with
+/// sinks, strided views.
+fn check_options(gpu: &Gpu, rng: &mut Rng, base: &Case) {
+    check(gpu, rng, base);
+    let mut c = base.clone();
+    c.block_size = 32;
+    c.window = Some(70);
+    check(gpu, rng, &c);
+    let mut c = base.clone();
+    c.cap = Some(5.0);
+    c.sinks = true;
+    check(gpu, rng, &c);
+    let mut c = base.clone();
+    c.alibi = Some(1.0);
+    check(gpu, rng, &c);
+    let mut c = base.clone();
+    c.splits = Some(3);
+    c.sinks = true;
+    check(gpu, rng, &c);
+    let mut c = base.clone();
+    c.strided = true;
+    check(gpu, rng, &c);
+}
+
 /// Wide tiles at head_dim 128 (on sm_90a the warp-specialized kernel: a producer warpgroup
 /// that copies, or copies raw and decodes, and two consumer warpgroups handing stages over
 /// through mbarriers), in quick mode too so that the sanitizers see it: f16 and bf16 caches,
@@ -477,25 +502,7 @@ fn wide_tiles_warp_specialized() {
         // 4 x (130 + 64 + 40) rows over 3 sequences: wide tiles (>= 128 rows a sequence).
         let mut base = Case::new(k, v, 128, vec![(130, 130), (64, 600), (40, 41)]);
         base.q_bf16 = q_bf16;
-        check(&gpu, &mut rng, &base);
-        let mut c = base.clone();
-        c.block_size = 32;
-        c.window = Some(70);
-        check(&gpu, &mut rng, &c);
-        let mut c = base.clone();
-        c.cap = Some(5.0);
-        c.sinks = true;
-        check(&gpu, &mut rng, &c);
-        let mut c = base.clone();
-        c.alibi = Some(1.0);
-        check(&gpu, &mut rng, &c);
-        let mut c = base.clone();
-        c.splits = Some(3);
-        c.sinks = true;
-        check(&gpu, &mut rng, &c);
-        let mut c = base.clone();
-        c.strided = true;
-        check(&gpu, &mut rng, &c);
+        check_options(&gpu, &mut rng, &base);
     }
 }
 
@@ -517,25 +524,7 @@ fn narrow_tiles_warp_specialized() {
         // 4 x (16 + 3 + 9) rows over 3 sequences: narrow tiles (< 128 rows a sequence).
         let mut base = Case::new(k, v, 128, vec![(16, 400), (3, 90), (9, 9)]);
         base.q_bf16 = q_bf16;
-        check(&gpu, &mut rng, &base);
-        let mut c = base.clone();
-        c.block_size = 32;
-        c.window = Some(70);
-        check(&gpu, &mut rng, &c);
-        let mut c = base.clone();
-        c.cap = Some(5.0);
-        c.sinks = true;
-        check(&gpu, &mut rng, &c);
-        let mut c = base.clone();
-        c.alibi = Some(1.0);
-        check(&gpu, &mut rng, &c);
-        let mut c = base.clone();
-        c.splits = Some(3);
-        c.sinks = true;
-        check(&gpu, &mut rng, &c);
-        let mut c = base.clone();
-        c.strided = true;
-        check(&gpu, &mut rng, &c);
+        check_options(&gpu, &mut rng, &base);
     }
 }
 

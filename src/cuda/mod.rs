@@ -49,7 +49,7 @@ use cudarc::driver::sys::{CUcontext, CUdevice, CUdevice_attribute, CUstream};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
 use std::sync::Arc;
 
-/// Targets the kernels were compiled for (`KVQ_CUDA_ARCHS`), e.g. `sm_80,sm_89,sm_90a,compute_90`.
+/// Targets the kernels were compiled for (`KVQ_CUDA_ARCHS`), e.g. `sm_80,sm_90a,compute_80`.
 pub const ARCHS_BUILT: &str = env!("KVQ_CUDA_ARCHS_BUILT");
 
 /// Properties of a device, read once when a [`Gpu`] is opened.
