@@ -1103,7 +1103,9 @@ __host__ __device__ constexpr int ws_stages(int r) { return r == kWideRows ? 4 :
 constexpr int kWsD = 128;
 /// Steps whose copies a producer thread keeps in flight before handing the oldest over (16-bit
 /// sides): at most three, at most the stages.
-__host__ __device__ constexpr int ws_in_flight(int r) { return ws_stages(r) < 3 ? ws_stages(r) : 3; }
+__host__ __device__ constexpr int ws_in_flight(int r) {
+  return ws_stages(r) < 3 ? ws_stages(r) : 3;
+}
 /// Quantized sides: steps whose raw rows are in flight ahead of the one being decoded, in a
 /// ring of staging areas (the step being decoded holds one).
 constexpr int kWsRawAhead = 1;
