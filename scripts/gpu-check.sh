@@ -70,7 +70,8 @@ else
   # The block-synchronous prefill kernel, which the warp-specialized one replaces on sm_90a at
   # head_dim 128 (it serves those instances on other GPUs): its wide and narrow tiles there.
   step "tests: gpu_prefill, KVQ_PREFILL_WS=0" test-gpu_prefill-ws0.log \
-    env KVQ_PREFILL_WS=0 "$bin/test-gpu_prefill" wide_tiles narrow_tiles every_format_pair windows
+    env KVQ_PREFILL_WS=0 "$bin/test-gpu_prefill" wide_tiles narrow_tiles every_format_pair windows \
+      block_outside
   step "example: engine_step" engine_step.log "$bin/example-engine_step" --steps 300
   step "example: tensor_parallel" tensor_parallel.log "$bin/example-tensor_parallel"
   step "example: gpu_quickstart" gpu_quickstart.log "$bin/example-gpu_quickstart"

@@ -18,6 +18,7 @@
 mod common;
 
 use common::{Rng, fresh_rng as rng};
+use cudarc::driver::DevicePtr;
 use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
@@ -526,6 +527,154 @@ fn narrow_tiles_warp_specialized() {
         base.q_bf16 = q_bf16;
         check_options(&gpu, &mut rng, &base);
     }
+}
+
+/// A block-table entry outside the pool (which only a raw caller can pass: the safe tables refuse
+/// it) is counted and its tokens read as zeros: the launch matches the CPU reference over a table
+/// that names a never-written (zero) block there. bf16 and FP8 caches at wide and narrow tiles:
+/// on sm_90a the warp-specialized kernel's 16-bit copies (zero-filled), its quantized producers
+/// (which store the zeros themselves) and its narrow tiles, and the block-synchronous kernel's
+/// quantized narrow tiles.
+#[test]
+fn block_outside_the_pool_reads_as_zeros() {
+    let Some(gpu) = require_gpu_or_skip("block_outside_the_pool_reads_as_zeros") else {
+        return;
+    };
+    let mut rng = rng("block_outside_the_pool_reads_as_zeros");
+    for (k, new_tokens) in [
+        (KvFormat::Bf16, 130),
+        (KvFormat::Bf16, 16),
+        (KvFormat::Fp8E4m3, 130),
+        (KvFormat::Fp8E4m3, 16),
+    ] {
+        if k == KvFormat::Bf16 {
+            fault_case::<bf16>(&gpu, &mut rng, k, k, new_tokens);
+        } else {
+            fault_case::<f16>(&gpu, &mut rng, k, k, new_tokens);
+        }
+    }
+}
+
+fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: usize) {
+    use kvq::cuda::sys;
+    let name = format!("{k}/{v} {n} new tokens, a block outside the pool");
+    let (d, bs, nkv, heads, len): (usize, usize, usize, usize, usize) = (128, 16, 2, 8, 300);
+    let used = len.div_ceil(bs);
+    let num_blocks = used + 1; // block `used` is never written: zeros
+    let config = CacheConfig::new(nkv, d, bs, k, v).expect("config");
+    let mut host = HostCache::new(config, num_blocks).expect("host cache");
+    let (keys, values) = (
+        rng.normals(len * nkv * d, 1.0),
+        rng.normals(len * nkv * d, 1.0),
+    );
+    if k.has_head_scale() || v.has_head_scale() {
+        host.calibrate_fp8_scales(&keys, &values, ScaleGranularity::PerHead)
+            .expect("calibrate");
+    }
+    let slots: Vec<usize> = (0..len).collect(); // block i holds tokens 16 i ..
+    host.write(&slots, &keys, &values).expect("write");
+    let row: Vec<i32> = (0..used as i32).collect();
+    let (faulted, outside) = (5, num_blocks as i32 + 7);
+    let mut cpu_row = row.clone();
+    cpu_row[faulted] = used as i32;
+    let tables = BlockTables::from_rows(&[cpu_row.as_slice()], &[len]).expect("tables");
+    let qo = [0u32, n as u32];
+    let q: Vec<Q> = (0..n * heads * d)
+        .map(|_| Q::from_f32(rng.normal() * 0.5))
+        .collect();
+    let q_ref: Vec<f32> = q.iter().map(|&x| x.widen()).collect();
+    let opts = AttentionOptions::new(d);
+    let want = prefill_attention(
+        &host,
+        &tables,
+        &qo,
+        &q_ref,
+        heads,
+        &opts,
+        None,
+        None,
+        Accum::F64,
+    )
+    .unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
+
+    let mut dcache = DeviceCache::from_host(gpu, &host).expect("device cache");
+    // The plan prepares the kernels for this layout and query type.
+    let _plan = PrefillPlan::new(gpu, dcache.layout(), 1, n, heads, len).expect("plan");
+    let s = gpu.stream();
+    let mut gpu_row = row;
+    gpu_row[faulted] = outside;
+    let table = s.clone_htod(&gpu_row).expect("table");
+    let lens = s.clone_htod(&[len as i32]).expect("lens");
+    let qo_dev = s.clone_htod(&[0i32, n as i32]).expect("qo");
+    let q_dev = s.clone_htod(&q).expect("q");
+    let out_dev = s.clone_htod(&vec![Q::nan(); n * heads * d]).expect("out");
+    let dtype = if Q::MANTISSA == 10 {
+        sys::KVQ_DTYPE_F16
+    } else {
+        sys::KVQ_DTYPE_BF16
+    } as i32;
+    let tile = sys::KVQ_PREFILL_TILE_TOKENS as usize;
+    let ptr = |x: u64| x as usize;
+    let args = sys::kvq_prefill_args {
+        cache: dcache.as_raw(),
+        num_blocks: num_blocks as i64,
+        q: ptr(q_dev.device_ptr(s).0) as *const std::ffi::c_void,
+        out: ptr(out_dev.device_ptr(s).0) as *mut std::ffi::c_void,
+        lse: std::ptr::null_mut(),
+        q_token_stride: (heads * d) as i64,
+        q_head_stride: d as i64,
+        out_token_stride: (heads * d) as i64,
+        out_head_stride: d as i64,
+        lse_token_stride: 0,
+        lse_head_stride: 0,
+        qo_indptr: ptr(qo_dev.device_ptr(s).0) as *const i32,
+        block_tables: ptr(table.device_ptr(s).0) as *const i32,
+        context_lens: ptr(lens.device_ptr(s).0) as *const i32,
+        sinks: std::ptr::null(),
+        ws_o: std::ptr::null_mut(),
+        ws_lse: std::ptr::null_mut(),
+        counters: ptr(dcache.counters_raw()) as *mut std::os::raw::c_ulonglong,
+        q_dtype: dtype,
+        out_dtype: dtype,
+        batch: 1,
+        num_q_heads: heads as i32,
+        max_blocks: used as i32,
+        max_tokens: n as i32,
+        num_splits: 1,
+        split_tokens: len.div_ceil(tile) as i32 * tile as i32,
+        window_left: -1,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        logits_soft_cap: 0.0,
+        alibi_slopes: std::ptr::null(),
+    };
+    // SAFETY: every buffer holds what the strides and lengths address; the one table entry
+    // outside the pool is the point (the kernel reads no memory for it and counts it).
+    let status = unsafe { sys::kvq_prefill_attention(&args, s.cu_stream() as *mut _) };
+    assert_eq!(status, 0, "{name}: launch");
+    let out: Vec<f32> = s
+        .clone_dtoh(&out_dev)
+        .expect("download")
+        .iter()
+        .map(|&x| x.widen())
+        .collect();
+    assert!(
+        dcache.check_appends().is_err(),
+        "{name}: the fault must be counted"
+    );
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&o, &w) in out.iter().zip(&want.out) {
+        assert!(
+            o.is_finite(),
+            "{name}: an output element not written (or NaN)"
+        );
+        let e = ((o as f64 - w as f64).abs() - Q::half_ulp(w)).max(0.0);
+        num += e * e;
+        den += (w as f64) * (w as f64);
+    }
+    let rel = (num / den).sqrt();
+    let tol = if Q::MANTISSA == 10 { 2e-3 } else { 4e-3 };
+    assert!(rel <= tol, "{name}: relative error {rel:.3e} > {tol:e}");
+    eprintln!("{name}: rel {rel:.2e}");
 }
 
 #[test]

@@ -1273,6 +1273,24 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         uint8_t *const st = raw_k(j);
         const Side *sides[2] = {&p.k, &p.v};
         uint8_t *const dst[2] = {st, st + ks};
+        // Where side i's codes and metadata of this run go in the staging area.
+        auto codes_at = [&](int i) { return dst[i] + my_run * kRun * sides[i]->codes_row; };
+        auto meta_at = [&](int i) {
+          return dst[i] + kTokens * sides[i]->codes_row + my_run * kRun * sides[i]->meta_row;
+        };
+        if (run_live && at < 0) {
+          // A block outside the pool (counted): its rows read as zeros, stored before this
+          // lane's arrival releases them, and ordered before the bulk copies that later refill
+          // the staging area.
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            for (int x = 0; x < kRun * sides[i]->codes_row; x += 16)
+              *reinterpret_cast<uint4 *>(codes_at(i) + x) = make_uint4(0, 0, 0, 0);
+            for (int x = 0; x < kRun * sides[i]->meta_row; x += 16)
+              *reinterpret_cast<uint4 *>(meta_at(i) + x) = make_uint4(0, 0, 0, 0);
+          }
+          fence_proxy_async();
+        }
         uint32_t bytes = 0;
         if (run_live && at >= 0) {
 #pragma unroll
@@ -1280,29 +1298,17 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
             bytes += kRun * (sides[i]->codes_row + sides[i]->meta_row);
         }
         mbar_arrive_expect_tx(&raw_full[slot], bytes);
-        if (!run_live) return;  // past the keys: never decoded
+        if (!run_live || at < 0) return;  // past the keys (never decoded), or zeros stored
+        const uint8_t *sec = head + at;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const Side &sd = *sides[i];
-          uint8_t *dc = dst[i] + my_run * kRun * sd.codes_row;
-          uint8_t *dm = dst[i] + kTokens * sd.codes_row + my_run * kRun * sd.meta_row;
-          if (at >= 0) {
-            const uint8_t *sec = head + at;
-            bulk_to_shared(dc, sec + sd.codes_off + run_off * sd.codes_row,
-                           kRun * sd.codes_row, &raw_full[slot]);
-            if (sd.meta_row > 0)
-              bulk_to_shared(dm, sec + sd.meta_off + run_off * sd.meta_row, kRun * sd.meta_row,
-                             &raw_full[slot]);
-          } else {
-            // A block outside the pool (counted): its rows read as zeros.
-            for (int x = 0; x < kRun * sd.codes_row; x += 16)
-              *reinterpret_cast<uint4 *>(dc + x) = make_uint4(0, 0, 0, 0);
-            for (int x = 0; x < kRun * sd.meta_row; x += 16)
-              *reinterpret_cast<uint4 *>(dm + x) = make_uint4(0, 0, 0, 0);
-          }
+          bulk_to_shared(codes_at(i), sec + sd.codes_off + run_off * sd.codes_row,
+                         kRun * sd.codes_row, &raw_full[slot]);
+          if (sd.meta_row > 0)
+            bulk_to_shared(meta_at(i), sec + sd.meta_off + run_off * sd.meta_row,
+                           kRun * sd.meta_row, &raw_full[slot]);
         }
-        // Zeros stored here, where a later step's bulk copies write: order them first.
-        if (at < 0) fence_proxy_async();
       };
 #pragma unroll 1
       for (int j = 0; j < kWsRawAhead; ++j) issue_step(j);
