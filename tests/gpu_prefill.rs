@@ -531,7 +531,10 @@ fn narrow_tiles_warp_specialized() {
 
 /// A block-table entry outside the pool (which only a raw caller can pass: the safe tables refuse
 /// it) is counted and its tokens read as zeros: the launch matches the CPU reference over a table
-/// that names a never-written (zero) block there. bf16 and FP8 caches at wide and narrow tiles:
+/// that names a never-written block there (HostCache's poison bytes, 0xA5, decode to -2.9e-16 as
+/// bf16 and to -0.2 of the head scale as FP8: zero within the tolerance; as f16 or INT4 they would
+/// not be, so those formats need the block written with zeros first). bf16 and FP8 caches at wide
+/// and narrow tiles:
 /// on sm_90a the warp-specialized kernel's 16-bit copies (zero-filled), its quantized producers
 /// (which store the zeros themselves) and its narrow tiles, and the block-synchronous kernel's
 /// quantized narrow tiles.
@@ -560,7 +563,7 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
     let name = format!("{k}/{v} {n} new tokens, a block outside the pool");
     let (d, bs, nkv, heads, len): (usize, usize, usize, usize, usize) = (128, 16, 2, 8, 300);
     let used = len.div_ceil(bs);
-    let num_blocks = used + 1; // block `used` is never written: zeros
+    let num_blocks = used + 1; // block `used` is never written: poison, about zero (above)
     let config = CacheConfig::new(nkv, d, bs, k, v).expect("config");
     let mut host = HostCache::new(config, num_blocks).expect("host cache");
     let (keys, values) = (
