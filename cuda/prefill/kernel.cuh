@@ -811,6 +811,39 @@ __device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], uint32_t (&pa)[8][2]
 }
 #endif
 
+/// Pool offset of block `entry`'s section, or -1 (and `*fault`) for an id outside the pool.
+__device__ __forceinline__ int64_t block_offset(const Params &p, int entry, bool *fault) {
+  if (entry >= 0 && (int64_t)entry < p.num_blocks) return (int64_t)entry * p.block_stride;
+  *fault = true;
+  return -1;
+}
+
+/// A side's per-head scale (FP8), or 1 for formats without one (null scales).
+__device__ __forceinline__ float head_factor(const float *scales, int kvh) {
+  return scales != nullptr ? scales[kvh] : 1.f;
+}
+
+#if KVQ_HAS_WGMMA
+/// S = Q K^T on a warpgroup, waited: Q from this thread's A fragments qf (held in registers),
+/// K the operand tile at shared address kt (K-major: 64-column block kk / 4 of the rows, 32
+/// bytes per k-step within it).
+template <bool KB, int D>
+__device__ __forceinline__ void wg_qk(float (&s)[8][4], const uint32_t (&qf)[D / 16][4],
+                                      uint32_t kt) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
+    wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
+}
+#endif
+
 /// The first 1024-byte boundary at or after the dynamic shared memory's start (B128 tiles).
 __device__ __forceinline__ uint8_t *align1024(uint8_t *raw) {
   return raw + ((1024 - (smem_u32(raw) & 1023)) & 1023);
@@ -876,9 +909,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
       if (tok < kv_hi) {
         const int page = tok / p.block_size;
         off = tok - page * p.block_size;
-        const int x = table[page];
-        if (x >= 0 && (int64_t)x < p.num_blocks) at = (int64_t)x * p.block_stride;
-        else fault = true;
+        at = block_offset(p, table[page], &fault);
       }
       pages[st & 3].at[tid] = at;
       pages[st & 3].off[tid] = off;
@@ -940,10 +971,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
     __syncthreads();
   }
 
-  float k_factor = 1.f, v_factor = 1.f;
-  // Per-head scales (FP8), null for formats without one.
-  if (p.k_scales != nullptr) k_factor = p.k_scales[kvh];
-  if (p.v_scales != nullptr) v_factor = p.v_scales[kvh];
+  const float k_factor = head_factor(p.k_scales, kvh), v_factor = head_factor(p.v_scales, kvh);
   WarpSoftmax<R> sm(p, rw, warp, k_factor);
 
   float o[D / 8][4];
@@ -1009,22 +1037,22 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
       // K-major A and B: 64-column block kk / 4 of the rows, 32 bytes per k-step within it; A
       // is this warpgroup's 64 rows of the Q tile (or, held, its registers).
       const uint32_t kt = smem_u32(k_op(st)), qt = smem_u32(qs) + (warp / 4) * 64 * 128;
-      wgmma_fence();
+      if constexpr (QREG) {
+        wg_qk<KB, D>(s, qf, kt);
+      } else {
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
-        if constexpr (QREG) {
-          wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
-        } else {
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
           const uint64_t qd = b128_desc(qt + (kk / 4) * (R * 128) + (kk % 4) * 32, R * 128);
           wgmma_m64n64k16_ss<KB>(s, qd, kd, kk > 0);
         }
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+        wgmma_commit();
+        wgmma_wait<0>();
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
+        for (int j = 0; j < 8; ++j)
+          for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
+      }
     }
 #endif
 #pragma unroll
@@ -1208,17 +1236,10 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       }
     };
     // This thread's run of the step whose entries were loaded last: its pool offset, or -1.
-    auto lane_run = [&] {
-      int64_t at = -1;
-      if (live) {
-        if (entry >= 0 && (int64_t)entry < p.num_blocks) at = (int64_t)entry * p.block_stride;
-        else fault = true;
-      }
-      return at;
-    };
+    auto run_offset = [&] { return live ? block_offset(p, entry, &fault) : int64_t{-1}; };
     // The pages of the step whose entries were loaded last.
     auto pages = [&] {
-      const int64_t at = lane_run();
+      const int64_t at = run_offset();
       StepPages pg;
 #pragma unroll
       for (int r = 0; r < kTokens / kRun; ++r) {
@@ -1268,7 +1289,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         if (j >= kWsRawSlots) mbar_wait(&raw_free[slot], (j / kWsRawSlots + 1) & 1);
         const bool run_live = live;
         const int run_off = off;
-        const int64_t at = lane_run();
+        const int64_t at = run_offset();
         load_entry(j + 1);
         uint8_t *const st = raw_k(j);
         const Side *sides[2] = {&p.k, &p.v};
@@ -1332,9 +1353,8 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     // ---- Consumers: warpgroup c = (warp - NP / 32) / 4 serves rows 64 c .. 64 c + 63.
     setmaxnreg_inc<kConsumerRegs>();
     const int cw = warp - NP / 32;  // the warp's 16 rows: 16 cw ..
-    float k_factor = 1.f, v_factor = 1.f;
-    if (p.k_scales != nullptr) k_factor = p.k_scales[job.kvh];
-    if (p.v_scales != nullptr) v_factor = p.v_scales[job.kvh];
+    const float k_factor = head_factor(p.k_scales, job.kvh);
+    const float v_factor = head_factor(p.v_scales, job.kvh);
     WarpSoftmax<R> sm(p, rw, cw, k_factor);
     float o[D / 8][4];
 #pragma unroll
@@ -1349,18 +1369,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       const int s = st % S;
       mbar_wait(&full[s], (st / S) & 1);
       float sc[8][4];
-      const uint32_t kt = smem_u32(k_op(s));
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
-        wgmma_m64n64k16<KB, 0>(sc, qf[kk], kd, kk > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-        for (int e = 0; e < 4; ++e) fence_operand(sc[j][e]);
+      wg_qk<KB, D>(sc, qf, smem_u32(k_op(s)));
 
       uint32_t pa[8][2];
       sm.template step<VB, D>(sc, base + st * kTokens, o, pa);
