@@ -824,6 +824,15 @@ __device__ __forceinline__ float head_factor(const float *scales, int kvh) {
 }
 
 #if KVQ_HAS_WGMMA
+/// Commit and wait for a warpgroup's S MMAs; the fences keep every use of s after the wait.
+__device__ __forceinline__ void wg_wait_scores(float (&s)[8][4]) {
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
+}
+
 /// S = Q K^T on a warpgroup, waited: Q from this thread's A fragments qf (held in registers),
 /// K the operand tile at shared address kt (K-major: 64-column block kk / 4 of the rows, 32
 /// bytes per k-step within it).
@@ -836,11 +845,7 @@ __device__ __forceinline__ void wg_qk(float (&s)[8][4], const uint32_t (&qf)[D /
     const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
     wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
   }
-  wgmma_commit();
-  wgmma_wait<0>();
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
+  wg_wait_scores(s);
 }
 #endif
 
@@ -1047,11 +1052,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
           const uint64_t qd = b128_desc(qt + (kk / 4) * (R * 128) + (kk % 4) * 32, R * 128);
           wgmma_m64n64k16_ss<KB>(s, qd, kd, kk > 0);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
+        wg_wait_scores(s);
       }
     }
 #endif
