@@ -23,7 +23,7 @@ use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
 use kvq::cuda::decode::DeviceBlockTables;
-use kvq::cuda::ops::DeviceElement;
+use kvq::cuda::ops::{DeviceElement, Dtype};
 use kvq::cuda::prefill::{
     HEAD_DIMS, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows, kernel_available_for,
     merge_states,
@@ -480,6 +480,24 @@ fn check_options(gpu: &Gpu, rng: &mut Rng, base: &Case) {
     check(gpu, rng, &c);
 }
 
+/// Test `name`: each (K, V, bf16 queries) at head_dim 128 over `seqs` (new tokens, length), with
+/// every option of check_options.
+fn check_pairs_with_options(
+    name: &str,
+    pairs: &[(KvFormat, KvFormat, bool)],
+    seqs: &[(usize, usize)],
+) {
+    let Some(gpu) = require_gpu_or_skip(name) else {
+        return;
+    };
+    let mut rng = rng(name);
+    for &(k, v, q_bf16) in pairs {
+        let mut base = Case::new(k, v, 128, seqs.to_vec());
+        base.q_bf16 = q_bf16;
+        check_options(&gpu, &mut rng, &base);
+    }
+}
+
 /// Wide tiles at head_dim 128 (on sm_90a the warp-specialized kernel: a producer warpgroup
 /// that copies, or copies raw and decodes, and two consumer warpgroups handing stages over
 /// through mbarriers), in quick mode too so that the sanitizers see it: f16 and bf16 caches,
@@ -488,23 +506,19 @@ fn check_options(gpu: &Gpu, rng: &mut Rng, base: &Case) {
 /// pages of 32 tokens.
 #[test]
 fn wide_tiles_warp_specialized() {
-    let Some(gpu) = require_gpu_or_skip("wide_tiles_warp_specialized") else {
-        return;
-    };
-    let mut rng = rng("wide_tiles_warp_specialized");
-    for (k, v, q_bf16) in [
-        (KvFormat::F16, KvFormat::F16, false),
-        (KvFormat::F16, KvFormat::F16, true),
-        (KvFormat::Bf16, KvFormat::Bf16, true),
-        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, true),
-        (KvFormat::Fp8E5m2, KvFormat::Int4Affine64, false),
-        (KvFormat::Int4Sym32, KvFormat::Int4Affine64, true),
-    ] {
-        // 4 x (130 + 64 + 40) rows over 3 sequences: wide tiles (>= 128 rows a sequence).
-        let mut base = Case::new(k, v, 128, vec![(130, 130), (64, 600), (40, 41)]);
-        base.q_bf16 = q_bf16;
-        check_options(&gpu, &mut rng, &base);
-    }
+    // 4 x (130 + 64 + 40) rows over 3 sequences: wide tiles (>= 128 rows a sequence).
+    check_pairs_with_options(
+        "wide_tiles_warp_specialized",
+        &[
+            (KvFormat::F16, KvFormat::F16, false),
+            (KvFormat::F16, KvFormat::F16, true),
+            (KvFormat::Bf16, KvFormat::Bf16, true),
+            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, true),
+            (KvFormat::Fp8E5m2, KvFormat::Int4Affine64, false),
+            (KvFormat::Int4Sym32, KvFormat::Int4Affine64, true),
+        ],
+        &[(130, 130), (64, 600), (40, 41)],
+    );
 }
 
 /// Narrow tiles at head_dim 128 over 16-bit caches (on sm_90a the warp-specialized kernel at 64
@@ -513,20 +527,16 @@ fn wide_tiles_warp_specialized() {
 /// strided views and pages of 32 tokens; in quick mode too, for the sanitizers.
 #[test]
 fn narrow_tiles_warp_specialized() {
-    let Some(gpu) = require_gpu_or_skip("narrow_tiles_warp_specialized") else {
-        return;
-    };
-    let mut rng = rng("narrow_tiles_warp_specialized");
-    for (k, v, q_bf16) in [
-        (KvFormat::F16, KvFormat::F16, false),
-        (KvFormat::F16, KvFormat::F16, true),
-        (KvFormat::Bf16, KvFormat::Bf16, true),
-    ] {
-        // 4 x (16 + 3 + 9) rows over 3 sequences: narrow tiles (< 128 rows a sequence).
-        let mut base = Case::new(k, v, 128, vec![(16, 400), (3, 90), (9, 9)]);
-        base.q_bf16 = q_bf16;
-        check_options(&gpu, &mut rng, &base);
-    }
+    // 4 x (16 + 3 + 9) rows over 3 sequences: narrow tiles (< 128 rows a sequence).
+    check_pairs_with_options(
+        "narrow_tiles_warp_specialized",
+        &[
+            (KvFormat::F16, KvFormat::F16, false),
+            (KvFormat::F16, KvFormat::F16, true),
+            (KvFormat::Bf16, KvFormat::Bf16, true),
+        ],
+        &[(16, 400), (3, 90), (9, 9)],
+    );
 }
 
 /// A block-table entry outside the pool (which only a raw caller can pass: the safe tables refuse
@@ -534,10 +544,9 @@ fn narrow_tiles_warp_specialized() {
 /// that names a never-written block there (HostCache's poison bytes, 0xA5, decode to -2.9e-16 as
 /// bf16 and to -0.2 of the head scale as FP8: zero within the tolerance; as f16 or INT4 they would
 /// not be, so those formats need the block written with zeros first). bf16 and FP8 caches at wide
-/// and narrow tiles:
-/// on sm_90a the warp-specialized kernel's 16-bit copies (zero-filled), its quantized producers
-/// (which store the zeros themselves) and its narrow tiles, and the block-synchronous kernel's
-/// quantized narrow tiles.
+/// and narrow tiles: on sm_90a the warp-specialized kernel's 16-bit copies (zero-filled), its
+/// quantized producers (which store the zeros themselves) and its narrow tiles, and the
+/// block-synchronous kernel's quantized narrow tiles.
 #[test]
 fn block_outside_the_pool_reads_as_zeros() {
     let Some(gpu) = require_gpu_or_skip("block_outside_the_pool_reads_as_zeros") else {
@@ -611,10 +620,10 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
     let qo_dev = s.clone_htod(&[0i32, n as i32]).expect("qo");
     let q_dev = s.clone_htod(&q).expect("q");
     let out_dev = s.clone_htod(&vec![Q::nan(); n * heads * d]).expect("out");
-    let dtype = if Q::MANTISSA == 10 {
-        sys::KVQ_DTYPE_F16
-    } else {
-        sys::KVQ_DTYPE_BF16
+    let dtype = match Q::DTYPE {
+        Dtype::F32 => sys::KVQ_DTYPE_F32,
+        Dtype::F16 => sys::KVQ_DTYPE_F16,
+        Dtype::Bf16 => sys::KVQ_DTYPE_BF16,
     } as i32;
     let tile = sys::KVQ_PREFILL_TILE_TOKENS as usize;
     let ptr = |x: u64| x as usize;
@@ -675,7 +684,7 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
         den += (w as f64) * (w as f64);
     }
     let rel = (num / den).sqrt();
-    let tol = if Q::MANTISSA == 10 { 2e-3 } else { 4e-3 };
+    let tol = if Q::DTYPE == Dtype::Bf16 { 4e-3 } else { 2e-3 };
     assert!(rel <= tol, "{name}: relative error {rel:.3e} > {tol:e}");
     eprintln!("{name}: rel {rel:.2e}");
 }
