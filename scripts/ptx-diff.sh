@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compare the PTX of every cuda/*.cu file in the working tree against a git revision, for every
-# PTX target the default build embeds or compiles (80, 89, 90a, 90). A pure refactor of the
+# Compare the PTX of every cuda/*.cu file in the working tree against a git revision, for the
+# default build's targets (80, 90a) and those a build may add (89, 90). A pure refactor of the
 # device code must leave the PTX byte-identical (only comment lines are ignored).
 #
 #   scripts/ptx-diff.sh [REV] [ARCH...]     REV defaults to HEAD; ARCH like 80 89 90a 90
