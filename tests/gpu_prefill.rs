@@ -541,28 +541,28 @@ fn narrow_tiles_warp_specialized() {
 
 /// A block-table entry outside the pool (which only a raw caller can pass: the safe tables refuse
 /// it) is counted and its tokens read as zeros: the launch matches the CPU reference over a table
-/// that names a never-written block there (HostCache's poison bytes, 0xA5, decode to -2.9e-16 as
-/// bf16 and to -0.2 of the head scale as FP8: zero within the tolerance; as f16 or INT4 they would
-/// not be, so those formats need the block written with zeros first). bf16 and FP8 caches at wide
-/// and narrow tiles: on sm_90a the warp-specialized kernel's 16-bit copies (zero-filled), its
-/// quantized producers (which store the zeros themselves) and its narrow tiles, and the
-/// block-synchronous kernel's quantized narrow tiles.
+/// that names a spare block of zero bytes there (zeros in every format: INT4's scales and zeros
+/// too). 16-bit, FP8 and INT4 caches at wide and narrow tiles: on sm_90a the warp-specialized
+/// kernel's 16-bit copies (zero-filled), its quantized producers (which store the zeros
+/// themselves) and its narrow tiles, and the block-synchronous kernel's quantized narrow tiles.
 #[test]
 fn block_outside_the_pool_reads_as_zeros() {
     let Some(gpu) = require_gpu_or_skip("block_outside_the_pool_reads_as_zeros") else {
         return;
     };
     let mut rng = rng("block_outside_the_pool_reads_as_zeros");
-    for (k, new_tokens) in [
-        (KvFormat::Bf16, 130),
-        (KvFormat::Bf16, 16),
-        (KvFormat::Fp8E4m3, 130),
-        (KvFormat::Fp8E4m3, 16),
+    for (k, v) in [
+        (KvFormat::Bf16, KvFormat::Bf16),
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
     ] {
-        if k == KvFormat::Bf16 {
-            fault_case::<bf16>(&gpu, &mut rng, k, k, new_tokens);
-        } else {
-            fault_case::<f16>(&gpu, &mut rng, k, k, new_tokens);
+        for new_tokens in [130, 16] {
+            if k == KvFormat::Bf16 {
+                fault_case::<bf16>(&gpu, &mut rng, k, v, new_tokens);
+            } else {
+                fault_case::<f16>(&gpu, &mut rng, k, v, new_tokens);
+            }
         }
     }
 }
@@ -572,7 +572,7 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
     let name = format!("{k}/{v} {n} new tokens, a block outside the pool");
     let (d, bs, nkv, heads, len): (usize, usize, usize, usize, usize) = (128, 16, 2, 8, 300);
     let used = len.div_ceil(bs);
-    let num_blocks = used + 1; // block `used` is never written: poison, about zero (above)
+    let num_blocks = used + 1; // block `used`: the CPU's stand-in for the one outside the pool
     let config = CacheConfig::new(nkv, d, bs, k, v).expect("config");
     let mut host = HostCache::new(config, num_blocks).expect("host cache");
     let (keys, values) = (
@@ -585,6 +585,8 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
     }
     let slots: Vec<usize> = (0..len).collect(); // block i holds tokens 16 i ..
     host.write(&slots, &keys, &values).expect("write");
+    let block_bytes = host.layout().block_stride;
+    host.pool_mut()[used * block_bytes..num_blocks * block_bytes].fill(0);
     let row: Vec<i32> = (0..used as i32).collect();
     let (faulted, outside) = (5, num_blocks as i32 + 7);
     let mut cpu_row = row.clone();
