@@ -83,6 +83,8 @@ static_assert(ids_in_order(AttentionFormats{}), "AttentionFormats lists the ids 
 //              role) and kDecodeMixed (kernels pair it with every other mixed format, else only
 //              with its own kernel format): decode.cu's dispatch and instances follow from them;
 //   calibration with kHeadScale, scale_from_amax: the dense path's per-head (tensor) scale.
+// Zero codes and metadata decode to zeros in every row format: the prefill kernel decodes the
+// rows a step does not see from a row of zero bytes (src/format's zero_bytes_decode_to_zeros).
 template <int F> struct Codec;
 
 // Whether codec C's group is its whole row (kRowGroup, default false).

@@ -634,6 +634,23 @@ mod tests {
         }
     }
 
+    /// Zero codes and metadata are zeros in every row format: the prefill kernel decodes the
+    /// rows a step does not see from a row of zero bytes (cuda/prefill/kernel.cuh, kZeroRow).
+    #[test]
+    fn zero_bytes_decode_to_zeros() {
+        for d in [64, 128, 256] {
+            for f in KvFormat::ALL.into_iter().filter(|f| !f.block_groups()) {
+                let (codes, meta) = (vec![0u8; f.code_bytes(d)], vec![0u8; f.meta_bytes(d)]);
+                let mut out = vec![f32::NAN; d];
+                f.decode_row(&codes, &meta, 1.0, &mut out);
+                assert!(
+                    out.iter().all(|&v| v == 0.0),
+                    "{f} at head_dim {d}: {out:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn block_grouped_format_has_no_row_codec() {
         let f = KvFormat::Int4Kc;
