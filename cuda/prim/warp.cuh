@@ -16,6 +16,12 @@ template <int LANES> __device__ __forceinline__ float group_max(float v) {
   return v;
 }
 
+template <int LANES> __device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int k = 1; k < LANES; k <<= 1) v += __shfl_xor_sync(kFullMask, v, k);
+  return v;
+}
+
 template <int LANES> __device__ __forceinline__ float group_min(float v) {
 #pragma unroll
   for (int k = 1; k < LANES; k <<= 1) v = fminf(v, __shfl_xor_sync(kFullMask, v, k));
