@@ -622,11 +622,7 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
     let qo_dev = s.clone_htod(&[0i32, n as i32]).expect("qo");
     let q_dev = s.clone_htod(&q).expect("q");
     let out_dev = s.clone_htod(&vec![Q::nan(); n * heads * d]).expect("out");
-    let dtype = match Q::DTYPE {
-        Dtype::F32 => sys::KVQ_DTYPE_F32,
-        Dtype::F16 => sys::KVQ_DTYPE_F16,
-        Dtype::Bf16 => sys::KVQ_DTYPE_BF16,
-    } as i32;
+    let dtype = Q::DTYPE.raw();
     let tile = sys::KVQ_PREFILL_TILE_TOKENS as usize;
     let ptr = |x: u64| x as usize;
     let args = sys::kvq_prefill_args {

@@ -31,8 +31,9 @@ pub enum Dtype {
 }
 
 impl Dtype {
-    /// The `KVQ_DTYPE_*` code of kvq.h, as the launchers' `int32_t dtype` parameters take it.
-    pub(crate) fn raw(self) -> i32 {
+    /// The `KVQ_DTYPE_*` code of kvq.h, as the launchers' `int32_t dtype` parameters (and the
+    /// argument structs of [`sys`]) take it.
+    pub fn raw(self) -> i32 {
         (match self {
             Dtype::F32 => sys::KVQ_DTYPE_F32,
             Dtype::F16 => sys::KVQ_DTYPE_F16,
