@@ -141,12 +141,8 @@ template <> struct Codec<kInt4Affine64> {
       }
     };
     // 0 <= n <= 15: below this bound no value leaves f16's range, and none needs the clamp.
-    if (15.f * fabsf(__half2float(s1)) + fabsf(__half2float(z1)) <= 65000.f) {
-      unpack([](__half2 v) { return h2_bits(v); });
-    } else {
-      const __half2 lim = __float2half2_rn(65504.0f);
-      unpack([&](__half2 v) { return h2_bits(__hmin2(__hmax2(v, __hneg2(lim)), lim)); });
-    }
+    unpack_f16_clamped_unless(15.f * fabsf(__half2float(s1)) + fabsf(__half2float(z1)) <= 65000.f,
+                              unpack);
   }
 
   // ---- decode-kernel V role (decode/frag.cuh): raw codes, scale and zero on the P side ----

@@ -133,12 +133,7 @@ template <> struct Codec<kInt4Sym32> {
       }
     };
     // |q| <= 8: below this scale no product leaves f16's range, and none needs the clamp.
-    if (fabsf(__half2float(s1)) <= 8000.f) {
-      unpack([](__half2 v) { return h2_bits(v); });
-    } else {
-      const __half2 lim = __float2half2_rn(65504.0f);
-      unpack([&](__half2 v) { return h2_bits(__hmin2(__hmax2(v, __hneg2(lim)), lim)); });
-    }
+    unpack_f16_clamped_unless(fabsf(__half2float(s1)) <= 8000.f, unpack);
   }
 
   // ---- decode-kernel K role (decode/frag.cuh): raw codes, the group's scale on the result ----

@@ -36,4 +36,16 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) {
   return *reinterpret_cast<__half2 *>(&u);
 }
 
+/// Call unpack(bits) with bits(v) giving an f16 pair's bits: as they are where `in_range` (no
+/// value unpack makes can pass +-65504), else clamped to +-65504.
+template <class Unpack>
+__device__ __forceinline__ void unpack_f16_clamped_unless(bool in_range, Unpack &&unpack) {
+  if (in_range) {
+    unpack([](__half2 v) { return h2_bits(v); });
+  } else {
+    const __half2 lim = __float2half2_rn(65504.0f);
+    unpack([&](__half2 v) { return h2_bits(__hmin2(__hmax2(v, __hneg2(lim)), lim)); });
+  }
+}
+
 }  // namespace kvq
