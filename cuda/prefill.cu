@@ -11,6 +11,7 @@
 #include "common.cuh"
 #include "kvq.h"
 #include "prefill/kernel.cuh"
+#include "prim/pdl.cuh"
 #include "prim/warp.cuh"
 
 namespace kvq_prefill {
@@ -205,6 +206,7 @@ struct Launch {
   const Params &p;
   unsigned kv_heads;
   cudaStream_t stream;
+  bool ws = false;  // out: the warp-specialized kernel ran
   template <int D, bool KB, bool VB, int R, bool KC> int run() {
     // Tiles of the capacity: sum over sequences of ceil(n_b G / R) <= ceil(total G / R) + batch.
     const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
@@ -220,6 +222,7 @@ struct Launch {
         prefill_ws_kernel<KB, KB, Q, R><<<grid, ws_threads(Q, R), bytes, stream>>>(p);
         return cudaSuccess;
       });
+      ws = true;
       return launch_status();
     }
     int limit = 0;
@@ -244,75 +247,145 @@ bool wide_tiles(const Params &p) {
 
 constexpr int kMergeWarps = 8;
 
+/// How the split merge covers a row: W warps (a power of two, at most a block's), each loading
+/// its AHEAD splits' partials at once. A merge of few rows is bound by those loads' latency (a
+/// warp a row reading a split at a time took 24 us for 512 rows of 33 splits, session 19), a
+/// merge of many rows over few splits by how many warps fit an SM: the fewest warps for which a
+/// warp's share is one group of at most 8 loads, and no more loads (registers) than that share.
+struct MergeShape {
+  int warps, ahead;
+};
+inline MergeShape merge_shape(int splits) {
+  int w = 1;
+  while (w < kMergeWarps && w * 8 < splits) w *= 2;
+  const int share = (splits + w - 1) / w;
+  return {w, share <= 2 ? 2 : share <= 4 ? 4 : 8};
+}
+
 /// Merge the splits' partials of every row of the launch's tokens (qo_indptr[0] up to
-/// qo_indptr[batch]; warp per row) and apply the sinks. Lane l loads the lse of splits l and
-/// l + 32 (one load each, not a loop over the splits); the partials are read in groups of
-/// eight splits with no branch between their loads. A launch's merge is bound by those loads'
-/// latency: 512 rows of 33 splits took 24 us reading a split at a time, 17-18 us so (session
-/// 19; a block of warps per row measured 10 us there but slower merges of many rows of few
-/// splits).
-template <int D>
-__global__ void __launch_bounds__(kMergeWarps * 32) merge_splits(const Params p) {
+/// qo_indptr[batch]) and apply the sinks: W consecutive warps a row, warp x of them summing
+/// splits x, x + W, ..., AHEAD at a time, then (W > 1) the W sums through shared memory. Every
+/// warp of a row weighs the splits itself: lane l loads the lse of splits l and l + 32. Lane l
+/// holds elements l, l + 32, ... (loads and stores of consecutive elements across the warp).
+/// Blocks of the merge an SM holds: as many as the registers of a thread's AHEAD x PER loaded
+/// values leave room for (no spills).
+constexpr int merge_blocks_per_sm(int loaded) { return loaded <= 8 ? 8 : loaded <= 32 ? 4 : 2; }
+
+template <int D, int W, int AHEAD>
+__global__ void __launch_bounds__(kMergeWarps * 32, merge_blocks_per_sm(AHEAD * ((D + 31) / 32)))
+    merge_splits(const Params p) {
   static_assert(KVQ_PREFILL_MAX_SPLITS <= 64, "two splits' lse a lane");
-  auto rows_before = [&](int b) {
-    return (int64_t)min(max(p.qo_indptr[b], 0), p.max_tokens) * p.num_q_heads;
-  };
-  const int64_t row = rows_before(0) + (int64_t)blockIdx.x * kMergeWarps + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows_before(p.batch)) return;
-  const int h = (int)(row % p.num_q_heads);
-  const int64_t tok = row / p.num_q_heads;
+  constexpr int PER = (D + 31) / 32, kRowsPerBlock = kMergeWarps / W;
+  const int64_t first = (int64_t)min(max(p.qo_indptr[0], 0), p.max_tokens) * p.num_q_heads;
+  const int64_t end = (int64_t)min(max(p.qo_indptr[p.batch], 0), p.max_tokens) * p.num_q_heads;
   const int splits = p.num_splits;
-  float ls[2];
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int s = lane + 32 * k;
-    ls[k] = s < splits ? __ldcg(p.ws_lse + s * p.ws_rows + row) : -INFINITY;
-  }
-  float M = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
-  M = fmaxf(M, group_max<32>(fmaxf(ls[0], ls[1])));
-  float w[2];
-#pragma unroll
-  for (int k = 0; k < 2; ++k) w[k] = ls[k] == -INFINITY ? 0.f : expf(ls[k] - M);
-  float L = group_sum<32>(w[0] + w[1]);
-  if (p.sinks != nullptr) L += expf(p.sinks[h] - M);
-  constexpr int PER = (D + 31) / 32;
-  constexpr int kAhead = 8;  // splits whose partials are read together
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, x = warp % W;
+  const int64_t block_row = first + (int64_t)blockIdx.x * kRowsPerBlock;
+  const int64_t row = block_row + warp / W;
   float acc[PER] = {};
-  for (int s0 = 0; s0 < splits; s0 += kAhead) {
-    // Past the last split: its partial read again, weighted 0 (no branch between the loads).
-    float x[kAhead][PER], wt[kAhead];
+  float inv = 0.f;
+  wait_for_prerequisite_grids();  // the attention kernel's partials
+  if (row < end) {
+    const int h = (int)(row % p.num_q_heads);
+    float ls[2];
 #pragma unroll
-    for (int j = 0; j < kAhead; ++j) {
-      const int s = min(s0 + j, splits - 1);
-      wt[j] = __shfl_sync(kFull, s < 32 ? w[0] : w[1], s & 31);
-      if (s0 + j >= splits) wt[j] = 0.f;
-      const float *src = p.ws_o + (s * p.ws_rows + row) * D;
+    for (int k = 0; k < 2; ++k) {
+      const int s = lane + 32 * k;
+      ls[k] = s < splits ? __ldcg(p.ws_lse + s * p.ws_rows + row) : -INFINITY;
+    }
+    // Splits s0, s0 + W, ... (AHEAD of them); past the last split, its partial again
+    // (weighted 0 below: no branch between the loads). The first group's loads are issued
+    // before the weights wait for the lse.
+    float v[AHEAD][PER];
+    auto load_group = [&](int s0) {
+#pragma unroll
+      for (int j = 0; j < AHEAD; ++j) {
+        const float *src = p.ws_o + (min(s0 + j * W, splits - 1) * p.ws_rows + row) * D;
+#pragma unroll
+        for (int i = 0; i < PER; ++i)
+          v[j][i] = lane + 32 * i < D ? __ldcg(src + lane + 32 * i) : 0.f;
+      }
+    };
+    load_group(x);
+    float M = p.sinks != nullptr ? p.sinks[h] : -INFINITY;
+    M = fmaxf(M, group_max<32>(fmaxf(ls[0], ls[1])));
+    float w[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) w[k] = ls[k] == -INFINITY ? 0.f : expf(ls[k] - M);
+    for (int s0 = x;;) {
+#pragma unroll
+      for (int j = 0; j < AHEAD; ++j) {
+        const int s = min(s0 + j * W, splits - 1);
+        const float wt = __shfl_sync(kFull, s < 32 ? w[0] : w[1], s & 31);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] += (s0 + j * W < splits ? wt : 0.f) * v[j][i];
+      }
+      s0 += W * AHEAD;
+      if (s0 >= splits) break;
+      load_group(s0);
+    }
+    float L = group_sum<32>(w[0] + w[1]);
+    if (p.sinks != nullptr) L += expf(p.sinks[h] - M);
+    inv = L > 0.f ? 1.f / L : 0.f;
+    if (x == 0 && lane == 0 && p.lse != nullptr)
+      p.lse[row / p.num_q_heads * p.l_tok + (int64_t)h * p.l_head] =
+          L > 0.f ? M + logf(L) : -INFINITY;
+  }
+  auto out_at = [&](int64_t r) {
+    return r / p.num_q_heads * p.o_tok + (r % p.num_q_heads) * p.o_head;
+  };
+  if constexpr (W == 1) {
+    if (row < end)
 #pragma unroll
       for (int i = 0; i < PER; ++i)
-        x[j][i] = lane + 32 * i < D ? __ldcg(src + lane + 32 * i) : 0.f;
+        if (lane + 32 * i < D)
+          store_out(p.out, out_at(row) + lane + 32 * i, acc[i] * inv, p.out_dtype);
+  } else {
+    __shared__ float part[kMergeWarps][PER * 32];
+    __shared__ float inv_l[kMergeWarps];  // 1 / L of a row, at its first warp
+#pragma unroll
+    for (int i = 0; i < PER; ++i) part[warp][lane + 32 * i] = acc[i];
+    if (x == 0 && lane == 0) inv_l[warp] = inv;
+    __syncthreads();
+    // Element c of the block's row r (rows in order: the first past the end ends the loop).
+    for (int e = threadIdx.x; e < kRowsPerBlock * D; e += kMergeWarps * 32) {
+      const int r = e / D, c = e % D;
+      if (block_row + r >= end) break;
+      float sum = part[r * W][c];
+#pragma unroll
+      for (int k = 1; k < W; ++k) sum += part[r * W + k][c];
+      store_out(p.out, out_at(block_row + r) + c, sum * inv_l[r * W], p.out_dtype);
     }
-#pragma unroll
-    for (int j = 0; j < kAhead; ++j)
-#pragma unroll
-      for (int i = 0; i < PER; ++i) acc[i] += wt[j] * x[j][i];
   }
-  const float inv = L > 0.f ? 1.f / L : 0.f;
-  const int64_t at = tok * p.o_tok + (int64_t)h * p.o_head;
-#pragma unroll
-  for (int i = 0; i < PER; ++i)
-    if (lane + 32 * i < D) store_out(p.out, at + lane + 32 * i, acc[i] * inv, p.out_dtype);
-  if (lane == 0 && p.lse != nullptr)
-    p.lse[tok * p.l_tok + (int64_t)h * p.l_head] = L > 0.f ? M + logf(L) : -INFINITY;
 }
 
 struct MergeSplits {
   const Params &p;
-  unsigned blocks;
   cudaStream_t stream;
+  bool after_ws;  // the attention kernel was the warp-specialized one (sm_90a): launch early
   template <int D, bool, bool, int, bool> int run() {
-    merge_splits<D><<<blocks, kMergeWarps * 32, 0, stream>>>(p);
-    return launch_status();
+    const MergeShape m = merge_shape(p.num_splits);
+    const int64_t rows_per_block = kMergeWarps / m.warps;
+    cudaLaunchAttribute early{};
+    early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    early.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3((unsigned)((p.ws_rows + rows_per_block - 1) / rows_per_block));
+    cfg.blockDim = dim3(kMergeWarps * 32);
+    cfg.stream = stream;
+    cfg.attrs = &early;
+    cfg.numAttrs = after_ws ? 1 : 0;
+    auto go = [&](auto kernel) { return cudaLaunchKernelEx(&cfg, kernel, p); };
+    const cudaError_t e = m.warps == 8   ? go(merge_splits<D, 8, 8>)
+                          : m.warps == 4 ? go(merge_splits<D, 4, 8>)
+                          : m.warps == 2 ? go(merge_splits<D, 2, 8>)
+                          : m.ahead == 8 ? go(merge_splits<D, 1, 8>)
+                          : m.ahead == 4 ? go(merge_splits<D, 1, 4>)
+                                         : go(merge_splits<D, 1, 2>);
+    if (e == cudaSuccess) return KVQ_OK;
+    (void)cudaGetLastError();
+    set_last_error(e);
+    return KVQ_ERR_LAUNCH;
   }
 };
 
@@ -447,8 +520,7 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   Launch fn{p, (unsigned)l.num_kv_heads, (cudaStream_t)stream};
   const int status = dispatch(l.head_dim, kb, vb, l.k_format == KVQ_INT4_KC, wide_tiles(p), fn);
   if (status != KVQ_OK || a->num_splits == 1) return status;
-  const int64_t rows = p.ws_rows;
-  MergeSplits merge{p, (unsigned)((rows + kMergeWarps - 1) / kMergeWarps), (cudaStream_t)stream};
+  MergeSplits merge{p, (cudaStream_t)stream, fn.ws};
   return dispatch(l.head_dim, kb, vb, false, false, merge);
 }
 

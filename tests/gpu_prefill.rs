@@ -418,11 +418,11 @@ fn every_head_dim() {
             if !kernel_available_for(k, v, d, k == KvFormat::Bf16) {
                 continue;
             }
-            check(
-                &gpu,
-                &mut rng,
-                &Case::new(k, v, d, vec![(70, 70), (20, 150)]),
-            );
+            let mut c = Case::new(k, v, d, vec![(70, 70), (20, 150)]);
+            check(&gpu, &mut rng, &c);
+            // Forty key splits (most of them empty): the merge's widest rows at every width.
+            c.splits = Some(40);
+            check(&gpu, &mut rng, &c);
         }
     }
 }
@@ -717,7 +717,8 @@ fn windows_caps_sinks_and_splits() {
         c.sinks = true;
         check(&gpu, &mut rng, &c);
         // Key splits merged by the second kernel, with and without sinks and windows.
-        for splits in [2, 5] {
+        // 2, 5, 12 and 24 splits: one, two and four warps a row in the merge.
+        for splits in [2, 5, 12, 24] {
             let mut c = base.clone();
             c.splits = Some(splits);
             check(&gpu, &mut rng, &c);

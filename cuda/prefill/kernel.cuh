@@ -47,6 +47,7 @@
 #include "prim/fast_math.cuh"
 #include "prim/mbarrier.cuh"
 #include "prim/mma.cuh"
+#include "prim/pdl.cuh"
 #include "prim/wgmma.cuh"
 
 namespace kvq_prefill {
@@ -1211,6 +1212,9 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   // Quantized sides: a staging area's raw rows landed (the copying lanes and their bytes),
   // decoded (every producer thread).
   __shared__ uint64_t raw_full[kWsRawSlots], raw_free[kWsRawSlots];
+  // The split merge (prefill.cu) may launch now: it waits for this grid before its reads, and
+  // its blocks take the SMs this grid's blocks leave.
+  allow_dependent_launch();
 
   TileJob job;
   if (!begin_tile<R, kThreads>(p, rw, job)) return;
