@@ -466,12 +466,13 @@ __device__ __forceinline__ void kc_decode8_f16(uint32_t codes, const uint4 &s, c
                                                uint32_t (&h)[4]) {
   const uint32_t sw[4] = {s.x, s.y, s.z, s.w}, zw[4] = {z.x, z.y, z.z, z.w};
   const __half2 bias = __float2half2_rn(1024.0f), lim = __float2half2_rn(65504.0f);
+  // Byte i holds elements 8c + 2i (low nibble) and 8c + 2i + 1; each becomes 1024 + n, exact.
+  const uint32_t w4 = codes >> 4;
+  const uint32_t x[4] = {nibble_pair_f16<0, 0>(codes, w4), nibble_pair_f16<1, 0>(codes, w4),
+                         nibble_pair_f16<2, 0>(codes, w4), nibble_pair_f16<3, 0>(codes, w4)};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    // Byte i holds elements 8c + 2i (low nibble) and 8c + 2i + 1; each becomes 1024 + n, exact.
-    const uint32_t b = (codes >> (8 * i)) & 0xFFu;
-    const uint32_t x = (b & 0xFu) | ((b & 0xF0u) << 12) | 0x64006400u;
-    const __half2 v = __hfma2(__hsub2(bits_h2(x), bias), bits_h2(sw[i]), bits_h2(zw[i]));
+    const __half2 v = __hfma2(__hsub2(bits_h2(x[i]), bias), bits_h2(sw[i]), bits_h2(zw[i]));
     h[i] = h2_bits(__hmin2(__hmax2(v, __hneg2(lim)), lim));
   }
 }
