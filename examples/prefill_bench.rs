@@ -9,7 +9,8 @@
 //!
 //! ```sh
 //! cargo run --release --features cuda,bench --example prefill_bench -- [--iters N] \
-//!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4|int4-k32|int4-kc] [--json FILE]
+//!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4|int4-k32|int4-kc] [--json FILE] \
+//!     [--splits N]
 //! ```
 
 use kvq::cuda::bench::{self, EventTimer};
@@ -102,15 +103,27 @@ struct Row {
     pct: f64,
 }
 
+/// What every measurement shares: the read ceiling (GB/s), timed runs, forced key splits.
+#[derive(Clone, Copy)]
+struct Opts {
+    ceiling: f64,
+    iters: usize,
+    splits: Option<usize>,
+}
+
 fn measure(
     gpu: &Gpu,
     timer: &mut EventTimer,
     shape: &Shape,
     k: KvFormat,
     v: KvFormat,
-    ceiling: f64,
-    iters: usize,
+    opts: &Opts,
 ) -> Result<Row> {
+    let Opts {
+        ceiling,
+        iters,
+        splits,
+    } = *opts;
     let s = gpu.stream().clone();
     let config = CacheConfig::new(KV_HEADS, D, BLOCK, k, v)?;
     let blocks: Vec<usize> = shape.seqs.iter().map(|&(_, l)| l.div_ceil(BLOCK)).collect();
@@ -165,7 +178,8 @@ fn measure(
         total,
         Q_HEADS,
         max_len,
-    )?;
+    )?
+    .with_num_splits(splits);
     let plan = if shape.route {
         let decode =
             kvq::cuda::DecodePlan::new(gpu, cache.layout(), shape.seqs.len(), Q_HEADS, 1, max_len)?;
@@ -237,6 +251,8 @@ fn main() -> Result<()> {
             .cloned()
     };
     let (only_shape, only_format, json) = (arg("--shape"), arg("--format"), arg("--json"));
+    // Key splits forced for every shape (PrefillPlan::with_num_splits), for tuning the plan's.
+    let splits = arg("--splits").and_then(|x| x.parse().ok());
     let mut rows = Vec::new();
     let gpu = Gpu::new(0)?;
     eprintln!("{}", gpu.summary());
@@ -244,6 +260,11 @@ fn main() -> Result<()> {
     let probe = bench::read_ceiling(&gpu, &mut timer)?;
     eprintln!("{probe}");
     let ceiling = probe.gbps;
+    let opts = Opts {
+        ceiling,
+        iters,
+        splits,
+    };
     println!(
         "prefill, Llama-3-8B heads (32 q / 8 KV, d=128, pages of 16, bf16 q and out) on {}; \
          read ceiling {ceiling:.0} GB/s ({})\n",
@@ -275,7 +296,7 @@ fn main() -> Result<()> {
             if shape.route && !kvq::cuda::decode::kernel_available(k, v) {
                 continue;
             }
-            match measure(&gpu, &mut timer, &shape, k, v, ceiling, iters) {
+            match measure(&gpu, &mut timer, &shape, k, v, &opts) {
                 Ok(r) => {
                     println!(
                         "| {} | {} | {:.1} | {:.1} | {:.0} | {:.1} |",
