@@ -10,8 +10,12 @@
 //! ```sh
 //! cargo run --release --features cuda,bench --example prefill_bench -- [--iters N] \
 //!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4|int4-k32|int4-kc] [--json FILE] \
-//!     [--splits N]
+//!     [--splits N] [--route-q-len N]
 //! ```
+//!
+//! `--splits N` forces the key splits of every shape; `--route-q-len N` sends, in every shape,
+//! the leading sequences with the same 1 to N new tokens to the decode kernel
+//! (`PrefillPlan::with_decode_rows` with a decode plan of `q_len` N).
 
 use kvq::cuda::bench::{self, EventTimer};
 use kvq::cuda::decode::DeviceBlockTables;
@@ -103,12 +107,14 @@ struct Row {
     pct: f64,
 }
 
-/// What every measurement shares: the read ceiling (GB/s), timed runs, forced key splits.
+/// What every measurement shares: the read ceiling (GB/s), timed runs, forced key splits, and
+/// the longest rows sent to the decode kernel in every shape (`with_decode_rows`).
 #[derive(Clone, Copy)]
 struct Opts {
     ceiling: f64,
     iters: usize,
     splits: Option<usize>,
+    route_q_len: Option<usize>,
 }
 
 fn measure(
@@ -123,6 +129,7 @@ fn measure(
         ceiling,
         iters,
         splits,
+        ..
     } = *opts;
     let s = gpu.stream().clone();
     let config = CacheConfig::new(KV_HEADS, D, BLOCK, k, v)?;
@@ -180,9 +187,19 @@ fn measure(
         max_len,
     )?
     .with_num_splits(splits);
-    let plan = if shape.route {
-        let decode =
-            kvq::cuda::DecodePlan::new(gpu, cache.layout(), shape.seqs.len(), Q_HEADS, 1, max_len)?;
+    let route_q_len = opts
+        .route_q_len
+        .filter(|_| kvq::cuda::decode::kernel_available(k, v));
+    let plan = if shape.route || route_q_len.is_some() {
+        let q_len = route_q_len.unwrap_or(1);
+        let decode = kvq::cuda::DecodePlan::new(
+            gpu,
+            cache.layout(),
+            shape.seqs.len(),
+            Q_HEADS,
+            q_len,
+            max_len,
+        )?;
         plan.with_decode_rows(decode)?
     } else {
         plan
@@ -264,6 +281,7 @@ fn main() -> Result<()> {
         ceiling,
         iters,
         splits,
+        route_q_len: arg("--route-q-len").and_then(|x| x.parse().ok()),
     };
     println!(
         "prefill, Llama-3-8B heads (32 q / 8 KV, d=128, pages of 16, bf16 q and out) on {}; \
