@@ -262,15 +262,15 @@ inline MergeShape merge_shape(int splits) {
   return {w, share <= 2 ? 2 : share <= 4 ? 4 : 8};
 }
 
+/// Blocks of the merge an SM holds: as many as the registers of a thread's AHEAD x PER loaded
+/// values leave room for (no spills).
+constexpr int merge_blocks_per_sm(int loaded) { return loaded <= 8 ? 8 : loaded <= 32 ? 4 : 2; }
+
 /// Merge the splits' partials of every row of the launch's tokens (qo_indptr[0] up to
 /// qo_indptr[batch]) and apply the sinks: W consecutive warps a row, warp x of them summing
 /// splits x, x + W, ..., AHEAD at a time, then (W > 1) the W sums through shared memory. Every
 /// warp of a row weighs the splits itself: lane l loads the lse of splits l and l + 32. Lane l
 /// holds elements l, l + 32, ... (loads and stores of consecutive elements across the warp).
-/// Blocks of the merge an SM holds: as many as the registers of a thread's AHEAD x PER loaded
-/// values leave room for (no spills).
-constexpr int merge_blocks_per_sm(int loaded) { return loaded <= 8 ? 8 : loaded <= 32 ? 4 : 2; }
-
 template <int D, int W, int AHEAD>
 __global__ void __launch_bounds__(kMergeWarps * 32, merge_blocks_per_sm(AHEAD * ((D + 31) / 32)))
     merge_splits(const Params p) {
