@@ -358,7 +358,10 @@ int kvq_decode_occupancy(int32_t k_format, int32_t v_format, int32_t head_dim, i
  *               when logits_soft_cap > 0, then the ALiBi bias
  *   ws_o, ws_lse  split-KV workspace, used when num_splits > 1: f32 [num_splits, max_tokens *
  *               num_q_heads, head_dim] and [num_splits, max_tokens * num_q_heads]; a second
- *               kernel merges the splits (one launch at a time per workspace)
+ *               kernel merges the splits (one launch at a time per workspace); after the
+ *               warp-specialized kernel (sm_90a) it is launched with programmatic stream
+ *               serialization: its blocks may be placed while the attention kernel finishes,
+ *               and wait for it before their first read
  * The grid is sized by the capacity (max_tokens, batch), not by the step's token count, so one
  * launch captured in a CUDA graph serves any later step within it. Block ids outside
  * [0, num_blocks) and lengths outside [n_b, max_blocks * block_size] are counted in
