@@ -246,20 +246,22 @@ bool wide_tiles(const Params &p) {
 }
 
 constexpr int kMergeWarps = 8;
+constexpr int kMergeMaxAhead = 8;  // splits whose partials one warp loads at once, at most
 
 /// How the split merge covers a row: W warps (a power of two, at most a block's), each loading
 /// its AHEAD splits' partials at once. A merge of few rows is bound by those loads' latency (a
 /// warp a row reading a split at a time took 24 us for 512 rows of 33 splits, session 19), a
 /// merge of many rows over few splits by how many warps fit an SM: the fewest warps for which a
-/// warp's share is one group of at most 8 loads, and no more loads (registers) than that share.
+/// warp's share is one group of at most kMergeMaxAhead loads, and no more loads (registers)
+/// than that share.
 struct MergeShape {
   int warps, ahead;
 };
 inline MergeShape merge_shape(int splits) {
   int w = 1;
-  while (w < kMergeWarps && w * 8 < splits) w *= 2;
+  while (w < kMergeWarps && w * kMergeMaxAhead < splits) w *= 2;
   const int share = (splits + w - 1) / w;
-  return {w, share <= 2 ? 2 : share <= 4 ? 4 : 8};
+  return {w, share <= 2 ? 2 : share <= 4 ? 4 : kMergeMaxAhead};
 }
 
 /// Blocks of the merge an SM holds: as many as the registers of a thread's AHEAD x PER loaded
@@ -376,10 +378,11 @@ struct MergeSplits {
     cfg.attrs = &early;
     cfg.numAttrs = after_ws ? 1 : 0;
     auto go = [&](auto kernel) { return cudaLaunchKernelEx(&cfg, kernel, p); };
-    const cudaError_t e = m.warps == 8   ? go(merge_splits<D, 8, 8>)
-                          : m.warps == 4 ? go(merge_splits<D, 4, 8>)
-                          : m.warps == 2 ? go(merge_splits<D, 2, 8>)
-                          : m.ahead == 8 ? go(merge_splits<D, 1, 8>)
+    constexpr int A = kMergeMaxAhead;
+    const cudaError_t e = m.warps == 8   ? go(merge_splits<D, 8, A>)
+                          : m.warps == 4 ? go(merge_splits<D, 4, A>)
+                          : m.warps == 2 ? go(merge_splits<D, 2, A>)
+                          : m.ahead == A ? go(merge_splits<D, 1, A>)
                           : m.ahead == 4 ? go(merge_splits<D, 1, 4>)
                                          : go(merge_splits<D, 1, 2>);
     if (e == cudaSuccess) return KVQ_OK;
