@@ -268,8 +268,6 @@ fn main() -> Result<()> {
             .cloned()
     };
     let (only_shape, only_format, json) = (arg("--shape"), arg("--format"), arg("--json"));
-    // Key splits forced for every shape (PrefillPlan::with_num_splits), for tuning the plan's.
-    let splits = arg("--splits").and_then(|x| x.parse().ok());
     let mut rows = Vec::new();
     let gpu = Gpu::new(0)?;
     eprintln!("{}", gpu.summary());
@@ -280,7 +278,7 @@ fn main() -> Result<()> {
     let opts = Opts {
         ceiling,
         iters,
-        splits,
+        splits: arg("--splits").and_then(|x| x.parse().ok()),
         route_q_len: arg("--route-q-len").and_then(|x| x.parse().ok()),
     };
     println!(
