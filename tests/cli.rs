@@ -555,6 +555,7 @@ fn eval_reports_every_pair() {
         "| bf16 / bf16 |",
         "| fp8-e4m3 / fp8-e4m3 (tensor) |",
         "| fp8-e4m3 / fp8-e4m3 (head) |",
+        "| fp8-e4m3 / fp8-e4m3 (head, e4m3 MMAs) |",
         "| int4-k32 / int4-v64 | 0.5625 |",
         "| int4-k32 / fp8-e4m3 (head) |",
         "| fp8-e4m3 / int4-v64 (head) |",
@@ -644,7 +645,7 @@ fn eval_json_held_out_calibration_and_positions() {
     assert_eq!(held["tokens"], 32);
     assert_eq!(held["q_heads"], 4);
     assert_eq!(held["kv_heads"], 2);
-    assert_eq!(held["pairs"].as_array().unwrap().len(), 15);
+    assert_eq!(held["pairs"].as_array().unwrap().len(), 16);
     assert!(held.get("per_layer").is_none());
     for p in held["pairs"].as_array().unwrap() {
         assert!(p["skipped"].is_null() && p["errors"].is_object(), "{p}");
@@ -665,10 +666,32 @@ fn eval_json_held_out_calibration_and_positions() {
     assert!(k_err(&held) > 5.0 * k_err(&all), "{held}\n{all}");
     assert!(k_err(&all) < 0.05, "{all}");
 
+    // E4M3 MMA operands: the same cache, so the same K / V errors; the query and the
+    // probabilities rounded to E4M3 move the output a little more.
+    let (decoded, e4m3) = (
+        pair(&all, "fp8-e4m3 / fp8-e4m3 (head)"),
+        pair(&all, "fp8-e4m3 / fp8-e4m3 (head, e4m3 MMAs)"),
+    );
+    assert_eq!(
+        (
+            decoded["mma_operands"].as_str(),
+            e4m3["mma_operands"].as_str()
+        ),
+        (Some("decoded"), Some("e4m3"))
+    );
+    for key in ["k_rel_l2", "v_rel_l2"] {
+        assert_eq!(decoded["errors"][key], e4m3["errors"][key], "{key}");
+    }
+    let attn = |p: &serde_json::Value| p["errors"]["attn_rel_err"].as_f64().unwrap();
+    assert!(
+        attn(e4m3) != attn(decoded) && attn(e4m3) < 2.0 * attn(decoded),
+        "{all}"
+    );
+
     // Every scored position: the held-out half, or every token.
     let every = eval_json(&["eval", file, "--json", "--positions", "all", "--per-layer"]);
     assert_eq!(every["query_positions"], 16);
-    assert_eq!(every["per_layer"].as_array().unwrap().len(), 15);
+    assert_eq!(every["per_layer"].as_array().unwrap().len(), 16);
     assert_eq!(every["per_layer"][0]["layer"], 0);
     assert_eq!(pair(&every, "f16 / f16")["errors"]["attn_rel_err"], 0.0);
     let every_all = eval_json(&[
@@ -1255,7 +1278,7 @@ fn eval_hadamard_rotation_row() {
         attn("int4-k32 (hadamard) / int4-v64") < attn("int4-k32 / int4-v64"),
         "{doc}"
     );
-    assert_eq!(doc["pairs"].as_array().unwrap().len(), 16);
+    assert_eq!(doc["pairs"].as_array().unwrap().len(), 17);
 
     let dir = scratch("eval-hadamard");
     let input = dir.join("d96.st");

@@ -34,6 +34,10 @@
 //! with each KV head's K channels of largest RMS over the calibration tokens kept in f16,
 //! `--keep-channels K`, default 4) are CPU references too: the keys are dequantized and attended
 //! with `attention_dense`, the values go through the cache as in the `int4-kc` rows.
+//!
+//! The `(e4m3 MMAs)` row attends an E4M3 cache as FP8 tensor cores would (fp8_mma.rs): the
+//! query rounded to E4M3 per row and the probabilities to E4M3 before they weigh V. It prices a
+//! kernel mode that does not exist yet; the other rows are the kernels' arithmetic.
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -55,6 +59,7 @@ use serde_json::{Value, json};
 
 use crate::calibrate::ScalesFile;
 use crate::files::{self, InputFile, LayerPattern, Tensor3};
+use crate::fp8_mma;
 use crate::plan::{self, Candidate, Choice, Plan};
 use crate::rotate;
 use crate::{CliError, print_out, progress};
@@ -282,17 +287,46 @@ enum Scales {
     File,
 }
 
-/// A K format, a V format, and where the FP8 scales come from (when either side is FP8).
+/// What the attention's MMAs take.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Operands {
+    /// Codes decoded to f16 / bf16, with an f16 / bf16 query: the kernels' arithmetic, whose
+    /// rounding does not show beside the cache's (the CPU reference sums in f64).
+    Decoded,
+    /// E4M3 on both sides, as FP8 tensor cores take them: the cache's E4M3 codes as stored, the
+    /// query and the probabilities rounded to E4M3 ([`fp8_mma`]). No kernel runs this yet.
+    E4m3,
+}
+
+/// A K format, a V format, where the FP8 scales come from (when either side is FP8), and what
+/// the MMAs take.
 #[derive(Clone, Copy)]
 struct Pair {
     k: Storage,
     v: Storage,
     scales: Scales,
+    operands: Operands,
 }
 
 impl Pair {
     const fn new(k: Storage, v: Storage, scales: Scales) -> Self {
-        Pair { k, v, scales }
+        Pair {
+            k,
+            v,
+            scales,
+            operands: Operands::Decoded,
+        }
+    }
+
+    /// An E4M3 cache on both sides attended with E4M3 MMA operands.
+    const fn e4m3_mma(scales: Scales) -> Self {
+        let fp8 = Storage::Cache(KvFormat::Fp8E4m3);
+        Pair {
+            k: fp8,
+            v: fp8,
+            scales,
+            operands: Operands::E4m3,
+        }
     }
 
     /// The pair with per-head scales from a --scales file of FP8 `kind`, where a side is FP8 of
@@ -311,15 +345,21 @@ impl Pair {
 
     fn label(&self) -> String {
         let s = format!("{} / {}", self.k.name(), self.v.name());
-        match self.scale_name() {
-            Some(g) => format!("{s} ({g})"),
-            None => s,
+        let notes: Vec<&str> = self
+            .scale_name()
+            .into_iter()
+            .chain((self.operands == Operands::E4m3).then_some("e4m3 MMAs"))
+            .collect();
+        if notes.is_empty() {
+            s
+        } else {
+            format!("{s} ({})", notes.join(", "))
         }
     }
 }
 
 /// The pairs in the table, from full precision down.
-const PAIRS: [Pair; 15] = {
+const PAIRS: [Pair; 16] = {
     use KvFormat::*;
     use Scales::{Head, Tensor};
     use Storage::{Cache as C, KeepOutliers as KO, KeysPerChannel as KC, Uniform as U};
@@ -328,6 +368,7 @@ const PAIRS: [Pair; 15] = {
         Pair::new(C(Bf16), C(Bf16), Tensor),
         Pair::new(C(Fp8E4m3), C(Fp8E4m3), Tensor),
         Pair::new(C(Fp8E4m3), C(Fp8E4m3), Head),
+        Pair::e4m3_mma(Head),
         Pair::new(C(Fp8E5m2), C(Fp8E5m2), Head),
         Pair::new(C(Int4Sym32), C(Int4Affine64), Tensor),
         Pair::new(C(Int4Sym32), C(Fp8E4m3), Head),
@@ -649,17 +690,21 @@ impl Layer {
         })
     }
 
-    /// The attention distribution of every scored query (head-major `q`, as
-    /// [`queries`](Self::queries)) over the tokens it sees (causal: query `i` of `q_len` sees
-    /// tokens up to `tokens - q_len + i`) with keys `k`, in f64, passed to `f` one at a time.
-    fn distributions(&self, q: &[f32], k: &[f32], mut f: impl FnMut(usize, &[f64])) {
-        let (d, group) = (self.head_dim, self.q_heads / self.kv_heads);
+    /// The KV head that query row `row` (head-major, as [`queries`](Self::queries)) reads.
+    fn kv_head_of(&self, row: usize) -> usize {
+        row / self.q_len / (self.q_heads / self.kv_heads)
+    }
+
+    /// The unnormalized attention weights `exp(s - max)` of every scored query (head-major `q`)
+    /// over the tokens it sees (causal: query `i` of `q_len` sees tokens up to
+    /// `tokens - q_len + i`) with keys `k`, in f64, passed to `f` one at a time.
+    fn weights(&self, q: &[f32], k: &[f32], mut f: impl FnMut(usize, &mut Vec<f64>)) {
+        let d = self.head_dim;
         let scale = f64::from(self.shape().softmax_scale);
         let mut p = Vec::with_capacity(self.tokens);
         for (row, qr) in q.chunks_exact(d).enumerate() {
-            let (head, i) = (row / self.q_len, row % self.q_len);
-            let kv = head / group;
-            let seen = self.tokens - self.q_len + i + 1;
+            let kv = self.kv_head_of(row);
+            let seen = self.tokens - self.q_len + row % self.q_len + 1;
             p.clear();
             p.extend((0..seen).map(|t| {
                 let kr = &k[(t * self.kv_heads + kv) * d..][..d];
@@ -671,10 +716,43 @@ impl Layer {
             }));
             let max = p.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             p.iter_mut().for_each(|x| *x = (*x - max).exp());
+            f(row, &mut p);
+        }
+    }
+
+    /// The attention distribution of every scored query ([`weights`](Self::weights)
+    /// normalized), passed to `f` one at a time.
+    fn distributions(&self, q: &[f32], k: &[f32], mut f: impl FnMut(usize, &[f64])) {
+        self.weights(q, k, |row, p| {
             let sum: f64 = p.iter().sum();
             p.iter_mut().for_each(|x| *x /= sum);
-            f(row, &p);
-        }
+            f(row, p);
+        });
+    }
+
+    /// Attention as FP8 MMAs would compute it ([`fp8_mma`]): `q` already rounded to E4M3 per
+    /// row, `k` and `v` the E4M3 cache's values, each probability rounded to E4M3 before it
+    /// weighs V, the normalizer summing the unrounded ones.
+    fn attend_e4m3_mma(&self, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let d = self.head_dim;
+        let mut out = vec![0f32; q.len()];
+        let mut acc = vec![0f64; d];
+        self.weights(q, k, |row, p| {
+            let kv = self.kv_head_of(row);
+            acc.iter_mut().for_each(|a| *a = 0.0);
+            for (t, &w) in p.iter().enumerate() {
+                let w8 = fp8_mma::probability(w);
+                let vr = &v[(t * self.kv_heads + kv) * d..][..d];
+                acc.iter_mut()
+                    .zip(vr)
+                    .for_each(|(a, &x)| *a += w8 * f64::from(x));
+            }
+            let sum: f64 = p.iter().sum();
+            for (o, a) in out[row * d..][..d].iter_mut().zip(&acc) {
+                *o = (a / sum) as f32;
+            }
+        });
+        out
     }
 
     /// KL divergence and top-1 agreement of the scored queries' attention with keys `k`
@@ -828,7 +906,7 @@ impl Layer {
         reference: &Reference,
         block_size: usize,
     ) -> Result<ErrorSums, CliError> {
-        let [k, v, out] = match (pair.k, pair.v) {
+        let [k, v, mut out] = match (pair.k, pair.v) {
             (Storage::Cache(kf), Storage::Cache(vf)) => {
                 self.through_cache(q, &self.k, (kf, vf), pair.scales, block_size)?
             }
@@ -847,6 +925,16 @@ impl Layer {
                     "int4-uniform pairs only with itself (it is not a cache format), and only \
                      keys are rotated, per channel or outlier-aware",
                 ));
+            }
+        };
+        // The query the logits see: the kernels' (as given), or E4M3's.
+        let q_mma;
+        let q = match pair.operands {
+            Operands::Decoded => q,
+            Operands::E4m3 => {
+                q_mma = fp8_mma::quantize_rows(q, self.head_dim);
+                out = self.attend_e4m3_mma(&q_mma, &k, &v);
+                &q_mma
             }
         };
         let scored = self.rows(&self.scored);
@@ -923,6 +1011,10 @@ fn json_row(pair: &Pair, head_dim: usize, e: Option<&ErrorSums>, skipped: Option
         "k_format": pair.k.name(),
         "v_format": pair.v.name(),
         "fp8_scales": pair.scale_name(),
+        "mma_operands": match pair.operands {
+            Operands::Decoded => "decoded",
+            Operands::E4m3 => "e4m3",
+        },
         "bytes_per_element": pair.bytes_per_element(head_dim),
         "errors": errors,
         "skipped": skipped,
