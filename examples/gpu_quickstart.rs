@@ -105,6 +105,7 @@ fn run() -> kvq::Result<()> {
     let chunk_q = s.alloc_zeros::<kvq::half::f16>(max_tokens * heads * d)?;
     let mut chunk_out = s.alloc_zeros::<kvq::half::f16>(max_tokens * heads * d)?;
     let chunk_k = s.alloc_zeros::<kvq::half::f16>(max_tokens * kv_heads * d)?;
+    let chunk_v = s.alloc_zeros::<kvq::half::f16>(max_tokens * kv_heads * d)?;
 
     // A step that prefills a chunk of 100 prompt tokens of `seq`: append them, set the row
     // (its length includes them), put the step's offsets on the device, one launch.
@@ -114,7 +115,7 @@ fn run() -> kvq::Result<()> {
     step_slots.clear();
     r.extend_slots(&mut step_slots)?;
     let slots = s.clone_htod(&step_slots)?;
-    ops::append(&mut cache, &slots, &chunk_k, &chunk_k, n)?;
+    ops::append(&mut cache, &slots, &chunk_k, &chunk_v, n)?;
     tables.set_row(0, alloc.block_table(seq)?, alloc.len(seq)?)?;
     tables.upload()?;
     let qo = [0, n as u32]; // sequence b's new tokens are rows qo[b]..qo[b + 1]
