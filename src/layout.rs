@@ -53,7 +53,11 @@ pub struct CacheConfig {
 }
 
 impl CacheConfig {
-    /// A configuration, validated.
+    /// A configuration, validated for the formats and the CPU path, which take any block size
+    /// and every head_dim the formats allow. The GPU kernels take fewer: block sizes that are
+    /// multiples of 16, and the head dims `cuda::decode::kernel_available_for` and
+    /// `cuda::prefill::kernel_available_for` accept (feature `cuda`); a GPU plan refuses the
+    /// rest with an error. Check there before sizing a pool for the GPU.
     pub fn new(
         num_kv_heads: usize,
         head_dim: usize,

@@ -25,6 +25,11 @@ enum Side {
 
 /// Quantized K/V storage of one layer: a pool of `num_blocks` blocks plus the per-KV-head scales
 /// of FP8 (`s`) and FP4 (`g`) (1.0 until set; ignored by the other formats).
+///
+/// Set those scales ([`set_scales`](Self::set_scales), or
+/// [`calibrate_fp8_scales`](Self::calibrate_fp8_scales), which sets FP4's `g` too) before the
+/// first write: under 1.0 an FP8 side saturates at its largest finite value (448 for E4M3)
+/// and FP4 at 2688, as FORMATS.md's encoders do, without an error.
 #[derive(Debug, Clone)]
 pub struct HostCache {
     layout: BlockLayout,
