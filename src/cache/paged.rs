@@ -137,6 +137,15 @@ impl PagedKvCache {
         let c = self.config;
         // Fits: the validated layout holds num_kv_heads × head_dim codes per token.
         let row = c.num_kv_heads * c.head_dim;
+        if let Some(x) = k.iter().chain(v).find(|x| x.len() % row != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "per-layer k/v hold [n, num_kv_heads, head_dim] = [n, {}, {}]: {} elements are \
+                 not a whole number of tokens of {row}",
+                c.num_kv_heads,
+                c.head_dim,
+                x.len()
+            )));
+        }
         let n = k.first().map_or(0, |x| x.len() / row);
         for x in k.iter().chain(v) {
             if x.len() != n * row {
@@ -184,6 +193,23 @@ impl PagedKvCache {
 mod tests {
     use super::*;
     use crate::KvFormat;
+
+    #[test]
+    fn append_names_the_token_size_a_partial_token_misses() {
+        let c = CacheConfig::new(2, 64, 4, KvFormat::F16, KvFormat::F16).unwrap();
+        let mut p = PagedKvCache::new(c, 1, 8).unwrap();
+        let s = p.create_sequence();
+        let x = [1.0f32; 5];
+        let err = p.append(s, &[&x[..]], &[&x[..]]).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err:?}");
+        assert!(
+            text.contains("[n, 2, 64]") && text.contains("5 elements"),
+            "{text}"
+        );
+        assert!(text.contains("whole number of tokens of 128"), "{text}");
+        assert_eq!(p.len(s).unwrap(), 0);
+    }
 
     #[test]
     fn append_refuses_a_layer_of_another_block_size() {
