@@ -221,9 +221,9 @@ impl fmt::Display for DenseFormat {
 
 impl std::str::FromStr for DenseFormat {
     type Err = Error;
-    /// `int4-uniform`, or a [`KvFormat`] name that has a dense format.
+    /// `int4-uniform`, or a [`KvFormat`] name that has a dense format, in any case.
     fn from_str(name: &str) -> Result<Self> {
-        if name == Self::UNIFORM_NAME {
+        if name.eq_ignore_ascii_case(Self::UNIFORM_NAME) {
             return Ok(DenseFormat::Int4Uniform);
         }
         name.parse::<KvFormat>()

@@ -36,23 +36,26 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum KvFormat {
-    /// IEEE binary16, stored as is.
+    /// `f16`: IEEE binary16, stored as is.
     F16 = 0,
-    /// bfloat16, stored as is.
+    /// `bf16`: bfloat16, stored as is.
     Bf16 = 1,
-    /// FP8 E4M3 with an f32 scale per KV head (or one per tensor).
+    /// `fp8-e4m3`: FP8 E4M3 with an f32 scale per KV head (or one per tensor).
     Fp8E4m3 = 2,
-    /// FP8 E5M2 with an f32 scale per KV head (or one per tensor).
+    /// `fp8-e5m2`: FP8 E5M2 with an f32 scale per KV head (or one per tensor).
     Fp8E5m2 = 3,
-    /// INT4, symmetric, groups of 32 along head_dim, f16 scale per group (the key format).
+    /// `int4-k32`: INT4, symmetric, groups of 32 along head_dim, f16 scale per group (the key
+    /// format).
     Int4Sym32 = 4,
-    /// INT4, affine, groups of 64 along head_dim, f16 scale + f16 zero per group (the value format).
+    /// `int4-v64`: INT4, affine, groups of 64 along head_dim, f16 scale + f16 zero per group (the
+    /// value format).
     Int4Affine64 = 5,
-    /// INT8, symmetric, one f32 scale per row (token and KV head).
+    /// `int8-pth`: INT8, symmetric, one f32 scale per row (token and KV head).
     Int8Pth = 6,
-    /// FP4 E2M1, an E4M3 block scale per 16 elements, an f32 global scale per KV head.
+    /// `fp4-e2m1`: FP4 E2M1, an E4M3 block scale per 16 elements, an f32 global scale per KV
+    /// head.
     Fp4E2m1 = 7,
-    /// Keys only: INT4 per channel over a block's tokens (KIVI-style, affine, f16 `s` and `z`
+    /// `int4-kc`, keys only: INT4 per channel over a block's tokens (KIVI-style, affine, f16 `s` and `z`
     /// per (block, KV head, channel)); block sizes 16, 32, 64. A block keeps its tokens as f16
     /// until it is full, then is quantized in place ([`block_groups`](Self::block_groups)).
     Int4Kc = 8,
@@ -81,11 +84,11 @@ impl KvFormat {
         self.spec().name
     }
 
-    /// Parse a [`name`](Self::name).
+    /// Parse a [`name`](Self::name), in any case (`FP8-E4M3` is `fp8-e4m3`).
     pub fn from_name(name: &str) -> Result<Self> {
         SPECS
             .iter()
-            .find(|s| s.name == name)
+            .find(|s| s.name.eq_ignore_ascii_case(name))
             .map(|s| s.format)
             .ok_or_else(|| {
                 let known: Vec<_> = SPECS.iter().map(|s| s.name).collect();
@@ -520,8 +523,13 @@ mod tests {
     fn names_round_trip() {
         for f in KvFormat::ALL {
             assert_eq!(KvFormat::from_name(f.name()).unwrap(), f);
+            assert_eq!(f.name().to_uppercase().parse::<KvFormat>().unwrap(), f);
         }
         assert!(KvFormat::from_name("int3").is_err());
+        assert_eq!(
+            "INT4-Uniform".parse::<crate::dense::DenseFormat>().unwrap(),
+            crate::dense::DenseFormat::Int4Uniform
+        );
     }
 
     #[test]
