@@ -87,7 +87,8 @@ enum Command {
         per_head: bool,
         /// Input safetensors file.
         input: PathBuf,
-        /// Output safetensors file (NAME.codes, NAME.scales, NAME.zeros).
+        /// Output safetensors file: NAME.codes and the format's NAME.scales, NAME.zeros,
+        /// NAME.global_scales (layout in kvq::dense, docs/FORMATS.md).
         output: PathBuf,
     },
     /// Turn a file written by `kvq quantize` back into F32 tensors.
@@ -98,7 +99,9 @@ enum Command {
         output: PathBuf,
     },
     /// Compare K/V format pairs on q.L, k.L, v.L tensors ([tokens, heads, head_dim]), or on
-    /// synthetic ones.
+    /// synthetic ones: every pair of docs/ACCURACY.md's tables (f16 down to int4-uniform: the
+    /// cache formats, mixed K / V pairs, FP8 per tensor and per head, and the CPU-only
+    /// references), one row each.
     Eval(eval::EvalArgs),
     /// Per-layer, per-KV-head FP8 scales from a K/V dump (k.L, v.L: [tokens, kv_heads,
     /// head_dim]), by amax or a percentile of |x|: k_scale.L and v_scale.L, F32 [kv_heads].
@@ -166,7 +169,7 @@ enum FileFormat {
 impl FileFormat {
     /// A [`DenseFormat`] name or `int4-kc`.
     fn from_name(name: &str) -> Result<Self, CliError> {
-        if name == int4_kc::NAME {
+        if name.eq_ignore_ascii_case(int4_kc::NAME) {
             return Ok(FileFormat::Int4Kc);
         }
         DenseFormat::from_name(name)

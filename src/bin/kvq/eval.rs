@@ -98,10 +98,10 @@ pub struct EvalArgs {
     scales: Option<PathBuf>,
     /// Per layer, pick the cheapest K/V pair (bytes per element) whose attention relative error
     /// is at most E, among the pairs the GPU decode kernels serve (FP8 scales per head).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, allow_negative_numbers = true, value_name = "E")]
     budget: Option<f64>,
     /// With --budget: write the per-layer plan to FILE as JSON.
-    #[arg(long, requires = "budget")]
+    #[arg(long, requires = "budget", value_name = "FILE")]
     plan_out: Option<PathBuf>,
     /// Also score int4-k32 keys rotated by a normalized Walsh-Hadamard transform over head_dim
     /// (queries alike, so the logits do not change), with int4-v64 values, as its own row
