@@ -18,6 +18,60 @@
 //! draws bench charts.
 //! The format definitions are normative and bit-exact: `docs/FORMATS.md`. The GPU figures and
 //! how they were measured: `docs/PERFORMANCE.md`.
+//!
+//! ## A step on the CPU
+//!
+//! The CPU path is the GPU's oracle and needs nothing but cargo: a cache, appends, a ragged
+//! prefill and a decode step (the same code is in the README; the GPU path, README "Using the
+//! GPU path", takes the same tables).
+//!
+//! ```
+//! use kvq::cache::PagedKvCache;
+//! use kvq::cpu::{self, Accum, AttentionOptions, DecodeShape};
+//! use kvq::{CacheConfig, KvFormat, ScaleGranularity};
+//!
+//! // One layer of a Llama-like model: 32 query heads over 8 KV heads of 128, blocks of 16
+//! // tokens, FP8 keys and INT4 values, a pool of 64 blocks.
+//! let (q_heads, kv_heads, d) = (32, 8, 128);
+//! let config = CacheConfig::new(kv_heads, d, 16, KvFormat::Fp8E4m3, KvFormat::Int4Affine64)?;
+//! let mut cache = PagedKvCache::new(config, 1, 64)?;
+//! let values = |n: usize, seed: f32| -> Vec<f32> {
+//!     (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect()
+//! };
+//!
+//! // Two prompts of 20 and 7 tokens; K and V are [tokens, kv_heads, d] per layer. FP8's scales
+//! // per KV head are set before the first write (under 1.0 it would saturate at 448).
+//! let row = kv_heads * d;
+//! let (k, v) = (values(27 * row, 0.0), values(27 * row, 1.0));
+//! cache.layers_mut()[0].calibrate_fp8_scales(&k, &v, ScaleGranularity::PerHead)?;
+//! let (a, b) = (cache.create_sequence(), cache.create_sequence());
+//! cache.append(a, &[&k[..20 * row]], &[&v[..20 * row]])?;
+//! cache.append(b, &[&k[20 * row..]], &[&v[20 * row..]])?;
+//!
+//! // Prefill: each prompt token attends causally to its sequence in the cache. q is
+//! // [tokens, q_heads, d]; sequence i owns rows qo[i]..qo[i + 1]. Tables and lengths come from
+//! // the allocator that reserved the slots.
+//! let tables = cache.block_tables(&[a, b])?;
+//! let qo = [0u32, 20, 27];
+//! let q = values(27 * q_heads * d, 2.0);
+//! let opts = AttentionOptions::new(d);
+//! let layer = &cache.layers()[0];
+//! let prefill =
+//!     cpu::prefill_attention(layer, &tables, &qo, &q, q_heads, &opts, None, None, Accum::F64)?;
+//! assert_eq!(prefill.out.len(), q.len());
+//!
+//! // Decode: append each sequence's next token, then one query per sequence,
+//! // q [batch, q_heads, q_len, d].
+//! for s in [a, b] {
+//!     cache.append(s, &[&values(row, 3.0)], &[&values(row, 4.0)])?;
+//! }
+//! let tables = cache.block_tables(&[a, b])?;
+//! let q = values(2 * q_heads * d, 5.0);
+//! let shape = DecodeShape::new(q_heads, 1, d);
+//! let decode = cpu::decode_attention(&cache.layers()[0], &tables, &q, &shape, Accum::F64)?;
+//! assert_eq!(decode.lse.len(), 2 * q_heads);
+//! # Ok::<(), kvq::Error>(())
+//! ```
 
 // Every unsafe operation sits in its own `unsafe` block with a `// SAFETY:` line, also inside
 // `unsafe fn`s (whose bodies would otherwise be one implicit unsafe block).
