@@ -1169,13 +1169,15 @@ constexpr int kWsRawSlots = kWsRawAhead + 1;
 __host__ __device__ inline int ws_operands_bytes(int r) {
   return r * kWsD * 2 + ws_stages(r) * 2 * kTokens * kWsD * 2;
 }
-/// Quantized sides: their staging areas' bytes (the zero row follows them).
-__host__ __device__ inline int ws_staging_bytes(const Side &k, const Side &v) {
-  return kWsRawSlots * (stage_bytes(k) + stage_bytes(v));
+/// The staging areas' bytes after the operand tiles: kWsRawSlots steps of raw rows for
+/// quantized sides (`quant`: the kernel's QUANT, the sides' !direct), none for 16-bit ones. The
+/// zero row follows them.
+__host__ __device__ inline int ws_staging_bytes(const Side &k, const Side &v, bool quant) {
+  return quant ? kWsRawSlots * (stage_bytes(k) + stage_bytes(v)) : 0;
 }
 __host__ __device__ inline int ws_smem_bytes(const Side &k, const Side &v, int r) {
-  const int raw = k.direct ? 0 : ws_staging_bytes(k, v) + kZeroRow;
-  return ws_operands_bytes(r) + raw + 1024;
+  const bool quant = !k.direct;
+  return ws_operands_bytes(r) + ws_staging_bytes(k, v, quant) + (quant ? kZeroRow : 0) + 1024;
 }
 /// Whether the warp-specialized kernel serves a pair of sides at tiles of r rows: both 16-bit
 /// (one operand type), or at wide tiles both quantized (f16 operands); int4-kc keys and mixed
@@ -1233,7 +1235,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   }
   load_q<D, R, true, kThreads>(p, job, qs);
   // Quantized sides: the zero row after the staging areas, stored before the barrier below.
-  uint8_t *const zero_row = smem + ws_operands_bytes(R) + (QUANT ? ws_staging_bytes(p.k, p.v) : 0);
+  uint8_t *const zero_row = smem + ws_operands_bytes(R) + ws_staging_bytes(p.k, p.v, QUANT);
   if (QUANT && tid < kZeroRow / 16)
     reinterpret_cast<uint4 *>(zero_row)[tid] = make_uint4(0, 0, 0, 0);
   cp_async_wait<0>();
