@@ -13,8 +13,9 @@ use crate::layout::MAX_BLOCK_SIZE;
 ///   read them.
 /// - `context_lens[b]` is sequence `b`'s length in tokens, including any new tokens that were
 ///   just appended and are being decoded. Nothing in the cache records which slots were
-///   written, so a length beyond the tokens appended is read as it stands: the host cache's
-///   poison bytes, or a freed block's stale tokens on the GPU. Take lengths and rows from the
+///   written, so a length beyond the tokens appended is read as it stands: the pool's poison
+///   bytes where nothing was written (host and device pools alike), or a freed block's stale
+///   tokens. Take lengths and rows from the
 ///   [`BlockAllocator`](crate::cache::BlockAllocator) that reserved the slots
 ///   (`block_tables`, or `block_table` and `len` per row).
 /// - `max_blocks >= 1`, so the table is never an empty array.
