@@ -556,6 +556,7 @@ fn eval_reports_every_pair() {
         "| fp8-e4m3 / fp8-e4m3 (tensor) |",
         "| fp8-e4m3 / fp8-e4m3 (head) |",
         "| fp8-e4m3 / fp8-e4m3 (head, e4m3 MMAs) |",
+        "| fp4-e2m1 / fp4-e2m1 (head, e4m3 MMAs) |",
         "| int4-k32 / int4-v64 | 0.5625 |",
         "| int4-k32 / fp8-e4m3 (head) |",
         "| fp8-e4m3 / int4-v64 (head) |",
@@ -645,7 +646,7 @@ fn eval_json_held_out_calibration_and_positions() {
     assert_eq!(held["tokens"], 32);
     assert_eq!(held["q_heads"], 4);
     assert_eq!(held["kv_heads"], 2);
-    assert_eq!(held["pairs"].as_array().unwrap().len(), 16);
+    assert_eq!(held["pairs"].as_array().unwrap().len(), 17);
     assert!(held.get("per_layer").is_none());
     for p in held["pairs"].as_array().unwrap() {
         assert!(p["skipped"].is_null() && p["errors"].is_object(), "{p}");
@@ -691,7 +692,7 @@ fn eval_json_held_out_calibration_and_positions() {
     // Every scored position: the held-out half, or every token.
     let every = eval_json(&["eval", file, "--json", "--positions", "all", "--per-layer"]);
     assert_eq!(every["query_positions"], 16);
-    assert_eq!(every["per_layer"].as_array().unwrap().len(), 16);
+    assert_eq!(every["per_layer"].as_array().unwrap().len(), 17);
     assert_eq!(every["per_layer"][0]["layer"], 0);
     assert_eq!(pair(&every, "f16 / f16")["errors"]["attn_rel_err"], 0.0);
     let every_all = eval_json(&[
@@ -1278,7 +1279,7 @@ fn eval_hadamard_rotation_row() {
         attn("int4-k32 (hadamard) / int4-v64") < attn("int4-k32 / int4-v64"),
         "{doc}"
     );
-    assert_eq!(doc["pairs"].as_array().unwrap().len(), 17);
+    assert_eq!(doc["pairs"].as_array().unwrap().len(), 18);
 
     let dir = scratch("eval-hadamard");
     let input = dir.join("d96.st");

@@ -35,9 +35,9 @@
 //! `--keep-channels K`, default 4) are CPU references too: the keys are dequantized and attended
 //! with `attention_dense`, the values go through the cache as in the `int4-kc` rows.
 //!
-//! The `(e4m3 MMAs)` row attends an E4M3 cache as FP8 tensor cores would (fp8_mma.rs): the
-//! query rounded to E4M3 per row and the probabilities to E4M3 before they weigh V. It prices a
-//! kernel mode that does not exist yet; the other rows are the kernels' arithmetic.
+//! The `(e4m3 MMAs)` rows attend an E4M3 or FP4 cache as FP8 tensor cores would (fp8_mma.rs):
+//! the query rounded to E4M3 per row and the probabilities to E4M3 before they weigh V. They
+//! price a kernel mode that does not exist yet; the other rows are the kernels' arithmetic.
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -293,7 +293,8 @@ enum Operands {
     /// Codes decoded to f16 / bf16, with an f16 / bf16 query: the kernels' arithmetic, whose
     /// rounding does not show beside the cache's (the CPU reference sums in f64).
     Decoded,
-    /// E4M3 on both sides, as FP8 tensor cores take them: the cache's E4M3 codes as stored, the
+    /// E4M3 on both sides, as FP8 tensor cores take them: the cache's codes as stored (E4M3, or
+    /// E2M1 codes, which are E4M3 values, under group scales applied around the MMAs), the
     /// query and the probabilities rounded to E4M3 ([`fp8_mma`]). No kernel runs this yet.
     E4m3,
 }
@@ -318,12 +319,13 @@ impl Pair {
         }
     }
 
-    /// An E4M3 cache on both sides attended with E4M3 MMA operands.
-    const fn e4m3_mma(scales: Scales) -> Self {
-        let fp8 = Storage::Cache(KvFormat::Fp8E4m3);
+    /// A cache of `format` on both sides (its codes E4M3 values: fp8-e4m3, fp4-e2m1) attended
+    /// with E4M3 MMA operands.
+    const fn e4m3_mma(format: KvFormat, scales: Scales) -> Self {
+        let side = Storage::Cache(format);
         Pair {
-            k: fp8,
-            v: fp8,
+            k: side,
+            v: side,
             scales,
             operands: Operands::E4m3,
         }
@@ -359,7 +361,7 @@ impl Pair {
 }
 
 /// The pairs in the table, from full precision down.
-const PAIRS: [Pair; 16] = {
+const PAIRS: [Pair; 17] = {
     use KvFormat::*;
     use Scales::{Head, Tensor};
     use Storage::{Cache as C, KeepOutliers as KO, KeysPerChannel as KC, Uniform as U};
@@ -368,7 +370,7 @@ const PAIRS: [Pair; 16] = {
         Pair::new(C(Bf16), C(Bf16), Tensor),
         Pair::new(C(Fp8E4m3), C(Fp8E4m3), Tensor),
         Pair::new(C(Fp8E4m3), C(Fp8E4m3), Head),
-        Pair::e4m3_mma(Head),
+        Pair::e4m3_mma(Fp8E4m3, Head),
         Pair::new(C(Fp8E5m2), C(Fp8E5m2), Head),
         Pair::new(C(Int4Sym32), C(Int4Affine64), Tensor),
         Pair::new(C(Int4Sym32), C(Fp8E4m3), Head),
@@ -381,6 +383,7 @@ const PAIRS: [Pair; 16] = {
         Pair::new(C(Fp8E4m3), C(Int4Affine64), Head),
         Pair::new(C(Int8Pth), C(Int8Pth), Tensor),
         Pair::new(C(Fp4E2m1), C(Fp4E2m1), Head),
+        Pair::e4m3_mma(Fp4E2m1, Head),
         Pair::new(U, U, Tensor),
     ]
 };
