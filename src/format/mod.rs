@@ -55,9 +55,9 @@ pub enum KvFormat {
     /// `fp4-e2m1`: FP4 E2M1, an E4M3 block scale per 16 elements, an f32 global scale per KV
     /// head.
     Fp4E2m1 = 7,
-    /// `int4-kc`, keys only: INT4 per channel over a block's tokens (KIVI-style, affine, f16 `s` and `z`
-    /// per (block, KV head, channel)); block sizes 16, 32, 64. A block keeps its tokens as f16
-    /// until it is full, then is quantized in place ([`block_groups`](Self::block_groups)).
+    /// `int4-kc`, keys only: INT4 per channel over a block's tokens (KIVI-style, affine, f16 `s`
+    /// and `z` per (block, KV head, channel)); block sizes 16, 32, 64. A block keeps its tokens
+    /// as f16 until it is full, then is quantized in place ([`block_groups`](Self::block_groups)).
     Int4Kc = 8,
 }
 

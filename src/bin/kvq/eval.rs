@@ -734,8 +734,8 @@ impl Layer {
     }
 
     /// Attention as FP8 MMAs would compute it ([`fp8_mma`]): `q` already rounded to E4M3 per
-    /// row, `k` and `v` the E4M3 cache's values, each probability rounded to E4M3 before it
-    /// weighs V, the normalizer summing the unrounded ones.
+    /// row, `k` and `v` the cache's values, each probability rounded to E4M3 before it weighs
+    /// V, the normalizer summing the unrounded ones.
     fn attend_e4m3_mma(&self, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
         let d = self.head_dim;
         let mut out = vec![0f32; q.len()];
