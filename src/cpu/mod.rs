@@ -476,9 +476,14 @@ fn check_query(
             lhs: context_lens.len(),
             rhs: per_seq,
         })?;
+    check_q_values(q, expected, "q ([batch, num_q_heads, q_len, head_dim])")
+}
+
+/// `q` holds `expected` elements (laid out as `layout` says), all finite.
+pub(crate) fn check_q_values(q: &[f32], expected: usize, layout: &'static str) -> Result<()> {
     if q.len() != expected {
         return Err(Error::Length {
-            what: "q ([batch, num_q_heads, q_len, head_dim])",
+            what: layout,
             expected,
             actual: q.len(),
         });

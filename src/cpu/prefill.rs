@@ -5,7 +5,7 @@
 use super::kernel::{Acc, GroupShape, Scratch, attend_group};
 use super::{
     Accum, AttentionOptions, AttentionOutput, HeadTerms, PagedRows, check_heads, check_output,
-    execute, threads,
+    check_q_values, execute, threads,
 };
 use crate::cache::{BlockTables, HostCache};
 use crate::error::{Error, Result, reserved};
@@ -71,20 +71,7 @@ pub fn prefill_attention(
             rhs: n,
         })?;
     }
-    if q.len() != expected {
-        return Err(Error::Length {
-            what: "q ([total_tokens, num_q_heads, head_dim])",
-            expected,
-            actual: q.len(),
-        });
-    }
-    let bad = q.iter().filter(|x| !x.is_finite()).count() as u64;
-    if bad > 0 {
-        return Err(Error::NonFinite {
-            what: "q",
-            count: bad,
-        });
-    }
+    check_q_values(q, expected, "q ([total_tokens, num_q_heads, head_dim])")?;
     let p = Prefill {
         cache,
         tables,
