@@ -689,6 +689,28 @@ fn eval_json_held_out_calibration_and_positions() {
         "{all}"
     );
 
+    // --only keeps the rows whose label contains a text, in any case; none is an error.
+    let only = eval_json(&["eval", file, "--json", "--only", "E4M3 MMAs,bf16"]);
+    let labels: Vec<&str> = only["pairs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["label"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            "bf16 / bf16",
+            "fp8-e4m3 / fp8-e4m3 (head, e4m3 MMAs)",
+            "fp4-e2m1 / fp4-e2m1 (head, e4m3 MMAs)"
+        ]
+    );
+    assert_fails(
+        &["eval", file, "--only", "int9"],
+        &dir.join("none"),
+        "--only int9: no row",
+    );
+
     // Every scored position: the held-out half, or every token.
     let every = eval_json(&["eval", file, "--json", "--positions", "all", "--per-layer"]);
     assert_eq!(every["query_positions"], 16);

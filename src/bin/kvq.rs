@@ -13,7 +13,8 @@
 //!   (`--kc-group G`), `int3` / `int2 + topK f16` rows score per-token INT3 / INT2 keys with
 //!   each head's K largest channels in f16 (`--keep-channels K`), `--outliers N:SCALE[:OFFSET]`
 //!   sets the synthetic keys' outlier channels; the `(e4m3 MMAs)` rows price FP8 tensor-core
-//!   operands (the query and the probabilities rounded to E4M3) on an E4M3 and an FP4 cache.
+//!   operands (the query and the probabilities rounded to E4M3) on an E4M3 and an FP4 cache;
+//!   `--only TEXT[,TEXT]` scores only the rows whose label contains one of them.
 //! - `kvq calibrate [--format e4m3|e5m2] [--method amax|percentile] [--percentile P] IN OUT`:
 //!   per-layer, per-KV-head FP8 scales of the keys and values `k.L`, `v.L` of `IN`
 //!   (`--key-pattern` / `--value-pattern` map other names): `OUT` holds `k_scale.L` and

@@ -123,6 +123,10 @@ pub struct EvalArgs {
     /// head_dim; 0 quantizes whole rows).
     #[arg(long, default_value_t = 4)]
     keep_channels: usize,
+    /// Score only the rows whose label contains one of these (case-insensitive, comma
+    /// separated; e.g. `--only fp8,int4-k32` or `--only "e4m3 mmas"`). Default: every row.
+    #[arg(long, value_delimiter = ',', value_name = "TEXT")]
+    only: Vec<String>,
 }
 
 /// The synthetic keys' outlier channels (`--outliers N:SCALE[:OFFSET]`).
@@ -1191,6 +1195,21 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             .map_or(pairs.len(), |i| i + 1);
         let rotated = Pair::new(Storage::Hadamard(k), Storage::Cache(v), Scales::Tensor);
         pairs.insert(at, rotated);
+    }
+    if !args.only.is_empty() {
+        let wanted: Vec<String> = args.only.iter().map(|t| t.to_lowercase()).collect();
+        let labels: Vec<String> = pairs.iter().map(Pair::label).collect();
+        pairs.retain(|p| {
+            let label = p.label().to_lowercase();
+            wanted.iter().any(|t| label.contains(t.as_str()))
+        });
+        if pairs.is_empty() {
+            return Err(CliError::new(format!(
+                "--only {}: no row's label contains it (rows: {})",
+                args.only.join(","),
+                labels.join("; ")
+            )));
+        }
     }
     let candidates: Vec<Pair> = match budget {
         Some(_) => plan_candidates()
