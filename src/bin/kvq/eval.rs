@@ -44,7 +44,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
-use kvq::cache::{BlockAllocator, HostCache};
+use kvq::cache::{BlockAllocator, BlockTables, HostCache};
 use kvq::calibrate::LayerScales;
 use kvq::cpu::{self, Accum, DecodeShape, DenseKv};
 use kvq::dense::DenseFormat;
@@ -793,17 +793,17 @@ impl Layer {
         Ok(cpu::attention_dense(q, kv, &self.shape(), Accum::F64)?.out)
     }
 
-    /// K, V and attention output through a paged cache of `k_format` / `v_format`, with FP8
-    /// scales from the calibration tokens only, or from the --scales file. `k` is the layer's
-    /// keys, or the rotated keys of `--hadamard` (with `q` rotated alike).
-    fn through_cache(
+    /// The layer's K (`k`: the layer's keys, or the rotated keys of `--hadamard`) and V stored in
+    /// a paged cache of `k_format` / `v_format`, with FP8 scales from the calibration tokens
+    /// only, or from the --scales file: the cache, its one sequence's tables, and K and V read
+    /// back.
+    fn store(
         &self,
-        q: &[f32],
         k: &[f32],
         (k_format, v_format): (KvFormat, KvFormat),
         scales: Scales,
         block_size: usize,
-    ) -> Result<[Vec<f32>; 3], CliError> {
+    ) -> Result<(HostCache, BlockTables, [Vec<f32>; 2]), CliError> {
         let config =
             CacheConfig::new(self.kv_heads, self.head_dim, block_size, k_format, v_format)?;
         let blocks = self.tokens.div_ceil(block_size);
@@ -827,6 +827,20 @@ impl Layer {
         let tables = allocator.block_tables(&[seq])?;
         let (mut k, mut v) = (vec![0f32; k.len()], vec![0f32; self.v.len()]);
         cache.gather(tables.row(0), self.tokens, &mut k, &mut v)?;
+        Ok((cache, tables, [k, v]))
+    }
+
+    /// K, V and attention output through a paged cache ([`store`](Self::store)); `q` is rotated
+    /// alike where `k` is.
+    fn through_cache(
+        &self,
+        q: &[f32],
+        k: &[f32],
+        formats: (KvFormat, KvFormat),
+        scales: Scales,
+        block_size: usize,
+    ) -> Result<[Vec<f32>; 3], CliError> {
+        let (cache, tables, [k, v]) = self.store(k, formats, scales, block_size)?;
         let out = cpu::decode_attention(&cache, &tables, q, &self.shape(), Accum::F64)?.out;
         Ok([k, v, out])
     }
@@ -866,8 +880,8 @@ impl Layer {
 
     /// Keys through `int4-kc` with groups of `group` tokens as a paged cache of that block size
     /// would hold them (f16 first, full groups quantized per channel, an unfilled tail f16),
-    /// values through a paged cache of `v_format` (with f16 keys, whose output is not used:
-    /// V's scales and values are then exactly those of the other rows), attended densely.
+    /// values through a paged cache of `v_format` (stored beside f16 keys: V's scales and values
+    /// are then exactly those of the other rows), attended densely.
     fn through_kc(
         &self,
         q: &[f32],
@@ -879,7 +893,7 @@ impl Layer {
         let shape = KcShape::new(self.tokens, self.kv_heads, self.head_dim, group)?;
         let k = int4_kc::quantize(&self.k, shape, int4_kc::Mode::Paged)?.dequantize()?;
         let formats = (KvFormat::F16, v_format);
-        let [_, v, _] = self.through_cache(q, &self.k, formats, scales, block_size)?;
+        let (_, _, [_, v]) = self.store(&self.k, formats, scales, block_size)?;
         let out = self.attend_dense(q, &k, &v)?;
         Ok([k, v, out])
     }
@@ -899,7 +913,7 @@ impl Layer {
         let keys = OutlierKeys::calibrate(calib, self.kv_heads, self.head_dim, bits, keep)?;
         let k = keys.round_trip(&self.k)?;
         let formats = (KvFormat::F16, v_format);
-        let [_, v, _] = self.through_cache(q, &self.k, formats, scales, block_size)?;
+        let (_, _, [_, v]) = self.store(&self.k, formats, scales, block_size)?;
         let out = self.attend_dense(q, &k, &v)?;
         Ok([k, v, out])
     }
@@ -913,10 +927,18 @@ impl Layer {
         reference: &Reference,
         block_size: usize,
     ) -> Result<ErrorSums, CliError> {
-        let [k, v, mut out] = match (pair.k, pair.v) {
-            (Storage::Cache(kf), Storage::Cache(vf)) => {
-                self.through_cache(q, &self.k, (kf, vf), pair.scales, block_size)?
-            }
+        // The query the logits see: the kernels' (as given), or E4M3's.
+        let q_mma =
+            (pair.operands == Operands::E4m3).then(|| fp8_mma::quantize_rows(q, self.head_dim));
+        let [k, v, out] = match (pair.k, pair.v) {
+            (Storage::Cache(kf), Storage::Cache(vf)) => match &q_mma {
+                None => self.through_cache(q, &self.k, (kf, vf), pair.scales, block_size)?,
+                Some(q_mma) => {
+                    let (_, _, [k, v]) = self.store(&self.k, (kf, vf), pair.scales, block_size)?;
+                    let out = self.attend_e4m3_mma(q_mma, &k, &v);
+                    [k, v, out]
+                }
+            },
             (Storage::Hadamard(kf), Storage::Cache(vf)) => {
                 self.through_rotated(q, (kf, vf), pair.scales, block_size)?
             }
@@ -934,16 +956,7 @@ impl Layer {
                 ));
             }
         };
-        // The query the logits see: the kernels' (as given), or E4M3's.
-        let q_mma;
-        let q = match pair.operands {
-            Operands::Decoded => q,
-            Operands::E4m3 => {
-                q_mma = fp8_mma::quantize_rows(q, self.head_dim);
-                out = self.attend_e4m3_mma(&q_mma, &k, &v);
-                &q_mma
-            }
-        };
+        let q = q_mma.as_deref().unwrap_or(q);
         let scored = self.rows(&self.scored);
         // Rotated keys come back rotated back, so the logits are the original q's with them.
         Ok(ErrorSums {

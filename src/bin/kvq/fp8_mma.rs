@@ -17,7 +17,7 @@
 //! it in f32 (reported for H800 GEMMs), a relative error near 2^-14 that the E4M3 rounding of
 //! the query (2^-4 per element) dwarfs.
 
-use kvq::format::Fp8Kind;
+use kvq::format::{Fp8Kind, sanitized_amax};
 
 /// The factor on a probability before its E4M3 rounding (FlashAttention-3's FP8 offset).
 const P_OFFSET: f64 = 256.0;
@@ -32,8 +32,7 @@ fn e4m3_round_trip(x: f32, scale: f32) -> f32 {
 pub fn quantize_rows(q: &[f32], head_dim: usize) -> Vec<f32> {
     q.chunks_exact(head_dim)
         .flat_map(|row| {
-            let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let scale = Fp8Kind::E4M3.scale_from_amax(amax);
+            let scale = Fp8Kind::E4M3.scale_from_amax(sanitized_amax(row));
             row.iter().map(move |&x| e4m3_round_trip(x, scale))
         })
         .collect()
