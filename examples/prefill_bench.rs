@@ -129,7 +129,7 @@ fn measure(
         ceiling,
         iters,
         splits,
-        ..
+        route_q_len,
     } = *opts;
     let s = gpu.stream().clone();
     let config = CacheConfig::new(KV_HEADS, D, BLOCK, k, v)?;
@@ -187,9 +187,7 @@ fn measure(
         max_len,
     )?
     .with_num_splits(splits);
-    let route_q_len = opts
-        .route_q_len
-        .filter(|_| kvq::cuda::decode::kernel_available(k, v));
+    let route_q_len = route_q_len.filter(|_| kvq::cuda::decode::kernel_available(k, v));
     let plan = if shape.route || route_q_len.is_some() {
         let q_len = route_q_len.unwrap_or(1);
         let decode = kvq::cuda::DecodePlan::new(
