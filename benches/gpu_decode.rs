@@ -19,7 +19,9 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 use half::{bf16, f16};
 use kvq::cache::BlockTables;
-use kvq::cuda::decode::{DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables};
+use kvq::cuda::decode::{
+    DecodeCapacity, DecodeElement, DecodePlan, DecodeWorkspace, DeviceBlockTables,
+};
 use kvq::cuda::ops;
 use kvq::cuda::{DeviceCache, Gpu, bench, require_gpu_or_skip};
 use kvq::report::decode_bytes_to_read;
@@ -162,7 +164,17 @@ fn capture<T: BenchElem>(
     keep: &mut Vec<DecodeWorkspace>,
     launch: Option<(usize, usize)>,
 ) -> Option<(CudaGraph, DecodePlan)> {
-    let mut plan = DecodePlan::new(gpu, su.cache.layout(), batch, Q_HEADS, 1, len).expect("plan");
+    let mut plan = DecodePlan::new(
+        gpu,
+        su.cache.layout(),
+        DecodeCapacity {
+            max_batch: batch,
+            num_q_heads: Q_HEADS,
+            max_q_len: 1,
+            max_context_len: len,
+        },
+    )
+    .expect("plan");
     if let Some((w, n)) = launch {
         plan = plan.with_launch(w, n).ok()?;
     }

@@ -17,8 +17,8 @@
 use candle_core::{D, DType, Device, Tensor};
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
 use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
-use kvq::cuda::prefill::{PrefillPlan, PrefillWorkspace};
-use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache};
+use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillWorkspace};
+use kvq::cuda::{DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache};
 use kvq::{CacheConfig, KvFormat};
 
 const VOCAB: usize = 256;
@@ -256,15 +256,26 @@ fn run(steps: usize) -> Res<()> {
     let caches = (0..LAYERS)
         .map(|_| DeviceCache::new(&gpu, config, num_blocks))
         .collect::<kvq::Result<Vec<_>>>()?;
-    let plan = DecodePlan::new(&gpu, caches[0].layout(), BATCH, HEADS, 1, MAX_CTX)?;
+    let plan = DecodePlan::new(
+        &gpu,
+        caches[0].layout(),
+        DecodeCapacity {
+            max_batch: BATCH,
+            num_q_heads: HEADS,
+            max_q_len: 1,
+            max_context_len: MAX_CTX,
+        },
+    )?;
     let ws = DecodeWorkspace::new(&plan)?;
     let prefill = PrefillPlan::new(
         &gpu,
         caches[0].layout(),
-        BATCH,
-        MAX_PROMPT_TOKENS,
-        HEADS,
-        MAX_CTX,
+        PrefillCapacity {
+            max_batch: BATCH,
+            num_q_heads: HEADS,
+            max_tokens: MAX_PROMPT_TOKENS,
+            max_context_len: MAX_CTX,
+        },
     )?;
     let pws = PrefillWorkspace::new(&prefill)?;
     let tables = DeviceBlockTables::with_capacity(&caches[0], BATCH, MAX_CTX / BS)?;

@@ -22,8 +22,10 @@ use half::f16;
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
 use kvq::cpu::{Accum, AttentionOptions, DecodeShape, decode_attention, prefill_attention};
 use kvq::cuda::decode::{DecodeStep, RowStrides};
-use kvq::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
-use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops};
+use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
+use kvq::cuda::{
+    DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops,
+};
 use kvq::{CacheConfig, KvFormat, Result};
 use std::collections::HashSet;
 use std::time::Instant;
@@ -190,7 +192,16 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     e.tables.set_batch(CAPACITY)?;
 
     // Made once: the plan for the capacity, its workspace, the step's buffers, the graph.
-    let plan = DecodePlan::new(&gpu, e.dev.layout(), CAPACITY, HEADS, 1, MAX_CTX)?;
+    let plan = DecodePlan::new(
+        &gpu,
+        e.dev.layout(),
+        DecodeCapacity {
+            max_batch: CAPACITY,
+            num_q_heads: HEADS,
+            max_q_len: 1,
+            max_context_len: MAX_CTX,
+        },
+    )?;
     let mut ws = DecodeWorkspace::new(&plan)?;
     let rows = RowStrides::token_major(HEADS, 1, D);
     let q_host: Vec<f16> = (0..CAPACITY * HEADS * D)
@@ -227,10 +238,12 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     let pplan = PrefillPlan::new(
         &gpu,
         e.dev.layout(),
-        PREFILL_ROWS,
-        PREFILL_BUDGET,
-        HEADS,
-        MAX_CTX,
+        PrefillCapacity {
+            max_batch: PREFILL_ROWS,
+            num_q_heads: HEADS,
+            max_tokens: PREFILL_BUDGET,
+            max_context_len: MAX_CTX,
+        },
     )?;
     let mut pws = PrefillWorkspace::new(&pplan)?;
     let mut ptables = DeviceBlockTables::with_capacity(&e.dev, PREFILL_ROWS, MAX_CTX / BS)?;
@@ -677,7 +690,16 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         e.tables.upload()?;
         let via_graph = time(&mut || Ok(graph.launch()?))?;
         e.tables.set_batch(live)?;
-        let exact = DecodePlan::new(&gpu, e.dev.layout(), live, HEADS, 1, MAX_CTX)?;
+        let exact = DecodePlan::new(
+            &gpu,
+            e.dev.layout(),
+            DecodeCapacity {
+                max_batch: live,
+                num_q_heads: HEADS,
+                max_q_len: 1,
+                max_context_len: MAX_CTX,
+            },
+        )?;
         let mut ws2 = DecodeWorkspace::new(&exact)?;
         let via_exact = time(&mut || {
             exact.decode_step(

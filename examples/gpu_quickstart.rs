@@ -16,7 +16,9 @@ fn run() -> kvq::Result<()> {
     // README:begin
     use kvq::cache::BlockAllocator;
     use kvq::cuda::decode::{DecodeStep, RowStrides};
-    use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops};
+    use kvq::cuda::{
+        DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops,
+    };
     use kvq::{CacheConfig, KvFormat};
 
     // kvq's own stream here; Gpu::from_stream / Gpu::from_raw take the engine's.
@@ -35,17 +37,19 @@ fn run() -> kvq::Result<()> {
     let mut alloc = BlockAllocator::new(num_blocks, block)?; // one allocator for every layer
 
     // Once, for the capacity: the plan, its workspace and the block tables.
-    let (max_batch, max_q_len, max_context) = (64, 1, 8192);
+    let (max_batch, max_q_len, max_context_len) = (64, 1, 8192);
     let plan = DecodePlan::new(
         &gpu,
         cache.layout(),
-        max_batch,
-        heads,
-        max_q_len,
-        max_context,
+        DecodeCapacity {
+            max_batch,
+            num_q_heads: heads,
+            max_q_len,
+            max_context_len,
+        },
     )?;
     let mut ws = DecodeWorkspace::new(&plan)?;
-    let mut tables = DeviceBlockTables::with_capacity(&cache, max_batch, max_context / block)?;
+    let mut tables = DeviceBlockTables::with_capacity(&cache, max_batch, max_context_len / block)?;
     // The engine's tensors: K/V rows [tokens, kv_heads, d], q and out [tokens, heads, d].
     let k_new = s.alloc_zeros::<kvq::half::f16>(max_batch * kv_heads * d)?;
     let v_new = s.alloc_zeros::<kvq::half::f16>(max_batch * kv_heads * d)?;
@@ -86,7 +90,9 @@ fn run() -> kvq::Result<()> {
     println!("decoded one step: {} output values", out.len());
 
     // README:prefill-begin
-    use kvq::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
+    use kvq::cuda::prefill::{
+        PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows,
+    };
 
     // Once: a plan for up to 64 sequences and 2048 new tokens per step (options as the model
     // needs them), and its workspace.
@@ -94,10 +100,12 @@ fn run() -> kvq::Result<()> {
     let pplan = PrefillPlan::new(
         &gpu,
         cache.layout(),
-        max_batch,
-        max_tokens,
-        heads,
-        max_context,
+        PrefillCapacity {
+            max_batch,
+            num_q_heads: heads,
+            max_tokens,
+            max_context_len,
+        },
     )?
     .with_window_left(None)? // Some(w): a sliding window of w + 1 positions
     .with_logits_soft_cap(None)?; // Some(c): c * tanh(logit / c)

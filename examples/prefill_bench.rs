@@ -19,7 +19,7 @@
 
 use kvq::cuda::bench::{self, EventTimer};
 use kvq::cuda::decode::DeviceBlockTables;
-use kvq::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
+use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
 use kvq::cuda::{DeviceCache, Gpu, ops};
 use kvq::{CacheConfig, KvFormat, Result};
 
@@ -181,10 +181,12 @@ fn measure(
     let plan = PrefillPlan::new(
         gpu,
         cache.layout(),
-        shape.seqs.len(),
-        total,
-        Q_HEADS,
-        max_len,
+        PrefillCapacity {
+            max_batch: shape.seqs.len(),
+            num_q_heads: Q_HEADS,
+            max_tokens: total,
+            max_context_len: max_len,
+        },
     )?
     .with_num_splits(splits);
     let route_q_len = route_q_len.filter(|_| kvq::cuda::decode::kernel_available(k, v));
@@ -193,10 +195,12 @@ fn measure(
         let decode = kvq::cuda::DecodePlan::new(
             gpu,
             cache.layout(),
-            shape.seqs.len(),
-            Q_HEADS,
-            q_len,
-            max_len,
+            kvq::cuda::DecodeCapacity {
+                max_batch: shape.seqs.len(),
+                num_q_heads: Q_HEADS,
+                max_q_len: q_len,
+                max_context_len: max_len,
+            },
         )?;
         plan.with_decode_rows(decode)?
     } else {

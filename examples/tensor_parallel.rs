@@ -13,7 +13,9 @@
 
 use half::f16;
 use kvq::cache::{BlockAllocator, HostCache};
-use kvq::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, is_available};
+use kvq::cuda::{
+    DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, is_available,
+};
 use kvq::{CacheConfig, KvFormat, Result};
 
 const KV_HEADS: usize = 8;
@@ -96,10 +98,12 @@ fn run(shards: usize) -> Result<()> {
     let plan = launch(DecodePlan::new(
         whole_gpu,
         whole.layout(),
-        BATCH,
-        KV_HEADS * GROUP,
-        1,
-        LEN,
+        DecodeCapacity {
+            max_batch: BATCH,
+            num_q_heads: KV_HEADS * GROUP,
+            max_q_len: 1,
+            max_context_len: LEN,
+        },
     )?)?;
     let mut ws = DecodeWorkspace::new(&plan)?;
     let dt = DeviceBlockTables::new(&whole, &tables)?;
@@ -134,10 +138,12 @@ fn run(shards: usize) -> Result<()> {
         let plan = launch(DecodePlan::new(
             &gpu,
             cache.layout(),
-            BATCH,
-            per * GROUP,
-            1,
-            LEN,
+            DecodeCapacity {
+                max_batch: BATCH,
+                num_q_heads: per * GROUP,
+                max_q_len: 1,
+                max_context_len: LEN,
+            },
         )?)?;
         let ws = DecodeWorkspace::new(&plan)?;
         let tables = DeviceBlockTables::new(&cache, &tables)?;

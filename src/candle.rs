@@ -6,7 +6,8 @@
 //! ```ignore
 //! let gpu = kvq::candle::gpu(&device)?;                  // candle's stream
 //! let mut cache = DeviceCache::new(&gpu, config, num_blocks)?;
-//! let plan = DecodePlan::new(&gpu, cache.layout(), max_batch, heads, 1, max_context)?;
+//! let cap = DecodeCapacity { max_batch, num_q_heads: heads, max_q_len: 1, max_context_len };
+//! let plan = DecodePlan::new(&gpu, cache.layout(), cap)?;
 //! // per step and layer, k / v / q from candle's projections ([tokens, heads, head_dim]):
 //! kvq::candle::append(&mut cache, &slots, &k, &v)?;
 //! let out = kvq::candle::decode(&plan, &mut ws, &cache, &tables, &q, 1, DType::F32)?;

@@ -24,8 +24,8 @@ use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{Accum, AttentionOptions, DecodeShape, decode_attention_with};
 use kvq::cuda::decode::{
-    DecodeElement, DecodePlan, DecodeStep, DecodeWorkspace, DeviceBlockTables, HEAD_DIMS,
-    RowStrides, WARPS, kernel_available, kernel_available_for,
+    DecodeCapacity, DecodeElement, DecodePlan, DecodeStep, DecodeWorkspace, DeviceBlockTables,
+    HEAD_DIMS, RowStrides, WARPS, kernel_available, kernel_available_for,
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
@@ -264,10 +264,12 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
     let mut plan = DecodePlan::new(
         gpu,
         dcache.layout(),
-        case.lens.len(),
-        heads,
-        case.q_len,
-        max_len,
+        DecodeCapacity {
+            max_batch: case.lens.len(),
+            num_q_heads: heads,
+            max_q_len: case.q_len,
+            max_context_len: max_len,
+        },
     )
     .and_then(|p| p.with_window_left(case.window))
     .and_then(|p| p.with_logits_soft_cap(case.cap))
@@ -919,26 +921,75 @@ fn unsupported_and_bad_arguments_are_errors() {
     let (i4k, i4v) = (KvFormat::Int4Sym32, KvFormat::Int4Affine64);
     let unsupported = |r: Result<DecodePlan, Error>| matches!(r, Err(Error::Unsupported(_)));
     let f16l = layout(KvFormat::F16, KvFormat::F16, 72, 16);
-    assert!(unsupported(DecodePlan::new(&gpu, &f16l, 1, 2, 1, 10)));
+    assert!(unsupported(DecodePlan::new(
+        &gpu,
+        &f16l,
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: 2,
+            max_q_len: 1,
+            max_context_len: 10
+        }
+    )));
     assert!(unsupported(DecodePlan::new(
         &gpu,
         &layout(i4k, i4v, 128, 8),
-        1,
-        2,
-        1,
-        10
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: 2,
+            max_q_len: 1,
+            max_context_len: 10
+        }
     )));
     assert!(unsupported(DecodePlan::new(
         &gpu,
         &layout(KvFormat::Fp8E5m2, KvFormat::F16, 128, 16),
-        1,
-        2,
-        1,
-        10
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: 2,
+            max_q_len: 1,
+            max_context_len: 10
+        }
     )));
-    assert!(DecodePlan::new(&gpu, &layout(i4k, i4v, 128, 16), 1, 3, 1, 10).is_err());
-    assert!(DecodePlan::new(&gpu, &layout(i4k, i4v, 128, 16), 1, 2, 4, 3).is_err());
-    assert!(DecodePlan::new(&gpu, &layout(i4k, i4v, 128, 16), 0, 2, 1, 10).is_err());
+    assert!(
+        DecodePlan::new(
+            &gpu,
+            &layout(i4k, i4v, 128, 16),
+            DecodeCapacity {
+                max_batch: 1,
+                num_q_heads: 3,
+                max_q_len: 1,
+                max_context_len: 10
+            }
+        )
+        .is_err()
+    );
+    assert!(
+        DecodePlan::new(
+            &gpu,
+            &layout(i4k, i4v, 128, 16),
+            DecodeCapacity {
+                max_batch: 1,
+                num_q_heads: 2,
+                max_q_len: 4,
+                max_context_len: 3
+            }
+        )
+        .is_err()
+    );
+    assert!(
+        DecodePlan::new(
+            &gpu,
+            &layout(i4k, i4v, 128, 16),
+            DecodeCapacity {
+                max_batch: 0,
+                num_q_heads: 2,
+                max_q_len: 1,
+                max_context_len: 10
+            }
+        )
+        .is_err()
+    );
 
     // A valid plan, then buffers and tables that do not fit it.
     let config = CacheConfig::new(2, 64, 16, KvFormat::Bf16, KvFormat::Bf16).unwrap();
@@ -946,7 +997,17 @@ fn unsupported_and_bad_arguments_are_errors() {
     let kv = vec![0.5f32; 20 * 2 * 64];
     host.write(&(0..20).collect::<Vec<_>>(), &kv, &kv).unwrap();
     let dcache = DeviceCache::from_host(&gpu, &host).unwrap();
-    let plan = DecodePlan::new(&gpu, dcache.layout(), 1, 4, 1, 64).unwrap();
+    let plan = DecodePlan::new(
+        &gpu,
+        dcache.layout(),
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: 4,
+            max_q_len: 1,
+            max_context_len: 64,
+        },
+    )
+    .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
     let tables = BlockTables::from_rows(&[&[0, 1]], &[20]).unwrap();
     let dt = DeviceBlockTables::new(&dcache, &tables).unwrap();
@@ -977,7 +1038,17 @@ fn unsupported_and_bad_arguments_are_errors() {
     ));
     let long = BlockTables::from_rows(&[&[0, 1, 2, 3]], &[64]).unwrap();
     let dt_long = DeviceBlockTables::new(&dcache, &long).unwrap();
-    let small = DecodePlan::new(&gpu, dcache.layout(), 1, 4, 1, 32).unwrap();
+    let small = DecodePlan::new(
+        &gpu,
+        dcache.layout(),
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: 4,
+            max_q_len: 1,
+            max_context_len: 32,
+        },
+    )
+    .unwrap();
     assert!(
         small
             .decode(&mut ws, &dcache, &dt_long, &q, &mut out, None)

@@ -21,7 +21,7 @@ use kvq::cpu::{Accum, DecodeShape, decode_attention};
 use kvq::cuda::decode::{DecodeStep, RawDecodeArgs, RowStrides};
 use kvq::cuda::ops::{self, DeviceElement, Dtype};
 use kvq::cuda::{
-    DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, SwapSpace,
+    DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, SwapSpace,
     require_gpu_or_skip,
 };
 use kvq::{CacheConfig, Error, KvFormat};
@@ -179,7 +179,17 @@ fn fork_reserve_copy_on_write_decode() {
         let seqs = [a, b, c];
         let max = seqs.iter().map(|&s| e.alloc.len(s).unwrap()).max().unwrap();
         let q: Vec<f32> = e.rng.normals(seqs.len() * HEADS * D, 1.0);
-        let plan = DecodePlan::new(&gpu, e.dev.layout(), seqs.len(), HEADS, 1, max).unwrap();
+        let plan = DecodePlan::new(
+            &gpu,
+            e.dev.layout(),
+            DecodeCapacity {
+                max_batch: seqs.len(),
+                num_q_heads: HEADS,
+                max_q_len: 1,
+                max_context_len: max,
+            },
+        )
+        .unwrap();
         let mut ws = DecodeWorkspace::new(&plan).unwrap();
         let tables = DeviceBlockTables::new(&e.dev, &e.alloc.block_tables(&seqs).unwrap()).unwrap();
         let s = gpu.stream();
@@ -231,7 +241,17 @@ fn continuous_batching_with_a_captured_graph() {
     {
         let s = gpu.stream();
         let e = Engine::new(&gpu, KvFormat::F16, KvFormat::F16, 8, 1);
-        let plan = DecodePlan::new(&gpu, e.dev.layout(), 1, HEADS, 1, 16).unwrap();
+        let plan = DecodePlan::new(
+            &gpu,
+            e.dev.layout(),
+            DecodeCapacity {
+                max_batch: 1,
+                num_q_heads: HEADS,
+                max_q_len: 1,
+                max_context_len: 16,
+            },
+        )
+        .unwrap();
         let mut ws = DecodeWorkspace::new(&plan).unwrap();
         let t = DeviceBlockTables::new(&e.dev, &BlockTables::from_rows(&[&[0]], &[4]).unwrap())
             .unwrap();
@@ -250,7 +270,17 @@ fn continuous_batching_with_a_captured_graph() {
     // buffer's uses on one stream, or on streams kvq orders).
     unsafe { gpu.context().disable_event_tracking() };
     let mut e = Engine::new(&gpu, KvFormat::Int4Sym32, KvFormat::Int4Affine64, 512, 11);
-    let plan = DecodePlan::new(&gpu, e.dev.layout(), CAP, HEADS, 2, MAX_CTX).unwrap();
+    let plan = DecodePlan::new(
+        &gpu,
+        e.dev.layout(),
+        DecodeCapacity {
+            max_batch: CAP,
+            num_q_heads: HEADS,
+            max_q_len: 2,
+            max_context_len: MAX_CTX,
+        },
+    )
+    .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
     let mut tables = DeviceBlockTables::with_capacity(&e.dev, CAP, MAX_CTX / BS).unwrap();
     tables.set_batch(CAP).unwrap();
@@ -423,7 +453,17 @@ fn strided_views_and_output_types() {
         }
         let batch = seqs.len();
         let max = seqs.iter().map(|&s| e.alloc.len(s).unwrap()).max().unwrap();
-        let plan = DecodePlan::new(&gpu, e.dev.layout(), batch, HEADS, 1, max).unwrap();
+        let plan = DecodePlan::new(
+            &gpu,
+            e.dev.layout(),
+            DecodeCapacity {
+                max_batch: batch,
+                num_q_heads: HEADS,
+                max_q_len: 1,
+                max_context_len: max,
+            },
+        )
+        .unwrap();
         let mut ws = DecodeWorkspace::new(&plan).unwrap();
         let tables = DeviceBlockTables::new(&e.dev, &e.alloc.block_tables(&seqs).unwrap()).unwrap();
         let width = (HEADS + 2 * KV_HEADS) * D;
@@ -578,7 +618,17 @@ fn objects_on_different_streams_are_ordered() {
         e.append(sq, 700);
     }
     let max = 701;
-    let plan = DecodePlan::new(&gpu_b, e.dev.layout(), seqs.len(), HEADS, 1, max).unwrap();
+    let plan = DecodePlan::new(
+        &gpu_b,
+        e.dev.layout(),
+        DecodeCapacity {
+            max_batch: seqs.len(),
+            num_q_heads: HEADS,
+            max_q_len: 1,
+            max_context_len: max,
+        },
+    )
+    .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
     let mut tables =
         DeviceBlockTables::with_capacity_on(&gpu_b, &e.dev, 4, max.div_ceil(BS)).unwrap();
@@ -624,7 +674,17 @@ fn raw_context_and_stream() {
     let mut e = Engine::new(&raw, KvFormat::F16, KvFormat::Int4Affine64, 64, 9);
     let sq = e.alloc.create_sequence();
     e.append(sq, 300);
-    let plan = DecodePlan::new(&raw, e.dev.layout(), 1, HEADS, 1, 300).unwrap();
+    let plan = DecodePlan::new(
+        &raw,
+        e.dev.layout(),
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: HEADS,
+            max_q_len: 1,
+            max_context_len: 300,
+        },
+    )
+    .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
     let tables = DeviceBlockTables::new(&e.dev, &e.alloc.block_tables(&[sq]).unwrap()).unwrap();
     let qh: Vec<f16> = e
@@ -685,7 +745,17 @@ fn swap_out_and_back_in() {
     }
     let rows: Vec<i32> = fresh.iter().map(|&b| b as i32).collect();
     let tables = BlockTables::from_rows(&[&rows], &[len]).unwrap();
-    let plan = DecodePlan::new(&gpu, e.dev.layout(), 1, HEADS, 1, len).unwrap();
+    let plan = DecodePlan::new(
+        &gpu,
+        e.dev.layout(),
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: HEADS,
+            max_q_len: 1,
+            max_context_len: len,
+        },
+    )
+    .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
     let dt = DeviceBlockTables::new(&e.dev, &tables).unwrap();
     let qh: Vec<f16> = e
@@ -957,7 +1027,17 @@ fn padding_and_faults() {
     let mut e = Engine::new(&gpu, KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, 32, 17);
     let sq = e.alloc.create_sequence();
     e.append(sq, 100);
-    let plan = DecodePlan::new(&gpu, e.dev.layout(), 2, HEADS, 1, 128).unwrap();
+    let plan = DecodePlan::new(
+        &gpu,
+        e.dev.layout(),
+        DecodeCapacity {
+            max_batch: 2,
+            num_q_heads: HEADS,
+            max_q_len: 1,
+            max_context_len: 128,
+        },
+    )
+    .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
     let s = gpu.stream();
     // Row 0 padding, row 1 real; then a raw launch whose table row names block 999.
@@ -1086,7 +1166,17 @@ fn reused_blocks_do_not_leak_old_tokens() {
     e.alloc.free(old).unwrap();
     let new = e.alloc.create_sequence();
     e.append(new, 21); // 2 blocks: the second one mostly holds `old`'s tokens
-    let plan = DecodePlan::new(&gpu, e.dev.layout(), 1, HEADS, 1, 21).unwrap();
+    let plan = DecodePlan::new(
+        &gpu,
+        e.dev.layout(),
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: HEADS,
+            max_q_len: 1,
+            max_context_len: 21,
+        },
+    )
+    .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
     let tables = DeviceBlockTables::new(&e.dev, &e.alloc.block_tables(&[new]).unwrap()).unwrap();
     let qh: Vec<f16> = e
@@ -1135,7 +1225,17 @@ fn tensor_parallel_shards_gather_to_the_whole() {
         .iter()
         .map(|&x| f16::from_f32(x))
         .collect();
-    let whole_plan = pin(DecodePlan::new(&gpu0, e.dev.layout(), 3, HEADS, 1, max).unwrap());
+    let whole_plan = pin(DecodePlan::new(
+        &gpu0,
+        e.dev.layout(),
+        DecodeCapacity {
+            max_batch: 3,
+            num_q_heads: HEADS,
+            max_q_len: 1,
+            max_context_len: max,
+        },
+    )
+    .unwrap());
     let mut ws = DecodeWorkspace::new(&whole_plan).unwrap();
     let dt = DeviceBlockTables::new(&e.dev, &tables).unwrap();
     let q = gpu0.stream().clone_htod(&qh).unwrap();
@@ -1173,7 +1273,17 @@ fn tensor_parallel_shards_gather_to_the_whole() {
         let hv = &e.host.v_scales()[i * per..(i + 1) * per];
         part.set_scales(hk, hv).unwrap();
         let cache = DeviceCache::from_host(&gpu, &part).unwrap();
-        let plan = pin(DecodePlan::new(&gpu, cache.layout(), 3, per * GROUP, 1, max).unwrap());
+        let plan = pin(DecodePlan::new(
+            &gpu,
+            cache.layout(),
+            DecodeCapacity {
+                max_batch: 3,
+                num_q_heads: per * GROUP,
+                max_q_len: 1,
+                max_context_len: max,
+            },
+        )
+        .unwrap());
         let ws = DecodeWorkspace::new(&plan).unwrap();
         let t = DeviceBlockTables::new(&cache, &tables).unwrap();
         let w = per * GROUP * D;
@@ -1286,7 +1396,17 @@ fn two_streams_on_one_pool_match_one_stream() {
         for i in 0..2 {
             // Each decode on the stream that appended its sequence.
             let g = streams[i];
-            let plan = DecodePlan::new(g, cache.layout(), 1, HEADS, 1, lens[i]).unwrap();
+            let plan = DecodePlan::new(
+                g,
+                cache.layout(),
+                DecodeCapacity {
+                    max_batch: 1,
+                    num_q_heads: HEADS,
+                    max_q_len: 1,
+                    max_context_len: lens[i],
+                },
+            )
+            .unwrap();
             let mut ws = DecodeWorkspace::new(&plan).unwrap();
             let tables = BlockTables::from_rows(&[&rows[i]], &[lens[i]]).unwrap();
             let mut t = DeviceBlockTables::with_capacity_on(g, &cache, 1, 64).unwrap();

@@ -25,8 +25,8 @@ use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
 use kvq::cuda::decode::DeviceBlockTables;
 use kvq::cuda::ops::{DeviceElement, Dtype};
 use kvq::cuda::prefill::{
-    HEAD_DIMS, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows, kernel_available_for,
-    merge_states,
+    HEAD_DIMS, PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows,
+    kernel_available_for, merge_states,
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
@@ -244,10 +244,12 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     let plan = PrefillPlan::new(
         gpu,
         dcache.layout(),
-        case.seqs.len(),
-        total.max(1),
-        heads,
-        max_len,
+        PrefillCapacity {
+            max_batch: case.seqs.len(),
+            num_q_heads: heads,
+            max_tokens: total.max(1),
+            max_context_len: max_len,
+        },
     )
     .unwrap_or_else(|e| panic!("{name}: plan: {e}"))
     .with_window_left(case.window)
@@ -256,9 +258,17 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     .expect("cap")
     .with_num_splits(case.splits);
     let plan = if case.route {
-        let decode =
-            kvq::cuda::DecodePlan::new(gpu, dcache.layout(), case.seqs.len(), heads, 4, max_len)
-                .unwrap_or_else(|e| panic!("{name}: decode plan: {e}"));
+        let decode = kvq::cuda::DecodePlan::new(
+            gpu,
+            dcache.layout(),
+            kvq::cuda::DecodeCapacity {
+                max_batch: case.seqs.len(),
+                num_q_heads: heads,
+                max_q_len: 4,
+                max_context_len: max_len,
+            },
+        )
+        .unwrap_or_else(|e| panic!("{name}: decode plan: {e}"));
         plan.with_decode_rows(decode).expect("routing")
     } else {
         plan
@@ -613,7 +623,17 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
 
     let mut dcache = DeviceCache::from_host(gpu, &host).expect("device cache");
     // The plan prepares the kernels for this layout and query type.
-    let _plan = PrefillPlan::new(gpu, dcache.layout(), 1, n, heads, len).expect("plan");
+    let _plan = PrefillPlan::new(
+        gpu,
+        dcache.layout(),
+        PrefillCapacity {
+            max_batch: 1,
+            num_q_heads: heads,
+            max_tokens: n,
+            max_context_len: len,
+        },
+    )
+    .expect("plan");
     let s = gpu.stream();
     let mut gpu_row = row;
     gpu_row[faulted] = outside;

@@ -13,7 +13,7 @@
 //! the fastest of the streaming-read variants of `cuda/bandwidth.cu` over a 4 GiB buffer, each
 //! checked to read every byte, timed the same way, in the same process.
 
-use super::decode::{DecodePlan, DecodeWorkspace, DeviceBlockTables};
+use super::decode::{DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables};
 use super::ops::append;
 use super::probe::stream_read;
 use super::{DeviceCache, Gpu, driver_err, probe};
@@ -416,10 +416,12 @@ impl PreparedDecode {
         let plan = DecodePlan::new(
             gpu,
             cache.layout(),
-            case.batch,
-            case.num_q_heads,
-            case.q_len,
-            case.context_len,
+            DecodeCapacity {
+                max_batch: case.batch,
+                num_q_heads: case.num_q_heads,
+                max_q_len: case.q_len,
+                max_context_len: case.context_len,
+            },
         )?;
         let workspace = DecodeWorkspace::new(&plan)?;
         let qh = synth.normal(plan.q_elems(), 1.0);

@@ -34,9 +34,11 @@ pub mod sys;
 mod tables;
 
 pub use blocks::{SwapSpace, copy_blocks_all, swap_in_all, swap_out_all};
-pub use decode::{DecodePlan, DecodeStep, DecodeWorkspace, RowStrides};
+pub use decode::{DecodeCapacity, DecodePlan, DecodeStep, DecodeWorkspace, RowStrides};
 pub use device::{AppendCounters, DeviceCache};
-pub use prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows, merge_states};
+pub use prefill::{
+    PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows, merge_states,
+};
 pub use tables::DeviceBlockTables;
 
 /// The cudarc kvq is built on. Name cudarc's types (`CudaSlice`, `CudaStream`, ...) through

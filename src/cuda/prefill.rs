@@ -12,8 +12,8 @@
 //! `[total_tokens, num_q_heads, head_dim]` views ([`TokenRows`]).
 //!
 //! An engine's step:
-//! 1. [`PrefillPlan::new`] once for a capacity (sequences, tokens per step, query heads,
-//!    context), with its options (scale, window, soft cap); [`PrefillWorkspace::new`] once.
+//! 1. [`PrefillPlan::new`] once for a [`PrefillCapacity`] (sequences, query heads, tokens per
+//!    step, context), with its options (scale, window, soft cap); [`PrefillWorkspace::new`] once.
 //! 2. Every step: append the new K/V ([`ops::append`](super::ops::append)), update and upload
 //!    the [`DeviceBlockTables`] (lengths include the new tokens), put the step's `qo_indptr`
 //!    on the device (the engine's own buffer; the host copy is checked against the tables),
@@ -152,6 +152,20 @@ pub struct PrefillStep<'a, Q, O> {
     pub alibi_slopes: Option<&'a dyn DevicePtr<f32>>,
 }
 
+/// The most a [`PrefillPlan`] serves in one step: named, so that no two of these sizes can be
+/// swapped unseen at the call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillCapacity {
+    /// Most sequences per step.
+    pub max_batch: usize,
+    /// Query heads (a multiple of the cache's KV heads).
+    pub num_q_heads: usize,
+    /// Most new tokens per step, all sequences together.
+    pub max_tokens: usize,
+    /// Longest context, new tokens included.
+    pub max_context_len: usize,
+}
+
 /// How prefill launches for one cache layout and capacity are made.
 #[derive(Debug, Clone)]
 pub struct PrefillPlan {
@@ -172,21 +186,21 @@ pub struct PrefillPlan {
 }
 
 impl PrefillPlan {
-    /// A plan for up to `max_batch` sequences with up to `max_tokens` new tokens in all per
-    /// step, `num_q_heads` query heads and contexts of up to `max_context_len` tokens, over
-    /// caches of `layout`, with `softmax_scale = 1 / sqrt(head_dim)`, no window and no cap.
+    /// A plan for up to `cap.max_batch` sequences with up to `cap.max_tokens` new tokens in all
+    /// per step, `cap.num_q_heads` query heads and contexts of up to `cap.max_context_len`
+    /// tokens, over caches of `layout`, with `softmax_scale = 1 / sqrt(head_dim)`, no window
+    /// and no cap.
     ///
     /// Errors: [`Error::Unsupported`] for a layout without a kernel (head_dim, format pair,
     /// block size not a multiple of 16); [`Error::InvalidArgument`] for zero sizes or heads
     /// that are not a multiple of the KV heads.
-    pub fn new(
-        gpu: &Gpu,
-        layout: &BlockLayout,
-        max_batch: usize,
-        max_tokens: usize,
-        num_q_heads: usize,
-        max_context_len: usize,
-    ) -> Result<Self> {
+    pub fn new(gpu: &Gpu, layout: &BlockLayout, cap: PrefillCapacity) -> Result<Self> {
+        let PrefillCapacity {
+            max_batch,
+            num_q_heads,
+            max_tokens,
+            max_context_len,
+        } = cap;
         let c = &layout.config;
         c.validate()?;
         if max_batch == 0 || max_tokens == 0 || num_q_heads == 0 || max_context_len == 0 {
@@ -345,6 +359,16 @@ impl PrefillPlan {
     /// The softmax scale.
     pub fn softmax_scale(&self) -> f32 {
         self.softmax_scale
+    }
+
+    /// The capacity the plan was made for.
+    pub fn capacity(&self) -> PrefillCapacity {
+        PrefillCapacity {
+            max_batch: self.max_batch,
+            num_q_heads: self.num_q_heads,
+            max_tokens: self.max_tokens,
+            max_context_len: self.max_context_len,
+        }
     }
 
     /// Query heads.

@@ -11,9 +11,9 @@
 //! are `softmax_scale * q · k` and `lse` is the natural log of the softmax denominator.
 //!
 //! An engine's step loop:
-//! 1. [`DecodePlan::new`] once, for a capacity: the most sequences, query heads, new tokens per
-//!    sequence and context length any step will have. It fixes everything that does not depend
-//!    on the step's data (launch shapes per batch size, workspace size).
+//! 1. [`DecodePlan::new`] once, for a [`DecodeCapacity`]: the most sequences, query heads, new
+//!    tokens per sequence and context length any step will have. It fixes everything that does
+//!    not depend on the step's data (launch shapes per batch size, workspace size).
 //! 2. [`DecodeWorkspace::new`] once per plan (split partials live there).
 //! 3. [`DeviceBlockTables::with_capacity`] once; every step, change the rows that changed and
 //!    [`upload`](DeviceBlockTables::upload) (one asynchronous copy from pinned memory).
@@ -207,13 +207,18 @@ pub struct DecodeStep<'a, Q, O> {
     pub alibi_slopes: Option<&'a dyn DevicePtr<f32>>,
 }
 
-/// The capacity a [`DecodePlan`] serves.
+/// The most a [`DecodePlan`] serves in one step: named, so that no two of these sizes can be
+/// swapped unseen at the call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Capacity {
-    batch: usize,
-    num_q_heads: usize,
-    q_len: usize,
-    max_context_len: usize,
+pub struct DecodeCapacity {
+    /// Most sequences per step.
+    pub max_batch: usize,
+    /// Query heads (a multiple of the cache's KV heads).
+    pub num_q_heads: usize,
+    /// Most new tokens per sequence (1 for plain decode; a few for speculative verification).
+    pub max_q_len: usize,
+    /// Longest context, new tokens included.
+    pub max_context_len: usize,
 }
 
 /// A launch shape forced by [`DecodePlan::with_launch`].
@@ -229,7 +234,7 @@ struct ForcedLaunch {
 pub struct DecodePlan {
     gpu: Gpu,
     layout: BlockLayout,
-    cap: Capacity,
+    cap: DecodeCapacity,
     softmax_scale: f32,
     /// Sliding window: a query at position `p` sees `p - w ..= p` (None: all).
     window_left: Option<usize>,
@@ -246,9 +251,9 @@ pub struct DecodePlan {
 }
 
 impl DecodePlan {
-    /// A plan for up to `max_batch` sequences of `num_q_heads` query heads and up to `max_q_len`
-    /// new tokens each, no longer than `max_context_len` tokens (new tokens included), over
-    /// caches of `layout`, with `softmax_scale = 1 / sqrt(head_dim)` (see
+    /// A plan for up to `cap.max_batch` sequences of `cap.num_q_heads` query heads and up to
+    /// `cap.max_q_len` new tokens each, no longer than `cap.max_context_len` tokens (new tokens
+    /// included), over caches of `layout`, with `softmax_scale = 1 / sqrt(head_dim)` (see
     /// [`with_softmax_scale`](Self::with_softmax_scale)).
     ///
     /// Errors: [`Error::Unsupported`] for a format pair without a kernel
@@ -256,14 +261,13 @@ impl DecodePlan {
     /// multiple of [`STEP_TOKENS`]; [`Error::InvalidArgument`] / [`Error::Config`] for shapes
     /// that make no sense (zero sizes, heads not a multiple of the KV heads,
     /// `max_context_len < max_q_len`).
-    pub fn new(
-        gpu: &Gpu,
-        layout: &BlockLayout,
-        max_batch: usize,
-        num_q_heads: usize,
-        max_q_len: usize,
-        max_context_len: usize,
-    ) -> Result<Self> {
+    pub fn new(gpu: &Gpu, layout: &BlockLayout, cap: DecodeCapacity) -> Result<Self> {
+        let DecodeCapacity {
+            max_batch,
+            num_q_heads,
+            max_q_len,
+            max_context_len,
+        } = cap;
         let c = &layout.config;
         c.validate()?;
         if !kernel_available(c.k_format, c.v_format) {
@@ -342,12 +346,6 @@ impl DecodePlan {
                 "GPU decode: no launch shape fits this device's shared memory".into(),
             ));
         }
-        let cap = Capacity {
-            batch: max_batch,
-            num_q_heads,
-            q_len: max_q_len,
-            max_context_len,
-        };
         let mut plan = DecodePlan {
             gpu: gpu.clone(),
             layout: *layout,
@@ -369,22 +367,22 @@ impl DecodePlan {
     /// (checked at every power of two and the capacity itself, at the largest q_len; any other
     /// batch is then held to what that allows), and reset the choice memo.
     fn size_workspace(&mut self) -> Result<()> {
-        let rows_per_seq = self.cap.num_q_heads * self.cap.q_len;
+        let rows_per_seq = self.cap.num_q_heads * self.cap.max_q_len;
         let mut most = 0;
         let mut b = 1;
         loop {
-            let c = self.choose(b, self.cap.q_len, MAX_SPLITS)?;
+            let c = self.choose(b, self.cap.max_q_len, MAX_SPLITS)?;
             most = most.max(b * c.splits * rows_per_seq);
-            if b == self.cap.batch {
+            if b == self.cap.max_batch {
                 break;
             }
-            b = (b * 2).min(self.cap.batch);
+            b = (b * 2).min(self.cap.max_batch);
         }
         self.ws_rows = most;
-        let n = self.cap.batch * self.cap.q_len;
+        let n = self.cap.max_batch * self.cap.max_q_len;
         let choices: Vec<OnceLock<LaunchChoice>> = (0..n).map(|_| OnceLock::new()).collect();
         // The capacity's own choice (the last one made above), so the accessors never fail.
-        let at_cap = self.choose(self.cap.batch, self.cap.q_len, MAX_SPLITS)?;
+        let at_cap = self.choose(self.cap.max_batch, self.cap.max_q_len, MAX_SPLITS)?;
         let _ = choices[n - 1].set(at_cap);
         self.choices = Arc::new(choices);
         Ok(())
@@ -426,7 +424,7 @@ impl DecodePlan {
     /// The launch of a step of `batch` sequences and `q_len` new tokens (both within the
     /// capacity), memoized.
     fn choice_for(&self, batch: usize, q_len: usize) -> Result<LaunchChoice> {
-        let slot = &self.choices[(batch - 1) * self.cap.q_len + (q_len - 1)];
+        let slot = &self.choices[(batch - 1) * self.cap.max_q_len + (q_len - 1)];
         if let Some(c) = slot.get() {
             return Ok(*c);
         }
@@ -565,7 +563,7 @@ impl DecodePlan {
     }
 
     fn fits(&self, batch: usize, q_len: usize) -> bool {
-        (1..=self.cap.batch).contains(&batch) && (1..=self.cap.q_len).contains(&q_len)
+        (1..=self.cap.max_batch).contains(&batch) && (1..=self.cap.max_q_len).contains(&q_len)
     }
 
     /// The handle whose stream the plan's launches go to.
@@ -576,9 +574,13 @@ impl DecodePlan {
     pub fn layout(&self) -> &BlockLayout {
         &self.layout
     }
+    /// The capacity the plan was made for.
+    pub fn capacity(&self) -> DecodeCapacity {
+        self.cap
+    }
     /// Most sequences per step.
     pub fn batch(&self) -> usize {
-        self.cap.batch
+        self.cap.max_batch
     }
     /// Query heads.
     pub fn num_q_heads(&self) -> usize {
@@ -586,7 +588,7 @@ impl DecodePlan {
     }
     /// Most new tokens per sequence.
     pub fn q_len(&self) -> usize {
-        self.cap.q_len
+        self.cap.max_q_len
     }
     /// Longest context (tokens, new ones included) a step may see.
     pub fn max_context_len(&self) -> usize {
@@ -604,17 +606,18 @@ impl DecodePlan {
     }
     /// Entries of a contiguous `lse` at the capacity: `batch * num_q_heads * q_len`.
     pub fn lse_elems(&self) -> usize {
-        self.cap.batch * self.cap.num_q_heads * self.cap.q_len
+        self.cap.max_batch * self.cap.num_q_heads * self.cap.max_q_len
     }
     /// Workspace sizes: f32 partial outputs, f32 partial log-sum-exps, u32 counters (the
     /// counters must be zero before the first launch; each launch leaves them zero).
     pub fn workspace_elems(&self) -> (usize, usize, usize) {
         let c = &self.layout.config;
-        let tiles = (self.cap.num_q_heads / c.num_kv_heads * self.cap.q_len).div_ceil(TILE_ROWS);
+        let tiles =
+            (self.cap.num_q_heads / c.num_kv_heads * self.cap.max_q_len).div_ceil(TILE_ROWS);
         (
             self.ws_rows * c.head_dim,
             self.ws_rows,
-            self.cap.batch * c.num_kv_heads * tiles,
+            self.cap.max_batch * c.num_kv_heads * tiles,
         )
     }
 
@@ -647,7 +650,7 @@ impl DecodePlan {
     ) -> Result<()> {
         let (h, n, d) = (
             self.cap.num_q_heads,
-            self.cap.q_len,
+            self.cap.max_q_len,
             self.layout.config.head_dim,
         );
         let rows = RowStrides::batch_head_token(h, n, d);
@@ -843,7 +846,7 @@ impl DecodePlan {
         if !self.fits(args.batch, args.q_len) {
             return Err(Error::InvalidArgument(format!(
                 "a step of batch {} and q_len {} exceeds the plan's capacity of {} x {}",
-                args.batch, args.q_len, self.cap.batch, self.cap.q_len
+                args.batch, args.q_len, self.cap.max_batch, self.cap.max_q_len
             )));
         }
         self.check_q_dtype(args.q_dtype)?;
