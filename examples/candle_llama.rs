@@ -16,7 +16,7 @@
 
 use candle_core::{D, DType, Device, Tensor};
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
-use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
+use kvq::cpu::{Accum, AttentionOptions, HeadTerms, prefill_attention};
 use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillWorkspace};
 use kvq::cuda::{DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache};
 use kvq::{CacheConfig, KvFormat};
@@ -220,8 +220,7 @@ fn step(w: &Weights, att: &mut Attention, inp: &StepInput, dev: &Device) -> Res<
                     &qf,
                     HEADS,
                     &AttentionOptions::new(D_HEAD),
-                    None,
-                    None,
+                    HeadTerms::default(),
                     Accum::F64,
                 )?;
                 Tensor::from_vec(out.out, (n, HEADS, D_HEAD), dev)?

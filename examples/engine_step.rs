@@ -20,7 +20,9 @@
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::f16;
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
-use kvq::cpu::{Accum, AttentionOptions, DecodeShape, decode_attention, prefill_attention};
+use kvq::cpu::{
+    Accum, AttentionOptions, DecodeShape, HeadTerms, decode_attention, prefill_attention,
+};
 use kvq::cuda::decode::{DecodeStep, RowStrides};
 use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
 use kvq::cuda::{
@@ -402,8 +404,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     &q,
                     HEADS,
                     &AttentionOptions::new(D),
-                    None,
-                    None,
+                    HeadTerms::default(),
                     Accum::F64,
                 )?;
                 let (mut num, mut den) = (0f64, 0f64);

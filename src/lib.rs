@@ -27,7 +27,7 @@
 //!
 //! ```
 //! use kvq::cache::PagedKvCache;
-//! use kvq::cpu::{self, Accum, AttentionOptions, DecodeShape};
+//! use kvq::cpu::{self, Accum, AttentionOptions, DecodeShape, HeadTerms};
 //! use kvq::{CacheConfig, KvFormat, ScaleGranularity};
 //!
 //! // One layer of a Llama-like model: 32 query heads over 8 KV heads of 128, blocks of 16
@@ -56,8 +56,8 @@
 //! let q = values(27 * q_heads * d, 2.0);
 //! let opts = AttentionOptions::new(d);
 //! let layer = &cache.layers()[0];
-//! let prefill =
-//!     cpu::prefill_attention(layer, &tables, &qo, &q, q_heads, &opts, None, None, Accum::F64)?;
+//! let none = HeadTerms::default(); // or sinks / ALiBi slopes per query head
+//! let prefill = cpu::prefill_attention(layer, &tables, &qo, &q, q_heads, &opts, none, Accum::F64)?;
 //! assert_eq!(prefill.out.len(), q.len());
 //!
 //! // Decode: append each sequence's next token, then one query per sequence,

@@ -4,7 +4,7 @@
 
 use kvq::cache::{BlockTables, HostCache};
 use kvq::cpu::{
-    Accum, AttentionOptions, AttentionOutput, DecodeShape, DenseKv, attention_dense,
+    Accum, AttentionOptions, AttentionOutput, DecodeShape, DenseKv, HeadTerms, attention_dense,
     decode_attention, decode_attention_with, merge_states, prefill_attention,
 };
 use kvq::synth::Synth;
@@ -68,20 +68,13 @@ fn setup(k_format: KvFormat, v_format: KvFormat, lens: &[usize], seed: u64) -> S
     }
 }
 
-/// Per-query-head arguments: sinks and ALiBi slopes.
-#[derive(Clone, Copy, Default)]
-struct Heads<'a> {
-    sinks: Option<&'a [f32]>,
-    alibi: Option<&'a [f32]>,
-}
-
 /// Naive f64 attention of `n` query tokens (`q` `[n, NQ, D]`) that are the last `n` of a
 /// sequence with dense K/V `[len, NKV, D]`: out `[n, NQ, D]`, lse `[n, NQ]`.
 fn naive(
     q: &[f32],
     (k, v): (&[f32], &[f32]),
     opts: &AttentionOptions,
-    heads: Heads<'_>,
+    heads: HeadTerms<'_>,
 ) -> (Vec<f64>, Vec<f64>) {
     let n = q.len() / (NQ * D);
     let len = k.len() / (NKV * D);
@@ -102,7 +95,7 @@ fn naive(
                         .logits_soft_cap
                         .map_or(l, |c| c as f64 * (l / c as f64).tanh());
                     l + heads
-                        .alibi
+                        .alibi_slopes
                         .map_or(0.0, |m| m[h] as f64 * (t as f64 - p as f64))
                 })
                 .collect();
@@ -129,25 +122,14 @@ fn naive(
 
 /// Prefill of `tokens[b]` new tokens per sequence, each checked against [`naive`] within
 /// f32 rounding of the f64 result.
-fn check_prefill(s: &Setup, tokens: &[u32], opts: &AttentionOptions, heads: Heads<'_>) {
+fn check_prefill(s: &Setup, tokens: &[u32], opts: &AttentionOptions, heads: HeadTerms<'_>) {
     let mut qo = vec![0u32];
     for &n in tokens {
         qo.push(qo.last().unwrap() + n);
     }
     let total = *qo.last().unwrap() as usize;
     let q = Synth::new(total as u64).normal(total * NQ * D, 1.0);
-    let r = prefill_attention(
-        &s.cache,
-        &s.tables,
-        &qo,
-        &q,
-        NQ,
-        opts,
-        heads.sinks,
-        heads.alibi,
-        Accum::F64,
-    )
-    .unwrap();
+    let r = prefill_attention(&s.cache, &s.tables, &qo, &q, NQ, opts, heads, Accum::F64).unwrap();
     assert_eq!((r.out.len(), r.lse.len()), (total * NQ * D, total * NQ));
     for (b, (k, v)) in s.dense.iter().enumerate() {
         let (t0, t1) = (qo[b] as usize, qo[b + 1] as usize);
@@ -181,13 +163,29 @@ fn single_tokens_equal_decode() {
         let opts = AttentionOptions::new(D);
         for accum in [Accum::F32, Accum::F64] {
             let dec = decode_attention(&s.cache, &s.tables, &q, &shape, accum).unwrap();
-            let pre = prefill_attention(&s.cache, &s.tables, &qo, &q, NQ, &opts, None, None, accum)
-                .unwrap();
+            let pre = prefill_attention(
+                &s.cache,
+                &s.tables,
+                &qo,
+                &q,
+                NQ,
+                &opts,
+                HeadTerms::default(),
+                accum,
+            )
+            .unwrap();
             // [batch, NQ, 1, D] and [tokens = batch, NQ, D] are the same order.
             assert_eq!(pre, dec, "{kf}/{vf} {accum:?}");
-            let with =
-                decode_attention_with(&s.cache, &s.tables, &q, &shape, &opts, None, None, accum)
-                    .unwrap();
+            let with = decode_attention_with(
+                &s.cache,
+                &s.tables,
+                &q,
+                &shape,
+                &opts,
+                HeadTerms::default(),
+                accum,
+            )
+            .unwrap();
             assert_eq!(with, dec);
         }
     }
@@ -203,13 +201,13 @@ fn ragged_batch_matches_naive() {
             &s,
             &[37, 13, 0, 1],
             &AttentionOptions::new(D),
-            Heads::default(),
+            HeadTerms::default(),
         );
         check_prefill(
             &s,
             &[0, 50, 9, 0],
             &AttentionOptions::new(D),
-            Heads::default(),
+            HeadTerms::default(),
         );
     }
 }
@@ -228,7 +226,7 @@ fn window_and_soft_cap_match_naive() {
                 window_left,
                 logits_soft_cap,
             };
-            check_prefill(&s, &[45, 11], &opts, Heads::default());
+            check_prefill(&s, &[45, 11], &opts, HeadTerms::default());
         }
     }
     check_prefill(
@@ -238,7 +236,7 @@ fn window_and_soft_cap_match_naive() {
             window_left: Some(5),
             ..base
         },
-        Heads::default(),
+        HeadTerms::default(),
     );
     // Window 0: the output is the token's own value row.
     let opts = AttentionOptions {
@@ -253,8 +251,7 @@ fn window_and_soft_cap_match_naive() {
         &q,
         NQ,
         &opts,
-        None,
-        None,
+        HeadTerms::default(),
         Accum::F64,
     )
     .unwrap();
@@ -275,7 +272,7 @@ fn check_decode_q3(
     q: &[f32],
     r: &AttentionOutput,
     opts: &AttentionOptions,
-    heads: Heads<'_>,
+    heads: HeadTerms<'_>,
 ) {
     for (b, kv) in s.dense.iter().enumerate() {
         // Token-major [3, NQ, D] from head-major [NQ, 3, D].
@@ -304,9 +301,9 @@ fn sinks_match_naive() {
         let s = setup(kf, vf, &[25, 33], 30 + i as u64);
         let sinks = [-1.5f32, 0.0, 2.0, 8.0];
         let opts = AttentionOptions::new(D);
-        let with_sinks = Heads {
+        let with_sinks = HeadTerms {
             sinks: Some(&sinks),
-            alibi: None,
+            alibi_slopes: None,
         };
         check_prefill(&s, &[25, 6], &opts, with_sinks);
         let capped = AttentionOptions {
@@ -324,8 +321,10 @@ fn sinks_match_naive() {
             &q,
             &shape,
             &capped,
-            Some(&sinks),
-            None,
+            HeadTerms {
+                sinks: Some(&sinks),
+                alibi_slopes: None,
+            },
             Accum::F64,
         )
         .unwrap();
@@ -412,8 +411,10 @@ fn invalid_inputs_are_errors() {
             q,
             NQ,
             opts,
-            sinks,
-            None,
+            HeadTerms {
+                sinks,
+                alibi_slopes: None,
+            },
             Accum::F64,
         )
     };
@@ -458,8 +459,10 @@ fn invalid_inputs_are_errors() {
             &q,
             NQ,
             &opts,
-            None,
-            Some(slopes),
+            HeadTerms {
+                sinks: None,
+                alibi_slopes: Some(slopes),
+            },
             Accum::F64,
         )
     };
@@ -511,8 +514,7 @@ fn invalid_inputs_are_errors() {
             &q,
             3,
             &opts,
-            None,
-            None,
+            HeadTerms::default(),
             Accum::F64
         ),
         Err(Error::InvalidArgument(_))
@@ -527,8 +529,7 @@ fn invalid_inputs_are_errors() {
             &q,
             NQ,
             &opts,
-            None,
-            None,
+            HeadTerms::default(),
             Accum::F64
         ),
         Err(Error::BlockIndex { .. })
@@ -542,8 +543,10 @@ fn invalid_inputs_are_errors() {
             &q[..2 * NQ * D],
             &shape,
             &opts,
-            Some(&[1.0]),
-            None,
+            HeadTerms {
+                sinks: Some(&[1.0]),
+                alibi_slopes: None
+            },
             Accum::F64
         ),
         Err(Error::Length { .. })
@@ -555,8 +558,10 @@ fn invalid_inputs_are_errors() {
             &q[..2 * NQ * D],
             &shape,
             &opts,
-            None,
-            Some(&[0.5, 0.5, f32::NAN, 0.5]),
+            HeadTerms {
+                sinks: None,
+                alibi_slopes: Some(&[0.5, 0.5, f32::NAN, 0.5])
+            },
             Accum::F64
         ),
         Err(Error::NonFinite {
@@ -573,8 +578,7 @@ fn invalid_inputs_are_errors() {
         &[],
         NQ,
         &opts,
-        None,
-        None,
+        HeadTerms::default(),
         Accum::F64,
     )
     .unwrap();
@@ -617,8 +621,10 @@ fn alibi_two_tokens_by_hand() {
             &q,
             1,
             &opts,
-            None,
-            Some(&[m]),
+            HeadTerms {
+                sinks: None,
+                alibi_slopes: Some(&[m]),
+            },
             Accum::F64,
         )
         .unwrap();
@@ -637,8 +643,10 @@ fn alibi_two_tokens_by_hand() {
             &q[d..],
             &shape,
             &opts,
-            None,
-            Some(&[m]),
+            HeadTerms {
+                sinks: None,
+                alibi_slopes: Some(&[m]),
+            },
             Accum::F64,
         )
         .unwrap();
@@ -672,9 +680,9 @@ fn alibi_matches_naive_and_zero_slopes_are_none() {
         for opts in options {
             for slopes in [&geometric[..], &large[..]] {
                 for sinks in [None, Some(&sinks[..])] {
-                    let heads = Heads {
+                    let heads = HeadTerms {
                         sinks,
-                        alibi: Some(slopes),
+                        alibi_slopes: Some(slopes),
                     };
                     check_prefill(&s, &[45, 11, 1], &opts, heads);
                     check_prefill(&s, &[0, 30, 12], &opts, heads);
@@ -685,21 +693,12 @@ fn alibi_matches_naive_and_zero_slopes_are_none() {
         let capped = options[1];
         let shape = DecodeShape::new(NQ, 3, D);
         let q = Synth::new(6).normal(3 * NQ * 3 * D, 1.0);
-        let heads = Heads {
+        let heads = HeadTerms {
             sinks: Some(&sinks),
-            alibi: Some(&large),
+            alibi_slopes: Some(&large),
         };
-        let r = decode_attention_with(
-            &s.cache,
-            &s.tables,
-            &q,
-            &shape,
-            &capped,
-            heads.sinks,
-            heads.alibi,
-            Accum::F64,
-        )
-        .unwrap();
+        let r = decode_attention_with(&s.cache, &s.tables, &q, &shape, &capped, heads, Accum::F64)
+            .unwrap();
         check_decode_q3(&s, &q, &r, &capped, heads);
         // Slopes of 0 are no slopes, in both accumulators.
         let zeros = [0.0f32; NQ];
@@ -715,8 +714,10 @@ fn alibi_matches_naive_and_zero_slopes_are_none() {
                         &qp,
                         NQ,
                         &opts,
-                        Some(&sinks),
-                        alibi,
+                        HeadTerms {
+                            sinks: Some(&sinks),
+                            alibi_slopes: alibi,
+                        },
                         accum,
                     )
                     .unwrap()
@@ -724,7 +725,16 @@ fn alibi_matches_naive_and_zero_slopes_are_none() {
                 assert_eq!(pre(Some(&zeros)), pre(None), "{kf}/{vf} {accum:?}");
                 let dec = |alibi| {
                     decode_attention_with(
-                        &s.cache, &s.tables, &q, &shape, &opts, None, alibi, accum,
+                        &s.cache,
+                        &s.tables,
+                        &q,
+                        &shape,
+                        &opts,
+                        HeadTerms {
+                            sinks: None,
+                            alibi_slopes: alibi,
+                        },
+                        accum,
                     )
                     .unwrap()
                 };

@@ -22,7 +22,7 @@ use common::{Rng, fresh_rng as rng};
 use cudarc::driver::DevicePtr;
 use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
-use kvq::cpu::{Accum, AttentionOptions, DecodeShape, decode_attention_with};
+use kvq::cpu::{Accum, AttentionOptions, DecodeShape, HeadTerms, decode_attention_with};
 use kvq::cuda::decode::{
     DecodeCapacity, DecodeElement, DecodePlan, DecodeStep, DecodeWorkspace, DeviceBlockTables,
     HEAD_DIMS, RowStrides, WARPS, kernel_available, kernel_available_for,
@@ -252,8 +252,10 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
         &q_ref,
         &shape,
         &opts,
-        sinks.as_deref(),
-        slopes.as_deref(),
+        HeadTerms {
+            sinks: sinks.as_deref(),
+            alibi_slopes: slopes.as_deref(),
+        },
         Accum::F64,
     )
     .expect("cpu");

@@ -21,7 +21,7 @@ use common::{Rng, fresh_rng as rng};
 use cudarc::driver::DevicePtr;
 use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
-use kvq::cpu::{Accum, AttentionOptions, prefill_attention};
+use kvq::cpu::{Accum, AttentionOptions, HeadTerms, prefill_attention};
 use kvq::cuda::decode::DeviceBlockTables;
 use kvq::cuda::ops::{DeviceElement, Dtype};
 use kvq::cuda::prefill::{
@@ -232,8 +232,10 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         &q_ref,
         heads,
         &opts,
-        case.sinks.then_some(sinks.as_slice()),
-        case.alibi.is_some().then_some(slopes.as_slice()),
+        HeadTerms {
+            sinks: case.sinks.then_some(sinks.as_slice()),
+            alibi_slopes: case.alibi.is_some().then_some(slopes.as_slice()),
+        },
         Accum::F64,
     )
     .unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
@@ -615,8 +617,7 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
         &q_ref,
         heads,
         &opts,
-        None,
-        None,
+        HeadTerms::default(),
         Accum::F64,
     )
     .unwrap_or_else(|e| panic!("{name}: cpu: {e}"));

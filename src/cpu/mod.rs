@@ -32,11 +32,11 @@
 //!
 //! - a left window `w`: the query at position `p` sees `max(0, p - w)..=p` only;
 //! - a logit soft cap `c`: `logit = c * tanh(logit / c)`, applied after `softmax_scale`;
-//! - per-head sinks (a separate argument): a learned logit `s[h]` that joins the softmax
+//! - per-head sinks ([`HeadTerms`]): a learned logit `s[h]` that joins the softmax
 //!   denominator with a zero value vector, `m = max(max_j logit_j, s[h])`,
 //!   `out = Σ exp(logit_j - m) v_j / (Σ exp(logit_j - m) + exp(s[h] - m))`, and the lse includes
 //!   it;
-//! - per-head ALiBi slopes (a separate argument): the logit of the query at position `p` for
+//! - per-head ALiBi slopes ([`HeadTerms`]): the logit of the query at position `p` for
 //!   the key at position `j <= p` gains `m[h] * (j - p)` (at most 0), added after the soft cap;
 //!   sinks are not biased. Slopes of 0 give exactly the unbiased result.
 //!
@@ -96,8 +96,7 @@ pub(crate) fn check_soft_cap(cap: Option<f32>) -> Result<()> {
 }
 
 /// How logits become attention weights, beyond the plain causal softmax (see the
-/// [module docs](self)). Per-head sinks and ALiBi slopes are not here: they are slice
-/// arguments, one entry per head.
+/// [module docs](self)). Per-head sinks and ALiBi slopes are [`HeadTerms`], beside these.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionOptions {
     /// Multiplier of `q · k` (usually `1 / sqrt(head_dim)`); must be finite.
@@ -120,14 +119,8 @@ impl AttentionOptions {
         }
     }
 
-    /// Check the options, and `sinks` (one finite logit per query head) and `alibi_slopes` (one
-    /// finite slope per query head) with them.
-    fn check(
-        &self,
-        sinks: Option<&[f32]>,
-        alibi_slopes: Option<&[f32]>,
-        num_q_heads: usize,
-    ) -> Result<()> {
+    /// Check the options, and the per-head terms with them (one finite value per query head).
+    fn check(&self, heads: HeadTerms<'_>, num_q_heads: usize) -> Result<()> {
         if !self.softmax_scale.is_finite() {
             return Err(Error::InvalidArgument(format!(
                 "softmax_scale {} must be finite",
@@ -135,9 +128,14 @@ impl AttentionOptions {
             )));
         }
         check_soft_cap(self.logits_soft_cap)?;
-        check_per_head(sinks, num_q_heads, "sinks (one per query head)", "sinks")?;
         check_per_head(
-            alibi_slopes,
+            heads.sinks,
+            num_q_heads,
+            "sinks (one per query head)",
+            "sinks",
+        )?;
+        check_per_head(
+            heads.alibi_slopes,
             num_q_heads,
             "alibi_slopes (one per query head)",
             "alibi_slopes",
@@ -190,11 +188,17 @@ fn check_per_head(
     Ok(())
 }
 
-/// The per-query-head arguments of a call (sinks, ALiBi slopes), each `num_q_heads` long.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct HeadTerms<'a> {
-    sinks: Option<&'a [f32]>,
-    alibi_slopes: Option<&'a [f32]>,
+/// The per-query-head terms of a call, each `num_q_heads` finite values or none (see the
+/// [module docs](self)); [`HeadTerms::default()`] has neither. Named, so that the two slices
+/// cannot be swapped unseen at the call.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct HeadTerms<'a> {
+    /// A learned logit per query head that joins the softmax denominator with a zero value
+    /// (gpt-oss).
+    pub sinks: Option<&'a [f32]>,
+    /// ALiBi slopes: the logit of the query at position `p` for the key at `j <= p` gains
+    /// `slope * (j - p)`, after the soft cap.
+    pub alibi_slopes: Option<&'a [f32]>,
 }
 
 impl<'a> HeadTerms<'a> {
@@ -305,26 +309,23 @@ pub fn decode_attention(
         window_left: None,
         logits_soft_cap: None,
     };
-    decode_attention_with(cache, tables, q, shape, &opts, None, None, accum)
+    decode_attention_with(cache, tables, q, shape, &opts, HeadTerms::default(), accum)
 }
 
-/// [`decode_attention`] with a window, a soft cap, per-head sinks (`num_q_heads` finite
-/// logits) and per-head ALiBi slopes (`num_q_heads` finite slopes; see the
-/// [module docs](self)). The scale is `opts.softmax_scale`; `shape.softmax_scale` is ignored,
+/// [`decode_attention`] with a window, a soft cap, per-head sinks and per-head ALiBi slopes
+/// (`heads`: `num_q_heads` finite values each; see the [module docs](self)). The scale is `opts.softmax_scale`; `shape.softmax_scale` is ignored,
 /// so that one call has one scale. With no window, cap, sink or slope the result is bit for bit
 /// that of [`decode_attention`].
 ///
 /// Errors as [`decode_attention`]'s, plus [`Error::Length`] for sinks or slopes of the wrong
 /// length and [`Error::NonFinite`] for a non-finite sink or slope.
-#[allow(clippy::too_many_arguments)] // the kernel's arguments, one for one
 pub fn decode_attention_with(
     cache: &HostCache,
     tables: &BlockTables,
     q: &[f32],
     shape: &DecodeShape,
     opts: &AttentionOptions,
-    sinks: Option<&[f32]>,
-    alibi_slopes: Option<&[f32]>,
+    heads: HeadTerms<'_>,
     accum: Accum,
 ) -> Result<AttentionOutput> {
     let c = cache.config();
@@ -335,7 +336,7 @@ pub fn decode_attention_with(
         ..*shape
     };
     check_query(q, &shape, c.num_kv_heads, c.head_dim, &lens)?;
-    opts.check(sinks, alibi_slopes, shape.num_q_heads)?;
+    opts.check(heads, shape.num_q_heads)?;
     let sources = (0..tables.batch()).map(|b| PagedRows {
         cache,
         table: tables.row(b),
@@ -350,10 +351,7 @@ pub fn decode_attention_with(
         num_q_heads: shape.num_q_heads,
         q_len: shape.q_len,
         opts,
-        heads: HeadTerms {
-            sinks,
-            alibi_slopes,
-        },
+        heads,
     };
     run(sources, &batch, accum)
 }

@@ -27,9 +27,9 @@ const CHUNK_LOGITS: usize = 1 << 22;
 ///   qo_indptr[batch]`; the output is `out` `[total_tokens, num_q_heads, head_dim]` and `lse`
 ///   `[total_tokens, num_q_heads]`: token-major like `q`, unlike decode's `[batch, heads,
 ///   q_len]`.
-/// - `sinks`: one finite logit per query head, or none.
-/// - `alibi_slopes`: one finite ALiBi slope per query head, or none: the logit of token `i`
-///   (position `p`) for the key at position `j` gains `slope * (j - p)`, after the soft cap.
+/// - `heads`: sinks, one finite logit per query head, and ALiBi slopes, one finite slope per
+///   query head, or none of either: the logit of token `i` (position `p`) for the key at
+///   position `j` gains `slope * (j - p)`, after the soft cap.
 ///
 /// With one token per sequence the result is bit for bit that of [`decode_attention`]
 /// (`q_len = 1`, the same scale). Errors as decode's, plus [`Error::Length`] for `qo_indptr`,
@@ -47,14 +47,13 @@ pub fn prefill_attention(
     q: &[f32],
     num_q_heads: usize,
     opts: &AttentionOptions,
-    sinks: Option<&[f32]>,
-    alibi_slopes: Option<&[f32]>,
+    heads: HeadTerms<'_>,
     accum: Accum,
 ) -> Result<AttentionOutput> {
     let c = cache.config();
     tables.validate(cache.num_blocks(), c.block_size)?;
     check_heads(num_q_heads, c.num_kv_heads)?;
-    opts.check(sinks, alibi_slopes, num_q_heads)?;
+    opts.check(heads, num_q_heads)?;
     let spans = check_indptr(qo_indptr, &tables.context_lens)?;
     let total = qo_indptr.last().map_or(0, |&t| t as usize);
     let mut expected = total;
@@ -79,10 +78,7 @@ pub fn prefill_attention(
         q,
         num_q_heads,
         opts,
-        heads: HeadTerms {
-            sinks,
-            alibi_slopes,
-        },
+        heads,
         chunk_logits: CHUNK_LOGITS,
     };
     match accum {
@@ -363,8 +359,10 @@ mod tests {
                             q_t,
                             &shape,
                             &opts,
-                            Some(&sinks),
-                            alibi,
+                            HeadTerms {
+                                sinks: Some(&sinks),
+                                alibi_slopes: alibi,
+                            },
                             accum,
                         )
                         .unwrap();
