@@ -569,6 +569,24 @@ fn invalid_inputs_are_errors() {
             ..
         })
     ));
+    // One call, one scale: a shape and options that disagree are refused, not resolved.
+    let halved = AttentionOptions {
+        softmax_scale: opts.softmax_scale / 2.0,
+        ..opts
+    };
+    let mismatch = decode_attention_with(
+        &s.cache,
+        &s.tables,
+        &q[..2 * NQ * D],
+        &shape,
+        &halved,
+        HeadTerms::default(),
+        Accum::F64,
+    );
+    assert!(
+        matches!(&mismatch, Err(Error::InvalidArgument(m)) if m.contains("softmax_scale")),
+        "{mismatch:?}"
+    );
     // An empty batch, and sequences with no new tokens, give empty results.
     let none = BlockTables::from_rows(&[], &[]).unwrap();
     let r = prefill_attention(

@@ -313,12 +313,12 @@ pub fn decode_attention(
 }
 
 /// [`decode_attention`] with a window, a soft cap, per-head sinks and per-head ALiBi slopes
-/// (`heads`: `num_q_heads` finite values each; see the [module docs](self)). The scale is `opts.softmax_scale`; `shape.softmax_scale` is ignored,
-/// so that one call has one scale. With no window, cap, sink or slope the result is bit for bit
-/// that of [`decode_attention`].
+/// (`heads`: `num_q_heads` finite values each; see the [module docs](self)). With no window,
+/// cap, sink or slope the result is bit for bit that of [`decode_attention`].
 ///
 /// Errors as [`decode_attention`]'s, plus [`Error::Length`] for sinks or slopes of the wrong
-/// length and [`Error::NonFinite`] for a non-finite sink or slope.
+/// length, [`Error::NonFinite`] for a non-finite sink or slope and [`Error::InvalidArgument`]
+/// when `shape.softmax_scale` and `opts.softmax_scale` differ (one call has one scale).
 pub fn decode_attention_with(
     cache: &HostCache,
     tables: &BlockTables,
@@ -331,12 +331,14 @@ pub fn decode_attention_with(
     let c = cache.config();
     tables.validate(cache.num_blocks(), c.block_size)?;
     let lens: Vec<usize> = tables.context_lens.iter().map(|&l| l as usize).collect();
-    let shape = DecodeShape {
-        softmax_scale: opts.softmax_scale,
-        ..*shape
-    };
-    check_query(q, &shape, c.num_kv_heads, c.head_dim, &lens)?;
+    check_query(q, shape, c.num_kv_heads, c.head_dim, &lens)?;
     opts.check(heads, shape.num_q_heads)?;
+    if shape.softmax_scale != opts.softmax_scale {
+        return Err(Error::InvalidArgument(format!(
+            "shape.softmax_scale {} and opts.softmax_scale {} differ (one call has one scale)",
+            shape.softmax_scale, opts.softmax_scale
+        )));
+    }
     let sources = (0..tables.batch()).map(|b| PagedRows {
         cache,
         table: tables.row(b),
