@@ -282,9 +282,9 @@ impl PrefillPlan {
             Some("another layout")
         } else if decode.num_q_heads() != self.num_q_heads {
             Some("another number of query heads")
-        } else if decode.batch() < self.max_batch {
+        } else if decode.capacity().max_batch < self.max_batch {
             Some("a smaller batch")
-        } else if decode.max_context_len() < self.max_context_len {
+        } else if decode.capacity().max_context_len < self.max_context_len {
             Some("a shorter max_context_len")
         } else {
             None
@@ -461,7 +461,7 @@ impl PrefillPlan {
         };
         let lead_len = qo[1].wrapping_sub(qo[0]) as usize;
         let lead = match route {
-            Some((plan, _)) if (1..=plan.q_len()).contains(&lead_len) => qo
+            Some((plan, _)) if (1..=plan.capacity().max_q_len).contains(&lead_len) => qo
                 .windows(2)
                 .take_while(|w| w[1].checked_sub(w[0]) == Some(lead_len as u32))
                 .count(),

@@ -183,7 +183,7 @@ impl RowStrides {
 /// The tensors of one decode step for [`DecodePlan::decode_step`]. `Q`, `O` are any cudarc
 /// device buffers (a `CudaSlice`, or a `CudaView` / `CudaViewMut` into a larger one).
 pub struct DecodeStep<'a, Q, O> {
-    /// New tokens per sequence, at most the plan's capacity ([`DecodePlan::q_len`]).
+    /// New tokens per sequence, at most the plan's `max_q_len` ([`DecodePlan::capacity`]).
     pub q_len: usize,
     /// Queries (f16 or bf16), rows at `q_rows`.
     pub q: &'a Q,
@@ -578,21 +578,9 @@ impl DecodePlan {
     pub fn capacity(&self) -> DecodeCapacity {
         self.cap
     }
-    /// Most sequences per step.
-    pub fn batch(&self) -> usize {
-        self.cap.max_batch
-    }
     /// Query heads.
     pub fn num_q_heads(&self) -> usize {
         self.cap.num_q_heads
-    }
-    /// Most new tokens per sequence.
-    pub fn q_len(&self) -> usize {
-        self.cap.max_q_len
-    }
-    /// Longest context (tokens, new ones included) a step may see.
-    pub fn max_context_len(&self) -> usize {
-        self.cap.max_context_len
     }
     /// Multiplier of `q · k`.
     pub fn softmax_scale(&self) -> f32 {
@@ -636,8 +624,8 @@ impl DecodePlan {
     }
 
     /// One decode step over contiguous `[batch, num_q_heads, q_len, head_dim]` queries and
-    /// outputs of one type, `q_len` the plan's ([`q_len`](Self::q_len)), `batch` the tables'
-    /// current batch; `lse` (if given) `[batch, num_q_heads, q_len]`. See
+    /// outputs of one type, `q_len` the plan's `max_q_len` ([`capacity`](Self::capacity)),
+    /// `batch` the tables' current batch; `lse` (if given) `[batch, num_q_heads, q_len]`. See
     /// [`decode_step`](Self::decode_step).
     pub fn decode<T: DecodeElement>(
         &self,
