@@ -19,7 +19,7 @@ use crate::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows
 use crate::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::{CudaDType, CudaDevice};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaError};
 use candle_core::{
     CpuStorage, CudaStorage, CustomOp1, DType, Device, Layout, Shape, Storage, Tensor,
 };
@@ -67,8 +67,44 @@ fn cuda_storage<'a>(what: &str, storage: &'a Storage) -> Result<&'a CudaStorage>
     }
 }
 
+/// A candle error as kvq's: a CUDA driver failure (an allocation out of memory, a launch) stays
+/// [`Error::Driver`], so that [`Error::is_out_of_memory`] holds; anything else is an
+/// [`Error::InvalidArgument`] with candle's message.
 fn candle_err(e: candle_core::Error) -> Error {
-    Error::InvalidArgument(format!("candle: {e}"))
+    fn driver(e: &candle_core::Error) -> Option<cudarc::driver::DriverError> {
+        match e {
+            candle_core::Error::Cuda(b) => match b.downcast_ref::<CudaError>()? {
+                CudaError::Cuda(d) => Some(*d),
+                _ => None,
+            },
+            candle_core::Error::WithBacktrace { inner, .. }
+            | candle_core::Error::Context { inner, .. } => driver(inner),
+            _ => None,
+        }
+    }
+    match driver(&e) {
+        Some(d) => Error::from(d),
+        None => Error::InvalidArgument(format!("candle: {e}")),
+    }
+}
+
+/// The kvq error a custom op failed with: candle keeps only an error's text, so the op keeps
+/// the error itself, and the caller gets it back whole (a driver failure stays one).
+#[derive(Default)]
+struct Failure(RefCell<Option<Error>>);
+
+impl Failure {
+    /// Keep `e`; its text for candle.
+    fn keep(&self, e: Error) -> candle_core::Error {
+        let text = candle_core::Error::Msg(e.to_string());
+        *self.0.borrow_mut() = Some(e);
+        text
+    }
+
+    /// The error an op's call returned, as kvq's: the one the op kept, else candle's own.
+    fn of(&self, e: candle_core::Error) -> Error {
+        self.0.take().unwrap_or_else(|| candle_err(e))
+    }
 }
 
 /// A view of `storage` from element `offset` on, as `T` (its dtype must be `T`'s).
@@ -211,8 +247,9 @@ pub fn decode(
         tables,
         q_len,
         out_dtype,
+        failure: Failure::default(),
     };
-    q.apply_op1_no_bwd(&op).map_err(candle_err)
+    q.apply_op1_no_bwd(&op).map_err(|e| op.failure.of(e))
 }
 
 /// [`decode`] as a [`CustomOp1`] (the query is its input).
@@ -223,6 +260,7 @@ struct DecodeOp<'a> {
     tables: &'a DeviceBlockTables,
     q_len: usize,
     out_dtype: DType,
+    failure: Failure,
 }
 
 impl DecodeOp<'_> {
@@ -306,7 +344,7 @@ impl CustomOp1 for DecodeOp<'_> {
                 "kvq decode of {q:?} queries into {o:?} (q: f16 / bf16, out: f16 / bf16 / f32)"
             ))),
         };
-        r.map_err(candle_core::Error::wrap)
+        r.map_err(|e| self.failure.keep(e))
     }
 }
 
@@ -335,8 +373,9 @@ pub fn prefill(
         qo_indptr,
         qo_indptr_dev,
         out_dtype,
+        failure: Failure::default(),
     };
-    q.apply_op1_no_bwd(&op).map_err(candle_err)
+    q.apply_op1_no_bwd(&op).map_err(|e| op.failure.of(e))
 }
 
 /// [`prefill`] as a [`CustomOp1`] (the query is its input).
@@ -348,6 +387,7 @@ struct PrefillOp<'a> {
     qo_indptr: &'a [u32],
     qo_indptr_dev: &'a CudaSlice<i32>,
     out_dtype: DType,
+    failure: Failure,
 }
 
 impl PrefillOp<'_> {
@@ -427,6 +467,6 @@ impl CustomOp1 for PrefillOp<'_> {
                 "kvq prefill of {q:?} queries into {o:?} (q: f16 / bf16, out: f16 / bf16 / f32)"
             ))),
         };
-        r.map_err(candle_core::Error::wrap)
+        r.map_err(|e| self.failure.keep(e))
     }
 }
