@@ -21,8 +21,8 @@ use kvq::cpu::{Accum, DecodeShape, decode_attention};
 use kvq::cuda::decode::{DecodeStep, RawDecodeArgs, RowStrides};
 use kvq::cuda::ops::{self, DeviceElement, Dtype};
 use kvq::cuda::{
-    DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, SwapSpace,
-    require_gpu_or_skip,
+    DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, SwapMove,
+    SwapSpace, require_gpu_or_skip,
 };
 use kvq::{CacheConfig, Error, KvFormat};
 
@@ -725,7 +725,11 @@ fn swap_out_and_back_in() {
     let stride = e.host.layout().block_stride;
     let before = e.dev.to_host().unwrap();
     let mut space = SwapSpace::new(&e.dev, 16).unwrap();
-    let moves: Vec<(usize, usize)> = blocks.iter().enumerate().map(|(i, &b)| (b, i)).collect();
+    let moves: Vec<SwapMove> = blocks
+        .iter()
+        .enumerate()
+        .map(|(slot, &block)| SwapMove { block, slot })
+        .collect();
     e.dev.swap_out(&moves, &mut space).unwrap();
     // Preempted: its blocks go to a new sequence, which overwrites them.
     e.alloc.free(a).unwrap();
@@ -733,7 +737,11 @@ fn swap_out_and_back_in() {
     e.append(other, 200);
     // Resumed into blocks no one holds.
     let fresh: Vec<usize> = (0..blocks.len()).map(|i| 95 - i).collect();
-    let back: Vec<(usize, usize)> = fresh.iter().enumerate().map(|(i, &b)| (i, b)).collect();
+    let back: Vec<SwapMove> = fresh
+        .iter()
+        .enumerate()
+        .map(|(slot, &block)| SwapMove { block, slot })
+        .collect();
     e.dev.swap_in(&back, &mut space).unwrap();
     let mut after = e.dev.to_host().unwrap();
     for (&old, &new) in blocks.iter().zip(&fresh) {
@@ -782,8 +790,10 @@ fn swap_out_and_back_in() {
     .unwrap();
     assert_close("swapped in", &to_f32(&gpu, &out), &want.out, half_ulp_f16);
     // Moves outside the pool or the space are typed errors.
-    assert!(e.dev.swap_out(&[(96, 0)], &mut space).is_err());
-    assert!(e.dev.swap_in(&[(16, 0)], &mut space).is_err());
+    let past_pool = SwapMove { block: 96, slot: 0 };
+    let past_space = SwapMove { block: 0, slot: 16 };
+    assert!(e.dev.swap_out(&[past_pool], &mut space).is_err());
+    assert!(e.dev.swap_in(&[past_space], &mut space).is_err());
     assert_eq!(e.dev.check_appends().unwrap(), 0);
 }
 
@@ -979,13 +989,14 @@ fn swap_every_layer_out_and_back_in() {
     let (mut hosts, mut devs) = random_layers(&gpu, &mut rng, layers, nb);
     let before: Vec<HostCache> = devs.iter().map(|d| d.to_host().unwrap()).collect();
     let mut space = SwapSpace::new(&devs[0], layers * 4).unwrap();
-    let out = [(3, 0), (7, 1), (1, 3)];
+    let m = |block, slot| SwapMove { block, slot };
+    let out = [m(3, 0), m(7, 1), m(1, 3)];
     kvq::cuda::swap_out_all(&devs, &out, &mut space).unwrap();
     // Preempted: the blocks are reused at once.
     let c = |src, dst| CopyBlock { src, dst };
     let overwrite = [c(0, 3), c(0, 7), c(0, 1)];
     kvq::cuda::copy_blocks_all(&mut devs, &overwrite).unwrap();
-    let back = [(0, 10), (1, 11), (3, 12)];
+    let back = [m(10, 0), m(11, 1), m(12, 3)];
     kvq::cuda::swap_in_all(&mut devs, &back, &mut space).unwrap();
     for h in &mut hosts {
         h.apply_copies(&[c(3, 10), c(7, 11), c(1, 12)]).unwrap();
@@ -995,7 +1006,7 @@ fn swap_every_layer_out_and_back_in() {
         assert!(d.to_host().unwrap().pool() == h.pool(), "layer {l}");
     }
     // The documented slot layout: layer 2's copy of block 7 (all-layer slot 1) is slot 5.
-    devs[2].swap_in(&[(5, 13)], &mut space).unwrap();
+    devs[2].swap_in(&[m(13, 5)], &mut space).unwrap();
     let stride = hosts[0].layout().block_stride;
     assert!(
         devs[2].to_host().unwrap().pool()[13 * stride..14 * stride]
@@ -1003,12 +1014,12 @@ fn swap_every_layer_out_and_back_in() {
     );
     space.synchronize().unwrap();
     // Slots past the space (4 * 3 = 12), blocks past the pool, mixed layers: typed errors.
-    assert!(kvq::cuda::swap_out_all(&devs, &[(0, 4)], &mut space).is_err());
-    assert!(kvq::cuda::swap_in_all(&mut devs, &[(0, nb)], &mut space).is_err());
+    assert!(kvq::cuda::swap_out_all(&devs, &[m(0, 4)], &mut space).is_err());
+    assert!(kvq::cuda::swap_in_all(&mut devs, &[m(nb, 0)], &mut space).is_err());
     let (_, bigger) = random_layers(&gpu, &mut rng, 1, nb + 1);
     let mixed = [&devs[0], &bigger[0]];
     assert!(matches!(
-        kvq::cuda::swap_out_all(&mixed, &[(0, 0)], &mut space),
+        kvq::cuda::swap_out_all(&mixed, &[m(0, 0)], &mut space),
         Err(Error::LayerMismatch { layer: 1, .. })
     ));
     kvq::cuda::swap_out_all::<DeviceCache>(&[], &out, &mut space).unwrap();

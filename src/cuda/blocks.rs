@@ -179,8 +179,20 @@ fn copy_layers(
     Ok(())
 }
 
+/// One block's move between a cache's pool and a [`SwapSpace`]: out of block `block` into slot
+/// `slot` ([`DeviceCache::swap_out`]), or back from slot `slot` into block `block`
+/// ([`DeviceCache::swap_in`]). Named, so that a list handed back for the swap-in cannot read
+/// the other way round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SwapMove {
+    /// A block of the cache's pool.
+    pub block: usize,
+    /// A slot of the swap space.
+    pub slot: usize,
+}
+
 /// [`DeviceCache::swap_out`] for every layer's cache with one list: block `b` of layer `l`
-/// goes to slot `slot * layers + l` of `space` for each pair `(b, slot)`, so an all-layer slot
+/// goes to slot `slot * layers + l` of `space` for each move `(b, slot)`, so an all-layer slot
 /// holds one block of every layer (a space of `slots * layers` slots holds `slots` of them).
 /// The caches must share `block_stride`, `num_blocks` and the stream ([`Error::LayerMismatch`]);
 /// everything is checked before anything is enqueued, and the space's ordering event is waited
@@ -188,22 +200,22 @@ fn copy_layers(
 /// `cuMemcpyAsync` per block and layer: they run on the copy engines, not in a kernel.
 pub fn swap_out_all<C: Borrow<DeviceCache>>(
     caches: &[C],
-    moves: &[(usize, usize)],
+    moves: &[SwapMove],
     space: &mut SwapSpace,
 ) -> Result<()> {
     let refs: Vec<&DeviceCache> = caches.iter().map(|c| c.borrow()).collect();
-    swap_layers(&refs, moves.iter().copied(), space, Swap::Out)
+    swap_layers(&refs, moves, space, Swap::Out)
 }
 
-/// [`DeviceCache::swap_in`] for every layer's cache with one list of `(slot, block)` pairs:
-/// the inverse of [`swap_out_all`] (slot `slot * layers + l` goes back to layer `l`).
+/// [`DeviceCache::swap_in`] for every layer's cache with one list: the inverse of
+/// [`swap_out_all`] (slot `slot * layers + l` goes back to block `block` of layer `l`).
 pub fn swap_in_all<C: BorrowMut<DeviceCache>>(
     caches: &mut [C],
-    moves: &[(usize, usize)],
+    moves: &[SwapMove],
     space: &mut SwapSpace,
 ) -> Result<()> {
     let refs: Vec<&DeviceCache> = caches.iter().map(|c| c.borrow()).collect();
-    swap_layers(&refs, moves.iter().map(|&(s, b)| (b, s)), space, Swap::In)
+    swap_layers(&refs, moves, space, Swap::In)
 }
 
 impl DeviceCache {
@@ -227,22 +239,17 @@ impl DeviceCache {
         r
     }
 
-    /// Copy blocks to slots of `space` (pairs `(block, slot)`), asynchronously on the cache's
-    /// stream: the blocks of a preempted sequence. The blocks may be reused as soon as this
-    /// returns (later work on the stream runs after the copies).
-    pub fn swap_out(&self, moves: &[(usize, usize)], space: &mut SwapSpace) -> Result<()> {
-        swap_layers(&[self], moves.iter().copied(), space, Swap::Out)
+    /// Copy each move's block to its slot of `space`, asynchronously on the cache's stream: the
+    /// blocks of a preempted sequence. The blocks may be reused as soon as this returns (later
+    /// work on the stream runs after the copies).
+    pub fn swap_out(&self, moves: &[SwapMove], space: &mut SwapSpace) -> Result<()> {
+        swap_layers(&[self], moves, space, Swap::Out)
     }
 
-    /// Copy slots of `space` back into blocks (pairs `(slot, block)`), asynchronously on the
-    /// cache's stream, after any swap-out into those slots queued earlier.
-    pub fn swap_in(&mut self, moves: &[(usize, usize)], space: &mut SwapSpace) -> Result<()> {
-        swap_layers(
-            &[&*self],
-            moves.iter().map(|&(s, b)| (b, s)),
-            space,
-            Swap::In,
-        )
+    /// Copy each move's slot of `space` back into its block, asynchronously on the cache's
+    /// stream, after any swap-out into those slots queued earlier.
+    pub fn swap_in(&mut self, moves: &[SwapMove], space: &mut SwapSpace) -> Result<()> {
+        swap_layers(&[&*self], moves, space, Swap::In)
     }
 
     /// Device address of block `block` (checked by the caller).
@@ -251,13 +258,13 @@ impl DeviceCache {
     }
 }
 
-/// One swap of `(block, slot)` pairs for every cache of `caches` (layer `l` uses space slot
+/// One swap of `moves` for every cache of `caches` (layer `l` uses space slot
 /// [`layer_slot`]`(slot, l, layers)`: `slot` itself for one cache): everything checked first,
 /// then one async copy per block and layer, ordered after the space's last copies on another
 /// stream.
 fn swap_layers(
     caches: &[&DeviceCache],
-    moves: impl Iterator<Item = (usize, usize)> + Clone,
+    moves: &[SwapMove],
     space: &mut SwapSpace,
     dir: Swap,
 ) -> Result<()> {
@@ -266,7 +273,12 @@ fn swap_layers(
     }
     let layers = caches.len();
     for (l, c) in caches.iter().enumerate() {
-        space.check(c, moves.clone().map(|(b, s)| (b, layer_slot(s, l, layers))))?;
+        space.check(
+            c,
+            moves
+                .iter()
+                .map(|m| (m.block, layer_slot(m.slot, l, layers))),
+        )?;
     }
     let gpu = caches[0].gpu().clone();
     gpu.bind()?;
@@ -278,7 +290,7 @@ fn swap_layers(
         .as_mut_slice()
         .map_err(driver_err("mapping swap space"))?;
     for (l, cache) in caches.iter().enumerate() {
-        for (block, slot) in moves.clone() {
+        for &SwapMove { block, slot } in moves {
             let slot = layer_slot(slot, l, layers);
             let dev = cache.block_ptr(block);
             let host = &mut host[slot * bytes..(slot + 1) * bytes];

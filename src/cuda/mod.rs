@@ -33,7 +33,7 @@ pub mod probe;
 pub mod sys;
 mod tables;
 
-pub use blocks::{SwapSpace, copy_blocks_all, swap_in_all, swap_out_all};
+pub use blocks::{SwapMove, SwapSpace, copy_blocks_all, swap_in_all, swap_out_all};
 pub use decode::{DecodeCapacity, DecodePlan, DecodeStep, DecodeWorkspace, RowStrides};
 pub use device::{AppendCounters, DeviceCache};
 pub use prefill::{
