@@ -1056,6 +1056,24 @@ fn unsupported_and_bad_arguments_are_errors() {
             .decode(&mut ws, &dcache, &dt_long, &q, &mut out, None)
             .is_err()
     );
+    // decode() is one token per sequence: a plan with room for more says so instead of
+    // guessing the step's q_len.
+    let two = DecodePlan::new(
+        &gpu,
+        dcache.layout(),
+        DecodeCapacity {
+            max_batch: 1,
+            num_q_heads: 4,
+            max_q_len: 2,
+            max_context_len: 32,
+        },
+    )
+    .unwrap();
+    let mut ws2 = DecodeWorkspace::new(&two).unwrap();
+    assert!(matches!(
+        two.decode(&mut ws2, &dcache, &dt, &q, &mut out, None),
+        Err(Error::InvalidArgument(_))
+    ));
     // And the valid call works: constant V of 0.5 gives 0.5 everywhere, lse = ln(20) + logit.
     plan.decode(&mut ws, &dcache, &dt, &q, &mut out, None)
         .unwrap();

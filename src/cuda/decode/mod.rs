@@ -623,10 +623,13 @@ impl DecodePlan {
         Ok(())
     }
 
-    /// One decode step over contiguous `[batch, num_q_heads, q_len, head_dim]` queries and
-    /// outputs of one type, `q_len` the plan's `max_q_len` ([`capacity`](Self::capacity)),
-    /// `batch` the tables' current batch; `lse` (if given) `[batch, num_q_heads, q_len]`. See
-    /// [`decode_step`](Self::decode_step).
+    /// One decode step of one new token per sequence, over contiguous `[batch, num_q_heads,
+    /// head_dim]` queries and outputs of one type, `batch` the tables' current batch; `lse` (if
+    /// given) `[batch, num_q_heads]`. See [`decode_step`](Self::decode_step).
+    ///
+    /// For plans of `max_q_len` 1 only ([`Error::InvalidArgument`] otherwise): with room for
+    /// more tokens, which `q_len` a step has is the caller's to say, in
+    /// [`DecodeStep::q_len`](DecodeStep) of [`decode_step`](Self::decode_step).
     pub fn decode<T: DecodeElement>(
         &self,
         ws: &mut DecodeWorkspace,
@@ -636,11 +639,14 @@ impl DecodePlan {
         out: &mut CudaSlice<T>,
         lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<()> {
-        let (h, n, d) = (
-            self.cap.num_q_heads,
-            self.cap.max_q_len,
-            self.layout.config.head_dim,
-        );
+        if self.cap.max_q_len != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "DecodePlan::decode serves one token per sequence; this plan has max_q_len {} \
+                 (use decode_step, whose DecodeStep names the step's q_len)",
+                self.cap.max_q_len
+            )));
+        }
+        let (h, n, d) = (self.cap.num_q_heads, 1, self.layout.config.head_dim);
         let rows = RowStrides::batch_head_token(h, n, d);
         self.decode_step(
             ws,
