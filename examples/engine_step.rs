@@ -179,7 +179,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         gpu: gpu.clone(),
         dev,
         host,
-        alloc: BlockAllocator::new(NUM_BLOCKS, BS)?,
+        alloc: BlockAllocator::for_config(&config, NUM_BLOCKS)?,
         requests: Vec::new(),
         free_rows: (0..CAPACITY).rev().collect(),
         rewrite: HashSet::new(),

@@ -34,7 +34,7 @@ fn run() -> kvq::Result<()> {
     )?;
     let num_blocks = 4096;
     let mut cache = DeviceCache::new(&gpu, config, num_blocks)?; // one layer's pool
-    let mut alloc = BlockAllocator::new(num_blocks, block)?; // one allocator for every layer
+    let mut alloc = BlockAllocator::for_config(&config, num_blocks)?; // one for every layer
 
     // Once, for the capacity: the plan, its workspace and the block tables.
     let (max_batch, max_q_len, max_context_len) = (64, 1, 8192);
@@ -49,7 +49,8 @@ fn run() -> kvq::Result<()> {
         },
     )?;
     let mut ws = DecodeWorkspace::new(&plan)?;
-    let mut tables = DeviceBlockTables::with_capacity(&cache, max_batch, max_context_len / block)?;
+    let mut tables =
+        DeviceBlockTables::with_capacity(&cache, max_batch, max_context_len.div_ceil(block))?;
     // The engine's tensors: K/V rows [tokens, kv_heads, d], q and out [tokens, heads, d].
     let k_new = s.alloc_zeros::<kvq::half::f16>(max_batch * kv_heads * d)?;
     let v_new = s.alloc_zeros::<kvq::half::f16>(max_batch * kv_heads * d)?;

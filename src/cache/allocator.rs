@@ -11,7 +11,7 @@ use std::fmt;
 
 use super::tables::BlockTables;
 use crate::error::{Error, Result, reserved};
-use crate::layout::MAX_BLOCK_SIZE;
+use crate::layout::{CacheConfig, MAX_BLOCK_SIZE};
 
 /// Identifies a sequence inside one [`BlockAllocator`]. Ids are never reused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -121,7 +121,15 @@ pub struct BlockAllocator {
 }
 
 impl BlockAllocator {
-    /// An allocator over `num_blocks` blocks of `block_size` tokens, all free.
+    /// An allocator over the `num_blocks` blocks of caches of `config`, all free: its block size
+    /// is the caches', which nothing downstream could check (slots and tables counted in
+    /// another block size address other tokens of the pool, silently). Errors as [`new`](Self::new).
+    pub fn for_config(config: &CacheConfig, num_blocks: usize) -> Result<Self> {
+        Self::new(num_blocks, config.block_size)
+    }
+
+    /// An allocator over `num_blocks` blocks of `block_size` tokens, all free. `block_size`
+    /// must be the cache's ([`for_config`](Self::for_config) takes it from there).
     ///
     /// `num_blocks` must be in `1..=i32::MAX` (block tables are i32) and `block_size` in
     /// `1..=MAX_BLOCK_SIZE`.
@@ -380,6 +388,17 @@ impl BlockAllocator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::KvFormat;
+
+    #[test]
+    fn for_config_takes_the_caches_block_size() {
+        let config = CacheConfig::new(2, 64, 32, KvFormat::Fp8E4m3, KvFormat::Fp8E4m3).unwrap();
+        let mut a = BlockAllocator::for_config(&config, 8).unwrap();
+        let s = a.create_sequence();
+        assert_eq!(a.reserve(s, 33).unwrap().slots[32], 32);
+        assert_eq!(a.block_table(s).unwrap().len(), 2);
+        assert!(BlockAllocator::for_config(&config, 0).is_err());
+    }
 
     #[test]
     fn reserve_fork_cow_free() {
