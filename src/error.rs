@@ -23,8 +23,9 @@ pub enum Error {
         value: usize,
         expected: &'static str,
     },
-    /// A buffer or tensor has the wrong number of elements or bytes.
-    #[error("{what}: expected {expected} elements, got {actual}")]
+    /// A buffer or tensor has the wrong number of elements or bytes (`what` says which, and
+    /// whether `expected` is the exact count or the least that fits).
+    #[error("{what}: expected {expected}, got {actual}")]
     Length {
         what: &'static str,
         expected: usize,
@@ -33,8 +34,9 @@ pub enum Error {
     /// A scale is not a positive finite f32.
     #[error("{what}: scale {value} must be positive and finite")]
     Scale { what: &'static str, value: f32 },
-    /// Non-finite inputs met while quantizing with `strict` set.
-    #[error("{count} non-finite input value(s) while quantizing {what}")]
+    /// Non-finite values where finite ones are needed: inputs quantized with `strict` set,
+    /// queries, sinks, slopes, or a reference result that overflowed.
+    #[error("{count} non-finite value(s) in {what}")]
     NonFinite { what: &'static str, count: u64 },
     /// The block pool has no free block left.
     #[error("out of cache blocks: need {needed}, {free} free of {total}")]
