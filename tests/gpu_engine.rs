@@ -840,7 +840,7 @@ fn copy_lists_apply_in_order_as_on_the_host() {
 }
 
 /// `layers` host caches of `nb` blocks with different random tokens in every slot, and their
-/// device copies on `gpu`: layers of one allocation (`DeviceCache::new_layers`, as an engine
+/// device copies on `gpu`: layers of one allocation (`DeviceCache::new_per_layer`, as an engine
 /// sizes its whole cache), each uploaded from its host cache.
 fn random_layers(
     gpu: &Gpu,
@@ -859,7 +859,7 @@ fn random_layers(
             h
         })
         .collect();
-    let mut devs = DeviceCache::new_layers(gpu, config, nb, layers).unwrap();
+    let mut devs = DeviceCache::new_per_layer(gpu, config, layers, nb).unwrap();
     for (d, h) in devs.iter_mut().zip(&hosts) {
         d.upload(h).unwrap();
     }
@@ -969,11 +969,13 @@ fn copy_lists_apply_to_every_layer_at_once() {
         last.upload(&other),
         Err(Error::InvalidArgument(_))
     ));
-    assert!(
-        DeviceCache::new_layers(&gpu, *last.config(), nb, 0)
-            .unwrap()
-            .is_empty()
-    );
+    assert!(matches!(
+        DeviceCache::new_per_layer(&gpu, *last.config(), 0, nb),
+        Err(Error::Config {
+            what: "num_layers",
+            ..
+        })
+    ));
 }
 
 /// `swap_out_all` / `swap_in_all` move a block list of every layer through one swap space

@@ -28,7 +28,7 @@ pub struct AppendCounters {
 }
 
 /// Where a layer's pool lives: an allocation of its own, or a range of one allocation that
-/// several layers share ([`DeviceCache::new_layers`]; the allocation is freed with its last
+/// several layers share ([`DeviceCache::new_per_layer`]; the allocation is freed with its last
 /// layer). Each layer alone reads and writes its range.
 #[derive(Debug)]
 enum PoolMemory {
@@ -119,31 +119,37 @@ impl DeviceCache {
         Self::with_pool(gpu, layout, num_blocks, PoolMemory::Own(pool))
     }
 
-    /// `layers` caches as [`new`](Self::new) builds them, whose pools are ranges of one device
-    /// allocation (each 256-byte aligned): one `cuMemAlloc` for a model's whole KV cache, as
-    /// engines that size it once at start-up ask. Each cache is used and dropped on its own;
-    /// the allocation is freed when the last of them is.
-    pub fn new_layers(
+    /// `num_layers` caches as [`new`](Self::new) builds them (the arguments in the order of
+    /// [`PagedKvCache::new`](crate::cache::PagedKvCache::new)), whose pools are ranges of one
+    /// device allocation (each 256-byte aligned): one `cuMemAlloc` for a model's whole KV cache,
+    /// as engines that size it once at start-up ask. Each cache is used and dropped on its own;
+    /// the allocation is freed when the last of them is. Errors: [`Error::Config`] for no
+    /// layers or pools too large together, and as [`new`](Self::new).
+    pub fn new_per_layer(
         gpu: &Gpu,
         config: CacheConfig,
+        num_layers: usize,
         num_blocks: usize,
-        layers: usize,
     ) -> Result<Vec<Self>> {
+        if num_layers == 0 {
+            return Err(Error::Config {
+                what: "num_layers",
+                value: 0,
+                expected: "at least 1",
+            });
+        }
         let (layout, bytes) = pool_bytes(config, num_blocks)?;
         let stride = bytes.next_multiple_of(LAYER_ALIGN);
         let total = stride
-            .checked_mul(layers)
+            .checked_mul(num_layers)
             .filter(|&t| t <= isize::MAX as usize)
             .ok_or(Error::Config {
-                what: "layers",
-                value: layers,
+                what: "num_layers",
+                value: num_layers,
                 expected: "pools whose total size fits in memory",
             })?;
-        if layers == 0 {
-            return Ok(Vec::new());
-        }
         let memory = Arc::new(poisoned(gpu, total, "allocating the layers' pools")?);
-        (0..layers)
+        (0..num_layers)
             .map(|l| {
                 let pool = PoolMemory::Shared {
                     memory: memory.clone(),
@@ -211,7 +217,7 @@ impl DeviceCache {
 
     /// Overwrite this cache with `host`'s pool bytes and FP8 scales (same configuration and
     /// block count), e.g. to restore a saved cache into a layer of
-    /// [`new_layers`](Self::new_layers).
+    /// [`new_per_layer`](Self::new_per_layer).
     pub fn upload(&mut self, host: &HostCache) -> Result<()> {
         if host.config() != self.config() || host.num_blocks() != self.num_blocks {
             return Err(Error::InvalidArgument(format!(
@@ -348,7 +354,7 @@ impl DeviceCache {
     }
 
     /// The pool in device memory (its range of a shared allocation for
-    /// [`new_layers`](Self::new_layers)' caches).
+    /// [`new_per_layer`](Self::new_per_layer)' caches).
     pub fn pool(&self) -> CudaView<'_, u8> {
         match &self.pool {
             PoolMemory::Own(p) => p.as_view(),
