@@ -192,8 +192,9 @@ impl PrefillPlan {
     /// and no cap.
     ///
     /// Errors: [`Error::Unsupported`] for a layout without a kernel (head_dim, format pair,
-    /// block size not a multiple of 16); [`Error::InvalidArgument`] for zero sizes or heads
-    /// that are not a multiple of the KV heads.
+    /// block size not a multiple of 16); [`Error::Config`] for a zero size (as
+    /// [`DecodePlan::new`]); [`Error::InvalidArgument`] for heads that are not a multiple of
+    /// the KV heads.
     pub fn new(gpu: &Gpu, layout: &BlockLayout, cap: PrefillCapacity) -> Result<Self> {
         let PrefillCapacity {
             max_batch,
@@ -203,10 +204,19 @@ impl PrefillPlan {
         } = cap;
         let c = &layout.config;
         c.validate()?;
-        if max_batch == 0 || max_tokens == 0 || num_q_heads == 0 || max_context_len == 0 {
-            return Err(Error::InvalidArgument(
-                "prefill plan: batch, tokens, heads and context must be at least 1".into(),
-            ));
+        for (what, value) in [
+            ("max_batch", max_batch),
+            ("num_q_heads", num_q_heads),
+            ("max_tokens", max_tokens),
+            ("max_context_len", max_context_len),
+        ] {
+            if value == 0 {
+                return Err(Error::Config {
+                    what,
+                    value,
+                    expected: "at least 1",
+                });
+            }
         }
         if num_q_heads % c.num_kv_heads != 0 {
             return Err(Error::InvalidArgument(format!(
@@ -762,7 +772,11 @@ pub fn merge_states<T: DeviceElement>(
 ) -> Result<()> {
     let rows = a_lse.len();
     if head_dim == 0 {
-        return Err(Error::InvalidArgument("merge_states: head_dim is 0".into()));
+        return Err(Error::Config {
+            what: "head_dim",
+            value: 0,
+            expected: "at least 1",
+        });
     }
     let elems = rows.checked_mul(head_dim).ok_or(Error::Overflow {
         what: "merge_states rows × head_dim",
