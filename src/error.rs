@@ -12,37 +12,59 @@ pub enum Error {
         "head_dim {head_dim} is not valid for {format}: it must be a positive multiple of {multiple}"
     )]
     HeadDim {
+        /// The head_dim asked for.
         head_dim: usize,
+        /// The format that cannot take it.
         format: KvFormat,
+        /// What head_dim must be a multiple of.
         multiple: usize,
     },
     /// A configuration value is out of its valid range.
     #[error("invalid {what}: {value} ({expected})")]
     Config {
+        /// The setting, e.g. `block_size`.
         what: &'static str,
+        /// Its value.
         value: usize,
+        /// The range it must be in.
         expected: &'static str,
     },
     /// A buffer or tensor has the wrong number of elements or bytes (`what` says which, and
     /// whether `expected` is the exact count or the least that fits).
     #[error("{what}: expected {expected}, got {actual}")]
     Length {
+        /// The buffer, with its shape.
         what: &'static str,
+        /// The length it must have (or the least that fits, where `what` says so).
         expected: usize,
+        /// The length it has.
         actual: usize,
     },
     /// A scale is not a positive finite f32.
     #[error("{what}: scale {value} must be positive and finite")]
-    Scale { what: &'static str, value: f32 },
+    Scale {
+        /// Whose scale.
+        what: &'static str,
+        /// The scale given.
+        value: f32,
+    },
     /// Non-finite values where finite ones are needed: inputs quantized with `strict` set,
     /// queries, sinks, slopes, or a reference result that overflowed.
     #[error("{count} non-finite value(s) in {what}")]
-    NonFinite { what: &'static str, count: u64 },
+    NonFinite {
+        /// Where they were met.
+        what: &'static str,
+        /// How many.
+        count: u64,
+    },
     /// The block pool has no free block left.
     #[error("out of cache blocks: need {needed}, {free} free of {total}")]
     OutOfBlocks {
+        /// Blocks the call needs.
         needed: usize,
+        /// Blocks free now.
         free: usize,
+        /// Blocks of the pool.
         total: usize,
     },
     /// A sequence id that the allocator does not know (never created, or already freed).
@@ -50,24 +72,40 @@ pub enum Error {
     UnknownSequence(u64),
     /// A block index outside the pool.
     #[error("block {block} is outside the pool of {num_blocks} blocks")]
-    BlockIndex { block: usize, num_blocks: usize },
+    BlockIndex {
+        /// The block id given.
+        block: usize,
+        /// Blocks of the pool.
+        num_blocks: usize,
+    },
     /// A size product computed from the arguments (such as `head_dim × bits` or
     /// `tokens × (heads × head_dim)`) does not fit in `usize`, or exceeds the bytes one
     /// allocation can hold (`isize::MAX`, less where a sum of such products must fit too).
     #[error("{what}: {lhs} × {rhs} overflows the addressable size")]
     Overflow {
+        /// The size computed, as `a × b`.
         what: &'static str,
+        /// Its first factor.
         lhs: usize,
+        /// Its second factor.
         rhs: usize,
     },
     /// Memory for a buffer of a valid size could not be allocated.
     #[error("cannot allocate {bytes} bytes for {what}")]
-    Alloc { what: &'static str, bytes: usize },
+    Alloc {
+        /// The buffer.
+        what: &'static str,
+        /// Its size.
+        bytes: usize,
+    },
     /// An index argument of an accessor is out of range.
     #[error("{what} {index} is out of range (there are {len})")]
     Index {
+        /// What was indexed.
         what: &'static str,
+        /// The index given.
         index: usize,
+        /// How many there are.
         len: usize,
     },
     /// An argument combination that is valid in general but not supported by this path.
@@ -118,9 +156,13 @@ pub enum Error {
     /// (`kvq::cuda::copy_blocks_all`) that differs from layer 0 in shape or stream.
     #[error("layer {layer}: {what} is {actual}, the cache was built with {expected}")]
     LayerMismatch {
+        /// The layer that differs.
         layer: usize,
+        /// What differs, e.g. `config` or `stream`.
         what: &'static str,
+        /// What the cache (or layer 0) has.
         expected: String,
+        /// What this layer has.
         actual: String,
     },
 }

@@ -75,6 +75,7 @@
 
 // Every unsafe operation sits in its own `unsafe` block with a `// SAFETY:` line, also inside
 // `unsafe fn`s (whose bodies would otherwise be one implicit unsafe block).
+#![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 // docs.rs (nightly, `--cfg docsrs`) marks feature-gated items with the feature they need.
 #![cfg_attr(docsrs, feature(doc_cfg))]

@@ -125,12 +125,19 @@ fn saturating_usize(x: u64) -> usize {
 pub struct DecodeCase {
     /// Name of the shape family (e.g. `llama3-8b`, `8x22b-tp8`, `mha-32`).
     pub case: Cow<'static, str>,
+    /// Sequences.
     pub batch: usize,
+    /// Tokens of every sequence (new ones included).
     pub context_len: usize,
+    /// Query heads.
     pub num_q_heads: usize,
+    /// KV heads.
     pub num_kv_heads: usize,
+    /// Elements per head.
     pub head_dim: usize,
+    /// Tokens per block of the pool.
     pub block_size: usize,
+    /// New tokens per sequence.
     pub q_len: usize,
 }
 
@@ -171,7 +178,9 @@ pub struct DecodeBenchRow {
     /// What was measured.
     #[serde(flatten)]
     pub shape: DecodeCase,
+    /// Key format (its short name).
     pub k_format: String,
+    /// Value format (its short name).
     pub v_format: String,
     /// Split-KV partitions the plan chose.
     pub splits: usize,
@@ -290,6 +299,7 @@ pub struct DecodeBenchReport {
     pub ceiling_probe: Option<ReadCeiling>,
     /// kvq version that produced it.
     pub kvq_version: String,
+    /// The measured configurations.
     pub rows: Vec<DecodeBenchRow>,
 }
 

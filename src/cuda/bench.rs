@@ -349,10 +349,15 @@ pub fn read_ceiling_with(
 
 /// A cache filled with synthetic data and everything one decode call of a case needs.
 pub struct PreparedDecode {
+    /// The shape.
     pub case: DecodeCase,
+    /// The pool, filled by the append kernel.
     pub cache: DeviceCache,
+    /// One table row per sequence, pages in random order.
     pub tables: DeviceBlockTables,
+    /// The plan of the case's capacity.
     pub plan: DecodePlan,
+    /// The plan's workspace.
     pub workspace: DecodeWorkspace,
     q: Query,
 }

@@ -29,7 +29,7 @@ pub mod probe;
 /// Nothing here is safe to call directly: the launchers trust their arguments (kvq.h says
 /// so). [`ops`] and [`decode`] validate, then call these and map the status through one
 /// function.
-#[allow(non_camel_case_types, non_upper_case_globals)]
+#[allow(non_camel_case_types, non_upper_case_globals, missing_docs)]
 pub mod sys;
 mod tables;
 
@@ -381,7 +381,9 @@ pub fn device_summary() -> Vec<String> {
 
 /// For GPU tests: device 0, or `None` after printing `SKIPPED: no GPU` when there is none.
 /// With `KVQ_REQUIRE_GPU=1` a missing GPU panics instead, so it cannot pass silently where a
-/// GPU is expected.
+/// GPU is expected. Hidden from the docs: kvq's own tests and examples use it, an engine has
+/// no use for it.
+#[doc(hidden)]
 pub fn require_gpu_or_skip(test_name: &str) -> Option<Gpu> {
     match Gpu::new(0) {
         Ok(g) => Some(g),

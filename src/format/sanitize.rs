@@ -18,6 +18,7 @@ pub fn sanitize(x: f32) -> (f32, bool) {
 
 /// Element types a quantizer accepts, converted to f32 exactly.
 pub trait Element: Copy + Send + Sync + 'static {
+    /// The value as f32 (exact for f32, f16 and bf16).
     fn to_f32(self) -> f32;
 }
 
