@@ -487,7 +487,7 @@ impl PrefillPlan {
                 )));
             }
             let n = (qo[b + 1] - qo[b]) as usize;
-            let len = tables.len(b).unwrap_or(0);
+            let len = tables.context_len(b).unwrap_or(0);
             if n > len {
                 return Err(Error::InvalidArgument(format!(
                     "sequence {b} has {n} new tokens but a context of {len} (append them first)"

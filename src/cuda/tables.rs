@@ -561,8 +561,8 @@ impl DeviceBlockTables {
     pub fn min_context_len(&self) -> usize {
         self.min_nonzero_len
     }
-    /// Length of row `row` on the host (uploaded or not).
-    pub fn len(&self, row: usize) -> Option<usize> {
+    /// Context length of row `row` on the host (uploaded or not; None outside the capacity).
+    pub fn context_len(&self, row: usize) -> Option<usize> {
         (row < self.capacity).then(|| self.host[row] as usize)
     }
     /// Blocks set in row `row` (None outside the capacity): where [`push_block`](Self::push_block)
