@@ -135,7 +135,8 @@ impl HostCache {
     /// over the sanitized samples (FORMATS.md): an FP8 side gets `s = amax / max_finite` per
     /// tensor or per KV head as `granularity` says; an FP4 side its global scales
     /// `g = amax / 2688` per KV head whatever `granularity` says (FORMATS.md defines `g` per
-    /// head); both 1.0 when amax is 0. A side without a head scale keeps 1.0.
+    /// head); both 1.0 when amax is 0. A side without a head scale keeps 1.0. (The name is
+    /// FP8's, the first format with a head scale; FP4's are set here too.)
     pub fn calibrate_fp8_scales<T: Element>(
         &mut self,
         k: &[T],

@@ -1,6 +1,6 @@
 //! [`DeviceCache`]: one layer's quantized K/V pool in device memory, byte for byte the layout of
-//! a [`HostCache`] (both follow [`BlockLayout`]), plus the FP8 per-KV-head scales and the device
-//! counters the append kernels report into.
+//! a [`HostCache`] (both follow [`BlockLayout`]), plus the per-KV-head scales (FP8 `s`, FP4 `g`)
+//! and the device counters the append kernels report into.
 
 use std::sync::Arc;
 
@@ -93,7 +93,8 @@ pub(crate) fn raw_layout(l: &BlockLayout) -> Result<sys::kvq_layout> {
     })
 }
 
-/// Check FP8 scales as [`HostCache::set_scales`] does: `heads` each, positive and finite.
+/// Check head scales (FP8 `s`, FP4 `g`) as [`HostCache::set_scales`] does: `heads` each,
+/// positive and finite.
 fn check_scales(heads: usize, k: &[f32], v: &[f32]) -> Result<()> {
     for (what, s) in [("k_scales", k), ("v_scales", v)] {
         if s.len() != heads {
@@ -111,7 +112,7 @@ fn check_scales(heads: usize, k: &[f32], v: &[f32]) -> Result<()> {
 }
 
 impl DeviceCache {
-    /// An all-[`POISON`] pool of `num_blocks` blocks for `config` on `gpu`, FP8 scales 1.0,
+    /// An all-[`POISON`] pool of `num_blocks` blocks for `config` on `gpu`, head scales 1.0,
     /// exactly what [`HostCache::new`] builds on the host.
     pub fn new(gpu: &Gpu, config: CacheConfig, num_blocks: usize) -> Result<Self> {
         let (layout, bytes) = pool_bytes(config, num_blocks)?;
@@ -161,7 +162,7 @@ impl DeviceCache {
             .collect()
     }
 
-    /// The cache around `pool` (POISON-filled, `layout.block_stride * num_blocks` bytes): FP8
+    /// The cache around `pool` (POISON-filled, `layout.block_stride * num_blocks` bytes): head
     /// scales 1.0, counters zero.
     fn with_pool(
         gpu: &Gpu,
@@ -208,14 +209,14 @@ impl DeviceCache {
         })
     }
 
-    /// A device copy of `host`: pool bytes and FP8 scales.
+    /// A device copy of `host`: pool bytes and head scales.
     pub fn from_host(gpu: &Gpu, host: &HostCache) -> Result<Self> {
         let mut d = DeviceCache::new(gpu, *host.config(), host.num_blocks())?;
         d.upload(host)?;
         Ok(d)
     }
 
-    /// Overwrite this cache with `host`'s pool bytes and FP8 scales (same configuration and
+    /// Overwrite this cache with `host`'s pool bytes and head scales (same configuration and
     /// block count), e.g. to restore a saved cache into a layer of
     /// [`new_per_layer`](Self::new_per_layer).
     pub fn upload(&mut self, host: &HostCache) -> Result<()> {
@@ -304,7 +305,7 @@ impl DeviceCache {
         Ok(h)
     }
 
-    /// Set the FP8 scales (`num_kv_heads` each, positive and finite), as
+    /// Set the head scales (FP8 `s`, FP4 `g`; `num_kv_heads` each, positive and finite), as
     /// [`HostCache::set_scales`]. Rows already written keep the codes they were quantized with.
     pub fn set_scales(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
         check_scales(self.config().num_kv_heads, k, v)?;
@@ -343,12 +344,12 @@ impl DeviceCache {
         self.num_blocks * self.layout.config.block_size
     }
 
-    /// FP8 key scales, one per KV head (host copy).
+    /// Key head scales (FP8 `s`, FP4 `g`), one per KV head (host copy).
     pub fn k_scales(&self) -> &[f32] {
         &self.host_k_scales
     }
 
-    /// FP8 value scales, one per KV head (host copy).
+    /// Value head scales (FP8 `s`, FP4 `g`), one per KV head (host copy).
     pub fn v_scales(&self) -> &[f32] {
         &self.host_v_scales
     }
