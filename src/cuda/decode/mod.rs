@@ -931,7 +931,7 @@ impl DecodePlan {
 /// pointer).
 #[derive(Debug, Clone, Copy)]
 pub struct RawDecodeArgs {
-    /// The cache (pool, FP8 scales, layout).
+    /// The cache (pool, head scales, layout).
     pub cache: sys::kvq_cache,
     /// Blocks in the pool.
     pub num_blocks: usize,
@@ -975,6 +975,13 @@ pub struct RawDecodeArgs {
     /// [`DecodeStep::alibi_slopes`]).
     pub alibi_slopes: CUdeviceptr,
 }
+
+// SAFETY: plain data: the pointers inside `cache` are device addresses the host never
+// dereferences, as every other field's CUdeviceptr; launching with them takes
+// `decode_raw`'s unsafe contract, whichever thread made them.
+unsafe impl Send for RawDecodeArgs {}
+// SAFETY: as for Send; nothing in it is mutated through a shared reference.
+unsafe impl Sync for RawDecodeArgs {}
 
 #[cfg(test)]
 mod tests {
