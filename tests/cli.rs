@@ -479,6 +479,44 @@ fn bad_inputs_fail_cleanly() {
     );
 
     assert_fails(&["eval", g], &out, "no layer");
+
+    // No output replaces an input of the run or a read-only file; a layer listed twice is
+    // refused.
+    assert_fails(
+        &["quantize", "--format", "int4-k32", g, g],
+        &good,
+        "is an input of this command",
+    );
+    let layer = dir.join("layer.st");
+    growing_layer(&layer, 32, 1.0);
+    let l = arg(&layer);
+    assert_fails(&["calibrate", l, l], &layer, "is an input of this command");
+    let plan = dir.join("plan.json");
+    assert_fails(
+        &["eval", l, "--budget", "0.05", "--plan-out", l],
+        &layer,
+        "is an input of this command",
+    );
+    let locked = dir.join("locked.st");
+    fs::write(&locked, b"keep").unwrap();
+    let mut perms = fs::metadata(&locked).unwrap().permissions();
+    perms.set_readonly(true);
+    fs::set_permissions(&locked, perms).unwrap();
+    assert_fails(
+        &["quantize", "--format", "int4-k32", g, arg(&locked)],
+        &locked,
+        "is read-only",
+    );
+    assert_fails(
+        &["calibrate", l, arg(&plan), "--layers", "0,0"],
+        &plan,
+        "names layer 0 twice",
+    );
+    assert_fails(
+        &["eval", l, "--layers", "0,0"],
+        &plan,
+        "names layer 0 twice",
+    );
 }
 
 #[test]

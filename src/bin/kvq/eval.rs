@@ -1160,6 +1160,9 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     let budget = args.budget.map(plan::check_budget).transpose()?;
     let scales = args.scales.as_deref().map(ScalesFile::read).transpose()?;
     let given_plan = args.plan.as_deref().map(Plan::read).transpose()?;
+    if let Some(path) = &args.plan {
+        files::note_input(path);
+    }
     let file_kind = scales.as_ref().map(ScalesFile::kind);
     let file = match &args.input {
         Some(path) => Some(InputFile::read(path)?),

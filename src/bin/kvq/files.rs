@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use half::{bf16, f16};
 use kvq::dense::{StoredDtype, StoredTensor};
@@ -12,6 +13,42 @@ use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 
 use crate::CliError;
+
+/// The files this run reads (canonical paths): no output may replace one.
+static INPUTS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Note `path` as an input of this run, so that no output of it replaces the file.
+pub fn note_input(path: &Path) {
+    if let Ok(p) = fs::canonicalize(path) {
+        INPUTS.lock().unwrap_or_else(|e| e.into_inner()).push(p);
+    }
+}
+
+/// Refuse an output path that would replace an input of this run or a read-only file.
+fn check_output(path: &Path) -> Result<(), CliError> {
+    let Ok(meta) = fs::metadata(path) else {
+        return Ok(()); // a new file
+    };
+    let shown = path.display();
+    let input = fs::canonicalize(path).is_ok_and(|p| {
+        INPUTS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&p)
+    });
+    if input {
+        return Err(CliError::new(format!(
+            "'{shown}' is an input of this command: write the output to another path"
+        )));
+    }
+    if meta.permissions().readonly() {
+        return Err(CliError::new(format!(
+            "'{shown}' is read-only: kvq does not replace it (write elsewhere, or remove it \
+             first)"
+        )));
+    }
+    Ok(())
+}
 
 /// A safetensors file read into memory.
 pub struct InputFile {
@@ -24,6 +61,7 @@ impl InputFile {
     pub fn read(path: &Path) -> Result<Self, CliError> {
         let bytes = fs::read(path)
             .map_err(|e| CliError::new(format!("cannot read '{}': {e}", path.display())))?;
+        note_input(path);
         Ok(InputFile {
             path: path.to_path_buf(),
             bytes,
@@ -153,8 +191,10 @@ pub fn write_atomic(
     write_bytes_atomic(path, &bytes)
 }
 
-/// Write `bytes` to `path` all or nothing, through `path.tmp` as [`write_atomic`] does.
+/// Write `bytes` to `path` all or nothing, through `path.tmp` as [`write_atomic`] does; never
+/// over an input of this run or a read-only file.
 pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
+    check_output(path)?;
     let mut tmp = OsString::from(path.as_os_str());
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -269,6 +309,13 @@ pub fn choose_layers(
         return Err(CliError::new(format!(
             "layer {l} is not in '{source}' (it has layers {available:?})"
         )));
+    }
+    if let Some(l) = requested
+        .iter()
+        .enumerate()
+        .find_map(|(i, l)| requested[..i].contains(l).then_some(l))
+    {
+        return Err(CliError::new(format!("--layers names layer {l} twice")));
     }
     Ok(if requested.is_empty() {
         available.to_vec()
