@@ -538,6 +538,8 @@ fn usage_errors_exit_2() {
         ],
         &["frobnicate"],
         &[],
+        // More outlier channels than the synthetic head_dim (128) has.
+        &["eval", "--outliers", "129:8"],
     ] {
         let out = kvq(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");

@@ -152,18 +152,23 @@ impl std::str::FromStr for Outliers {
         .and_then(|(n, x, o)| {
             let scale: f32 = x.parse().ok()?;
             let offset: f32 = o.parse().ok()?;
-            (scale.is_finite() && scale > 0.0 && offset.is_finite() && offset >= 0.0).then_some(
-                Outliers {
-                    channels: n.parse().ok()?,
+            let channels: usize = n.parse().ok()?;
+            (channels <= SYNTH_HEAD_DIM
+                && scale.is_finite()
+                && scale > 0.0
+                && offset.is_finite()
+                && offset >= 0.0)
+                .then_some(Outliers {
+                    channels,
                     scale,
                     offset,
-                },
-            )
+                })
         });
         parsed.ok_or_else(|| {
             format!(
-                "'{s}' is not N:SCALE or N:SCALE:OFFSET (a channel count, a positive finite \
-                 scale and a finite offset >= 0, e.g. 4:50 or 4:20:10)"
+                "'{s}' is not N:SCALE or N:SCALE:OFFSET (a channel count up to the synthetic \
+                 head_dim {SYNTH_HEAD_DIM}, a positive finite scale and a finite offset >= 0, \
+                 e.g. 4:50 or 4:20:10)"
             )
         })
     }
