@@ -568,6 +568,58 @@ fn non_finite_inputs_are_reported_not_fatal() {
 }
 
 #[test]
+fn a_fixed_fp8_scale_that_loses_values_is_reported() {
+    let dir = scratch("fixedscale");
+    let (input, q) = (dir.join("in.st"), dir.join("q.st"));
+    // 1000 x 2 and 0.5 x 14 of 16 values.
+    let mut values = vec![0.5f32; 16];
+    values[0] = 1000.0;
+    values[1] = -1000.0;
+    write_input(
+        &input,
+        &[In {
+            name: "x",
+            dtype: Dtype::F32,
+            shape: vec![1, 16],
+            values,
+        }],
+    );
+    let note = |scale: &str| {
+        let out = kvq(&[
+            "quantize",
+            "--format",
+            "fp8-e4m3",
+            "--scale",
+            scale,
+            arg(&input),
+            arg(&q),
+        ]);
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // 448 x 1 saturates the two large values; 448 x 4 holds them; 1e4's smallest step
+    // (2^-9 x 1e4 = 19.5) flushes the fourteen 0.5s.
+    assert!(note("1").contains("2 value(s) saturated"), "{}", note("1"));
+    assert!(note("4").is_empty(), "{}", note("4"));
+    assert!(
+        note("1e4").contains("14 nonzero value(s) flushed"),
+        "{}",
+        note("1e4")
+    );
+    let meta = metadata(&fs::read(&q).unwrap());
+    assert_eq!(
+        meta.get("kvq.scale").map(String::as_str),
+        Some("fixed 10000")
+    );
+    assert!(
+        kvq(&["quantize", "--format", "int8-pth", arg(&input), arg(&q)])
+            .status
+            .success()
+    );
+    assert!(!metadata(&fs::read(&q).unwrap()).contains_key("kvq.scale"));
+}
+
+#[test]
 fn eval_reports_every_pair() {
     let dir = scratch("eval");
     let input = dir.join("layers.st");

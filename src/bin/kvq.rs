@@ -232,11 +232,19 @@ fn quantize_file(
     }
     let bar = progress(names.len(), "quantize");
     let (mut out, mut non_finite, mut bytes_in, mut bytes_out) = (Vec::new(), 0u64, 0, 0);
+    // A fixed FP8 scale: the values it cannot represent, beyond max_finite * s (saturated) or
+    // nonzero below the smallest subnormal's half (flushed to 0).
+    let (mut saturated, mut flushed) = (0usize, 0usize);
     for name in names {
         let view = st
             .tensor(name)
             .map_err(|e| CliError::new(format!("tensor '{name}': {e}")))?;
         let x = files::to_f32(name, &view)?;
+        if let (Some(kind), Some(s)) = (format.fp8_kind(), scale) {
+            let (hi, lo) = (kind.max_finite() * s, kind.min_subnormal() * s / 2.0);
+            saturated += x.iter().filter(|v| v.abs() > hi).count();
+            flushed += x.iter().filter(|v| **v != 0.0 && v.abs() < lo).count();
+        }
         let in_tensor = |e: kvq::Error| CliError::new(format!("tensor '{name}': {e}"));
         let (codes, scales, zeros, global_scales) = match format {
             FileFormat::Rows(format) => {
@@ -265,15 +273,27 @@ fn quantize_file(
         bar.inc(1);
     }
     bar.finish_and_clear();
-    let metadata = HashMap::from([
+    let mut metadata = HashMap::from([
         (META_FORMAT.to_string(), format.to_string()),
         (
             META_VERSION.to_string(),
             env!("CARGO_PKG_VERSION").to_string(),
         ),
-        (META_SCALE.to_string(), scale_note),
     ]);
+    if format.fp8_kind().is_some() {
+        // The other formats keep their scales per row or group, in the file's tensors.
+        metadata.insert(META_SCALE.to_string(), scale_note);
+    }
     files::write_atomic(output, out, metadata)?;
+    if saturated + flushed > 0 {
+        eprintln!(
+            "kvq: note: --scale {}: {saturated} value(s) saturated at ±{} x the scale and \
+             {flushed} nonzero value(s) flushed to 0 (an amax scale, without --scale, fits the \
+             data)",
+            scale.unwrap_or(1.0),
+            format.fp8_kind().map_or(0.0, |k| k.max_finite())
+        );
+    }
     if non_finite > 0 {
         eprintln!(
             "kvq: note: {non_finite} non-finite input value(s) were sanitized (NaN -> 0, ±Inf -> ±65504)"

@@ -14,6 +14,14 @@ pub enum Fp8Kind {
 }
 
 impl Fp8Kind {
+    /// Smallest positive (subnormal) magnitude: 2^-9 (E4M3), 2^-16 (E5M2).
+    pub const fn min_subnormal(self) -> f32 {
+        match self {
+            Fp8Kind::E4M3 => 1.0 / 512.0,
+            Fp8Kind::E5M2 => 1.0 / 65536.0,
+        }
+    }
+
     /// Largest finite magnitude; encoding saturates to it.
     pub const fn max_finite(self) -> f32 {
         match self {
@@ -136,6 +144,13 @@ impl Fp8Kind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn min_subnormal_is_code_one() {
+        for kind in [Fp8Kind::E4M3, Fp8Kind::E5M2] {
+            assert_eq!(kind.decode(1), kind.min_subnormal());
+        }
+    }
 
     #[test]
     fn every_code_round_trips() {
