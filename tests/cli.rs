@@ -567,6 +567,36 @@ fn non_finite_inputs_are_reported_not_fatal() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("2 non-finite"));
 }
 
+/// A layer file `q.0` / `k.0` / `v.0` (f32, 2 query and 2 KV heads of `head_dim`, 8 tokens).
+fn layer_of_head_dim(path: &Path, head_dim: usize) {
+    let mut rng = common::Rng(5);
+    let mut t = |name| In {
+        name,
+        dtype: Dtype::F32,
+        shape: vec![8, 2, head_dim],
+        values: rng.normals(8 * 2 * head_dim, 1.0),
+    };
+    write_input(path, &[t("q.0"), t("k.0"), t("v.0")]);
+}
+
+#[test]
+fn eval_says_what_to_do_with_a_head_dim_no_format_takes() {
+    let dir = scratch("headdim");
+    let (odd, d32) = (dir.join("odd.st"), dir.join("d32.st"));
+    layer_of_head_dim(&odd, 7);
+    layer_of_head_dim(&d32, 32);
+    assert_fails(&["eval", arg(&odd)], &dir.join("none"), "--pair-heads N");
+    let out = kvq(&["eval", arg(&d32), "--only", "int4-v64,bf16"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("| int4-k32 / int4-v64 | n/a |"), "{stdout}");
+    assert!(stdout.contains("--pair-heads N scores"), "{stdout}");
+}
+
 #[test]
 fn a_fixed_fp8_scale_that_loses_values_is_reported() {
     let dir = scratch("fixedscale");

@@ -1014,7 +1014,7 @@ fn row(label: &str, pair: &Pair, head_dim: usize, e: Option<&ErrorSums>) -> Stri
             100.0 * e.probs.top1(),
             e.out.rel_l2()
         ),
-        None => format!("| {label} | {bpe:.4} | n/a | n/a | n/a | n/a | n/a | n/a | n/a |\n"),
+        None => format!("| {label} | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |\n"),
     }
 }
 
@@ -1309,6 +1309,13 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     let Some(g) = first else {
         return Err(CliError::new("no layer was evaluated"));
     };
+    if skipped.iter().all(Option::is_some) {
+        return Err(CliError::new(format!(
+            "no format pair takes head_dim {} (heads joined by --pair-heads {}): --pair-heads N \
+             scores N adjacent heads joined into one",
+            g.head_dim, args.pair_heads
+        )));
+    }
     let plan = budget.map(|budget| Plan {
         budget,
         layers: choices,
@@ -1426,6 +1433,15 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         if let Some(why) = why {
             let _ = writeln!(text, "\n{}: n/a, {why}", pair.label());
         }
+    }
+    if skipped.iter().any(Option::is_some) {
+        let _ = writeln!(
+            text,
+            "\n(n/a: the format does not take head_dim {}; --pair-heads N scores N adjacent \
+             heads joined into one of head_dim N x {})",
+            g.head_dim,
+            g.head_dim / args.pair_heads
+        );
     }
     if args.per_layer {
         text += "\nper layer:\n\n";
