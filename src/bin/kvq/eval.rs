@@ -26,8 +26,9 @@
 //! `int4-kc` (per-channel INT4 keys, groups of G tokens, `--kc-group`): its keys are quantized
 //! as a paged cache of block size G holds them ([`int4_kc::Mode::Paged`], what
 //! `tests/int4_kc_cache.rs` checks the cache against) and attended with `attention_dense`, its
-//! values go through the cache of their format as in the other rows; the GPU decode does not
-//! take it yet, so `--budget` leaves it out. `--outliers N:SCALE[:OFFSET]` sets the synthetic
+//! values go through the cache of their format as in the other rows. `--budget` leaves it out:
+//! its cache blocks hold an f16 block's bytes (the open block stays f16), so it saves read
+//! bandwidth but not the memory a plan ranks pairs by. `--outliers N:SCALE[:OFFSET]` sets the synthetic
 //! keys' outlier channels (default 2:8; OFFSET gives them a mean of ±OFFSET base stds).
 //!
 //! `int3 + topK f16` and `int2 + topK f16` ([`outlier`]: per-token affine INT3 / INT2 key rows
