@@ -68,7 +68,8 @@ fn write_outputs(report: &kvq::report::DecodeBenchReport, dir: &Path) -> Result<
 #[cfg(feature = "plot")]
 fn plot(report: &kvq::report::DecodeBenchReport, dir: &Path) -> Result<(), String> {
     let png = dir.join("decode_bench.png");
-    kvq::plot::percent_of_ceiling_png(report, "llama3-8b", &png).map_err(|e| e.to_string())?;
+    let case = kvq::plot::chart_case(report).ok_or("an empty report")?;
+    kvq::plot::percent_of_ceiling_png(report, case, &png).map_err(|e| e.to_string())?;
     eprintln!("wrote {}", png.display());
     Ok(())
 }

@@ -40,6 +40,17 @@ fn ensure_font() -> Result<()> {
         .map_err(Error::InvalidArgument)
 }
 
+/// The case a report's chart shows: `llama3-8b` when the report has rows of it (the grid's
+/// main family), else the case of its first row; `None` for an empty report.
+pub fn chart_case(report: &DecodeBenchReport) -> Option<&str> {
+    let has = |case: &str| report.rows.iter().any(|r| r.shape.case == case);
+    if has("llama3-8b") {
+        Some("llama3-8b")
+    } else {
+        report.rows.first().map(|r| &*r.shape.case)
+    }
+}
+
 /// Draw "% of read ceiling vs tokens in the batch (B·L)" with one line per K/V format pair,
 /// for the rows of one `case` (e.g. `llama3-8b`), into a PNG at `path`.
 pub fn percent_of_ceiling_png(report: &DecodeBenchReport, case: &str, path: &Path) -> Result<()> {

@@ -540,6 +540,7 @@ fn usage_errors_exit_2() {
         &[],
         // More outlier channels than the synthetic head_dim (128) has.
         &["eval", "--outliers", "129:8"],
+        &["bench", "--iters", "0"],
     ] {
         let out = kvq(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
