@@ -1211,6 +1211,16 @@ fn calibrate_writes_per_head_scales() {
     );
     args[8] = "3";
     assert_fails(&args, &none, "--pair-heads 3");
+    // A dump of no tokens has nothing to calibrate on.
+    let empty = dir.join("empty.st");
+    let t = |name| In {
+        name,
+        dtype: Dtype::F32,
+        shape: vec![0, 2, 16],
+        values: Vec::new(),
+    };
+    write_input(&empty, &[t("k.0"), t("v.0")]);
+    assert_fails(&["calibrate", arg(&empty), n], &none, "no tokens");
     assert_eq!(
         kvq(&["calibrate", i, n, "--key-pattern", "k"])
             .status

@@ -128,11 +128,20 @@ pub fn run(args: &CalibrateArgs) -> Result<(), CliError> {
         let (k, ks) = files::load3(&st, &kp.name(layer))?;
         let (v, vs) = files::load3(&st, &vp.name(layer))?;
         let heads = ks[1];
-        if ks[1..] != vs[1..] || heads % args.pair_heads != 0 {
+        if ks[1..] != vs[1..] {
             return Err(CliError::new(format!(
-                "layer {layer}: keys {ks:?} and values {vs:?} need the same heads and head_dim, \
-                 the heads a multiple of --pair-heads {}",
+                "layer {layer}: keys {ks:?} and values {vs:?} need the same heads and head_dim"
+            )));
+        }
+        if heads % args.pair_heads != 0 {
+            return Err(CliError::new(format!(
+                "layer {layer}: --pair-heads {} does not divide its {heads} heads",
                 args.pair_heads
+            )));
+        }
+        if ks[0] == 0 || vs[0] == 0 {
+            return Err(CliError::new(format!(
+                "layer {layer}: no tokens to calibrate on (keys {ks:?}, values {vs:?})"
             )));
         }
         // Adjacent heads are adjacent in memory: joining them only changes the shape.
