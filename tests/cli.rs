@@ -1300,6 +1300,13 @@ fn eval_takes_scales_from_calibrate() {
         &none,
         "cannot read",
     );
+    // Scales that do not fit are checked only where a scored row takes them.
+    let only_int8 = kvq(&["eval", file, "--scales", arg(&joined), "--only", "int8"]);
+    assert!(
+        only_int8.status.success(),
+        "{}",
+        String::from_utf8_lossy(&only_int8.stderr)
+    );
 }
 
 /// `eval --budget E`: the cheapest pair within `E` per layer, its plan file, and `--plan` scoring

@@ -611,23 +611,28 @@ fn plan(
     Ok((calib, scored, q_len))
 }
 
+/// Layer `index` of `source`, heads joined, with its scales from `scales` (given only when a
+/// scored pair takes them); `--keep-channels` is checked against its head_dim when `keep`
+/// (a scored pair keeps outlier channels).
 fn load_layer(
     source: &Source<'_>,
     index: usize,
     args: &EvalArgs,
     scales: Option<&ScalesFile>,
+    keep: bool,
 ) -> Result<Layer, CliError> {
     let [(q, qs), (k, ks), (v, vs)] = source.tensors(index)?;
     if ks != vs
         || qs[0] != ks[0]
         || qs[2] != ks[2]
         || ks[1] == 0
+        || ks[2] == 0
         || qs[1] % ks[1] != 0
         || qs[0] == 0
     {
         return Err(CliError::new(format!(
             "layer {index}: shapes q {qs:?}, k {ks:?}, v {vs:?} do not fit together \
-             (need the same tokens > 0 and head_dim, k and v equal, q heads a multiple of \
+             (need the same tokens > 0 and head_dim > 0, k and v equal, q heads a multiple of \
              kv heads > 0)"
         )));
     }
@@ -641,12 +646,14 @@ fn load_layer(
     let (calib, scored, q_len) = plan(ks[0], args.calibrate_on, args.positions)?;
     let kv_heads = ks[1] / pair_heads;
     let head_dim = ks[2] * pair_heads;
-    outlier::check_keep(args.keep_channels, head_dim).map_err(|e| {
-        CliError::new(format!(
-            "--keep-channels {} at head_dim {head_dim} of layer {index}: {e}",
-            args.keep_channels
-        ))
-    })?;
+    if keep {
+        outlier::check_keep(args.keep_channels, head_dim).map_err(|e| {
+            CliError::new(format!(
+                "--keep-channels {} at head_dim {head_dim} of layer {index}: {e}",
+                args.keep_channels
+            ))
+        })?;
+    }
     let file_scales = match scales {
         Some(f) => Some(f.layer(index, kv_heads)?.clone()),
         None => None,
@@ -1241,6 +1248,15 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         None => Vec::new(),
     };
 
+    // What the scored pairs need of each layer: its scales from the file, a valid
+    // --keep-channels.
+    let takes_file_scales = |p: &Pair| p.scales == Scales::File;
+    let file_scales = scales
+        .as_ref()
+        .filter(|_| given_plan.is_some() || pairs.iter().chain(&candidates).any(takes_file_scales));
+    let keep = pairs
+        .iter()
+        .any(|p| matches!(p.k, Storage::KeepOutliers { .. }));
     let bar = progress(chosen.len() * (pairs.len() + candidates.len()), "eval");
     let mut pooled: Vec<Option<ErrorSums>> = vec![Some(ErrorSums::default()); pairs.len()];
     let mut skipped: Vec<Option<String>> = vec![None; pairs.len()];
@@ -1248,7 +1264,7 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     let (mut choices, mut checks) = (Vec::new(), Vec::new());
     let mut first = None;
     for &index in &chosen {
-        let layer = load_layer(&source, index, args, scales.as_ref())?;
+        let layer = load_layer(&source, index, args, file_scales, keep)?;
         let q = layer.queries();
         let reference = layer.reference(&q)?;
         let mut measure = |pair: &Pair| {
