@@ -1300,6 +1300,23 @@ fn eval_takes_scales_from_calibrate() {
         &none,
         "cannot read",
     );
+    // A calibrate output and a quantize output are told apart.
+    let codes = dir.join("codes.st");
+    assert!(
+        kvq(&["quantize", "--format", "fp8-e4m3", file, arg(&codes)])
+            .status
+            .success()
+    );
+    assert_fails(
+        &["eval", file, "--scales", arg(&codes)],
+        &none,
+        "holds codes, not scales",
+    );
+    assert_fails(
+        &["dequantize", s, arg(&none)],
+        &none,
+        "holds scales written by `kvq calibrate`",
+    );
     // Scales that do not fit are checked only where a scored row takes them.
     let only_int8 = kvq(&["eval", file, "--scales", arg(&joined), "--only", "int8"]);
     assert!(

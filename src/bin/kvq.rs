@@ -316,6 +316,14 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
             file.path().display()
         ))
     })?;
+    if meta.contains_key(calibrate::META_METHOD) {
+        return Err(CliError::new(format!(
+            "'{}' holds scales written by `kvq calibrate` ({} in its metadata), not the codes \
+             of `kvq quantize`",
+            file.path().display(),
+            calibrate::META_METHOD
+        )));
+    }
     let format = FileFormat::from_name(format_name)?;
     let mut names = st.names();
     names.sort();

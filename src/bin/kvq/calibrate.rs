@@ -24,7 +24,7 @@ use crate::files::{self, InputFile, LayerPattern, OutTensor};
 use crate::{CliError, META_FORMAT, META_VERSION, print_out, progress};
 
 /// Metadata key: how the clipping value was chosen (`amax` or `percentile`).
-const META_METHOD: &str = "kvq.method";
+pub const META_METHOD: &str = "kvq.method";
 /// Metadata key: the percentile, with `kvq.method` `percentile`.
 const META_PERCENTILE: &str = "kvq.percentile";
 /// Metadata key: the heads joined into one (`--pair-heads`).
@@ -215,6 +215,12 @@ impl ScalesFile {
         let st = file.parse()?;
         let meta = file.metadata()?;
         let shown = path.display();
+        if !meta.contains_key(META_METHOD) {
+            return Err(CliError::new(format!(
+                "'{shown}' was not written by `kvq calibrate` (no {META_METHOD} in its metadata; \
+                 a `kvq quantize` output holds codes, not scales)"
+            )));
+        }
         let kind = meta
             .get(META_FORMAT)
             .and_then(|f| KvFormat::from_name(f).ok()?.fp8_kind())
