@@ -386,7 +386,8 @@ struct Checkpoint {
 
 impl Checkpoint {
     fn open(dir: &Path) -> Res<Self> {
-        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
+        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| format!("{}: {e}", dir.display()))?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
             .collect();
@@ -395,7 +396,10 @@ impl Checkpoint {
             return Err(format!("no .safetensors files in {}", dir.display()).into());
         }
         Ok(Checkpoint {
-            files: paths.iter().map(std::fs::read).collect::<Result<_, _>>()?,
+            files: paths
+                .iter()
+                .map(|p| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display())))
+                .collect::<Result<_, _>>()?,
         })
     }
 
@@ -446,8 +450,11 @@ impl Checkpoint {
 
 /// A Hugging Face Llama-architecture checkpoint: `dir/config.json` and its safetensors.
 fn load_model(dir: &Path) -> Res<Model> {
-    let cfg_text = std::fs::read_to_string(dir.join("config.json"))?;
-    let j: serde_json::Value = serde_json::from_str(&cfg_text)?;
+    let cfg_path = dir.join("config.json");
+    let cfg_text =
+        std::fs::read_to_string(&cfg_path).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
+    let j: serde_json::Value =
+        serde_json::from_str(&cfg_text).map_err(|e| format!("{}: {e}", cfg_path.display()))?;
     let int = |k: &str| -> Res<usize> {
         j[k].as_u64()
             .map(|v| v as usize)
@@ -523,14 +530,32 @@ fn random_tokens(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn main() -> Res<()> {
+const USAGE: &str = "usage: perplexity MODEL_DIR TOKENS_FILE [--max-tokens N] | --random";
+
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("perplexity: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{USAGE}");
+        return Ok(());
+    }
     let max_tokens = match args.iter().position(|a| a == "--max-tokens") {
-        Some(i) => Some(
-            args.get(i + 1)
-                .ok_or("--max-tokens needs a value")?
-                .parse::<usize>()?,
-        ),
+        Some(i) => {
+            let n = args.get(i + 1).ok_or("--max-tokens needs a value")?;
+            Some(
+                n.parse::<usize>()
+                    .map_err(|e| format!("--max-tokens {n}: {e}"))?,
+            )
+        }
         None => None,
     };
     let (model, tokens) = if args.first().map(String::as_str) == Some("--random") {
@@ -540,15 +565,13 @@ fn main() -> Res<()> {
         )
     } else {
         let [dir, tokens, ..] = args.as_slice() else {
-            return Err(
-                "usage: perplexity MODEL_DIR TOKENS_FILE [--max-tokens N] | --random".into(),
-            );
+            return Err(USAGE.into());
         };
         let model = load_model(Path::new(dir))?;
-        let text = std::fs::read_to_string(tokens)?;
+        let text = std::fs::read_to_string(tokens).map_err(|e| format!("{tokens}: {e}"))?;
         let mut ids: Vec<u32> = text
             .split_whitespace()
-            .map(str::parse)
+            .map(|t| t.parse().map_err(|e| format!("{tokens}: token '{t}': {e}")))
             .collect::<Result<_, _>>()?;
         ids.truncate(max_tokens.unwrap_or(512));
         if let Some(bad) = ids.iter().find(|&&t| t as usize >= model.cfg.vocab) {
