@@ -469,6 +469,17 @@ fn bad_inputs_fail_cleanly() {
     let broken = dir.join("broken.st");
     fs::write(&broken, safetensors::serialize(kept, Some(meta)).unwrap()).unwrap();
     assert_fails(&["dequantize", arg(&broken), o], &out, "zeros are missing");
+    let kept: Vec<_> = st.iter().filter(|(n, _)| *n != "k.0.codes").collect();
+    fs::write(
+        &broken,
+        safetensors::serialize(kept, Some(metadata(&bytes))).unwrap(),
+    )
+    .unwrap();
+    assert_fails(
+        &["dequantize", arg(&broken), o],
+        &out,
+        "'k.0.scales' has no 'k.0.codes' beside it",
+    );
 
     // A failing run leaves an existing output alone.
     fs::write(&out, b"previous contents").unwrap();

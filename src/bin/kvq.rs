@@ -341,9 +341,16 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
                     .is_some_and(|b| bases.contains(&b))
             })
     }) {
-        return Err(CliError::new(format!(
-            "tensor '{stray}' is not the codes, scales, zeros or global_scales of any NAME.codes"
-        )));
+        let part_of = ["scales", "zeros", "global_scales"]
+            .iter()
+            .find_map(|part| stray.strip_suffix(part).and_then(|b| b.strip_suffix('.')));
+        return Err(CliError::new(match part_of {
+            Some(base) => format!("tensor '{stray}' has no '{base}.codes' beside it"),
+            None => format!(
+                "tensor '{stray}' is not the codes, scales, zeros or global_scales of any \
+                 NAME.codes"
+            ),
+        }));
     }
     let bar = progress(bases.len(), "dequantize");
     let mut out = Vec::new();

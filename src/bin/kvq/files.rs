@@ -203,8 +203,9 @@ pub fn write_bytes_atomic(path: &Path, bytes: &[u8]) -> Result<(), CliError> {
         // Best effort: the write already failed, and a leftover temp file must not linger.
         let _ = fs::remove_file(&tmp);
         return Err(CliError::new(format!(
-            "cannot write '{}': {e}",
-            path.display()
+            "cannot write '{}' (through '{}'): {e}",
+            path.display(),
+            tmp.display()
         )));
     }
     Ok(())
