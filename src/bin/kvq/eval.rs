@@ -1307,7 +1307,11 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             let pair = Pair::new(Storage::Cache(k), Storage::Cache(v), Scales::Head)
                 .with_file_scales(file_kind);
             if let Some(why) = unsupported(&pair, layer.head_dim) {
-                return Err(CliError::new(format!("layer {index} of the plan: {why}")));
+                return Err(CliError::new(format!(
+                    "layer {index} of the plan: {why} (score a plan with the --pair-heads it \
+                     was made with; here {})",
+                    args.pair_heads
+                )));
             }
             let now = measure(&pair)?.out.rel_l2();
             checks.push(PlanCheck { planned, now });
