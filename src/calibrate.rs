@@ -23,7 +23,7 @@
 //!   would push into the subnormals (below about `amax / 2^15` for E4M3). `kvq eval --scales` measures
 //!   whether it pays on a given model.
 
-use crate::error::{Error, Result, reserved};
+use crate::error::{Error, Result, at_least_one, reserved};
 use crate::format::{Element, Fp8Kind, head_amax, sanitize};
 
 /// How the clipping value of a head (the |x| its scale maps to FP8's largest finite value) is
@@ -79,15 +79,7 @@ pub fn head_clip<T: Element>(
     head_dim: usize,
     method: ClipMethod,
 ) -> Result<Vec<f32>> {
-    for (what, value) in [("kv_heads", kv_heads), ("head_dim", head_dim)] {
-        if value == 0 {
-            return Err(Error::Config {
-                what,
-                value,
-                expected: "at least 1",
-            });
-        }
-    }
+    at_least_one(&[("kv_heads", kv_heads), ("head_dim", head_dim)])?;
     // Checks the length too, and is the answer for the amax (and the 100th percentile).
     let amax = head_amax(x, kv_heads, head_dim)?;
     let n = x.len() / kv_heads;

@@ -215,6 +215,18 @@ impl From<cudarc::driver::DriverError> for Error {
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// [`Error::Config`] naming the first of `sizes` that is 0 (each must be at least 1).
+pub(crate) fn at_least_one(sizes: &[(&'static str, usize)]) -> Result<()> {
+    match sizes.iter().find(|(_, value)| *value == 0) {
+        Some(&(what, value)) => Err(Error::Config {
+            what,
+            value,
+            expected: "at least 1",
+        }),
+        None => Ok(()),
+    }
+}
+
 /// An empty vector with room for `n` elements, or [`Error::Alloc`] when the memory is not
 /// there: a buffer of a valid size may still be more than the machine has, and running out must
 /// be an error, not an abort.

@@ -31,7 +31,7 @@
 //! per-head f32 scales are not in the pool: they travel beside it as two `[num_kv_heads]` arrays.
 //! A token's *slot* is `block * block_size + offset_in_block`.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, at_least_one};
 use crate::format::KvFormat;
 
 /// Largest supported `block_size`.
@@ -83,13 +83,7 @@ impl CacheConfig {
     /// their padding add up without a check of their own. A pool of such blocks is checked
     /// against `isize::MAX` where it is sized ([`BlockLayout::try_pool_bytes`]).
     pub fn validate(&self) -> Result<()> {
-        if self.num_kv_heads == 0 {
-            return Err(Error::Config {
-                what: "num_kv_heads",
-                value: 0,
-                expected: "at least 1",
-            });
-        }
+        at_least_one(&[("num_kv_heads", self.num_kv_heads)])?;
         if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
             return Err(Error::Config {
                 what: "block_size",

@@ -4,7 +4,7 @@
 use super::allocator::{BlockAllocator, SeqId};
 use super::host::HostCache;
 use super::tables::BlockTables;
-use crate::error::{Error, Result, reserved};
+use crate::error::{Error, Result, at_least_one, reserved};
 use crate::format::Element;
 use crate::layout::CacheConfig;
 
@@ -21,13 +21,7 @@ pub struct PagedKvCache {
 impl PagedKvCache {
     /// `num_layers` caches of `num_blocks` blocks each, all with `config`.
     pub fn new(config: CacheConfig, num_layers: usize, num_blocks: usize) -> Result<Self> {
-        if num_layers == 0 {
-            return Err(Error::Config {
-                what: "num_layers",
-                value: 0,
-                expected: "at least 1",
-            });
-        }
+        at_least_one(&[("num_layers", num_layers)])?;
         let allocator = BlockAllocator::new(num_blocks, config.block_size)?;
         // All layers' pools together must be addressable too (each is checked on its own).
         let layer_bytes = config.try_layout()?.try_pool_bytes(num_blocks)?;

@@ -1,6 +1,6 @@
 //! Block tables: the per-sequence lists of pool blocks that attention kernels read.
 
-use crate::error::{Error, Result, filled};
+use crate::error::{Error, Result, at_least_one, filled};
 use crate::layout::MAX_BLOCK_SIZE;
 
 /// Block tables of a batch of sequences, laid out as the kernels take them.
@@ -150,13 +150,7 @@ impl BlockTables {
                 expected: "1..=1024 tokens",
             });
         }
-        if self.max_blocks == 0 {
-            return Err(Error::Config {
-                what: "max_blocks",
-                value: 0,
-                expected: "at least 1",
-            });
-        }
+        at_least_one(&[("max_blocks", self.max_blocks)])?;
         let expected = self
             .batch()
             .checked_mul(self.max_blocks)
@@ -202,13 +196,7 @@ pub(crate) fn check_row(
     block_size: usize,
     num_blocks: usize,
 ) -> Result<()> {
-    if block_size == 0 {
-        return Err(Error::Config {
-            what: "block_size",
-            value: 0,
-            expected: "at least 1",
-        });
-    }
+    at_least_one(&[("block_size", block_size)])?;
     let used = len.div_ceil(block_size);
     if row.len() < used {
         return Err(Error::Length {

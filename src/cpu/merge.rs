@@ -1,7 +1,7 @@
 //! Merging partial attention states: the reduction of split-KV (and cascade) kernels, which
 //! attend the same queries to disjoint parts of the keys and combine the parts by their lse.
 
-use crate::error::{Error, Result, filled};
+use crate::error::{Error, Result, at_least_one, filled};
 
 /// Merge two partial attentions of the same query rows over disjoint key sets into the
 /// attention over their union.
@@ -20,13 +20,7 @@ pub fn merge_states(
     b_lse: &[f32],
     head_dim: usize,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    if head_dim == 0 {
-        return Err(Error::Config {
-            what: "head_dim",
-            value: 0,
-            expected: "at least 1",
-        });
-    }
+    at_least_one(&[("head_dim", head_dim)])?;
     let rows = a_lse.len();
     if b_lse.len() != rows {
         return Err(Error::Length {

@@ -56,7 +56,7 @@ use kernel::{Acc, GroupShape, KvRows, Scratch, attend_group};
 use std::sync::Mutex;
 
 use crate::cache::{BlockTables, HostCache};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, at_least_one};
 
 /// Below this many (sequence, KV head, position) triples the reference runs on one thread.
 const PARALLEL_MIN_POSITIONS: usize = 1 << 16;
@@ -368,15 +368,7 @@ pub fn attention_dense(
     shape: &DecodeShape,
     accum: Accum,
 ) -> Result<AttentionOutput> {
-    for (what, value) in [("num_kv_heads", kv.num_kv_heads), ("head_dim", kv.head_dim)] {
-        if value == 0 {
-            return Err(Error::Config {
-                what,
-                value,
-                expected: "at least 1",
-            });
-        }
-    }
+    at_least_one(&[("num_kv_heads", kv.num_kv_heads), ("head_dim", kv.head_dim)])?;
     let row = kv
         .num_kv_heads
         .checked_mul(kv.head_dim)
@@ -430,13 +422,7 @@ fn check_query(
     context_lens: &[usize],
 ) -> Result<()> {
     check_heads(shape.num_q_heads, num_kv_heads)?;
-    if shape.q_len == 0 {
-        return Err(Error::Config {
-            what: "q_len",
-            value: 0,
-            expected: "at least 1",
-        });
-    }
+    at_least_one(&[("q_len", shape.q_len)])?;
     if !shape.softmax_scale.is_finite() {
         return Err(Error::InvalidArgument(format!(
             "softmax_scale {} must be finite",

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::{Gpu, driver_err, owned_ptr, sys};
 use crate::cache::{HostCache, POISON};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, at_least_one};
 use crate::layout::{BlockLayout, CacheConfig};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
 
@@ -132,13 +132,7 @@ impl DeviceCache {
         num_layers: usize,
         num_blocks: usize,
     ) -> Result<Vec<Self>> {
-        if num_layers == 0 {
-            return Err(Error::Config {
-                what: "num_layers",
-                value: 0,
-                expected: "at least 1",
-            });
-        }
+        at_least_one(&[("num_layers", num_layers)])?;
         let (layout, bytes) = pool_bytes(config, num_blocks)?;
         let stride = bytes.next_multiple_of(LAYER_ALIGN);
         let total = stride

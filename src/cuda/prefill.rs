@@ -29,7 +29,7 @@ use super::device::{DeviceCache, raw_layout};
 use super::ops::{DeviceElement, Dtype, need_len, to_i32};
 use super::tables::DeviceBlockTables;
 use super::{Gpu, driver_err, launch, owned_ptr, sys};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, at_least_one};
 use crate::format::KvFormat;
 use crate::layout::BlockLayout;
 use cudarc::driver::sys::CUdeviceptr;
@@ -204,20 +204,12 @@ impl PrefillPlan {
         } = cap;
         let c = &layout.config;
         c.validate()?;
-        for (what, value) in [
+        at_least_one(&[
             ("max_batch", max_batch),
             ("num_q_heads", num_q_heads),
             ("max_tokens", max_tokens),
             ("max_context_len", max_context_len),
-        ] {
-            if value == 0 {
-                return Err(Error::Config {
-                    what,
-                    value,
-                    expected: "at least 1",
-                });
-            }
-        }
+        ])?;
         if num_q_heads % c.num_kv_heads != 0 {
             return Err(Error::InvalidArgument(format!(
                 "{num_q_heads} query heads are not a multiple of {} KV heads",
@@ -771,13 +763,7 @@ pub fn merge_states<T: DeviceElement>(
     head_dim: usize,
 ) -> Result<()> {
     let rows = a_lse.len();
-    if head_dim == 0 {
-        return Err(Error::Config {
-            what: "head_dim",
-            value: 0,
-            expected: "at least 1",
-        });
-    }
+    at_least_one(&[("head_dim", head_dim)])?;
     let elems = rows.checked_mul(head_dim).ok_or(Error::Overflow {
         what: "merge_states rows × head_dim",
         lhs: rows,

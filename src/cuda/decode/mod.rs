@@ -36,7 +36,7 @@ use super::launch::DecodeOccupancy;
 use super::ops::{DeviceElement, Dtype, need_len, to_i32};
 pub use super::tables::DeviceBlockTables;
 use super::{Gpu, launch, sys};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, at_least_one};
 use crate::format::KvFormat;
 use crate::layout::BlockLayout;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
@@ -290,19 +290,11 @@ impl DecodePlan {
                 c.block_size
             )));
         }
-        for (what, value) in [
+        at_least_one(&[
             ("max_batch", max_batch),
             ("num_q_heads", num_q_heads),
             ("max_q_len", max_q_len),
-        ] {
-            if value == 0 {
-                return Err(Error::Config {
-                    what,
-                    value,
-                    expected: "at least 1",
-                });
-            }
-        }
+        ])?;
         if num_q_heads % c.num_kv_heads != 0 {
             return Err(Error::InvalidArgument(format!(
                 "num_q_heads {num_q_heads} must be a multiple of num_kv_heads {}",
