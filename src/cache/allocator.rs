@@ -123,7 +123,8 @@ pub struct BlockAllocator {
 impl BlockAllocator {
     /// An allocator over the `num_blocks` blocks of caches of `config`, all free: its block size
     /// is the caches', which nothing downstream could check (slots and tables counted in
-    /// another block size address other tokens of the pool, silently). Errors as [`new`](Self::new).
+    /// another block size address other tokens of the pool, silently). Errors as
+    /// [`new`](Self::new).
     pub fn for_config(config: &CacheConfig, num_blocks: usize) -> Result<Self> {
         Self::new(num_blocks, config.block_size)
     }

@@ -28,8 +28,9 @@
 //! `tests/int4_kc_cache.rs` checks the cache against) and attended with `attention_dense`, its
 //! values go through the cache of their format as in the other rows. `--budget` leaves it out:
 //! its cache blocks hold an f16 block's bytes (the open block stays f16), so it saves read
-//! bandwidth but not the memory a plan ranks pairs by. `--outliers N:SCALE[:OFFSET]` sets the synthetic
-//! keys' outlier channels (default 2:8; OFFSET gives them a mean of ±OFFSET base stds).
+//! bandwidth but not the memory a plan ranks pairs by. `--outliers N:SCALE[:OFFSET]` sets the
+//! synthetic keys' outlier channels (default 2:8; OFFSET gives them a mean of ±OFFSET base
+//! stds).
 //!
 //! `int3 + topK f16` and `int2 + topK f16` ([`outlier`]: per-token affine INT3 / INT2 key rows
 //! with each KV head's K channels of largest RMS over the calibration tokens kept in f16,
