@@ -191,9 +191,9 @@ pub struct SwapMove {
     pub slot: usize,
 }
 
-/// [`DeviceCache::swap_out`] for every layer's cache with one list: block `b` of layer `l`
-/// goes to slot `slot * layers + l` of `space` for each move `(b, slot)`, so an all-layer slot
-/// holds one block of every layer (a space of `slots * layers` slots holds `slots` of them).
+/// [`DeviceCache::swap_out`] for every layer's cache with one list: for each move, block
+/// `block` of layer `l` goes to slot `slot * layers + l` of `space`, so an all-layer slot holds
+/// one block of every layer (a space of `slots * layers` slots holds `slots` of them).
 /// The caches must share `block_stride`, `num_blocks` and the stream ([`Error::LayerMismatch`]);
 /// everything is checked before anything is enqueued, and the space's ordering event is waited
 /// for and recorded once for all layers, not per layer. The copies themselves stay one
