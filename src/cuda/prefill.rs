@@ -171,10 +171,7 @@ pub struct PrefillCapacity {
 pub struct PrefillPlan {
     gpu: Gpu,
     layout: BlockLayout,
-    max_batch: usize,
-    max_tokens: usize,
-    num_q_heads: usize,
-    max_context_len: usize,
+    cap: PrefillCapacity,
     softmax_scale: f32,
     window_left: Option<usize>,
     soft_cap: Option<f32>,
@@ -236,10 +233,7 @@ impl PrefillPlan {
         Ok(PrefillPlan {
             gpu: gpu.clone(),
             layout: *layout,
-            max_batch,
-            max_tokens,
-            num_q_heads,
-            max_context_len,
+            cap,
             softmax_scale: 1.0 / (c.head_dim as f32).sqrt(),
             window_left: None,
             soft_cap: None,
@@ -282,11 +276,11 @@ impl PrefillPlan {
             Some("another GPU")
         } else if decode.layout() != &self.layout {
             Some("another layout")
-        } else if decode.num_q_heads() != self.num_q_heads {
+        } else if decode.num_q_heads() != self.cap.num_q_heads {
             Some("another number of query heads")
-        } else if decode.capacity().max_batch < self.max_batch {
+        } else if decode.capacity().max_batch < self.cap.max_batch {
             Some("a smaller batch")
-        } else if decode.capacity().max_context_len < self.max_context_len {
+        } else if decode.capacity().max_context_len < self.cap.max_context_len {
             Some("a shorter max_context_len")
         } else {
             None
@@ -365,22 +359,17 @@ impl PrefillPlan {
 
     /// The capacity the plan was made for.
     pub fn capacity(&self) -> PrefillCapacity {
-        PrefillCapacity {
-            max_batch: self.max_batch,
-            num_q_heads: self.num_q_heads,
-            max_tokens: self.max_tokens,
-            max_context_len: self.max_context_len,
-        }
+        self.cap
     }
 
     /// Query heads.
     pub fn num_q_heads(&self) -> usize {
-        self.num_q_heads
+        self.cap.num_q_heads
     }
 
     /// (partial outputs, partial lse) f32 elements of the workspace.
     pub fn workspace_elems(&self) -> (usize, usize) {
-        let rows = self.split_budget * self.num_q_heads;
+        let rows = self.split_budget * self.cap.num_q_heads;
         (rows * self.layout.config.head_dim, rows)
     }
 
@@ -434,10 +423,10 @@ impl PrefillPlan {
         if batch == 0 {
             return Ok(());
         }
-        if batch > self.max_batch {
+        if batch > self.cap.max_batch {
             return Err(Error::InvalidArgument(format!(
                 "a batch of {batch} exceeds the plan's capacity of {}",
-                self.max_batch
+                self.cap.max_batch
             )));
         }
         let qo = step.qo_indptr;
@@ -453,7 +442,7 @@ impl PrefillPlan {
                 qo[0]
             )));
         }
-        let (heads, d) = (self.num_q_heads, c.head_dim);
+        let (heads, d) = (self.cap.num_q_heads, c.head_dim);
         let group = heads / c.num_kv_heads;
         // Decode rows routed to the decode kernel: the leading sequences with the first one's
         // number of new tokens, n_0 in 1..=the decode plan's q_len.
@@ -485,10 +474,10 @@ impl PrefillPlan {
                     "sequence {b} has {n} new tokens but a context of {len} (append them first)"
                 )));
             }
-            if len > self.max_context_len {
+            if len > self.cap.max_context_len {
                 return Err(Error::InvalidArgument(format!(
                     "a context of {len} tokens exceeds the plan's max_context_len {}",
-                    self.max_context_len
+                    self.cap.max_context_len
                 )));
             }
             if n > 0 && b >= lead {
@@ -497,10 +486,10 @@ impl PrefillPlan {
             }
         }
         let total = qo[batch] as usize;
-        if total > self.max_tokens {
+        if total > self.cap.max_tokens {
             return Err(Error::InvalidArgument(format!(
                 "a step of {total} tokens exceeds the plan's capacity of {}",
-                self.max_tokens
+                self.cap.max_tokens
             )));
         }
         if step.q_rows.token % 8 != 0 || step.q_rows.head % 8 != 0 {
@@ -556,7 +545,7 @@ impl PrefillPlan {
         let splits = self.splits_for(total, tiles * c.num_kv_heads, max_len);
         let split_tokens = max_len.div_ceil(splits).div_ceil(TILE_TOKENS).max(1) * TILE_TOKENS;
         let launch_tokens = if self.graph_grid {
-            self.max_tokens
+            self.cap.max_tokens
         } else {
             total
         };
