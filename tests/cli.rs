@@ -610,6 +610,48 @@ fn eval_says_what_to_do_with_a_head_dim_no_format_takes() {
 }
 
 #[test]
+fn eval_reads_tensors_by_name_pattern() {
+    let dir = scratch("patterns");
+    let (plain, named) = (dir.join("plain.st"), dir.join("named.st"));
+    growing_layer(&plain, 32, 1.0);
+    let bytes = fs::read(&plain).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let renamed: Vec<(String, _)> = st
+        .iter()
+        .map(|(n, t)| (format!("model.layers.0.attn.{}", &n[..1]), t))
+        .collect();
+    fs::write(&named, safetensors::serialize(renamed, None).unwrap()).unwrap();
+    let only = ["--only", "int4-k32"];
+    let want = kvq(&[&["eval", arg(&plain)][..], &only].concat());
+    let pattern = |x: &str| format!("model.layers.{{L}}.attn.{x}");
+    let (q, k, v) = (pattern("q"), pattern("k"), pattern("v"));
+    let got = kvq(&[
+        &[
+            "eval",
+            arg(&named),
+            "--query-pattern",
+            &q,
+            "--key-pattern",
+            &k,
+        ][..],
+        &["--value-pattern", &v],
+        &only,
+    ]
+    .concat());
+    assert!(
+        got.status.success(),
+        "{}",
+        String::from_utf8_lossy(&got.stderr)
+    );
+    let table = |o: &Output| {
+        let text = String::from_utf8_lossy(&o.stdout).into_owned();
+        text[text.find("| K / V format").unwrap()..].to_string()
+    };
+    assert_eq!(table(&got), table(&want));
+    assert_fails(&["eval", arg(&named)], &dir.join("none"), "--query-pattern");
+}
+
+#[test]
 fn a_fixed_fp8_scale_that_loses_values_is_reported() {
     let dir = scratch("fixedscale");
     let (input, q) = (dir.join("in.st"), dir.join("q.st"));

@@ -72,6 +72,15 @@ pub struct EvalArgs {
     /// Safetensors file with q.L, k.L, v.L tensors, [tokens, heads, head_dim] (default:
     /// synthetic Llama-like layers, 2 x 512 tokens, 32 query / 8 kv heads of head_dim 128).
     input: Option<PathBuf>,
+    /// Name of layer L's queries in the file, {L} standing for the layer index.
+    #[arg(long, default_value = "q.{L}")]
+    query_pattern: LayerPattern,
+    /// Name of layer L's keys in the file, {L} standing for the layer index.
+    #[arg(long, default_value = "k.{L}")]
+    key_pattern: LayerPattern,
+    /// Name of layer L's values in the file, {L} standing for the layer index.
+    #[arg(long, default_value = "v.{L}")]
+    value_pattern: LayerPattern,
     /// Join N adjacent heads into one (e.g. 2: [512, 12, 32] -> [512, 6, 64]).
     #[arg(long, default_value_t = 1)]
     pair_heads: usize,
@@ -528,7 +537,12 @@ impl ErrorSums {
 
 /// Where the layers come from: a file, or the synthetic stand-in.
 enum Source<'a> {
-    File { path: &'a Path, st: SafeTensors<'a> },
+    File {
+        path: &'a Path,
+        st: SafeTensors<'a>,
+        /// The names of a layer's q, k and v.
+        names: [&'a LayerPattern; 3],
+    },
     Synthetic(Outliers),
 }
 
@@ -552,10 +566,7 @@ impl Source<'_> {
 
     fn layers(&self) -> Vec<usize> {
         match self {
-            Source::File { st, .. } => {
-                let [q, k, v] = ["q.", "k.", "v."].map(LayerPattern::with_prefix);
-                files::layers_with(st, &[&q, &k, &v])
-            }
+            Source::File { st, names, .. } => files::layers_with(st, names),
             Source::Synthetic(_) => (0..SYNTH_LAYERS).collect(),
         }
     }
@@ -563,10 +574,10 @@ impl Source<'_> {
     /// q, k and v of layer `index`, heads not yet joined.
     fn tensors(&self, index: usize) -> Result<[Tensor3; 3], CliError> {
         match self {
-            Source::File { st, .. } => Ok([
-                files::load3(st, &format!("q.{index}"))?,
-                files::load3(st, &format!("k.{index}"))?,
-                files::load3(st, &format!("v.{index}"))?,
+            Source::File { st, names, .. } => Ok([
+                files::load3(st, &names[0].name(index))?,
+                files::load3(st, &names[1].name(index))?,
+                files::load3(st, &names[2].name(index))?,
             ]),
             Source::Synthetic(o) => {
                 let (t, kvh, d) = (SYNTH_TOKENS, SYNTH_KV_HEADS, SYNTH_HEAD_DIM);
@@ -1186,14 +1197,19 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         Some(f) => Source::File {
             path: f.path(),
             st: f.parse()?,
+            names: [&args.query_pattern, &args.key_pattern, &args.value_pattern],
         },
         None => Source::Synthetic(args.outliers),
     };
     let available = source.layers();
     if available.is_empty() {
         return Err(CliError::new(format!(
-            "'{}' holds no layer with all of q.L, k.L and v.L",
-            source.describe()
+            "'{}' holds no layer with all of {}, {} and {} (--query-pattern, --key-pattern, \
+             --value-pattern)",
+            source.describe(),
+            args.query_pattern,
+            args.key_pattern,
+            args.value_pattern
         )));
     }
     let chosen = files::choose_layers(&args.layers, &available, &source.describe())?;
