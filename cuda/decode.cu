@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdlib>
 
 #include "common.cuh"
 #include "decode/kernel.cuh"
@@ -84,19 +85,39 @@ int dispatch(int32_t k_format, int32_t v_format, int d, Fn &fn) {
   });
 }
 
+/// Whether launches may be early (programmatic dependent launch): KVQ_DECODE_PDL=0 turns it
+/// off, for A/B runs.
+bool early_launch_allowed() {
+  static const bool off = [] {
+    const char *e = std::getenv("KVQ_DECODE_PDL");
+    return e != nullptr && e[0] == '0';
+  }();
+  return !off;
+}
+
 /// Raise the instance's dynamic shared-memory limit on the current device to what its largest
 /// stage count that fits needs, once per device (so launches after the first, e.g. inside a
-/// graph capture, make no attribute calls). `*limit` gets the device's per-block limit.
+/// graph capture, make no attribute calls). `*limit` gets the device's per-block limit, `*early`
+/// (if not null) whether the instance may launch early: the device runs code of it compiled for
+/// sm_90 or later (whose first act is griddepcontrol.wait: decode/kernel.cuh).
 template <Fmt K, Fmt V, int D>
-cudaError_t prepare(int *limit) {
-  static std::atomic<uint64_t> done{0};  // bit d: done on device d (< 64)
+cudaError_t prepare(int *limit, bool *early = nullptr) {
+  static std::atomic<uint64_t> done{0};   // bit d: done on device d (< 64)
+  static std::atomic<uint64_t> ptx90{0};  // bit d: its code on device d is from sm_90+ PTX
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   if (e != cudaSuccess) return e;
   const uint64_t bit = dev < 64 ? (1ull << dev) : 0;
+  if (early != nullptr)
+    *early = bit != 0 && (ptx90.load(std::memory_order_acquire) & bit) != 0 &&
+             early_launch_allowed();
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  cudaFuncAttributes attr{};
+  e = cudaFuncGetAttributes(&attr, decode_kernel<K, V, D>);
+  if (e != cudaSuccess) return e;
+  if (attr.ptxVersion >= 90) ptx90.fetch_or(bit, std::memory_order_release);
   int want = Cfg<K, V, D>::bytes(4, kMinStages);
   for (int w = KVQ_DECODE_WARPS_MULTIPLE; w <= kMaxWarps; w += KVQ_DECODE_WARPS_MULTIPLE)
     for (int n = kMinStages; n <= kMaxStages; ++n)
@@ -105,6 +126,8 @@ cudaError_t prepare(int *limit) {
   e = cudaFuncSetAttribute(decode_kernel<K, V, D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            want);
   if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
+  if (early != nullptr)
+    *early = e == cudaSuccess && attr.ptxVersion >= 90 && bit != 0 && early_launch_allowed();
   return e;
 }
 
@@ -157,15 +180,31 @@ struct Launch {
     if (F::KBLK && l.k_meta_offset != l.k_codes_offset + l.block_size * F::KC_ROW)
       return KVQ_ERR_INVALID;
     int limit = 0;
-    const cudaError_t e = prepare<K, V, D>(&limit);
+    bool early = false;
+    cudaError_t e = prepare<K, V, D>(&limit, &early);
     if (e != cudaSuccess) {
       kvq::set_last_error(e);
       return KVQ_ERR_LAUNCH;
     }
     const int smem = Cfg<K, V, D>::bytes(warps, p.stages);
     if (smem > limit) return KVQ_ERR_UNSUPPORTED;
-    decode_kernel<K, V, D><<<grid, warps * 32, smem, stream>>>(p);
-    return kvq::launch_status();
+    // Early: the kernel's blocks may be placed while the stream's previous kernel finishes;
+    // they wait for it before their first read.
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(warps * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = early ? 1 : 0;
+    e = cudaLaunchKernelEx(&cfg, decode_kernel<K, V, D>, p);
+    if (e == cudaSuccess) return KVQ_OK;
+    (void)cudaGetLastError();
+    kvq::set_last_error(e);
+    return KVQ_ERR_LAUNCH;
   }
 };
 

@@ -34,6 +34,7 @@
 #include "prim/cp_async.cuh"
 #include "prim/fast_math.cuh"
 #include "prim/mma.cuh"
+#include "prim/pdl.cuh"
 #include "prim/vec_io.cuh"
 
 namespace kvq_decode {
@@ -65,6 +66,12 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   float *row_z = row_M + kRows;
   int *flag = reinterpret_cast<int *>(row_z + (D / 32) * 16);
   int *row_lo = flag + 4;  // the window's first position per row (0 without a window)
+
+  // Launched early (decode.cu): no global read before the stream's previous kernel (an append
+  // of this step's tokens, say) has finished; the stream's next kernel may launch now and wait
+  // likewise.
+  wait_for_prerequisite_grids();
+  allow_dependent_launch();
 
   const int split = blockIdx.x;
   const int kvh = blockIdx.y / p.m_tiles, mt = blockIdx.y % p.m_tiles;
