@@ -310,7 +310,13 @@ typedef struct kvq_decode_args {
  * either side and of 64 with INT4 values. A host function: no device is needed. */
 int kvq_decode_supported(int32_t k_format, int32_t v_format, int32_t head_dim);
 
-/* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. */
+/* Enqueue the decode kernel (and the split merge when num_splits > 1) on `stream`. On sm_90+
+ * it is launched with programmatic stream serialization (KVQ_DECODE_PDL=0 in the environment
+ * turns that off): its blocks may be placed while the stream's previous kernel finishes and
+ * wait for it before their first read, and it lets the stream's next kernel launch early. A
+ * kernel of the caller's launched after it with programmatic stream serialization must
+ * therefore griddepcontrol.wait (cudaGridDependencySynchronize) before reading its output, as
+ * any kernel launched that way must. */
 int kvq_decode_attention(const kvq_decode_args *args, void *stream);
 
 /* Thread blocks of the decode kernel for (k_format, v_format, head_dim) with `warps` warps (a

@@ -412,7 +412,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Enqueue the decode kernel (and the split merge when num_splits \\> 1) on `stream`."]
+    #[doc = " Enqueue the decode kernel (and the split merge when num_splits \\> 1) on `stream`. On sm_90+\n it is launched with programmatic stream serialization (KVQ_DECODE_PDL=0 in the environment\n turns that off): its blocks may be placed while the stream's previous kernel finishes and\n wait for it before their first read, and it lets the stream's next kernel launch early. A\n kernel of the caller's launched after it with programmatic stream serialization must\n therefore griddepcontrol.wait (cudaGridDependencySynchronize) before reading its output, as\n any kernel launched that way must."]
     pub fn kvq_decode_attention(
         args: *const kvq_decode_args,
         stream: *mut ::std::os::raw::c_void,

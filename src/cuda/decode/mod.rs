@@ -24,6 +24,13 @@
 //!    captured at the capacity serves any smaller batch when the extra rows are padding
 //!    (length 0: zeros out, `lse = -inf`, nothing read).
 //!
+//! On Hopper the kernel is launched early (programmatic dependent launch): its blocks are
+//! placed while the stream's previous kernel finishes and wait for it before their first read,
+//! so the launches of an engine's layers overlap their ends (`KVQ_DECODE_PDL=0` turns it off).
+//! A kernel of the engine's own that is launched early after it must wait likewise
+//! (`cudaGridDependencySynchronize`) before reading its output; kernels launched the usual way
+//! need nothing.
+//!
 //! Engines that own their device memory use [`DecodePlan::decode_raw`] with the same checks.
 
 mod heuristic;
