@@ -33,6 +33,17 @@ fn kvq(args: &[&str]) -> Output {
         .expect("run kvq")
 }
 
+/// Run the CLI and require it to succeed (its stderr in the panic otherwise).
+fn kvq_ok(args: &[&str]) -> Output {
+    let out = kvq(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 fn arg(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -130,12 +141,7 @@ fn round_trip(format: DenseFormat, extra_args: &[&str], per_head: bool, fixed: O
     let mut args = vec!["quantize", "--format", format.name()];
     args.extend_from_slice(extra_args);
     args.extend([arg(&input), arg(&quant)]);
-    let out = kvq(&args);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kvq_ok(&args);
     assert!(!dir.join("q.st.tmp").exists());
 
     let qbytes = fs::read(&quant).unwrap();
@@ -197,12 +203,7 @@ fn round_trip(format: DenseFormat, extra_args: &[&str], per_head: bool, fixed: O
         wants.push((heads, d, want));
     }
 
-    let out = kvq(&["dequantize", arg(&quant), arg(&back)]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kvq_ok(&["dequantize", arg(&quant), arg(&back)]);
     let bbytes = fs::read(&back).unwrap();
     let b = SafeTensors::deserialize(&bbytes).unwrap();
     assert_eq!(b.len(), tensors.len());
@@ -238,22 +239,12 @@ fn int4_kc_round_trip() {
     // 37 tokens (a last group of 5), 19 (one partial group), and [2, 5, 3, 8]: T = 10.
     let tensors = random_inputs(41, 8);
     write_input(&input, &tensors);
-    let out = kvq(&["quantize", "--format", "int4-kc", arg(&input), arg(&quant)]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kvq_ok(&["quantize", "--format", "int4-kc", arg(&input), arg(&quant)]);
     let bytes = fs::read(&quant).unwrap();
     assert_eq!(metadata(&bytes)["kvq.format"], "int4-kc");
     let st = SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(st.names().len(), 3 * tensors.len());
-    let out = kvq(&["dequantize", arg(&quant), arg(&back)]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kvq_ok(&["dequantize", arg(&quant), arg(&back)]);
     let back_bytes = fs::read(&back).unwrap();
     let back_st = SafeTensors::deserialize(&back_bytes).unwrap();
     for t in &tensors {
@@ -598,13 +589,8 @@ fn eval_says_what_to_do_with_a_head_dim_no_format_takes() {
     layer_of_head_dim(&odd, 7);
     layer_of_head_dim(&d32, 32);
     assert_fails(&["eval", arg(&odd)], &dir.join("none"), "--pair-heads N");
-    let out = kvq(&["eval", arg(&d32), "--only", "int4-v64,bf16"]);
+    let out = kvq_ok(&["eval", arg(&d32), "--only", "int4-v64,bf16"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     assert!(stdout.contains("| int4-k32 / int4-v64 | n/a |"), "{stdout}");
     assert!(stdout.contains("--pair-heads N scores"), "{stdout}");
 }
@@ -719,13 +705,8 @@ fn eval_reports_every_pair() {
     };
     // GQA: 8 query heads over 4 KV heads.
     write_input(&input, &[t("q.3", 8), t("k.3", 4), t("v.3", 4)]);
-    let out = kvq(&["eval", arg(&input), "--block-size", "16", "--per-layer"]);
+    let out = kvq_ok(&["eval", arg(&input), "--block-size", "16", "--per-layer"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     for label in [
         "| f16 / f16 |",
         "| bf16 / bf16 |",
@@ -782,12 +763,7 @@ fn growing_layer(path: &Path, tokens: usize, growth: f32) {
 
 /// `kvq ARGS` (which must include `--json`), successful, its stdout parsed.
 fn eval_json(args: &[&str]) -> serde_json::Value {
-    let out = kvq(args);
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let out = kvq_ok(args);
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
             "{args:?}: not JSON ({e}):\n{}",
@@ -1091,13 +1067,8 @@ fn eval_on_real_minilm_kv() {
     let Some(file) = common::minilm_data("eval_on_real_minilm_kv") else {
         return;
     };
-    let out = kvq(&["eval", arg(&file), "--pair-heads", "2", "--layers", "0,5"]);
+    let out = kvq_ok(&["eval", arg(&file), "--pair-heads", "2", "--layers", "0,5"]);
     let table = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     // The file is f16, so an f16 cache is exact; the rest degrade in the expected order.
     assert_eq!(attn_error(&table, "f16 / f16"), 0.0);
     let fp8 = attn_error(&table, "fp8-e4m3 / fp8-e4m3 (head)");
@@ -1177,13 +1148,8 @@ fn calibrate_writes_per_head_scales() {
         args.extend(patterns);
         args.extend(method);
         args.extend(kind_args);
-        let out = kvq(&args);
+        let out = kvq_ok(&args);
         let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
         assert!(stdout.contains("2 layer(s) of 2 kv heads"), "{stdout}");
         let bytes = fs::read(&output).unwrap();
         let meta = metadata(&bytes);
@@ -1291,12 +1257,7 @@ fn eval_takes_scales_from_calibrate() {
     let (input, scales) = (dir.join("growing.st"), dir.join("scales.st"));
     growing_layer(&input, 32, 4.0);
     let (file, s) = (arg(&input), arg(&scales));
-    let out = kvq(&["calibrate", file, s]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kvq_ok(&["calibrate", file, s]);
 
     let calibrated = eval_json(&["eval", file, "--json", "--calibrate-on", "all"]);
     let from_file = eval_json(&[
@@ -1457,12 +1418,7 @@ fn calibrate_and_budget_on_real_minilm_kv() {
     let dir = scratch("minilm-budget");
     let (scales, plan) = (dir.join("scales.st"), dir.join("plan.json"));
     let d = arg(&data);
-    let out = kvq(&["calibrate", d, arg(&scales), "--pair-heads", "2"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    kvq_ok(&["calibrate", d, arg(&scales), "--pair-heads", "2"]);
     let doc = eval_json(&[
         "eval",
         d,
