@@ -184,7 +184,7 @@ fn capture<T: BenchElem>(
         .expect("decode");
     gpu.synchronize().expect("sync");
     let s = gpu.stream();
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         .expect("begin capture");
     for t in &su.tables {
         plan.decode(&mut ws, &su.cache, t, q, out, None)

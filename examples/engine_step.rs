@@ -213,7 +213,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     let mut out = s.alloc_zeros::<f16>(CAPACITY * HEADS * D)?;
     e.tables.upload()?;
     gpu.synchronize()?;
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
     plan.decode_step(
         &mut ws,
         &e.dev,

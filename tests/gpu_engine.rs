@@ -259,7 +259,7 @@ fn continuous_batching_with_a_captured_graph() {
         let mut out = s.alloc_zeros::<f16>(HEADS * D).unwrap();
         if gpu.context().is_managing_stream_synchronization() {
             gpu.synchronize().unwrap();
-            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .unwrap();
             let r = plan.decode(&mut ws, &e.dev, &t, &q, &mut out, None);
             let _ = s.end_capture(CUgraphInstantiate_flags(0));
@@ -322,7 +322,7 @@ fn continuous_batching_with_a_captured_graph() {
         s.memcpy_htod(&qh, &mut q).unwrap();
         if graph.is_none() {
             gpu.synchronize().unwrap();
-            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+            s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .unwrap();
             plan.decode_step(
                 &mut ws,
