@@ -130,7 +130,8 @@ fn parse_args() -> Result<Args, String> {
 
 fn run(args: &Args) -> kvq::Result<()> {
     let gpu = Gpu::new(0)?;
-    eprintln!("{}", gpu.summary());
+    // On stdout: scripts/launch_fit.py reads the device's bytes per SM cycle from it.
+    println!("{}", gpu.summary());
     let mut timer = bench::EventTimer::new(&gpu)?;
     let ceiling = match args.ceiling {
         Some(gbps) => {

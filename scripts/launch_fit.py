@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Replay and refit the decode launch model (src/cuda/decode/heuristic.rs) on a launch sweep.
+"""Replay and refit the decode launch model (src/cuda/decode/heuristic.rs) on launch sweeps.
 
-    python3 scripts/launch_fit.py SWEEP.md [--extra MORE.md]... [--search N] [--seed S]
+    python3 scripts/launch_fit.py SWEEP.md[@BPC]... [--extra MORE.md[@BPC]]... [--search N] [--seed S]
 
 SWEEP.md (or .md.gz) is the output of `examples/decode_sweep.rs` (one markdown row per timed launch, `*` on
 the plan's own): every (warps, stages) that fits at the split counts given to `--splits`, with
 each launch's blocks per SM and stage bytes, the model's inputs. `--extra` adds rows of other
-runs of the tool (e.g. `--launch` comparisons) for launches the sweep did not time.
+runs of the tool (e.g. `--launch` comparisons) for launches the sweeps did not time. BPC is the
+device's peak memory bytes per SM cycle (`Machine` in heuristic.rs), read from the file's
+device line where the tool printed one ("... 12.83 bytes per SM cycle"), else given after `@`,
+else the reference H200's; groups of different devices are fitted together.
 
 Prints, per (shape, format) group, the launch the model picks with the parameters below and its
 regret (its time over the best timed launch); a pick at a split count the sweep did not time
@@ -15,9 +18,10 @@ coordinate descent from the best, minimizing the mean log regret plus a fifth of
 
 The model here must stay the one in heuristic.rs: `choose` mirrors `choose_launch`, `PARAMS`
 its constants. Shapes it knows are the standard grid's (`CASES`, `HEAD_DIM`); add a case there
-to fit on a new one. The session 8 fit (docs/PERFORMANCE.md):
+to fit on a new one. The session 24 fit (docs/PERFORMANCE.md), an H200 and an H100:
 
-    python3 scripts/launch_fit.py docs/bench/launch_sweep.md.gz --extra docs/bench/launch_abba.md
+    python3 scripts/launch_fit.py docs/bench/launch_sweep.md.gz \
+        docs/bench/launch_sweep_h100.md.gz@12.83 --extra docs/bench/launch_abba.md
 """
 
 import argparse
@@ -25,6 +29,7 @@ import collections
 import gzip
 import math
 import random
+import re
 
 SMS = 132
 MAX_SPLITS = 256
@@ -37,8 +42,10 @@ BITS = {"bf16": 16, "f16": 16, "fp8-e4m3": 8, "fp8-e5m2": 8, "int4-k32": 4, "int
 # case -> (KV heads, query heads); query tiles hold 8 rows.
 CASES = {"llama3-8b": (8, 32), "8x22b-tp8": (1, 6), "mha-32": (32, 32), "gqa-d64": (8, 32), "gqa-d256": (4, 16)}
 
-# heuristic.rs: RateModel::new (inflight target, full-rate warps per class of the narrowest
-# side: 16-bit, FP8, INT4), WAVE_OVERHEAD_TOKENS, SPLIT_COST_TOKENS, TOLERANCE.
+# heuristic.rs: REFERENCE_BYTES_PER_SM_CYCLE (the H200's), RateModel::new (inflight target,
+# full-rate warps per class of the narrowest side: 16-bit, FP8, INT4; INT4's scale with the
+# device's feed), WAVE_OVERHEAD_TOKENS (scales with the feed), SPLIT_COST_TOKENS, TOLERANCE.
+REFERENCE_BPC = 18.81
 PARAMS = dict(t16=64 << 10, t8=12 << 10, t4=24 << 10, w16=6, w8=9, w4=12, wave=3072.0, split=8.0, tol=1.01)
 
 SPACE = dict(
@@ -75,12 +82,13 @@ def step_tokens(k, v, d):
     return 32 if 16 * (rows(k, "k") + rows(v, "v")) <= 2560 else 16
 
 
-def choose(P, base, max_len, k, v, occ, step, splits):
-    """heuristic.rs choose_launch. occ: {(warps, stages): (blocks per SM, stage bytes)}."""
+def choose(P, base, max_len, k, v, occ, step, splits, feed):
+    """heuristic.rs choose_launch. occ: {(warps, stages): (blocks per SM, stage bytes)}; feed:
+    the device's bytes per SM cycle over the reference's (Machine::feed)."""
     nb = min(BITS[k], BITS[v])
     cls = 16 if nb >= 16 else nb
-    target, frw = P["t%d" % cls], P["w%d" % cls]
-    fixed = P["wave"] * 4.0 / (BPE[k] + BPE[v])
+    target, frw = P["t%d" % cls], P["w%d" % cls] * (feed if cls == 4 else 1.0)
+    fixed = P["wave"] * feed * 4.0 / (BPE[k] + BPE[v])
     cands = []
     for (w, st), (ctas, sb) in occ.items():
         if ctas == 0:
@@ -105,11 +113,17 @@ def choose(P, base, max_len, k, v, occ, step, splits):
     return c[1], c[2], c[3]
 
 
-def parse(paths):
-    """{(case, B, L, K, V): {'rows': {(splits, warps, stages): us}, 'occ': {...}, 'plan': ...}}"""
-    groups = collections.OrderedDict()
-    for path in paths:
+def parse(specs, groups=None):
+    """{(bpc, case, B, L, K, V): {'rows': {(splits, warps, stages): us}, 'occ': {...}, 'plan': ...}}
+    from PATH[@BPC] specs."""
+    groups = collections.OrderedDict() if groups is None else groups
+    for spec in specs:
+        path, _, given = spec.partition("@")
+        bpc = float(given) if given else None
         for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path)):
+            m = re.search(r"([0-9.]+) bytes per SM cycle", line)
+            if m and bpc is None:
+                bpc = float(m.group(1))
             if not line.startswith("| ") or line.startswith("| case"):
                 continue
             f = [x.strip() for x in line.strip().strip("|").split("|")]
@@ -117,7 +131,7 @@ def parse(paths):
                 continue
             case, B, L, K, V, s, w, st, ctas, sb, us = f[:11]
             star = case.startswith("*")
-            key = (case.lstrip("*"), int(B), int(L), K, V)
+            key = (bpc or REFERENCE_BPC, case.lstrip("*"), int(B), int(L), K, V)
             g = groups.setdefault(key, {"rows": {}, "occ": {}, "plan": None})
             launch = (int(s), int(w), int(st))
             g["rows"][launch] = min(float(us), g["rows"].get(launch, math.inf))
@@ -130,11 +144,12 @@ def parse(paths):
 def regrets(P, groups):
     out = []
     for key, g in groups.items():
-        case, B, L, K, V = key
+        bpc, case, B, L, K, V = key
         kvh, qh = CASES[case]
         base = B * kvh * -(-(qh // kvh) // 8)
         d = 64 if case == "gqa-d64" else 256 if case == "gqa-d256" else 128
-        pick = choose(P, base, L, K, V, g["occ"], step_tokens(K, V, d), split_range(L))
+        feed = bpc / REFERENCE_BPC
+        pick = choose(P, base, L, K, V, g["occ"], step_tokens(K, V, d), split_range(L), feed)
         rows = g["rows"]
         timed = pick
         if pick not in rows:
@@ -151,12 +166,18 @@ def objective(P, groups):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("sweep")
+    ap.add_argument("sweeps", nargs="+")
     ap.add_argument("--extra", action="append", default=[])
     ap.add_argument("--search", type=int, default=0)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
-    groups = parse([a.sweep] + a.extra)
+    groups = parse(a.sweeps)
+    # Extra rows only add launches to groups the sweeps hold.
+    extra = parse(a.extra)
+    for key, g in extra.items():
+        if key in groups:
+            groups[key]["rows"].update({k: min(v, groups[key]["rows"].get(k, math.inf)) for k, v in g["rows"].items()})
+            groups[key]["occ"].update(g["occ"])
     P = dict(PARAMS)
     if a.search:
         rng = random.Random(a.seed)
@@ -178,11 +199,13 @@ def main():
     r = regrets(P, groups)
     for key, pick, timed, x in r:
         note = "" if pick == timed else f" (priced at {timed[0]} splits)"
-        print(f"{key[0]:10s} B={key[1]:<4d} L={key[2]:<7d} {key[3]:9s} pick {pick}  regret {100 * x:5.1f} %{note}")
-    xs = [x for *_, x in r]
-    mean = math.expm1(sum(math.log1p(x) for x in xs) / len(xs))
-    print(f"mean regret {100 * mean:.2f} %, worst {100 * max(xs):.1f} %, "
-          f"within 1 %: {sum(x < 0.01 for x in xs)} of {len(xs)}")
+        print(f"{key[0]:5.2f} {key[1]:10s} B={key[2]:<4d} L={key[3]:<7d} {key[4]:9s} pick {pick}  "
+              f"regret {100 * x:5.1f} %{note}")
+    for bpc in sorted({key[0] for key, *_ in r}, reverse=True):
+        xs = [x for key, *_, x in r if key[0] == bpc]
+        mean = math.expm1(sum(math.log1p(x) for x in xs) / len(xs))
+        print(f"{bpc:.2f} bytes per SM cycle: mean regret {100 * mean:.2f} %, worst {100 * max(xs):.1f} %, "
+              f"within 1 %: {sum(x < 0.01 for x in xs)}, within 2 %: {sum(x < 0.02 for x in xs)} of {len(xs)}")
 
 
 if __name__ == "__main__":

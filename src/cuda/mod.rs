@@ -69,6 +69,32 @@ pub struct DeviceProps {
     pub l2_bytes: usize,
     /// Global memory in bytes.
     pub total_memory: usize,
+    /// Peak SM clock in kHz (0 where the driver does not say).
+    pub sm_clock_khz: u32,
+    /// Peak memory clock in kHz (0 where the driver does not say).
+    pub memory_clock_khz: u32,
+    /// Width of the memory bus in bits (0 where the driver does not say).
+    pub memory_bus_bits: u32,
+}
+
+impl DeviceProps {
+    /// Peak DRAM bandwidth in bytes/s: two transfers per memory clock over the whole bus
+    /// (H100 SXM: 3.35 TB/s, H200: 4.9 TB/s). A datasheet figure; what a kernel can really
+    /// read is lower (`kvq::cuda::bench::read_ceiling` measures it).
+    pub fn peak_memory_bandwidth(&self) -> Option<f64> {
+        let bytes = 2.0 * self.memory_clock_khz as f64 * 1e3 * self.memory_bus_bits as f64 / 8.0;
+        (bytes > 0.0).then_some(bytes)
+    }
+
+    /// Bytes the memory delivers per SM per SM clock cycle at peak (H100 SXM 12.8, H200 18.8):
+    /// how many instructions an SM may spend on each byte of a bandwidth-bound kernel, which
+    /// is what the decode launch model needs to know of a device beside its SM count.
+    pub fn memory_bytes_per_sm_cycle(&self) -> Option<f64> {
+        let cycles = self.sm_count as f64 * self.sm_clock_khz as f64 * 1e3;
+        self.peak_memory_bandwidth()
+            .filter(|_| cycles > 0.0)
+            .map(|b| b / cycles)
+    }
 }
 
 /// One GPU: a context and the stream kvq's launches and copies made through this handle are
@@ -177,6 +203,17 @@ impl Gpu {
             total_memory: ctx
                 .total_mem()
                 .map_err(driver_err("reading total memory"))?,
+            // A driver that does not report these leaves them 0 (the decode launch model then
+            // takes the device for the H200 it was fitted on).
+            sm_clock_khz: ctx
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+                .map_or(0, |v| v.max(0) as u32),
+            memory_clock_khz: ctx
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)
+                .map_or(0, |v| v.max(0) as u32),
+            memory_bus_bits: ctx
+                .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)
+                .map_or(0, |v| v.max(0) as u32),
         };
         let order_event = ctx
             .new_event(None)
@@ -348,8 +385,16 @@ impl Gpu {
     /// One line describing the device, for `kvq info`.
     pub fn summary(&self) -> String {
         let p = &self.props;
+        let feed = match (p.peak_memory_bandwidth(), p.memory_bytes_per_sm_cycle()) {
+            (Some(bw), Some(b)) => format!(
+                ", peak {:.2} TB/s, SMs at {} MHz: {b:.2} bytes per SM cycle",
+                bw / 1e12,
+                p.sm_clock_khz / 1000
+            ),
+            _ => String::new(),
+        };
         format!(
-            "GPU {}: {}, sm_{}{}, {} SMs, {} MiB L2, {:.1} GiB",
+            "GPU {}: {}, sm_{}{}, {} SMs, {} MiB L2, {:.1} GiB{feed}",
             p.ordinal,
             p.name,
             p.compute_capability.0,

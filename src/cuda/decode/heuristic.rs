@@ -2,6 +2,7 @@
 //! choice of warps per block, copy stages and split-KV splits that the model predicts fastest.
 
 use super::{MAX_SPLITS, STAGES, WARPS};
+use crate::cuda::DeviceProps;
 use crate::cuda::launch::{self, DecodeOccupancy};
 use crate::error::{Error, Result};
 use crate::format::KvFormat;
@@ -13,12 +14,48 @@ pub(super) const SPLIT_MULTIPLE: usize = 32;
 /// A split shorter than this costs more in setup and merge than it gains in parallelism.
 const MIN_SPLIT_TOKENS: usize = 256;
 
-/// Fixed time of one wave of blocks on an SM, in tokens of a 16-bit cache: query setup, the
-/// pipeline's fill from cold HBM, the warp merge. Blocks resident together pay it once, side by
-/// side, so it does not grow with the blocks per SM; what it penalizes is waves (one 12-warp
-/// block per SM pays it once per block where three 4-warp blocks share it). Fitted with the
-/// rest of the model (see `RateModel`).
+/// Fixed time of one wave of blocks on an SM, in tokens of a 16-bit cache on the reference
+/// device (see [`Machine`]): query setup, the pipeline's fill from cold HBM, the warp merge.
+/// Blocks resident together pay it once, side by side, so it does not grow with the blocks per
+/// SM; what it penalizes is waves (one 12-warp block per SM pays it once per block where three
+/// 4-warp blocks share it). Fitted with the rest of the model (see `RateModel`).
 const WAVE_OVERHEAD_TOKENS: f64 = 3072.0;
+
+/// Peak bytes per SM cycle of the device the model's constants were fitted on: an H200
+/// (4.92 TB/s over 132 SMs at 1.98 GHz).
+const REFERENCE_BYTES_PER_SM_CYCLE: f64 = 18.81;
+
+/// The device as the launch model sees it: its SM count, and `feed`, the bytes its memory
+/// delivers per SM cycle at peak over the reference H200's (H100 SXM: 0.68). Two terms of the
+/// model scale with `feed`, both fitted on sweeps of the H200 and the H100 (docs/PERFORMANCE.md,
+/// "Launch model, session 24"): the fixed cost of a wave, a time, counts more tokens where
+/// tokens arrive faster; and the warps an instruction-bound format (INT4, FP4) needs to keep
+/// up grow with the bytes each SM gets per cycle (the H100 runs INT4 at full rate with 8, the
+/// H200 needs 12). Latency-bound needs (copies in flight, 16-bit and FP8 warps) stayed put.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Machine {
+    pub sms: usize,
+    pub feed: f64,
+}
+
+impl Machine {
+    /// The model's view of the device `props` describes (the reference feed when the driver
+    /// reports no clocks).
+    pub fn of(props: &DeviceProps) -> Machine {
+        Machine {
+            sms: props.sm_count as usize,
+            feed: props
+                .memory_bytes_per_sm_cycle()
+                .map_or(1.0, |b| (b / REFERENCE_BYTES_PER_SM_CYCLE).clamp(0.25, 4.0)),
+        }
+    }
+
+    /// The reference device with `sms` SMs.
+    #[cfg(test)]
+    fn reference(sms: usize) -> Machine {
+        Machine { sms, feed: 1.0 }
+    }
+}
 
 /// Cost of each split in the launch model, in tokens (of any cache): partial write and merge.
 const SPLIT_COST_TOKENS: f64 = 8.0;
@@ -79,9 +116,10 @@ pub(super) fn occupancy(
 /// launch shape at every split count (`examples/decode_sweep.rs`, 36 shape x format groups,
 /// docs/PERFORMANCE.md "Launch model, session 8"): 16-bit caches want about 64 KB in flight and
 /// 6 warps; FP8 caches are bound by their warps' latency long before their copies (12 KB, 9
-/// warps), INT4 even more so (24 KB, 12 warps). `scripts/launch_fit.py` holds the same model
-/// (keep them in step) and refits it on a sweep.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// warps), INT4 even more so (24 KB, 12 warps on the H200, fewer where the memory feeds an SM
+/// less per cycle: [`Machine`]). `scripts/launch_fit.py` holds the same model (keep them in
+/// step) and refits it on sweeps.
+#[derive(Debug, Clone, Copy, PartialEq)]
 struct RateModel {
     /// Bytes of copies each block keeps in flight.
     inflight: usize,
@@ -90,18 +128,25 @@ struct RateModel {
     /// Bytes in flight per SM that reach the full rate.
     inflight_target: usize,
     /// Resident warps per SM that reach the full rate.
-    full_rate_warps: usize,
+    full_rate_warps: f64,
 }
 
 impl RateModel {
-    /// The model for caches in `k` / `v`, launched with `warps` warps per block of `stages`
-    /// stages of `stage_bytes` each (one stage per warp is being computed, the rest in flight).
-    fn new(k: KvFormat, v: KvFormat, warps: usize, stages: usize, stage_bytes: usize) -> Self {
+    /// The model for caches in `k` / `v` on a device of memory feed `feed` ([`Machine`]),
+    /// launched with `warps` warps per block of `stages` stages of `stage_bytes` each (one stage
+    /// per warp is being computed, the rest in flight).
+    fn new(
+        (k, v): (KvFormat, KvFormat),
+        feed: f64,
+        warps: usize,
+        stages: usize,
+        stage_bytes: usize,
+    ) -> Self {
         let narrowest = k.bits().min(v.bits());
         let (inflight_target, full_rate_warps) = match narrowest {
-            16.. => (64 << 10, 6),
-            8..=15 => (12 << 10, 9),
-            _ => (24 << 10, 12),
+            16.. => (64 << 10, 6.0),
+            8..=15 => (12 << 10, 9.0),
+            _ => (24 << 10, 12.0 * feed),
         };
         RateModel {
             inflight: warps * (stages - 1) * stage_bytes,
@@ -114,7 +159,7 @@ impl RateModel {
     /// Fraction of the full rate of an SM with `k` blocks resident.
     fn rate(&self, k: usize) -> f64 {
         let copies = (k * self.inflight) as f64 / self.inflight_target as f64;
-        let warps = (k * self.warps) as f64 / self.full_rate_warps as f64;
+        let warps = (k * self.warps) as f64 / self.full_rate_warps;
         copies.min(warps).min(1.0)
     }
 }
@@ -152,34 +197,34 @@ pub(super) fn split_range(max_len: usize, cap: usize) -> std::ops::RangeInclusiv
 }
 
 /// Warps, stages and split count together, given `occ(warps, stages)` (the kernel's occupancy
-/// for that shape) and `base` blocks per split (batch x KV heads x query tiles) on `sms` SMs,
-/// for contexts up to `max_len` tokens of caches in `formats` (K, V). Model: [`wave_time`] of
+/// for that shape) and `base` blocks per split (batch x KV heads x query tiles) on the device
+/// `machine`, for contexts up to `max_len` tokens of caches in `formats` (K, V). Model: [`wave_time`] of
 /// blocks that stream their split rounded up to whole rounds of their warps' steps (a block
 /// ends with its last warp), plus a cost per split; among the launches within [`TOLERANCE`] of
 /// the best, the fewest splits, then the fewest warps per block, then the fewest stages. Split
 /// counts come from `splits` (see [`split_range`]). An error only if nothing fits.
 pub(super) fn choose_launch(
     base: usize,
-    sms: usize,
+    machine: Machine,
     max_len: usize,
     splits: std::ops::RangeInclusive<usize>,
     (k, v): (KvFormat, KvFormat),
     mut occ: impl FnMut(usize, usize) -> Result<DecodeOccupancy>,
 ) -> Result<LaunchChoice> {
     let mut cands = Vec::new(); // (cost, splits, stages, warps, ctas)
-    let fixed = WAVE_OVERHEAD_TOKENS * tokens_per_16bit_token(k, v);
+    let fixed = WAVE_OVERHEAD_TOKENS * machine.feed * tokens_per_16bit_token(k, v);
     for warps in WARPS {
         for stages in STAGES {
             let o = occ(warps, stages)?;
             if o.ctas == 0 {
                 continue;
             }
-            let model = RateModel::new(k, v, warps, stages, o.stage_bytes);
+            let model = RateModel::new((k, v), machine.feed, warps, stages, o.stage_bytes);
             let round = warps * o.step_tokens.max(1);
             for splits in splits.clone() {
                 let (n, len) = split_len(max_len, splits);
                 let tokens = len.next_multiple_of(round) as f64;
-                let cost = wave_time(base * n, sms, o.ctas, model, tokens, fixed)
+                let cost = wave_time(base * n, machine.sms, o.ctas, model, tokens, fixed)
                     + n as f64 * SPLIT_COST_TOKENS;
                 cands.push((cost, n, stages, warps, o.ctas));
             }
@@ -237,7 +282,7 @@ mod tests {
         let pick = |base, len, (formats, stage), regs| {
             let c = choose_launch(
                 base,
-                132,
+                Machine::reference(132),
                 len,
                 split_range(len, MAX_SPLITS),
                 formats,
@@ -285,7 +330,7 @@ mod tests {
         // A workspace cap bounds the splits.
         let c = choose_launch(
             8,
-            132,
+            Machine::reference(132),
             32768,
             split_range(32768, 3),
             int4.0,
@@ -300,7 +345,7 @@ mod tests {
         assert!(
             choose_launch(
                 128,
-                132,
+                Machine::reference(132),
                 4096,
                 split_range(4096, MAX_SPLITS),
                 bf16.0,
@@ -311,12 +356,66 @@ mod tests {
     }
 
     #[test]
+    fn launch_choice_follows_the_memory_feed() {
+        use KvFormat::*;
+        let int4 = ((Int4Sym32, Int4Affine64), (4608, 32));
+        let pick = |machine, base, len| {
+            let c = choose_launch(
+                base,
+                machine,
+                len,
+                split_range(len, MAX_SPLITS),
+                int4.0,
+                occ_model(int4.1, 3),
+            )
+            .unwrap();
+            (c.warps, c.stages, c.ctas, c.splits)
+        };
+        // What the H100 sweep found best (docs/PERFORMANCE.md, launch model of session 24): at
+        // 64 x 4k two 4-warp blocks of 4-5 stages per SM, where the H200 wants three of 2
+        // stages; one 8-warp block per SM where blocks are few (the H200: 12 warps).
+        let h100 = Machine {
+            sms: 132,
+            feed: 0.68,
+        };
+        let (w, stages, ctas, n) = pick(h100, 512, 4096);
+        assert!(
+            (w, ctas, n) == (4, 2, 1) && stages >= 4,
+            "{w} {stages} {ctas} {n}"
+        );
+        assert_eq!(pick(Machine::reference(132), 512, 4096), (4, 2, 3, 1));
+        assert_eq!(pick(h100, 128, 4096).0, 8);
+        assert_eq!(pick(Machine::reference(132), 128, 4096).0, 12);
+        // A device that reports no clocks is taken for the reference; real clocks give the
+        // ratio of bytes per SM cycle.
+        let mut props = DeviceProps {
+            ordinal: 0,
+            name: "H100".into(),
+            sm_count: 132,
+            compute_capability: (9, 0),
+            l2_bytes: 50 << 20,
+            total_memory: 80 << 30,
+            sm_clock_khz: 0,
+            memory_clock_khz: 0,
+            memory_bus_bits: 0,
+        };
+        assert_eq!(Machine::of(&props), Machine::reference(132));
+        (
+            props.sm_clock_khz,
+            props.memory_clock_khz,
+            props.memory_bus_bits,
+        ) = (1_980_000, 2_619_000, 5120);
+        let feed = Machine::of(&props).feed;
+        assert!((feed - 0.682).abs() < 0.005, "{feed}");
+    }
+
+    #[test]
     fn waves() {
         let m = |inflight, warps| RateModel {
             inflight,
             warps,
             inflight_target: 128 << 10,
-            full_rate_warps: 8,
+            full_rate_warps: 8.0,
         };
         // Full waves at full rate cost their blocks' tokens per SM and one fixed cost each; a
         // thin last wave costs more.

@@ -48,7 +48,7 @@ use crate::format::KvFormat;
 use crate::layout::BlockLayout;
 use cudarc::driver::sys::{CUdeviceptr, CUstream};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
-use heuristic::{LaunchChoice, choose_launch, occupancy, split_len, split_range};
+use heuristic::{LaunchChoice, Machine, choose_launch, occupancy, split_len, split_range};
 use std::ffi::c_void;
 use std::sync::{Arc, OnceLock};
 
@@ -402,7 +402,7 @@ impl DecodePlan {
         let shapes = &self.shapes;
         let mut choice = choose_launch(
             base,
-            self.gpu.props().sm_count as usize,
+            Machine::of(self.gpu.props()),
             max_len,
             splits,
             (c.k_format, c.v_format),
