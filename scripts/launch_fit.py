@@ -45,7 +45,7 @@ CASES = {"llama3-8b": (8, 32), "8x22b-tp8": (1, 6), "mha-32": (32, 32), "gqa-d64
 # heuristic.rs: REFERENCE_BYTES_PER_SM_CYCLE (the H200's), RateModel::new (inflight target,
 # full-rate warps per class of the narrowest side: 16-bit, FP8, INT4; INT4's scale with the
 # device's feed), WAVE_OVERHEAD_TOKENS (scales with the feed), SPLIT_COST_TOKENS, TOLERANCE.
-REFERENCE_BPC = 18.81
+REFERENCE_BPC = 2.0 * 3_201_000.0 * 1e3 * 6144.0 / 8.0 / (132.0 * 1_980_000.0 * 1e3)  # 18.81
 PARAMS = dict(t16=64 << 10, t8=12 << 10, t4=24 << 10, w16=6, w8=9, w4=12, wave=3072.0, split=8.0, tol=1.01)
 
 SPACE = dict(

@@ -21,9 +21,12 @@ const MIN_SPLIT_TOKENS: usize = 256;
 /// 4-warp blocks share it). Fitted with the rest of the model (see `RateModel`).
 const WAVE_OVERHEAD_TOKENS: f64 = 3072.0;
 
-/// Peak bytes per SM cycle of the device the model's constants were fitted on: an H200
-/// (4.92 TB/s over 132 SMs at 1.98 GHz).
-const REFERENCE_BYTES_PER_SM_CYCLE: f64 = 18.81;
+/// Peak bytes per SM cycle of the device the model's constants were fitted on, an H200: HBM3e
+/// at 3,201 MHz over 6,144 bits (4.92 TB/s) for 132 SMs at 1,980 MHz, as its driver reports
+/// them, in the order of [`DeviceProps::memory_bytes_per_sm_cycle`]'s arithmetic, so that the
+/// H200's feed is exactly 1 and its launches are those the model was fitted to pick.
+const REFERENCE_BYTES_PER_SM_CYCLE: f64 =
+    2.0 * 3_201_000.0 * 1e3 * 6144.0 / 8.0 / (132.0 * 1_980_000.0 * 1e3);
 
 /// The device as the launch model sees it: its SM count, and `feed`, the bytes its memory
 /// delivers per SM cycle at peak over the reference H200's (H100 SXM: 0.68). Two terms of the
@@ -407,6 +410,9 @@ mod tests {
         ) = (1_980_000, 2_619_000, 5120);
         let feed = Machine::of(&props).feed;
         assert!((feed - 0.682).abs() < 0.005, "{feed}");
+        // The H200's clocks give the reference exactly.
+        (props.memory_clock_khz, props.memory_bus_bits) = (3_201_000, 6144);
+        assert_eq!(Machine::of(&props), Machine::reference(132));
     }
 
     #[test]
