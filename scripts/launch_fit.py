@@ -176,7 +176,9 @@ def main():
     extra = parse(a.extra)
     for key, g in extra.items():
         if key in groups:
-            groups[key]["rows"].update({k: min(v, groups[key]["rows"].get(k, math.inf)) for k, v in g["rows"].items()})
+            rows = groups[key]["rows"]
+            for launch, us in g["rows"].items():
+                rows[launch] = min(us, rows.get(launch, math.inf))
             groups[key]["occ"].update(g["occ"])
     P = dict(PARAMS)
     if a.search:
@@ -204,8 +206,9 @@ def main():
     for bpc in sorted({key[0] for key, *_ in r}, reverse=True):
         xs = [x for key, *_, x in r if key[0] == bpc]
         mean = math.expm1(sum(math.log1p(x) for x in xs) / len(xs))
-        print(f"{bpc:.2f} bytes per SM cycle: mean regret {100 * mean:.2f} %, worst {100 * max(xs):.1f} %, "
-              f"within 1 %: {sum(x < 0.01 for x in xs)}, within 2 %: {sum(x < 0.02 for x in xs)} of {len(xs)}")
+        print(f"{bpc:.2f} bytes per SM cycle: mean regret {100 * mean:.2f} %, "
+              f"worst {100 * max(xs):.1f} %, within 1 %: {sum(x < 0.01 for x in xs)}, "
+              f"within 2 %: {sum(x < 0.02 for x in xs)} of {len(xs)}")
 
 
 if __name__ == "__main__":

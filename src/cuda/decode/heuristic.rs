@@ -31,7 +31,7 @@ const REFERENCE_BYTES_PER_SM_CYCLE: f64 =
 /// The device as the launch model sees it: its SM count, and `feed`, the bytes its memory
 /// delivers per SM cycle at peak over the reference H200's (H100 SXM: 0.68). Two terms of the
 /// model scale with `feed`, both fitted on sweeps of the H200 and the H100 (docs/PERFORMANCE.md,
-/// "Launch model, session 24"): the fixed cost of a wave, a time, counts more tokens where
+/// "Session 24"): the fixed cost of a wave, a time, counts more tokens where
 /// tokens arrive faster; and the warps an instruction-bound format (INT4, FP4) needs to keep
 /// up grow with the bytes each SM gets per cycle (the H100 runs INT4 at full rate with 8, the
 /// H200 needs 12). Latency-bound needs (copies in flight, 16-bit and FP8 warps) stayed put.
@@ -201,11 +201,12 @@ pub(super) fn split_range(max_len: usize, cap: usize) -> std::ops::RangeInclusiv
 
 /// Warps, stages and split count together, given `occ(warps, stages)` (the kernel's occupancy
 /// for that shape) and `base` blocks per split (batch x KV heads x query tiles) on the device
-/// `machine`, for contexts up to `max_len` tokens of caches in `formats` (K, V). Model: [`wave_time`] of
-/// blocks that stream their split rounded up to whole rounds of their warps' steps (a block
-/// ends with its last warp), plus a cost per split; among the launches within [`TOLERANCE`] of
-/// the best, the fewest splits, then the fewest warps per block, then the fewest stages. Split
-/// counts come from `splits` (see [`split_range`]). An error only if nothing fits.
+/// `machine`, for contexts up to `max_len` tokens of caches in `formats` (K, V). Model:
+/// [`wave_time`] of blocks that stream their split rounded up to whole rounds of their warps'
+/// steps (a block ends with its last warp), plus a cost per split; among the launches within
+/// [`TOLERANCE`] of the best, the fewest splits, then the fewest warps per block, then the
+/// fewest stages. Split counts come from `splits` (see [`split_range`]). An error only if
+/// nothing fits.
 pub(super) fn choose_launch(
     base: usize,
     machine: Machine,
@@ -374,7 +375,7 @@ mod tests {
             .unwrap();
             (c.warps, c.stages, c.ctas, c.splits)
         };
-        // What the H100 sweep found best (docs/PERFORMANCE.md, launch model of session 24): at
+        // What the H100 sweep found best (docs/PERFORMANCE.md, "Session 24"): at
         // 64 x 4k two 4-warp blocks of 4-5 stages per SM, where the H200 wants three of 2
         // stages; one 8-warp block per SM where blocks are few (the H200: 12 warps).
         let h100 = Machine {
