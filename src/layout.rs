@@ -58,6 +58,10 @@ impl CacheConfig {
     /// multiples of 16, and the head dims `cuda::decode::kernel_available_for` and
     /// `cuda::prefill::kernel_available_for` accept (feature `cuda`); a GPU plan refuses the
     /// rest with an error. Check there before sizing a pool for the GPU.
+    ///
+    /// The arguments are the fields in order; a struct literal names them, which is safer where
+    /// a swap of `head_dim` and `block_size` would still be a valid config (`8, 16, 128` with FP8
+    /// formats is one), then [`validate`](Self::validate) checks it.
     pub fn new(
         num_kv_heads: usize,
         head_dim: usize,

@@ -31,9 +31,17 @@
 //! use kvq::{CacheConfig, KvFormat, ScaleGranularity};
 //!
 //! // One layer of a Llama-like model: 32 query heads over 8 KV heads of 128, blocks of 16
-//! // tokens, FP8 keys and INT4 values, a pool of 64 blocks.
+//! // tokens, FP8 keys and INT4 values (formats by name: `KvFormat::from_name("int4-v64")`), a
+//! // pool of 64 blocks. `CacheConfig::new` takes the same fields in this order; the literal names
+//! // them (`PagedKvCache::new` validates it).
 //! let (q_heads, kv_heads, d) = (32, 8, 128);
-//! let config = CacheConfig::new(kv_heads, d, 16, KvFormat::Fp8E4m3, KvFormat::Int4Affine64)?;
+//! let config = CacheConfig {
+//!     num_kv_heads: kv_heads,
+//!     head_dim: d,
+//!     block_size: 16,
+//!     k_format: KvFormat::Fp8E4m3,
+//!     v_format: KvFormat::Int4Affine64,
+//! };
 //! let mut cache = PagedKvCache::new(config, 1, 64)?;
 //! let values = |n: usize, seed: f32| -> Vec<f32> {
 //!     (0..n).map(|i| (i as f32 * 0.37 + seed).sin()).collect()
@@ -67,9 +75,20 @@
 //! }
 //! let tables = cache.block_tables(&[a, b])?;
 //! let q = values(2 * q_heads * d, 5.0);
-//! let shape = DecodeShape::new(q_heads, 1, d);
+//! let shape = DecodeShape::new(q_heads, 1, d); // (num_q_heads, q_len, head_dim)
 //! let decode = cpu::decode_attention(&cache.layers()[0], &tables, &q, &shape, Accum::F64)?;
 //! assert_eq!(decode.lse.len(), 2 * q_heads);
+//!
+//! // A prefix hit: a fork shares a's blocks; its first append copies the shared, partly filled
+//! // last block (copy-on-write), so a keeps its tokens. With an allocator of the engine's own,
+//! // `BlockAllocator::reserve` returns those copies for `HostCache::apply_copies` (or
+//! // `DeviceCache::copy_blocks`) to apply before the write.
+//! let c = cache.fork(a)?;
+//! cache.append(c, &[&values(row, 6.0)], &[&values(row, 7.0)])?;
+//! let tables = cache.block_tables(&[a, c])?;
+//! assert_eq!((cache.len(a)?, cache.len(c)?), (21, 22));
+//! assert_eq!(tables.row(0)[0], tables.row(1)[0]); // the full first block is still shared
+//! assert_ne!(tables.row(0)[1], tables.row(1)[1]); // the last one was copied
 //! # Ok::<(), kvq::Error>(())
 //! ```
 
@@ -109,5 +128,5 @@ pub mod synth;
 pub use half;
 
 pub use error::{Error, Result};
-pub use format::{KvFormat, ScaleGranularity};
+pub use format::{Element, KvFormat, ScaleGranularity};
 pub use layout::{BlockLayout, CacheConfig};

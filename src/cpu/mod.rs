@@ -436,7 +436,8 @@ fn check_query(
     {
         return Err(Error::InvalidArgument(format!(
             "sequence {b}: context length {len} is shorter than q_len {} \
-             (the new tokens must already be in the cache)",
+             (the new tokens must already be in the cache; `DecodeShape::new` takes \
+             num_q_heads, q_len, head_dim in that order)",
             shape.q_len
         )));
     }
