@@ -57,6 +57,18 @@ pub enum Error {
         /// How many.
         count: u64,
     },
+    /// Finite values beyond what a cache stores, met by a strict write: past f16's range (the
+    /// sanitizer clamps them) or past an FP8 / FP4 side's head scale times its largest code
+    /// (saturated: calibrate the scales first).
+    #[error(
+        "{count} value(s) in {what} saturate (beyond f16's range or a head scale's largest code)"
+    )]
+    Saturated {
+        /// Where they were met.
+        what: &'static str,
+        /// How many.
+        count: u64,
+    },
     /// The block pool has no free block left.
     #[error("out of cache blocks: need {needed}, {free} free of {total}")]
     OutOfBlocks {

@@ -1051,17 +1051,37 @@ fn run_cache_op(
             };
             let valid_shape = *len_delta == 0 && slots.iter().all(|&s| s < nb * bs);
             let non_finite = k.iter().chain(&v).filter(|x| !x.is_finite()).count() as u64;
+            // What a strict write also refuses: magnitudes past f16's range or past a
+            // head-scaled side's largest code.
+            let saturated: usize = [
+                (c.k_format, cache.k_scales(), &k),
+                (c.v_format, cache.v_scales(), &v),
+            ]
+            .iter()
+            .map(|&(f, scales, x)| {
+                x.chunks(d)
+                    .zip(scales.iter().cycle())
+                    .map(|(r, &g)| {
+                        let lim = f
+                            .head_scale()
+                            .map_or(65504.0, |h| (h.max_value() * g).min(65504.0));
+                        r.iter().filter(|e| e.is_finite() && e.abs() > lim).count()
+                    })
+                    .sum::<usize>()
+            })
+            .sum();
+            let refused = *strict && (non_finite > 0 || saturated > 0);
             match r {
                 Err(e) => {
                     check_error("HostCache::write", &e)?;
-                    prop_assert!(!valid_shape || (*strict && non_finite > 0), "{:?}", e);
+                    prop_assert!(!valid_shape || refused, "{:?}", e);
                     prop_assert!(
                         cache.pool() == &before[..],
                         "a failed write changed the pool"
                     );
                 }
                 Ok(count) => {
-                    prop_assert!(valid_shape);
+                    prop_assert!(valid_shape && !refused);
                     if !*strict {
                         prop_assert_eq!(count, non_finite);
                     }

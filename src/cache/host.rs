@@ -7,6 +7,7 @@ use super::tables::check_row;
 use crate::error::{Error, Result, filled};
 use crate::format::int4;
 use crate::format::int4_kc::{self, KcShape, Mode};
+use crate::format::sanitize::F16_MAX;
 use crate::format::{Element, HeadScale, KvFormat, ScaleGranularity, head_amax};
 use crate::layout::{BlockLayout, CacheConfig, Region};
 use half::f16;
@@ -284,8 +285,11 @@ impl HostCache {
         Ok(())
     }
 
-    /// Like [`write`](Self::write), but any non-finite input is an [`Error::NonFinite`] and then
-    /// nothing is written.
+    /// Like [`write`](Self::write), but an input the cache would not hold as given is an error
+    /// and then nothing is written: non-finite values ([`Error::NonFinite`]), and finite ones
+    /// past f16's range or past an FP8 / FP4 side's head scale times its largest code, which
+    /// `write` saturates ([`Error::Saturated`]: the scales want calibrating, e.g.
+    /// [`calibrate_fp8_scales`](Self::calibrate_fp8_scales)).
     pub fn write_strict<T: Element>(&mut self, slots: &[usize], k: &[T], v: &[T]) -> Result<()> {
         self.check_write(slots, k, v)?;
         let count = k
@@ -297,6 +301,24 @@ impl HostCache {
             return Err(Error::NonFinite {
                 what: "kv cache write",
                 count,
+            });
+        }
+        let d = self.layout.config.head_dim;
+        let mut saturated = 0u64;
+        for (side, x) in [(Side::K, k), (Side::V, v)] {
+            let (format, _, _, scales) = self.side(side);
+            // Row r of [tokens, heads, d] belongs to head r % heads.
+            for (row, head) in x.chunks_exact(d).zip(scales.iter().cycle()) {
+                let limit = format
+                    .head_scale()
+                    .map_or(F16_MAX, |h| (h.max_value() * head).min(F16_MAX));
+                saturated += row.iter().filter(|e| e.to_f32().abs() > limit).count() as u64;
+            }
+        }
+        if saturated > 0 {
+            return Err(Error::Saturated {
+                what: "kv cache write",
+                count: saturated,
             });
         }
         self.write(slots, k, v).map(|_| ())
@@ -522,5 +544,34 @@ mod tests {
         );
         assert!(cache.pool().iter().all(|&b| b == POISON));
         assert_eq!(cache.write(&[0], &k, &v).unwrap(), 1);
+    }
+
+    #[test]
+    fn strict_write_rejects_what_would_saturate() {
+        // FP8 keys at their default scale 1.0 hold up to 448; INT4 values up to f16's range.
+        let c = CacheConfig::new(2, 64, 4, KvFormat::Fp8E4m3, KvFormat::Int4Affine64).unwrap();
+        let mut cache = HostCache::new(c, 1).unwrap();
+        let (mut k, mut v) = (vec![1.0f32; 128], vec![1.0f32; 128]);
+        k[70] = 1000.0; // head 1
+        v[3] = 7e4;
+        assert_eq!(
+            cache.write_strict(&[0], &k, &v),
+            Err(Error::Saturated {
+                what: "kv cache write",
+                count: 2
+            })
+        );
+        assert!(cache.pool().iter().all(|&b| b == POISON));
+        // Head 1's scale raised past 1000 / 448: only the value is left.
+        cache.set_scales(&[1.0, 4.0], &[1.0, 1.0]).unwrap();
+        assert!(matches!(
+            cache.write_strict(&[0], &k, &v),
+            Err(Error::Saturated { count: 1, .. })
+        ));
+        v[3] = 6e4;
+        cache.write_strict(&[0], &k, &v).unwrap();
+        // Plain writes saturate instead.
+        k[70] = 1e6;
+        assert_eq!(cache.write(&[0], &k, &v).unwrap(), 0);
     }
 }
