@@ -18,7 +18,9 @@ use candle_core::{D, DType, Device, Tensor};
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
 use kvq::cpu::{Accum, AttentionOptions, HeadTerms, prefill_attention};
 use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillWorkspace};
-use kvq::cuda::{DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache};
+use kvq::cuda::{
+    DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, TablesCapacity,
+};
 use kvq::{CacheConfig, KvFormat};
 
 const VOCAB: usize = 256;
@@ -277,7 +279,13 @@ fn run(steps: usize) -> Res<()> {
         },
     )?;
     let pws = PrefillWorkspace::new(&prefill)?;
-    let tables = DeviceBlockTables::with_capacity(&caches[0], BATCH, MAX_CTX / BS)?;
+    let tables = DeviceBlockTables::with_capacity(
+        &caches[0],
+        TablesCapacity {
+            max_batch: BATCH,
+            max_context_len: MAX_CTX,
+        },
+    )?;
     let mut on_gpu = Attention::Gpu(Box::new(GpuAttention {
         caches,
         plan,

@@ -26,7 +26,8 @@ use kvq::cpu::{
 use kvq::cuda::decode::{DecodeStep, RowStrides};
 use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
 use kvq::cuda::{
-    DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops,
+    DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu,
+    TablesCapacity, ops,
 };
 use kvq::{CacheConfig, KvFormat, Result};
 use std::collections::HashSet;
@@ -175,7 +176,13 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     let s = gpu.stream().clone();
     let max_step_tokens = PREFILL_BUDGET + 2 * CAPACITY;
     let mut e = Engine {
-        tables: DeviceBlockTables::with_capacity(&dev, CAPACITY, MAX_CTX / BS)?,
+        tables: DeviceBlockTables::with_capacity(
+            &dev,
+            TablesCapacity {
+                max_batch: CAPACITY,
+                max_context_len: MAX_CTX,
+            },
+        )?,
         gpu: gpu.clone(),
         dev,
         host,
@@ -248,7 +255,13 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         },
     )?;
     let mut pws = PrefillWorkspace::new(&pplan)?;
-    let mut ptables = DeviceBlockTables::with_capacity(&e.dev, PREFILL_ROWS, MAX_CTX / BS)?;
+    let mut ptables = DeviceBlockTables::with_capacity(
+        &e.dev,
+        TablesCapacity {
+            max_batch: PREFILL_ROWS,
+            max_context_len: MAX_CTX,
+        },
+    )?;
     let pq_host: Vec<f16> = (0..PREFILL_BUDGET * HEADS * D)
         .map(|_| f16::from_f32(e.rng.normal()))
         .collect();

@@ -38,19 +38,15 @@ fn run() -> kvq::Result<()> {
 
     // Once, for the capacity: the plan, its workspace and the block tables.
     let (max_batch, max_q_len, max_context_len) = (64, 1, 8192);
-    let plan = DecodePlan::new(
-        &gpu,
-        cache.layout(),
-        DecodeCapacity {
-            max_batch,
-            num_q_heads: heads,
-            max_q_len,
-            max_context_len,
-        },
-    )?;
+    let capacity = DecodeCapacity {
+        max_batch,
+        num_q_heads: heads,
+        max_q_len,
+        max_context_len,
+    };
+    let plan = DecodePlan::new(&gpu, cache.layout(), capacity)?;
     let mut ws = DecodeWorkspace::new(&plan)?;
-    let mut tables =
-        DeviceBlockTables::with_capacity(&cache, max_batch, max_context_len.div_ceil(block))?;
+    let mut tables = DeviceBlockTables::with_capacity(&cache, capacity.into())?;
     // The engine's tensors: K/V rows [tokens, kv_heads, d], q and out [tokens, heads, d].
     let k_new = s.alloc_zeros::<kvq::half::f16>(max_batch * kv_heads * d)?;
     let v_new = s.alloc_zeros::<kvq::half::f16>(max_batch * kv_heads * d)?;

@@ -18,7 +18,7 @@
 //! (`PrefillPlan::with_decode_rows` with a decode plan of `q_len` N).
 
 use kvq::cuda::bench::{self, EventTimer};
-use kvq::cuda::decode::DeviceBlockTables;
+use kvq::cuda::decode::{DeviceBlockTables, TablesCapacity};
 use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
 use kvq::cuda::{DeviceCache, Gpu, ops};
 use kvq::{CacheConfig, KvFormat, Result};
@@ -161,8 +161,10 @@ fn measure(
     }
     let mut tables = DeviceBlockTables::with_capacity(
         &cache,
-        shape.seqs.len(),
-        blocks.iter().copied().max().unwrap_or(1),
+        TablesCapacity {
+            max_batch: shape.seqs.len(),
+            max_context_len: blocks.iter().copied().max().unwrap_or(1) * BLOCK,
+        },
     )?;
     let mut next = 0i32;
     for (b, (&(_, l), &nb)) in shape.seqs.iter().zip(&blocks).enumerate() {

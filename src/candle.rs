@@ -196,17 +196,19 @@ fn append_as<T: CudaDType + DeviceElement>(
         // DeviceCache.
         unsafe {
             ops::append_raw(
-                &cache.as_raw(),
-                cache.num_blocks(),
-                sp,
-                i64_slots,
-                n,
-                kp,
-                vp,
-                T::DTYPE,
-                kt,
-                vt,
-                cache.counters_raw(),
+                &ops::RawAppendArgs {
+                    cache: cache.as_raw(),
+                    num_blocks: cache.num_blocks(),
+                    slots: sp,
+                    slots_i64: i64_slots,
+                    num_tokens: n,
+                    k: kp,
+                    v: vp,
+                    dtype: T::DTYPE,
+                    k_token_stride: kt,
+                    v_token_stride: vt,
+                    counters: cache.counters_raw(),
+                },
                 s.cu_stream(),
             )
         }

@@ -523,17 +523,19 @@ fn raw_append_with_token_stride_matches_cpu() {
         // the launch is on the cache's stream.
         unsafe {
             ops::append_raw(
-                &raw,
-                4,
-                sl,
-                false,
-                tokens,
-                base + row as u64 * elem,
-                base + 2 * row as u64 * elem,
-                ops::Dtype::F16,
-                3 * row,
-                3 * row,
-                0,
+                &ops::RawAppendArgs {
+                    cache: raw,
+                    num_blocks: 4,
+                    slots: sl,
+                    slots_i64: false,
+                    num_tokens: tokens,
+                    k: base + row as u64 * elem,
+                    v: base + 2 * row as u64 * elem,
+                    dtype: ops::Dtype::F16,
+                    k_token_stride: 3 * row,
+                    v_token_stride: 3 * row,
+                    counters: 0,
+                },
                 s.cu_stream(),
             )
             .unwrap();

@@ -22,7 +22,7 @@ use kvq::cuda::decode::{DecodeStep, RawDecodeArgs, RowStrides};
 use kvq::cuda::ops::{self, DeviceElement, Dtype};
 use kvq::cuda::{
     DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, SwapMove,
-    SwapSpace, require_gpu_or_skip,
+    SwapSpace, TablesCapacity, require_gpu_or_skip,
 };
 use kvq::{CacheConfig, Error, KvFormat};
 
@@ -282,7 +282,14 @@ fn continuous_batching_with_a_captured_graph() {
     )
     .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
-    let mut tables = DeviceBlockTables::with_capacity(&e.dev, CAP, MAX_CTX / BS).unwrap();
+    let mut tables = DeviceBlockTables::with_capacity(
+        &e.dev,
+        TablesCapacity {
+            max_batch: CAP,
+            max_context_len: MAX_CTX,
+        },
+    )
+    .unwrap();
     tables.set_batch(CAP).unwrap();
     let s = gpu.stream().clone();
     // Fixed buffers at the capacity, q_len 1: what the graph reads and writes.
@@ -630,8 +637,15 @@ fn objects_on_different_streams_are_ordered() {
     )
     .unwrap();
     let mut ws = DecodeWorkspace::new(&plan).unwrap();
-    let mut tables =
-        DeviceBlockTables::with_capacity_on(&gpu_b, &e.dev, 4, max.div_ceil(BS)).unwrap();
+    let mut tables = DeviceBlockTables::with_capacity_on(
+        &gpu_b,
+        &e.dev,
+        TablesCapacity {
+            max_batch: 4,
+            max_context_len: max,
+        },
+    )
+    .unwrap();
     tables.set_batch(4).unwrap();
     gpu_a.synchronize().unwrap();
     gpu_b.synchronize().unwrap();
@@ -1144,7 +1158,14 @@ fn padding_and_faults() {
     assert!(e.dev.check_appends().is_err(), "a fault must be reported");
     assert_eq!(e.dev.check_appends().unwrap(), 0, "and the counters reset");
     // Padding is also what a safe decode does with a cleared row.
-    let mut t = DeviceBlockTables::with_capacity(&e.dev, 2, 8).unwrap();
+    let mut t = DeviceBlockTables::with_capacity(
+        &e.dev,
+        TablesCapacity {
+            max_batch: 2,
+            max_context_len: 8 * BS,
+        },
+    )
+    .unwrap();
     t.set_batch(2).unwrap();
     e.set_row(&mut t, 1, sq);
     t.upload().unwrap();
@@ -1389,17 +1410,19 @@ fn two_streams_on_one_pool_match_one_stream() {
             // in disjoint blocks; k, v and slots live on stream `s` until it is synchronized.
             unsafe {
                 ops::append_raw(
-                    &cache.as_raw(),
-                    cache.num_blocks(),
-                    slots.device_ptr(s).0,
-                    false,
-                    lens[i],
-                    kd.device_ptr(s).0,
-                    vd.device_ptr(s).0,
-                    Dtype::F32,
-                    row,
-                    row,
-                    cache.counters_raw(),
+                    &ops::RawAppendArgs {
+                        cache: cache.as_raw(),
+                        num_blocks: cache.num_blocks(),
+                        slots: slots.device_ptr(s).0,
+                        slots_i64: false,
+                        num_tokens: lens[i],
+                        k: kd.device_ptr(s).0,
+                        v: vd.device_ptr(s).0,
+                        dtype: Dtype::F32,
+                        k_token_stride: row,
+                        v_token_stride: row,
+                        counters: cache.counters_raw(),
+                    },
                     s.cu_stream(),
                 )
             }
@@ -1422,7 +1445,15 @@ fn two_streams_on_one_pool_match_one_stream() {
             .unwrap();
             let mut ws = DecodeWorkspace::new(&plan).unwrap();
             let tables = BlockTables::from_rows(&[&rows[i]], &[lens[i]]).unwrap();
-            let mut t = DeviceBlockTables::with_capacity_on(g, &cache, 1, 64).unwrap();
+            let mut t = DeviceBlockTables::with_capacity_on(
+                g,
+                &cache,
+                TablesCapacity {
+                    max_batch: 1,
+                    max_context_len: 64 * cache.config().block_size,
+                },
+            )
+            .unwrap();
             t.update(&tables).unwrap();
             let q = g.stream().clone_htod(&qh).unwrap();
             let mut out = g.stream().alloc_zeros::<f16>(qh.len()).unwrap();

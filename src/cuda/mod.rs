@@ -39,7 +39,7 @@ pub use device::{AppendCounters, DeviceCache};
 pub use prefill::{
     PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows, merge_states,
 };
-pub use tables::DeviceBlockTables;
+pub use tables::{DeviceBlockTables, TablesCapacity};
 
 /// The cudarc kvq is built on. Name cudarc's types (`CudaSlice`, `CudaStream`, ...) through
 /// `kvq::cuda::cudarc` and they are always the ones kvq's API takes, whatever cudarc version

@@ -188,52 +188,77 @@ pub fn append_strided<T: DeviceElement, S: SlotIndex>(
     // this stream.
     unsafe {
         append_raw(
-            &raw,
-            num_blocks,
-            slots_p,
-            S::IS_I64,
-            num_tokens,
-            k_p,
-            v_p,
-            T::DTYPE,
-            k_token_stride,
-            v_token_stride,
-            counters,
+            &RawAppendArgs {
+                cache: raw,
+                num_blocks,
+                slots: slots_p,
+                slots_i64: S::IS_I64,
+                num_tokens,
+                k: k_p,
+                v: v_p,
+                dtype: T::DTYPE,
+                k_token_stride,
+                v_token_stride,
+                counters,
+            },
             s.cu_stream(),
         )
     }
 }
 
-/// [`append`] for memory the caller owns.
-///
-/// `k_token_stride` / `v_token_stride` are the elements between consecutive tokens' rows (at
-/// least `num_kv_heads * head_dim`, a multiple of 8), so K and V may be views into a fused QKV
-/// buffer. `counters` is a device array of [`sys::KVQ_NUM_COUNTERS`] u64 or 0 for none.
+/// Device pointers and shapes of one [`append_raw`] call.
+#[derive(Debug, Clone, Copy)]
+pub struct RawAppendArgs {
+    /// The cache (pool, head scales, layout): [`DeviceCache::as_raw`] or built from a
+    /// [`BlockLayout`](crate::BlockLayout).
+    pub cache: sys::kvq_cache,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// `[num_tokens]` slots (`block * block_size + offset`), i64 when `slots_i64`, else i32.
+    pub slots: CUdeviceptr,
+    /// Whether `slots` holds i64.
+    pub slots_i64: bool,
+    /// Tokens to append.
+    pub num_tokens: usize,
+    /// Key rows of `dtype`, 16-byte aligned.
+    pub k: CUdeviceptr,
+    /// Value rows of `dtype`, 16-byte aligned.
+    pub v: CUdeviceptr,
+    /// Element type of `k` and `v`.
+    pub dtype: Dtype,
+    /// Elements between consecutive tokens' key rows: at least `num_kv_heads * head_dim`, a
+    /// multiple of 8 (so K may be a view into a fused QKV buffer).
+    pub k_token_stride: usize,
+    /// The same for the value rows.
+    pub v_token_stride: usize,
+    /// Optional `[KVQ_NUM_COUNTERS]` u64 fault counters (0: none; see kvq.h).
+    pub counters: CUdeviceptr,
+}
+
+/// [`append`] for memory the caller owns, on `stream`: strides, alignment and counts are
+/// checked here, the pointers are the caller's word (see `# Safety`).
 ///
 /// # Safety
-/// - `cache` describes a live device pool of `num_blocks` blocks laid out by its `layout`
-///   (build it with [`DeviceCache::as_raw`] or from a [`BlockLayout`](crate::BlockLayout)), and
-///   FP8 scale arrays of `num_kv_heads` f32 when a side is FP8;
-/// - `slots` points to `num_tokens` device integers (i64 when `slots_i64`, else i32);
-/// - `k` and `v` are 16-byte aligned device pointers to `num_tokens` rows of `dtype` at the
-///   given strides;
+/// - `args.cache` describes a live device pool of `args.num_blocks` blocks laid out by its
+///   `layout`, and head scale arrays of `num_kv_heads` f32 where a side has them;
+/// - `args.slots` points to `num_tokens` device integers of the type `slots_i64` says;
+/// - `args.k` and `args.v` point to `num_tokens` rows of `dtype` at their token strides;
 /// - all of it stays valid, and is not written by other work, until the launch on `stream` (a
 ///   stream of the context current on this thread) has finished.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn append_raw(
-    cache: &sys::kvq_cache,
-    num_blocks: usize,
-    slots: CUdeviceptr,
-    slots_i64: bool,
-    num_tokens: usize,
-    k: CUdeviceptr,
-    v: CUdeviceptr,
-    dtype: Dtype,
-    k_token_stride: usize,
-    v_token_stride: usize,
-    counters: CUdeviceptr,
-    stream: CUstream,
-) -> Result<()> {
+pub unsafe fn append_raw(args: &RawAppendArgs, stream: CUstream) -> Result<()> {
+    let &RawAppendArgs {
+        ref cache,
+        num_blocks,
+        slots,
+        slots_i64,
+        num_tokens,
+        k,
+        v,
+        dtype,
+        k_token_stride,
+        v_token_stride,
+        counters,
+    } = args;
     let l = &cache.layout;
     let row = (l.num_kv_heads.max(0) as usize) * (l.head_dim.max(0) as usize);
     for (what, stride) in [

@@ -6,13 +6,42 @@
 //! synchronization per step; the device addresses never change, so a decode captured in a CUDA
 //! graph reads the current tables on every replay.
 
-use super::{DeviceCache, Gpu, driver_err, launch};
+use super::{DecodeCapacity, DeviceCache, Gpu, PrefillCapacity, driver_err, launch};
 use crate::cache::{BlockTables, check_row};
 use crate::error::{Error, Result};
 use crate::layout::BlockLayout;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, CudaStream, PinnedHostSlice};
 use std::sync::Arc;
+
+/// What [`DeviceBlockTables`] are sized for: rows, and the longest context in tokens (new
+/// tokens included), as a plan's capacity states them (`From` a [`DecodeCapacity`] or a
+/// [`PrefillCapacity`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TablesCapacity {
+    /// Most sequences (rows) per step.
+    pub max_batch: usize,
+    /// Longest context, in tokens.
+    pub max_context_len: usize,
+}
+
+impl From<DecodeCapacity> for TablesCapacity {
+    fn from(c: DecodeCapacity) -> Self {
+        TablesCapacity {
+            max_batch: c.max_batch,
+            max_context_len: c.max_context_len,
+        }
+    }
+}
+
+impl From<PrefillCapacity> for TablesCapacity {
+    fn from(c: PrefillCapacity) -> Self {
+        TablesCapacity {
+            max_batch: c.max_batch,
+            max_context_len: c.max_context_len,
+        }
+    }
+}
 
 /// Changed block-table entries one upload sends as (index, value) pairs at most; more go as
 /// one copy of the span they cover.
@@ -154,15 +183,23 @@ pub struct DeviceBlockTables {
 }
 
 impl DeviceBlockTables {
-    /// Empty tables (every row length 0, batch 0) for up to `capacity` sequences of up to
-    /// `max_blocks` blocks each, over the pool of `cache`, on the cache's stream.
-    pub fn with_capacity(cache: &DeviceCache, capacity: usize, max_blocks: usize) -> Result<Self> {
-        Self::with_capacity_on(cache.gpu(), cache, capacity, max_blocks)
+    /// Empty tables (every row length 0, batch 0) for up to `cap.max_batch` sequences of up to
+    /// `cap.max_context_len` tokens each (in blocks of the cache's size), over the pool of
+    /// `cache`, on the cache's stream. A plan's capacity converts:
+    /// `DeviceBlockTables::with_capacity(&cache, decode_capacity.into())`.
+    pub fn with_capacity(cache: &DeviceCache, cap: TablesCapacity) -> Result<Self> {
+        Self::with_capacity_on(cache.gpu(), cache, cap)
     }
 
     /// [`with_capacity`](Self::with_capacity) with uploads on `gpu`'s stream (a stream of the
     /// cache's device).
-    pub fn with_capacity_on(
+    pub fn with_capacity_on(gpu: &Gpu, cache: &DeviceCache, cap: TablesCapacity) -> Result<Self> {
+        let max_blocks = cap.max_context_len.div_ceil(cache.config().block_size);
+        Self::with_blocks_on(gpu, cache, cap.max_batch, max_blocks)
+    }
+
+    /// Empty tables of `capacity` rows of `max_blocks` blocks.
+    fn with_blocks_on(
         gpu: &Gpu,
         cache: &DeviceCache,
         capacity: usize,
@@ -245,7 +282,8 @@ impl DeviceBlockTables {
     /// Tables of `tables`' batch and `max_blocks` (the capacity), checked against `cache`
     /// ([`BlockTables::validate`]) and uploaded.
     pub fn new(cache: &DeviceCache, tables: &BlockTables) -> Result<Self> {
-        let mut t = Self::with_capacity(cache, tables.batch().max(1), tables.max_blocks)?;
+        let mut t =
+            Self::with_blocks_on(cache.gpu(), cache, tables.batch().max(1), tables.max_blocks)?;
         t.update(tables)?;
         Ok(t)
     }
