@@ -194,6 +194,18 @@ impl DeviceBlockTables {
     /// [`with_capacity`](Self::with_capacity) with uploads on `gpu`'s stream (a stream of the
     /// cache's device).
     pub fn with_capacity_on(gpu: &Gpu, cache: &DeviceCache, cap: TablesCapacity) -> Result<Self> {
+        for (what, value) in [
+            ("max_batch", cap.max_batch),
+            ("max_context_len", cap.max_context_len),
+        ] {
+            if value == 0 {
+                return Err(Error::Config {
+                    what,
+                    value,
+                    expected: "at least 1",
+                });
+            }
+        }
         let max_blocks = cap.max_context_len.div_ceil(cache.config().block_size);
         Self::with_blocks_on(gpu, cache, cap.max_batch, max_blocks)
     }
