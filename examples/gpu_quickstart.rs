@@ -53,6 +53,7 @@ fn run() -> kvq::Result<()> {
     let q = s.alloc_zeros::<kvq::half::f16>(max_batch * heads * d)?;
     let mut out = s.alloc_zeros::<f32>(max_batch * heads * d)?; // any output type
     let mut step_slots: Vec<i32> = Vec::with_capacity(max_batch); // the step's slot mapping
+    let mut slots = s.alloc_zeros::<i32>(max_batch)?; // and its device copy, made once
 
     // Every step, for each sequence (here one, in batch row 0): slots for its new token, the
     // copy-on-write copies of a forked sequence, the append, the row; then one decode.
@@ -61,8 +62,8 @@ fn run() -> kvq::Result<()> {
     cache.copy_blocks(&r.copies)?;
     step_slots.clear();
     r.extend_slots(&mut step_slots)?; // checked: a slot past i32 is an error, never a wrap
-    let slots = s.clone_htod(&step_slots)?;
-    ops::append(&mut cache, &slots, &k_new, &v_new, 1)?;
+    s.memcpy_htod(&step_slots, &mut slots)?; // into the buffer made once: no allocation
+    ops::append(&mut cache, &slots, &k_new, &v_new, step_slots.len())?;
     tables.set_row(0, alloc.block_table(seq)?, alloc.len(seq)?)?;
     tables.set_batch(1)?; // rows past the batch are ignored; rows of length 0 are padding
     tables.upload()?; // one async copy of what changed, from pinned memory
@@ -111,6 +112,8 @@ fn run() -> kvq::Result<()> {
     let mut chunk_out = s.alloc_zeros::<kvq::half::f16>(max_tokens * heads * d)?;
     let chunk_k = s.alloc_zeros::<kvq::half::f16>(max_tokens * kv_heads * d)?;
     let chunk_v = s.alloc_zeros::<kvq::half::f16>(max_tokens * kv_heads * d)?;
+    let mut chunk_slots = s.alloc_zeros::<i32>(max_tokens)?;
+    let mut qo_dev = s.alloc_zeros::<i32>(max_batch + 1)?; // the step's offsets, on the device
 
     // A step that prefills a chunk of 100 prompt tokens of `seq`: append them, set the row
     // (its length includes them), put the step's offsets on the device, one launch.
@@ -119,12 +122,12 @@ fn run() -> kvq::Result<()> {
     cache.copy_blocks(&r.copies)?;
     step_slots.clear();
     r.extend_slots(&mut step_slots)?;
-    let slots = s.clone_htod(&step_slots)?;
-    ops::append(&mut cache, &slots, &chunk_k, &chunk_v, n)?;
+    s.memcpy_htod(&step_slots, &mut chunk_slots)?;
+    ops::append(&mut cache, &chunk_slots, &chunk_k, &chunk_v, n)?;
     tables.set_row(0, alloc.block_table(seq)?, alloc.len(seq)?)?;
     tables.upload()?;
     let qo = [0, n as u32]; // sequence b's new tokens are rows qo[b]..qo[b + 1]
-    let qo_dev = s.clone_htod(&[0, n as i32])?;
+    s.memcpy_htod(&[0, n as i32], &mut qo_dev)?; // the same values: kvq reads both copies
     let rows = TokenRows::contiguous(heads, d); // [tokens, heads, d]
     pplan.prefill(
         &mut pws,

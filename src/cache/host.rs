@@ -111,8 +111,10 @@ impl HostCache {
         &self.v_scales
     }
 
-    /// Set the head scales of FP8 and FP4 sides (`num_kv_heads` each, positive and finite). Rows already written keep
-    /// the codes they were quantized with, so set scales before writing.
+    /// Set the head scales of FP8 and FP4 sides (`num_kv_heads` each, positive and finite). Rows
+    /// already written keep the codes they were quantized with, so set scales before writing. A
+    /// side whose format has no head scale takes values all the same (1.0, say): checked, then
+    /// unused.
     pub fn set_scales(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
         let heads = self.layout.config.num_kv_heads;
         for (what, s) in [("k_scales", k), ("v_scales", v)] {

@@ -301,6 +301,8 @@ impl DeviceCache {
 
     /// Set the head scales (FP8 `s`, FP4 `g`; `num_kv_heads` each, positive and finite), as
     /// [`HostCache::set_scales`]. Rows already written keep the codes they were quantized with.
+    /// A side whose format has no head scale (f16, INT4, INT8) takes `num_kv_heads` values all
+    /// the same (1.0, say): checked, then unused.
     pub fn set_scales(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
         check_scales(self.config().num_kv_heads, k, v)?;
         let s = self.gpu.stream();

@@ -690,7 +690,9 @@ pub struct PrefillWorkspace {
 }
 
 impl PrefillWorkspace {
-    /// Allocate the workspace of `plan` on its GPU and stream.
+    /// Allocate the workspace of `plan` on its GPU and stream, the routed decode rows' of
+    /// [`with_decode_rows`](PrefillPlan::with_decode_rows) included. One workspace serves every
+    /// layer's launches of the plan in turn on that stream, not two launches at once.
     pub fn new(plan: &PrefillPlan) -> Result<Self> {
         let elems = plan.workspace_elems();
         let gpu = plan.gpu().clone();

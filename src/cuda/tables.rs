@@ -25,6 +25,16 @@ pub struct TablesCapacity {
     pub max_context_len: usize,
 }
 
+impl TablesCapacity {
+    /// The capacity that holds both `self` and `other` (each field's larger).
+    pub fn covering(self, other: TablesCapacity) -> TablesCapacity {
+        TablesCapacity {
+            max_batch: self.max_batch.max(other.max_batch),
+            max_context_len: self.max_context_len.max(other.max_context_len),
+        }
+    }
+}
+
 impl From<DecodeCapacity> for TablesCapacity {
     fn from(c: DecodeCapacity) -> Self {
         TablesCapacity {
@@ -186,7 +196,11 @@ impl DeviceBlockTables {
     /// Empty tables (every row length 0, batch 0) for up to `cap.max_batch` sequences of up to
     /// `cap.max_context_len` tokens each (in blocks of the cache's size), over the pool of
     /// `cache`, on the cache's stream. A plan's capacity converts:
-    /// `DeviceBlockTables::with_capacity(&cache, decode_capacity.into())`.
+    /// `DeviceBlockTables::with_capacity(&cache, decode_capacity.into())`; a decode and a
+    /// prefill plan sharing the tables take [`TablesCapacity::covering`] both. One set of tables
+    /// serves every layer's cache of the same layout and block count (those of
+    /// `DeviceCache::new_per_layer`, say): a launch checks only those and that the tables are
+    /// uploaded.
     pub fn with_capacity(cache: &DeviceCache, cap: TablesCapacity) -> Result<Self> {
         Self::with_capacity_on(cache.gpu(), cache, cap)
     }
@@ -359,7 +373,8 @@ impl DeviceBlockTables {
     }
 
     /// Sequence `row`: its blocks in position order (at most `max_blocks`, each a block of the
-    /// pool) and its length in tokens (at most `blocks.len() * block_size`).
+    /// pool) and its length in tokens (at most `blocks.len() * block_size`). Cheap to repeat
+    /// with the same blocks: only entries that change are uploaded.
     pub fn set_row(&mut self, row: usize, blocks: &[i32], len: usize) -> Result<()> {
         self.check_index(row)?;
         if blocks.len() > self.max_blocks {

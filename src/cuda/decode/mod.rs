@@ -41,6 +41,7 @@ pub use workspace::DecodeWorkspace;
 use super::device::{DeviceCache, raw_layout};
 use super::launch::DecodeOccupancy;
 use super::ops::{DeviceElement, Dtype, need_len, to_i32};
+#[doc(no_inline)]
 pub use super::tables::{DeviceBlockTables, TablesCapacity};
 use super::{Gpu, launch, sys};
 use crate::error::{Error, Result, at_least_one};

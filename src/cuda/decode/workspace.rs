@@ -20,7 +20,9 @@ pub struct DecodeWorkspace {
 }
 
 impl DecodeWorkspace {
-    /// Allocate the workspace of `plan` on its GPU and stream.
+    /// Allocate the workspace of `plan` on its GPU and stream. One workspace serves every
+    /// layer's launches of the plan in turn on that stream (in a captured graph too), not two
+    /// launches at once.
     pub fn new(plan: &DecodePlan) -> Result<Self> {
         let elems = plan.workspace_elems();
         let gpu = plan.gpu().clone();
