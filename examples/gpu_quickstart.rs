@@ -14,7 +14,7 @@ fn main() {
 
 fn run() -> kvq::Result<()> {
     // README:begin
-    use kvq::cache::BlockAllocator;
+    use kvq::cache::{BlockAllocator, Reservation};
     use kvq::cuda::decode::{DecodeStep, RowStrides};
     use kvq::cuda::{
         DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, ops,
@@ -54,11 +54,12 @@ fn run() -> kvq::Result<()> {
     let mut out = s.alloc_zeros::<f32>(max_batch * heads * d)?; // any output type
     let mut step_slots: Vec<i32> = Vec::with_capacity(max_batch); // the step's slot mapping
     let mut slots = s.alloc_zeros::<i32>(max_batch)?; // and its device copy, made once
+    let mut r = Reservation::default(); // a sequence's new slots and copies, reused
 
     // Every step, for each sequence (here one, in batch row 0): slots for its new token, the
     // copy-on-write copies of a forked sequence, the append, the row; then one decode.
     let seq = alloc.create_sequence();
-    let r = alloc.reserve(seq, 1)?;
+    alloc.reserve_into(seq, 1, &mut r)?;
     cache.copy_blocks(&r.copies)?;
     step_slots.clear();
     r.extend_slots(&mut step_slots)?; // checked: a slot past i32 is an error, never a wrap
@@ -118,7 +119,7 @@ fn run() -> kvq::Result<()> {
     // A step that prefills a chunk of 100 prompt tokens of `seq`: append them, set the row
     // (its length includes them), put the step's offsets on the device, one launch.
     let n = 100;
-    let r = alloc.reserve(seq, n)?;
+    alloc.reserve_into(seq, n, &mut r)?;
     cache.copy_blocks(&r.copies)?;
     step_slots.clear();
     r.extend_slots(&mut step_slots)?;

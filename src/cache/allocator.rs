@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use super::tables::BlockTables;
-use crate::error::{Error, Result, reserved};
+use crate::error::{Error, Result};
 use crate::layout::{CacheConfig, MAX_BLOCK_SIZE};
 
 /// Identifies a sequence inside one [`BlockAllocator`]. Ids are never reused.
@@ -265,6 +265,22 @@ impl BlockAllocator {
     /// replaced by a fresh private block and the reservation lists the [`CopyBlock`] to apply.
     /// All or nothing: on [`Error::OutOfBlocks`] the allocator is unchanged.
     pub fn reserve(&mut self, seq: SeqId, n_new_tokens: usize) -> Result<Reservation> {
+        let mut r = Reservation::default();
+        self.reserve_into(seq, n_new_tokens, &mut r)?;
+        Ok(r)
+    }
+
+    /// [`reserve`](Self::reserve) into `out`, whose buffers are cleared and reused: a step
+    /// loop that keeps one `Reservation` allocates nothing once they have grown (a new block
+    /// every `block_size` tokens aside). On an error the allocator is unchanged and `out` empty.
+    pub fn reserve_into(
+        &mut self,
+        seq: SeqId,
+        n_new_tokens: usize,
+        out: &mut Reservation,
+    ) -> Result<()> {
+        out.slots.clear();
+        out.copies.clear();
         let bs = self.block_size;
         let s = self.seq(seq)?;
         let len = s.len;
@@ -278,7 +294,7 @@ impl BlockAllocator {
                 ))
             })?;
         if n_new_tokens == 0 {
-            return Ok(Reservation::default());
+            return Ok(());
         }
         let last_shared_partial =
             len % bs != 0 && self.ref_counts[*s.blocks.last().expect("len > 0") as usize] > 1;
@@ -291,12 +307,23 @@ impl BlockAllocator {
                 total: self.num_blocks,
             });
         }
-        // The one buffer that grows with the request rather than the pool: reserve it before
+        // The buffers that grow with the request rather than the pool: reserve them before
         // anything changes, so running out of memory leaves the allocator as it was.
-        let mut slots = reserved(n_new_tokens, "reservation slots")?;
+        let (slots, copies) = (&mut out.slots, &mut out.copies);
+        let room = |what, elems: usize, bytes: usize| Error::Alloc {
+            what,
+            bytes: elems.saturating_mul(bytes),
+        };
+        slots
+            .try_reserve(n_new_tokens)
+            .map_err(|_| room("reservation slots", n_new_tokens, size_of::<usize>()))?;
+        if last_shared_partial {
+            copies
+                .try_reserve(1)
+                .map_err(|_| room("reservation copies", 1, size_of::<CopyBlock>()))?;
+        }
 
         // Checked above: `needed` blocks are free, so every take succeeds.
-        let mut copies = Vec::new();
         let mut fresh: Vec<i32> = (0..needed).filter_map(|_| self.take_free()).collect();
         let s = self.sequences.get_mut(&seq.0).expect("checked above");
         if last_shared_partial {
@@ -312,7 +339,7 @@ impl BlockAllocator {
         s.blocks.extend(fresh);
         s.len = new_len;
         slots.extend((len..new_len).map(|p| s.blocks[p / bs] as usize * bs + p % bs));
-        Ok(Reservation { slots, copies })
+        Ok(())
     }
 
     /// Shorten `seq` to its first `new_len` tokens: speculative decoding's rollback of
@@ -470,5 +497,25 @@ mod tests {
         );
         assert_eq!(a.len(s).unwrap(), 3);
         assert_eq!(a.num_free_blocks(), 1);
+    }
+    #[test]
+    fn reserve_into_reuses_its_buffers() {
+        let mut a = BlockAllocator::new(8, 4).unwrap();
+        let s = a.create_sequence();
+        let mut r = Reservation::default();
+        a.reserve_into(s, 6, &mut r).unwrap();
+        assert_eq!(r.slots.len(), 6);
+        let (ptr, cap) = (r.slots.as_ptr(), r.slots.capacity());
+        // A fork shares the partial last block: its next token copies it first.
+        let f = a.fork(s).unwrap();
+        let want = a.clone().reserve(f, 1).unwrap();
+        a.reserve_into(f, 1, &mut r).unwrap();
+        assert_eq!((r.slots.len(), r.copies.len()), (1, 1));
+        assert_eq!(r, want);
+        assert_eq!((r.slots.as_ptr(), r.slots.capacity()), (ptr, cap));
+        // Nothing left over on an error.
+        assert!(a.reserve_into(s, 1000, &mut r).is_err());
+        assert!(r.slots.is_empty() && r.copies.is_empty());
+        assert_eq!(a.len(s).unwrap(), 6);
     }
 }
