@@ -80,6 +80,12 @@ impl TokenRows {
         }
     }
 
+    /// The same rows as a decode step's [`RowStrides`], `q_len` new tokens per sequence: one
+    /// description of an engine's `[tokens, heads, d]` tensor (or view) serves both plans.
+    pub fn with_q_len(self, q_len: usize) -> RowStrides {
+        RowStrides::token_major_strided(self.token, self.head, q_len)
+    }
+
     /// One past the last element of `tokens × heads` rows of `width`; None on overflow.
     fn extent(&self, tokens: usize, heads: usize, width: usize) -> Option<usize> {
         if tokens == 0 {
