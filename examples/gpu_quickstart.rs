@@ -90,7 +90,7 @@ fn run() -> kvq::Result<()> {
 
     // README:prefill-begin
     use kvq::cuda::prefill::{
-        PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows,
+        PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows,
     };
 
     // Once: a plan for up to 64 sequences and 2048 new tokens per step (options as the model
@@ -114,7 +114,7 @@ fn run() -> kvq::Result<()> {
     let chunk_k = s.alloc_zeros::<kvq::half::f16>(max_tokens * kv_heads * d)?;
     let chunk_v = s.alloc_zeros::<kvq::half::f16>(max_tokens * kv_heads * d)?;
     let mut chunk_slots = s.alloc_zeros::<i32>(max_tokens)?;
-    let mut qo_dev = s.alloc_zeros::<i32>(max_batch + 1)?; // the step's offsets, on the device
+    let mut qo = QoIndptr::new(&gpu, max_batch)?; // the step's offsets, host and device
 
     // A step that prefills a chunk of 100 prompt tokens of `seq`: append them, set the row
     // (its length includes them), put the step's offsets on the device, one launch.
@@ -127,16 +127,15 @@ fn run() -> kvq::Result<()> {
     ops::append(&mut cache, &chunk_slots, &chunk_k, &chunk_v, n)?;
     tables.set_row(0, alloc.block_table(seq)?, alloc.len(seq)?)?;
     tables.upload()?;
-    let qo = [0, n as u32]; // sequence b's new tokens are rows qo[b]..qo[b + 1]
-    s.memcpy_htod(&[0, n as i32], &mut qo_dev)?; // the same values: kvq reads both copies
+    qo.set_counts(&[n])?; // sequence b's new tokens are rows qo[b]..qo[b + 1]
     let rows = TokenRows::contiguous(heads, d); // [tokens, heads, d]
     pplan.prefill(
         &mut pws,
         &cache,
         &tables,
         PrefillStep {
-            qo_indptr: &qo,
-            qo_indptr_dev: &qo_dev,
+            qo_indptr: qo.host(),
+            qo_indptr_dev: qo.device(),
             q: &chunk_q,
             q_rows: rows,
             out: &mut chunk_out,

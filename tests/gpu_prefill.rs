@@ -25,7 +25,7 @@ use kvq::cpu::{Accum, AttentionOptions, HeadTerms, prefill_attention};
 use kvq::cuda::decode::DeviceBlockTables;
 use kvq::cuda::ops::{DeviceElement, Dtype};
 use kvq::cuda::prefill::{
-    HEAD_DIMS, PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows,
+    HEAD_DIMS, PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows,
     kernel_available_for, merge_states,
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
@@ -288,8 +288,11 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         q_host[t * q_token..][..heads * d].copy_from_slice(&q_t[t * heads * d..][..heads * d]);
     }
     let q_dev = s.clone_htod(&q_host).expect("upload q");
-    let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
-    let qo_dev = s.clone_htod(&qo_i32).expect("upload qo");
+    // The offsets through QoIndptr (host and device together), set from the counts.
+    let counts: Vec<usize> = qo.windows(2).map(|w| (w[1] - w[0]) as usize).collect();
+    let mut qo_both = QoIndptr::new(gpu, counts.len().max(1)).expect("qo_indptr");
+    qo_both.set_counts(&counts).expect("set qo_indptr");
+    assert_eq!(qo_both.host(), &qo[..]);
     let mut out_dev = s
         .clone_htod(&vec![O::nan(); total.max(1) * heads * d])
         .expect("out");
@@ -303,8 +306,8 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         &dcache,
         &dtables,
         PrefillStep {
-            qo_indptr: &qo,
-            qo_indptr_dev: &qo_dev,
+            qo_indptr: qo_both.host(),
+            qo_indptr_dev: qo_both.device(),
             q: &q_dev,
             q_rows: TokenRows {
                 token: q_token,

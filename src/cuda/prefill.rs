@@ -29,7 +29,7 @@ use super::device::{DeviceCache, raw_layout};
 use super::ops::{DeviceElement, Dtype, need_len, to_i32};
 use super::tables::DeviceBlockTables;
 use super::{Gpu, driver_err, launch, owned_ptr, sys};
-use crate::error::{Error, Result, at_least_one};
+use crate::error::{Error, Result, at_least_one, reserved};
 use crate::format::KvFormat;
 use crate::layout::BlockLayout;
 use cudarc::driver::sys::CUdeviceptr;
@@ -130,7 +130,8 @@ impl TokenRows {
 /// (a `CudaSlice`, or a view into a larger one).
 pub struct PrefillStep<'a, Q, O> {
     /// `[batch + 1]` offsets of each sequence's new tokens, on the host: checked against the
-    /// tables (and used to cut the launch); it must equal `qo_indptr_dev`.
+    /// tables (and used to cut the launch); it must equal `qo_indptr_dev` ([`QoIndptr`] holds
+    /// both: `qo.host()`, `qo.device()`).
     pub qo_indptr: &'a [u32],
     /// The same offsets on the device (i32), as the kernel reads them: a `CudaSlice` or a view.
     pub qo_indptr_dev: &'a dyn DevicePtr<i32>,
@@ -156,6 +157,133 @@ pub struct PrefillStep<'a, Q, O> {
     /// `slopes[h] * (j - p)`, after the soft cap; sinks are not biased. Routed decode rows
     /// ([`with_decode_rows`](PrefillPlan::with_decode_rows)) take them too.
     pub alibi_slopes: Option<&'a dyn DevicePtr<f32>>,
+}
+
+/// A prefill step's `qo_indptr` held once: the host offsets and their device copy, set
+/// together, so that [`PrefillStep`]'s two fields (`qo.host()`, `qo.device()`) cannot disagree.
+/// [`set`](Self::set) checks the offsets and copies them on the handle's stream (the plan's),
+/// from pageable memory: not inside a graph capture (a captured prefill keeps its own device
+/// buffer, filled outside the graph, as before).
+#[derive(Debug)]
+pub struct QoIndptr {
+    gpu: Gpu,
+    host: Vec<u32>,
+    /// The offsets as the device takes them, copied from here.
+    staging: Vec<i32>,
+    /// Running sums being built by `set_counts`.
+    scratch: Vec<u32>,
+    dev: CudaSlice<i32>,
+}
+
+impl QoIndptr {
+    /// Room for steps of up to `max_batch` sequences (`max_batch + 1` offsets), on `gpu`'s
+    /// stream; it holds `[0]` (no sequence) until set.
+    pub fn new(gpu: &Gpu, max_batch: usize) -> Result<Self> {
+        at_least_one(&[("max_batch", max_batch)])?;
+        let n = max_batch
+            .checked_add(1)
+            .filter(|&n| n <= i32::MAX as usize)
+            .ok_or_else(|| Error::InvalidArgument(format!("max_batch {max_batch} is too large")))?;
+        gpu.bind()?;
+        let dev = gpu
+            .stream()
+            .alloc_zeros::<i32>(n)
+            .map_err(driver_err("allocating qo_indptr"))?;
+        let mut host = reserved(n, "qo_indptr")?;
+        host.push(0);
+        Ok(QoIndptr {
+            gpu: gpu.clone(),
+            host,
+            staging: reserved(n, "qo_indptr")?,
+            scratch: reserved(n, "qo_indptr")?,
+            dev,
+        })
+    }
+
+    /// The step's offsets: `[batch + 1]`, from 0, non-decreasing, each at most `i32::MAX`,
+    /// `batch` at most the capacity. Checked, then copied to the device on the stream; on an
+    /// error nothing changes.
+    pub fn set(&mut self, offsets: &[u32]) -> Result<()> {
+        check_qo_offsets(offsets, self.dev.len())?;
+        self.staging.clear();
+        self.staging.extend(offsets.iter().map(|&o| o as i32));
+        self.gpu.bind()?;
+        self.gpu
+            .stream()
+            .memcpy_htod(&self.staging[..], &mut self.dev)
+            .map_err(driver_err("uploading qo_indptr"))?;
+        self.host.clear();
+        self.host.extend_from_slice(offsets);
+        Ok(())
+    }
+
+    /// [`set`](Self::set) from each sequence's number of new tokens (their running sums).
+    pub fn set_counts(&mut self, new_tokens: &[usize]) -> Result<()> {
+        let mut offsets = std::mem::take(&mut self.scratch);
+        offsets.clear();
+        offsets.push(0);
+        let mut sum = 0usize;
+        let mut r = Ok(());
+        for &n in new_tokens {
+            match sum.checked_add(n).filter(|&t| t <= i32::MAX as usize) {
+                Some(t) => sum = t,
+                None => {
+                    r = Err(Error::InvalidArgument(
+                        "a step's new tokens exceed i32".into(),
+                    ));
+                    break;
+                }
+            }
+            offsets.push(sum as u32);
+        }
+        if r.is_ok() {
+            r = self.set(&offsets);
+        }
+        self.scratch = offsets;
+        r
+    }
+
+    /// The offsets last set, on the host (`PrefillStep::qo_indptr`).
+    pub fn host(&self) -> &[u32] {
+        &self.host
+    }
+
+    /// Their device copy (`PrefillStep::qo_indptr_dev`; longer than the offsets, which is
+    /// allowed).
+    pub fn device(&self) -> &CudaSlice<i32> {
+        &self.dev
+    }
+}
+
+/// Offsets a [`QoIndptr`] of `room` entries takes: 1 to `room` of them, from 0,
+/// non-decreasing, at most `i32::MAX`.
+fn check_qo_offsets(offsets: &[u32], room: usize) -> Result<()> {
+    if offsets.is_empty() || offsets.len() > room {
+        return Err(Error::InvalidArgument(format!(
+            "qo_indptr: {} offsets where 1..={room} fit (batch + 1, batch up to the capacity)",
+            offsets.len()
+        )));
+    }
+    if offsets[0] != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "qo_indptr[0] must be 0, got {}",
+            offsets[0]
+        )));
+    }
+    if let Some(b) = offsets.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::InvalidArgument(format!(
+            "qo_indptr decreases at {b}: {} then {}",
+            offsets[b],
+            offsets[b + 1]
+        )));
+    }
+    let last = offsets[offsets.len() - 1];
+    if last > i32::MAX as u32 {
+        return Err(Error::InvalidArgument(format!(
+            "qo_indptr ends at {last}, past i32"
+        )));
+    }
+    Ok(())
 }
 
 /// The most a [`PrefillPlan`] serves in one step: named, so that no two of these sizes can be
@@ -793,5 +921,28 @@ pub fn merge_states<T: DeviceElement>(
             T::DTYPE.raw(),
             s.cu_stream(),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qo_offsets() {
+        assert!(check_qo_offsets(&[0], 1).is_ok());
+        assert!(check_qo_offsets(&[0, 3, 3, 9], 4).is_ok());
+        for (bad, room) in [
+            (&[][..], 4),
+            (&[0, 1, 2, 3, 4][..], 4),
+            (&[1, 3][..], 4),
+            (&[0, 3, 2][..], 4),
+            (&[0, 1 << 31][..], 4),
+        ] {
+            assert!(
+                matches!(check_qo_offsets(bad, room), Err(Error::InvalidArgument(_))),
+                "{bad:?}"
+            );
+        }
     }
 }
