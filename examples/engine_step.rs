@@ -19,12 +19,14 @@
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::f16;
-use kvq::cache::{BlockAllocator, HostCache, SeqId};
+use kvq::cache::{BlockAllocator, HostCache, Reservation, SeqId};
 use kvq::cpu::{
     Accum, AttentionOptions, DecodeShape, HeadTerms, decode_attention, prefill_attention,
 };
 use kvq::cuda::decode::{DecodeStep, RowStrides};
-use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
+use kvq::cuda::prefill::{
+    PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows,
+};
 use kvq::cuda::{
     DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu,
     TablesCapacity, ops,
@@ -91,6 +93,7 @@ struct Engine {
     rewrite: HashSet<SeqId>,
     rng: Rng,
     // Per-step staging for appends (allocated once).
+    reservation: Reservation,
     slots: Vec<i32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -102,7 +105,8 @@ struct Engine {
 impl Engine {
     /// Queue `n` new tokens of `seq` for this step's append (copies applied at once).
     fn reserve(&mut self, seq: SeqId, n: usize) -> Result<()> {
-        let r = self.alloc.reserve(seq, n)?;
+        self.alloc.reserve_into(seq, n, &mut self.reservation)?;
+        let r = &self.reservation;
         if !r.copies.is_empty() {
             self.rewrite.insert(seq);
         }
@@ -191,6 +195,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         free_rows: (0..CAPACITY).rev().collect(),
         rewrite: HashSet::new(),
         rng: Rng(2026),
+        reservation: Reservation::default(),
         slots: Vec::new(),
         k: Vec::new(),
         v: Vec::new(),
@@ -267,7 +272,8 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         .collect();
     let pq = s.clone_htod(&pq_host)?;
     let mut pout = s.alloc_zeros::<f16>(PREFILL_BUDGET * HEADS * D)?;
-    let mut qo_dev = s.alloc_zeros::<i32>(PREFILL_ROWS + 1)?;
+    let mut qo = QoIndptr::new(&gpu, PREFILL_ROWS)?;
+    let mut chunk_tokens: Vec<usize> = Vec::with_capacity(PREFILL_ROWS);
     let prow = TokenRows::contiguous(HEADS, D);
     let (mut prefilled_tokens, mut prefill_checked) = (0usize, 0usize);
     let mut prefill_events = Vec::new();
@@ -369,12 +375,9 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
         if !chunks.is_empty() {
             ptables.set_batch(chunks.len())?;
             ptables.upload()?;
-            let mut qo = vec![0u32];
-            for c in &chunks {
-                qo.push(qo.last().unwrap() + c.3 as u32);
-            }
-            let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
-            s.memcpy_htod(&qo_i32, &mut qo_dev.slice_mut(..qo.len()))?;
+            chunk_tokens.clear();
+            chunk_tokens.extend(chunks.iter().map(|c| c.3));
+            qo.set_counts(&chunk_tokens)?; // the offsets, host and device together
             let (a, b) = (
                 ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
                 ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?,
@@ -385,8 +388,8 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                 &e.dev,
                 &ptables,
                 PrefillStep {
-                    qo_indptr: &qo,
-                    qo_indptr_dev: &qo_dev,
+                    qo_indptr: qo.host(),
+                    qo_indptr_dev: qo.device(),
                     q: &pq,
                     q_rows: prow,
                     out: &mut pout,
@@ -397,7 +400,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                 },
             )?;
             b.record(&s)?;
-            let total = *qo.last().unwrap() as usize;
+            let total = *qo.host().last().unwrap() as usize;
             prefilled_tokens += total;
             let hit_now = prefix_hit.is_some_and(|h| chunks.iter().any(|c| c.0 == h));
             if step == 0 || step == steps / 2 || (hit_now && !prefix_hit_checked) {
@@ -413,7 +416,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                 let want = prefill_attention(
                     &e.host,
                     &tables,
-                    &qo,
+                    qo.host(),
                     &q,
                     HEADS,
                     &AttentionOptions::new(D),
