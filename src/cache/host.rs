@@ -309,11 +309,10 @@ impl HostCache {
         let mut saturated = 0u64;
         for (side, x) in [(Side::K, k), (Side::V, v)] {
             let (format, _, _, scales) = self.side(side);
+            let head_scale = format.head_scale();
             // Row r of [tokens, heads, d] belongs to head r % heads.
             for (row, head) in x.chunks_exact(d).zip(scales.iter().cycle()) {
-                let limit = format
-                    .head_scale()
-                    .map_or(F16_MAX, |h| (h.max_value() * head).min(F16_MAX));
+                let limit = head_scale.map_or(F16_MAX, |h| (h.max_value() * head).min(F16_MAX));
                 saturated += row.iter().filter(|e| e.to_f32().abs() > limit).count() as u64;
             }
         }

@@ -168,8 +168,6 @@ pub struct PrefillStep<'a, Q, O> {
 pub struct QoIndptr {
     gpu: Gpu,
     host: Vec<u32>,
-    /// The offsets as the device takes them, copied from here.
-    staging: Vec<i32>,
     /// Running sums being built by `set_counts`.
     scratch: Vec<u32>,
     dev: CudaSlice<i32>,
@@ -194,7 +192,6 @@ impl QoIndptr {
         Ok(QoIndptr {
             gpu: gpu.clone(),
             host,
-            staging: reserved(n, "qo_indptr")?,
             scratch: reserved(n, "qo_indptr")?,
             dev,
         })
@@ -205,12 +202,11 @@ impl QoIndptr {
     /// error nothing changes.
     pub fn set(&mut self, offsets: &[u32]) -> Result<()> {
         check_qo_offsets(offsets, self.dev.len())?;
-        self.staging.clear();
-        self.staging.extend(offsets.iter().map(|&o| o as i32));
-        self.gpu.bind()?;
+        // Checked to be at most i32::MAX: the same bits as the i32 the kernel reads.
+        let as_i32: &[i32] = bytemuck::cast_slice(offsets);
         self.gpu
             .stream()
-            .memcpy_htod(&self.staging[..], &mut self.dev)
+            .memcpy_htod(as_i32, &mut self.dev)
             .map_err(driver_err("uploading qo_indptr"))?;
         self.host.clear();
         self.host.extend_from_slice(offsets);
@@ -223,22 +219,12 @@ impl QoIndptr {
         offsets.clear();
         offsets.push(0);
         let mut sum = 0usize;
-        let mut r = Ok(());
         for &n in new_tokens {
-            match sum.checked_add(n).filter(|&t| t <= i32::MAX as usize) {
-                Some(t) => sum = t,
-                None => {
-                    r = Err(Error::InvalidArgument(
-                        "a step's new tokens exceed i32".into(),
-                    ));
-                    break;
-                }
-            }
-            offsets.push(sum as u32);
+            // Saturated sums stay non-decreasing, and `set` refuses any past i32.
+            sum = sum.saturating_add(n);
+            offsets.push(u32::try_from(sum).unwrap_or(u32::MAX));
         }
-        if r.is_ok() {
-            r = self.set(&offsets);
-        }
+        let r = self.set(&offsets);
         self.scratch = offsets;
         r
     }
@@ -255,7 +241,7 @@ impl QoIndptr {
     }
 }
 
-/// Offsets a [`QoIndptr`] of `room` entries takes: 1 to `room` of them, from 0,
+/// Offsets a launch (or a [`QoIndptr`] of `room` entries) takes: 1 to `room` of them, from 0,
 /// non-decreasing, at most `i32::MAX`.
 fn check_qo_offsets(offsets: &[u32], room: usize) -> Result<()> {
     if offsets.is_empty() || offsets.len() > room {
@@ -570,12 +556,7 @@ impl PrefillPlan {
             batch + 1,
             step.qo_indptr_dev.len(),
         )?;
-        if qo[0] != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "qo_indptr[0] must be 0, got {}",
-                qo[0]
-            )));
-        }
+        check_qo_offsets(&qo[..=batch], batch + 1)?;
         let (heads, d) = (self.cap.num_q_heads, c.head_dim);
         let group = heads / c.num_kv_heads;
         // Decode rows routed to the decode kernel: the leading sequences with the first one's
@@ -594,13 +575,6 @@ impl PrefillPlan {
         };
         let (mut tiles, mut max_len) = (0usize, 0usize);
         for b in 0..batch {
-            if qo[b + 1] < qo[b] {
-                return Err(Error::InvalidArgument(format!(
-                    "qo_indptr decreases at {b}: {} then {}",
-                    qo[b],
-                    qo[b + 1]
-                )));
-            }
             let n = (qo[b + 1] - qo[b]) as usize;
             let len = tables.context_len(b).unwrap_or(0);
             if n > len {
@@ -927,6 +901,24 @@ pub fn merge_states<T: DeviceElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_rows_as_decode_rows() {
+        let (heads, d) = (32, 128);
+        assert_eq!(
+            TokenRows::contiguous(heads, d).with_q_len(2),
+            RowStrides::token_major(heads, 2, d)
+        );
+        // A view into a fused QKV buffer: 48 heads' rows per token, q the first 32.
+        let fused = TokenRows {
+            token: 48 * d,
+            head: d,
+        };
+        assert_eq!(
+            fused.with_q_len(1),
+            RowStrides::token_major_strided(48 * d, d, 1)
+        );
+    }
 
     #[test]
     fn qo_offsets() {

@@ -988,25 +988,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn token_rows_as_decode_rows() {
-        use crate::cuda::prefill::TokenRows;
-        let (heads, d) = (32, 128);
-        assert_eq!(
-            TokenRows::contiguous(heads, d).with_q_len(2),
-            RowStrides::token_major(heads, 2, d)
-        );
-        // A view into a fused QKV buffer: 48 heads' rows per token, q the first 32.
-        let fused = TokenRows {
-            token: 48 * d,
-            head: d,
-        };
-        assert_eq!(
-            fused.with_q_len(1),
-            RowStrides::token_major_strided(48 * d, d, 1)
-        );
-    }
-
-    #[test]
     fn formats_with_kernels() {
         assert!(kernel_available(KvFormat::Int4Sym32, KvFormat::Fp8E4m3));
         assert!(kernel_available(KvFormat::Bf16, KvFormat::Int4Affine64));
