@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use kvq::cache::{BlockAllocator, HostCache};
-use kvq::cpu::{Accum, DecodeShape, decode_attention};
+use kvq::cpu::{Accum, AttentionOptions, DecodeShape, decode_attention};
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
 
 const HEAD_DIM: usize = 128;
@@ -111,11 +111,13 @@ fn decode(c: &mut Criterion) {
         let r = alloc.reserve(seq, len).unwrap();
         cache.write(&r.slots, &k, &v).unwrap();
         let tables = alloc.block_tables(&[seq]).unwrap();
-        let shape = DecodeShape::new(nq, 1, HEAD_DIM);
+        let (shape, opts) = (DecodeShape::new(nq, 1), AttentionOptions::new(HEAD_DIM));
         for accum in [Accum::F32, Accum::F64] {
             let id = BenchmarkId::new(format!("{kf}/{vf}"), format!("{accum:?}"));
             group.bench_with_input(id, &accum, |b, &accum| {
-                b.iter(|| decode_attention(&cache, &tables, black_box(&q), &shape, accum).unwrap())
+                b.iter(|| {
+                    decode_attention(&cache, &tables, black_box(&q), &shape, &opts, accum).unwrap()
+                })
             });
         }
     }

@@ -506,7 +506,8 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     &e.host,
                     &tables,
                     &qr,
-                    &DecodeShape::new(HEADS, 1, D),
+                    &DecodeShape::new(HEADS, 1),
+                    &AttentionOptions::new(D),
                     Accum::F64,
                 )?;
                 let g = &got[row * HEADS * D..(row + 1) * HEADS * D];

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
-use kvq::cpu::{Accum, DecodeShape, DenseKv, attention_dense, decode_attention};
+use kvq::cpu::{Accum, AttentionOptions, DecodeShape, DenseKv, attention_dense, decode_attention};
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
 use safetensors::{Dtype, SafeTensors};
 
@@ -158,7 +158,10 @@ impl Model {
     /// with attention over `kv`.
     fn run(&self, tokens: &[u32], kv: &mut Kv) -> Res<Vec<Vec<f32>>> {
         let c = self.cfg;
-        let shape = DecodeShape::new(c.heads, 1, c.head_dim);
+        let (shape, opts) = (
+            DecodeShape::new(c.heads, 1),
+            AttentionOptions::new(c.head_dim),
+        );
         let mut out = Vec::with_capacity(tokens.len());
         for (pos, &t) in tokens.iter().enumerate() {
             let slots = match kv {
@@ -183,12 +186,12 @@ impl Model {
                             num_kv_heads: c.kv_heads,
                             head_dim: c.head_dim,
                         };
-                        attention_dense(&q, kv, &shape, Accum::F64)?.out
+                        attention_dense(&q, kv, &shape, &opts, Accum::F64)?.out
                     }
                     Kv::Cache { alloc, layers, seq } => {
                         layers[l].write(&slots, &k, &v)?;
                         let tables = alloc.block_tables(&[*seq])?;
-                        decode_attention(&layers[l], &tables, &q, &shape, Accum::F64)?.out
+                        decode_attention(&layers[l], &tables, &q, &shape, &opts, Accum::F64)?.out
                     }
                 };
                 add(&mut x, &layer.wo.apply(&attn));

@@ -10,7 +10,7 @@
 //! ```
 
 use kvq::cache::PagedKvCache;
-use kvq::cpu::{self, Accum, DecodeShape, DenseKv};
+use kvq::cpu::{self, Accum, AttentionOptions, DecodeShape, DenseKv};
 use kvq::synth::Synth;
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
 
@@ -62,7 +62,10 @@ fn main() -> kvq::Result<()> {
         .collect();
     // The new token's query of every sequence: [batch, Q_HEADS, q_len = 1, HEAD_DIM].
     let q = synth.normal(SEQ_LENS.len() * Q_HEADS * HEAD_DIM, 1.0);
-    let shape = DecodeShape::new(Q_HEADS, 1, HEAD_DIM);
+    let (shape, opts) = (
+        DecodeShape::new(Q_HEADS, 1),
+        AttentionOptions::new(HEAD_DIM),
+    );
 
     // The yardstick: f32 attention over the unquantized keys and values.
     let mut reference = Vec::new();
@@ -74,7 +77,7 @@ fn main() -> kvq::Result<()> {
             head_dim: HEAD_DIM,
         };
         let q_b = &q[b * Q_HEADS * HEAD_DIM..][..Q_HEADS * HEAD_DIM];
-        reference.extend(cpu::attention_dense(q_b, kv, &shape, Accum::F64)?.out);
+        reference.extend(cpu::attention_dense(q_b, kv, &shape, &opts, Accum::F64)?.out);
     }
 
     // FP8 scales are calibrated from sample data; here, the first sequence.
@@ -123,7 +126,8 @@ fn main() -> kvq::Result<()> {
         }
 
         let tables = cache.block_tables(&ids)?;
-        let out = cpu::decode_attention(&cache.layers()[0], &tables, &q, &shape, Accum::F64)?;
+        let out =
+            cpu::decode_attention(&cache.layers()[0], &tables, &q, &shape, &opts, Accum::F64)?;
 
         let layout = config.layout();
         let bytes_per_element = layout.bytes_per_token_head() / (2 * HEAD_DIM) as f64;

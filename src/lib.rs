@@ -62,7 +62,7 @@
 //! let tables = cache.block_tables(&[a, b])?;
 //! let qo = [0u32, 20, 27];
 //! let q = values(27 * q_heads * d, 2.0);
-//! let opts = AttentionOptions::new(d);
+//! let opts = AttentionOptions::new(d); // softmax_scale 1 / sqrt(d), no window or soft cap
 //! let layer = &cache.layers()[0];
 //! let none = HeadTerms::default(); // or sinks / ALiBi slopes per query head
 //! let prefill = cpu::prefill_attention(layer, &tables, &qo, &q, q_heads, &opts, none, Accum::F64)?;
@@ -75,8 +75,8 @@
 //! }
 //! let tables = cache.block_tables(&[a, b])?;
 //! let q = values(2 * q_heads * d, 5.0);
-//! let shape = DecodeShape::new(q_heads, 1, d); // (num_q_heads, q_len, head_dim)
-//! let decode = cpu::decode_attention(&cache.layers()[0], &tables, &q, &shape, Accum::F64)?;
+//! let shape = DecodeShape::new(q_heads, 1); // (num_q_heads, q_len)
+//! let decode = cpu::decode_attention(&cache.layers()[0], &tables, &q, &shape, &opts, Accum::F64)?;
 //! assert_eq!(decode.lse.len(), 2 * q_heads);
 //!
 //! // A prefix hit: a fork shares a's blocks; its first append copies the shared, partly filled

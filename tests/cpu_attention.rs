@@ -7,7 +7,10 @@ mod common;
 use common::Rng;
 use half::f16;
 use kvq::cache::{BlockAllocator, BlockTables, HostCache, SeqId};
-use kvq::cpu::{Accum, AttentionOutput, DecodeShape, DenseKv, attention_dense, decode_attention};
+use kvq::cpu::{
+    Accum, AttentionOptions, AttentionOutput, DecodeShape, DenseKv, attention_dense,
+    decode_attention,
+};
 use kvq::format::int4;
 use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
 
@@ -21,7 +24,7 @@ fn naive(
     d: usize,
     shape: &DecodeShape,
 ) -> (Vec<f64>, Vec<f64>) {
-    let (nq, q_len, scale) = (shape.num_q_heads, shape.q_len, shape.softmax_scale);
+    let (nq, q_len, scale) = (shape.num_q_heads, shape.q_len, 1.0 / (d as f32).sqrt());
     let len = k.len() / (nkv * d);
     let mut out = vec![0f64; nq * q_len * d];
     let mut lse = vec![0f64; nq * q_len];
@@ -117,7 +120,7 @@ fn setup(cfg: CacheConfig, group: usize, q_len: usize, lens: &[usize], seed: u64
         }
     }
     let tables = alloc.block_tables(&seqs).unwrap();
-    let shape = DecodeShape::new(nkv * group, q_len, d);
+    let shape = DecodeShape::new(nkv * group, q_len);
     let q = rng.normals(lens.len() * shape.num_q_heads * q_len * d, 1.0);
     Setup {
         cache,
@@ -147,8 +150,22 @@ impl Setup {
         &self.q[b * n..][..n]
     }
 
+    /// Plain causal attention at the cache's `1 / sqrt(head_dim)`.
+    fn opts(&self) -> AttentionOptions {
+        AttentionOptions::new(self.cache.config().head_dim)
+    }
+
     fn run(&self, accum: Accum) -> AttentionOutput {
-        decode_attention(&self.cache, &self.tables, &self.q, &self.shape, accum).unwrap()
+        let opts = self.opts();
+        decode_attention(
+            &self.cache,
+            &self.tables,
+            &self.q,
+            &self.shape,
+            &opts,
+            accum,
+        )
+        .unwrap()
     }
 
     /// Check F64 (and F32) results against the naive computation for every sequence.
@@ -262,6 +279,7 @@ fn q_len_window_is_causal() {
                     q_len: 1,
                     ..s.shape
                 },
+                &s.opts(),
                 Accum::F64,
             )
             .unwrap();
@@ -293,7 +311,7 @@ fn attention_dense_equals_paged_on_dequantized_values() {
                 num_kv_heads: 2,
                 head_dim: 128,
             };
-            let dense = attention_dense(s.q_of(b), kv, &s.shape, accum).unwrap();
+            let dense = attention_dense(s.q_of(b), kv, &s.shape, &s.opts(), accum).unwrap();
             assert_eq!(dense.out, paged.out[b * per..][..per]);
             assert_eq!(dense.lse, paged.lse[b * 24..][..24]);
         }
@@ -312,7 +330,8 @@ fn threaded_batch_equals_one_sequence_at_a_time() {
     for (b, &len) in lens.iter().enumerate() {
         let table = s.alloc.block_table(s.seqs[b]).unwrap();
         let one = BlockTables::from_rows(&[table], &[len]).unwrap();
-        let r = decode_attention(&s.cache, &one, s.q_of(b), &s.shape, Accum::F64).unwrap();
+        let r =
+            decode_attention(&s.cache, &one, s.q_of(b), &s.shape, &s.opts(), Accum::F64).unwrap();
         assert_eq!(r.out, batched.out[b * per_out..][..per_out], "seq {b}");
         assert_eq!(r.lse, batched.lse[b * 12..][..12], "seq {b}");
     }
@@ -339,7 +358,7 @@ fn invalid_inputs_are_errors() {
     let cfg = CacheConfig::new(2, 64, 16, KvFormat::Int4Sym32, KvFormat::Int4Affine64).unwrap();
     let s = setup(cfg, 2, 2, &[5, 18], 3);
     let run = |tables: &BlockTables, q: &[f32], shape: &DecodeShape| {
-        decode_attention(&s.cache, tables, q, shape, Accum::F64)
+        decode_attention(&s.cache, tables, q, shape, &s.opts(), Accum::F64)
     };
     assert!(run(&s.tables, &s.q, &s.shape).is_ok());
     // q of the wrong length.
@@ -347,7 +366,7 @@ fn invalid_inputs_are_errors() {
         run(&s.tables, &s.q[1..], &s.shape),
         Err(Error::Length { .. })
     ));
-    // q_len 0, q heads not a multiple of kv heads, non-finite softmax scale.
+    // q_len 0, q heads not a multiple of kv heads.
     for shape in [
         DecodeShape {
             q_len: 0,
@@ -361,12 +380,20 @@ fn invalid_inputs_are_errors() {
             num_q_heads: 0,
             ..s.shape
         },
-        DecodeShape {
-            softmax_scale: f32::NAN,
-            ..s.shape
-        },
     ] {
         assert!(run(&s.tables, &s.q, &shape).is_err(), "{shape:?}");
+    }
+    // A softmax scale that is not positive and finite.
+    for softmax_scale in [f32::NAN, f32::INFINITY, 0.0, -0.1] {
+        let opts = AttentionOptions {
+            softmax_scale,
+            ..s.opts()
+        };
+        let r = decode_attention(&s.cache, &s.tables, &s.q, &s.shape, &opts, Accum::F64);
+        assert!(
+            matches!(&r, Err(Error::InvalidArgument(m)) if m.contains("softmax_scale")),
+            "{softmax_scale}: {r:?}"
+        );
     }
     // context shorter than q_len.
     let short = BlockTables {
@@ -406,10 +433,18 @@ fn invalid_inputs_are_errors() {
     c8.set_scales(&[1e36], &[1e36]).unwrap(); // 448 * 1e36 overflows f32
     let t = BlockTables::from_rows(&[&[0]], &[1]).unwrap();
     assert!(matches!(
-        decode_attention(&c8, &t, &[1.0; 16], &DecodeShape::new(1, 1, 16), Accum::F64),
+        decode_attention(
+            &c8,
+            &t,
+            &[1.0; 16],
+            &DecodeShape::new(1, 1),
+            &AttentionOptions::new(16),
+            Accum::F64
+        ),
         Err(Error::NonFinite { .. })
     ));
     // Dense entry point.
+    let plain = AttentionOptions::new(64);
     let k = vec![0f32; 4 * 64];
     let kv = DenseKv {
         k: &k,
@@ -417,27 +452,36 @@ fn invalid_inputs_are_errors() {
         num_kv_heads: 1,
         head_dim: 64,
     };
-    assert!(attention_dense(&[0.0; 64], kv, &DecodeShape::new(1, 1, 64), Accum::F64).is_err());
+    assert!(attention_dense(&[0.0; 64], kv, &DecodeShape::new(1, 1), &plain, Accum::F64).is_err());
     let kv = DenseKv {
         k: &k[..100],
         v: &k[..100],
         ..kv
     };
-    assert!(attention_dense(&[0.0; 64], kv, &DecodeShape::new(1, 1, 64), Accum::F64).is_err());
+    assert!(attention_dense(&[0.0; 64], kv, &DecodeShape::new(1, 1), &plain, Accum::F64).is_err());
     let kv = DenseKv {
         k: &k,
         v: &k,
         head_dim: 0,
         ..kv
     };
-    assert!(attention_dense(&[], kv, &DecodeShape::new(1, 1, 64), Accum::F64).is_err());
+    assert!(attention_dense(&[], kv, &DecodeShape::new(1, 1), &plain, Accum::F64).is_err());
     let kv = DenseKv {
         k: &k,
         v: &k,
         num_kv_heads: 1,
         head_dim: 64,
     };
-    assert!(attention_dense(&[0.0; 64 * 5], kv, &DecodeShape::new(1, 5, 64), Accum::F64).is_err());
+    assert!(
+        attention_dense(
+            &[0.0; 64 * 5],
+            kv,
+            &DecodeShape::new(1, 5),
+            &plain,
+            Accum::F64
+        )
+        .is_err()
+    );
 }
 
 // ---- accuracy of the quantized formats vs unquantized f32 attention ----
@@ -476,7 +520,15 @@ fn format_error(
     let r = alloc.reserve(seq, len).unwrap();
     cache.write(&r.slots, k, v).unwrap();
     let tables = alloc.block_tables(&[seq]).unwrap();
-    let got = decode_attention(&cache, &tables, q, shape, Accum::F64).unwrap();
+    let got = decode_attention(
+        &cache,
+        &tables,
+        q,
+        shape,
+        &AttentionOptions::new(d),
+        Accum::F64,
+    )
+    .unwrap();
     let want = reference(q, k, v, nkv, d, shape);
     rel_err(&got.out, &want)
 }
@@ -496,7 +548,7 @@ fn reference(
         num_kv_heads: nkv,
         head_dim: d,
     };
-    let r = attention_dense(q, kv, shape, Accum::F64).unwrap();
+    let r = attention_dense(q, kv, shape, &AttentionOptions::new(d), Accum::F64).unwrap();
     r.out.iter().map(|&x| x as f64).collect()
 }
 
@@ -546,7 +598,7 @@ fn accuracy_on_minilm() {
     let bytes = std::fs::read(path).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let (nkv, d, q_len) = (6, 64, 32);
-    let shape = DecodeShape::new(nkv, q_len, d);
+    let shape = DecodeShape::new(nkv, q_len);
     println!("rel. error of attention output vs f32 (MiniLM, last {q_len} of 512 positions):");
     println!("{:<22} layer 0..5", "k / v");
     let mut table: Vec<(String, Vec<f64>)> = Vec::new();
@@ -599,7 +651,7 @@ fn accuracy_with_outlier_channels() {
     }
     let v = rng.normals(len * nkv * d, 1.0);
     let q = rng.normals(nq * q_len * d, 1.0);
-    let shape = DecodeShape::new(nq, q_len, d);
+    let shape = DecodeShape::new(nq, q_len);
     println!("rel. error of attention output vs f32 (synthetic keys with outlier channels):");
     // Outliers make the softmax peaky and amplify key error, so only sanity is asserted here
     // (finite, better than no information at all); the numbers are recorded.

@@ -15,7 +15,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use half::{bf16, f16};
 use kvq::cache::{BlockAllocator, BlockTables, CopyBlock, HostCache, PagedKvCache, SeqId};
-use kvq::cpu::{self, Accum, AttentionOutput, DecodeShape, DenseKv};
+use kvq::cpu::{self, Accum, AttentionOptions, AttentionOutput, DecodeShape, DenseKv};
 use kvq::dense::{self, DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor};
 use kvq::format::{Fp8Kind, HeadScale, fp4, head_amax, int4, sanitize, sanitized_amax};
 use kvq::layout::MAX_BLOCK_SIZE;
@@ -260,6 +260,7 @@ fn naive_attention(
     kv_heads: usize,
     d: usize,
     shape: &DecodeShape,
+    softmax_scale: f32,
 ) -> (Vec<f64>, Vec<f64>) {
     let len = k.len() / (kv_heads * d);
     let group = shape.num_q_heads / kv_heads;
@@ -272,7 +273,7 @@ fn naive_attention(
             let logits: Vec<f64> = (0..=last)
                 .map(|p| {
                     let kr = &k[(p * kv_heads + kvh) * d..][..d];
-                    shape.softmax_scale as f64
+                    softmax_scale as f64
                         * qr.iter()
                             .zip(kr)
                             .map(|(&a, &b)| a as f64 * b as f64)
@@ -1382,13 +1383,16 @@ fn paged_decode(
     }
     let seqs: Vec<SeqId> = live.iter().map(|&i| model[i].0).collect();
     let tables = try_call("PagedKvCache::block_tables", || p.block_tables(&seqs))?.unwrap();
-    let shape = DecodeShape::new(heads * q_heads_mul, q_len, d);
+    let (shape, opts) = (
+        DecodeShape::new(heads * q_heads_mul, q_len),
+        AttentionOptions::new(d),
+    );
     let per_seq = shape.num_q_heads * q_len * d;
     let q = rows(seed, live.len() * per_seq, false);
     let accum = if accum64 { Accum::F64 } else { Accum::F32 };
     for (l, cache) in p.layers().iter().enumerate() {
         let got = try_call("cpu::decode_attention", || {
-            cpu::decode_attention(cache, &tables, &q, &shape, accum)
+            cpu::decode_attention(cache, &tables, &q, &shape, &opts, accum)
         })?
         .map_err(|e| TestCaseError::fail(format!("valid decode failed: {e}")))?;
         let (mut want_out, mut want_lse) = (Vec::new(), Vec::new());
@@ -1397,7 +1401,7 @@ fn paged_decode(
             let (mk, mv) = &model[i].1[l];
             v_scale = mv.iter().fold(v_scale, |m, &x| m.max(x.abs() as f64));
             let qb = &q[b * per_seq..][..per_seq];
-            let (o, s) = naive_attention(qb, mk, mv, heads, d, &shape);
+            let (o, s) = naive_attention(qb, mk, mv, heads, d, &shape, opts.softmax_scale);
             want_out.extend(o);
             want_lse.extend(s);
         }
@@ -1655,11 +1659,13 @@ fn attention_arguments() {
         if a.extra_entry {
             tables.data.push(0);
         }
-        let shape = DecodeShape {
-            num_q_heads: a.q_heads,
-            q_len: a.q_len,
+        let shape = DecodeShape::new(a.q_heads, a.q_len);
+        let opts = AttentionOptions {
             softmax_scale: a.scale,
+            window_left: None,
+            logits_soft_cap: None,
         };
+        let scale_ok = a.scale.is_finite() && a.scale > 0.0;
         let q_elems = a
             .q_heads
             .checked_mul(a.q_len)
@@ -1672,9 +1678,9 @@ fn attention_arguments() {
         if let (Some(x), Some(first)) = (a.q_special, q.first_mut()) {
             *first = x;
         }
-        let finite_inputs = a.scale.is_finite() && q.iter().all(|x| x.is_finite());
+        let finite_inputs = scale_ok && q.iter().all(|x| x.is_finite());
         let got = try_call("cpu::decode_attention", || {
-            cpu::decode_attention(&cache, &tables, &q, &shape, Accum::F64)
+            cpu::decode_attention(&cache, &tables, &q, &shape, &opts, Accum::F64)
         })?;
         let table_ok = ctx <= 0 || a.table_entry.is_none_or(|e| e >= 0 && e as usize <= blocks);
         let valid = a.q_heads > 0
@@ -1700,7 +1706,7 @@ fn attention_arguments() {
                 let n = ctx as usize;
                 let (mut gk, mut gv) = (vec![0f32; n * heads * d], vec![0f32; n * heads * d]);
                 cache.gather(&table, n, &mut gk, &mut gv).unwrap();
-                let (o, l) = naive_attention(&q, &gk, &gv, heads, d, &shape);
+                let (o, l) = naive_attention(&q, &gk, &gv, heads, d, &shape, a.scale);
                 let v_scale = gv.iter().fold(0f64, |m, &x| m.max(x.abs() as f64));
                 check_attention(&r, &o, &l, v_scale, 1e-5)?;
             }
@@ -1715,12 +1721,12 @@ fn attention_arguments() {
         };
         let q_none = vec![0.5f32; a.q_delta];
         let got = try_call("cpu::decode_attention (empty batch)", || {
-            cpu::decode_attention(&cache, &empty, &q_none, &shape, Accum::F64)
+            cpu::decode_attention(&cache, &empty, &q_none, &shape, &opts, Accum::F64)
         })?;
         let empty_valid = a.q_heads > 0
             && a.q_heads % heads == 0
             && a.q_len >= 1
-            && a.scale.is_finite()
+            && scale_ok
             && q_elems.is_some()
             && q_none.is_empty();
         match got {
@@ -1742,7 +1748,7 @@ fn attention_arguments() {
             head_dim: hd,
         };
         let got = try_call("cpu::attention_dense", || {
-            cpu::attention_dense(&q, kv, &shape, Accum::F64)
+            cpu::attention_dense(&q, kv, &shape, &opts, Accum::F64)
         })?;
         let row = kvh.checked_mul(hd).filter(|&r| r > 0);
         let dense_len = row.filter(|r| gk.len() % r == 0).map(|r| gk.len() / r);
@@ -1763,7 +1769,7 @@ fn attention_arguments() {
             }
             Ok(r) => {
                 prop_assert!(dense_valid, "accepted invalid dense arguments");
-                let (o, l) = naive_attention(&q, &gk, &gv, kvh, hd, &shape);
+                let (o, l) = naive_attention(&q, &gk, &gv, kvh, hd, &shape, a.scale);
                 let v_scale = gv.iter().fold(0f64, |m, &x| m.max(x.abs() as f64));
                 check_attention(&r, &o, &l, v_scale, 1e-5)?;
             }

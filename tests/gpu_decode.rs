@@ -230,14 +230,14 @@ fn run_typed<T: QElem>(gpu: &Gpu, case: &Case, seqs: &[SeqKv], q: &[f32]) -> Out
     let row_refs: Vec<&[i32]> = rows.iter().map(|r| r.as_slice()).collect();
     let tables = BlockTables::from_rows(&row_refs, &case.lens).expect("tables");
     let heads = nkv * case.group;
-    let shape = DecodeShape::new(heads, case.q_len, d);
+    let shape = DecodeShape::new(heads, case.q_len);
     // The reference sees exactly the queries the GPU sees (rounded to T).
     let q_t: Vec<T> = q.iter().map(|&x| T::from_f32(x)).collect();
     let q_ref: Vec<f32> = q_t.iter().map(|x| x.to_f32()).collect();
     let opts = AttentionOptions {
-        softmax_scale: shape.softmax_scale,
         window_left: case.window,
         logits_soft_cap: case.cap,
+        ..AttentionOptions::new(d)
     };
     // Sinks of about the size of the rows' logits, different per head.
     let sinks: Option<Vec<f32>> = case.sinks.then(|| {

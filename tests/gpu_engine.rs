@@ -17,7 +17,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::{bf16, f16};
 use kvq::cache::{BlockAllocator, BlockTables, CopyBlock, HostCache, SeqId};
-use kvq::cpu::{Accum, DecodeShape, decode_attention};
+use kvq::cpu::{Accum, AttentionOptions, DecodeShape, decode_attention};
 use kvq::cuda::decode::{DecodeStep, RawDecodeArgs, RowStrides};
 use kvq::cuda::ops::{self, DeviceElement, Dtype};
 use kvq::cuda::{
@@ -89,7 +89,8 @@ impl Engine {
             &self.host,
             &tables,
             q,
-            &DecodeShape::new(HEADS, q_len, D),
+            &DecodeShape::new(HEADS, q_len),
+            &AttentionOptions::new(D),
             Accum::F64,
         )
         .expect("cpu decode");
@@ -798,7 +799,8 @@ fn swap_out_and_back_in() {
         &after,
         &tables,
         &q16,
-        &DecodeShape::new(HEADS, 1, D),
+        &DecodeShape::new(HEADS, 1),
+        &AttentionOptions::new(D),
         Accum::F64,
     )
     .unwrap();

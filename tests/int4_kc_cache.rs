@@ -4,7 +4,7 @@
 //! over those values.
 
 use kvq::cache::{PagedKvCache as PagedCache, SeqId};
-use kvq::cpu::{Accum, DecodeShape, DenseKv, attention_dense, decode_attention};
+use kvq::cpu::{Accum, AttentionOptions, DecodeShape, DenseKv, attention_dense, decode_attention};
 use kvq::format::int4_kc::{self, KcShape, Mode};
 use kvq::{CacheConfig, Error, KvFormat};
 
@@ -152,13 +152,14 @@ fn attention_over_the_cache_is_attention_over_what_it_reads() {
         let (k, v) = (rng.keys(n * heads * d, d), rng.keys(n * heads * d, d));
         cache.append(s, &[&k], &[&v]).unwrap();
     }
-    let shape = DecodeShape::new(heads * group, 2, d);
+    let (shape, opts) = (DecodeShape::new(heads * group, 2), AttentionOptions::new(d));
     let per_q = shape.num_q_heads * 2 * d;
     let q: Vec<f32> = (0..lens.len() * per_q)
         .map(|i| ((i * 7919 % 211) as f32 - 105.0) / 50.0)
         .collect();
     let tables = cache.block_tables(&seqs).unwrap();
-    let paged = decode_attention(&cache.layers()[0], &tables, &q, &shape, Accum::F64).unwrap();
+    let paged =
+        decode_attention(&cache.layers()[0], &tables, &q, &shape, &opts, Accum::F64).unwrap();
     for (b, &s) in seqs.iter().enumerate() {
         let (k, v) = gathered(&cache, s);
         let kv = DenseKv {
@@ -167,7 +168,8 @@ fn attention_over_the_cache_is_attention_over_what_it_reads() {
             num_kv_heads: heads,
             head_dim: d,
         };
-        let dense = attention_dense(&q[b * per_q..][..per_q], kv, &shape, Accum::F64).unwrap();
+        let dense =
+            attention_dense(&q[b * per_q..][..per_q], kv, &shape, &opts, Accum::F64).unwrap();
         assert_eq!(dense.out, paged.out[b * per_q..][..per_q], "sequence {b}");
     }
 }

@@ -4,7 +4,7 @@
 //! threads at once as from one.
 
 use kvq::cache::{HostCache, PagedKvCache, SeqId};
-use kvq::cpu::{self, Accum, AttentionOutput, DecodeShape, DenseKv};
+use kvq::cpu::{self, Accum, AttentionOptions, AttentionOutput, DecodeShape, DenseKv};
 use kvq::{CacheConfig, KvFormat};
 
 const HEADS: usize = 2;
@@ -31,12 +31,12 @@ fn gathered(p: &PagedKvCache, layer: usize, s: SeqId) -> (Vec<f32>, Vec<f32>) {
 /// Decode of `s` over the paged cache, and over its own gathered tokens as a dense tensor: the
 /// two read the same rows only if no other sequence's data is reachable from `s`'s table.
 fn decode_both(p: &PagedKvCache, s: SeqId, q_len: usize) -> (AttentionOutput, AttentionOutput) {
-    let shape = DecodeShape::new(2 * HEADS, q_len, D);
+    let (shape, opts) = (DecodeShape::new(2 * HEADS, q_len), AttentionOptions::new(D));
     let q: Vec<f32> = (0..2 * HEADS * q_len * D)
         .map(|i| ((i * 13) % 17) as f32 / 17.0 - 0.5)
         .collect();
     let t = p.block_tables(&[s]).unwrap();
-    let paged = cpu::decode_attention(&p.layers()[0], &t, &q, &shape, Accum::F64).unwrap();
+    let paged = cpu::decode_attention(&p.layers()[0], &t, &q, &shape, &opts, Accum::F64).unwrap();
     let (k, v) = gathered(p, 0, s);
     let kv = DenseKv {
         k: &k,
@@ -44,7 +44,7 @@ fn decode_both(p: &PagedKvCache, s: SeqId, q_len: usize) -> (AttentionOutput, At
         num_kv_heads: HEADS,
         head_dim: D,
     };
-    let dense = cpu::attention_dense(&q, kv, &shape, Accum::F64).unwrap();
+    let dense = cpu::attention_dense(&q, kv, &shape, &opts, Accum::F64).unwrap();
     (paged, dense)
 }
 
@@ -144,15 +144,17 @@ fn concurrent_decodes_of_a_shared_cache_agree() {
         p.append(s, &[&x], &[&x]).unwrap();
     }
     let tables = p.block_tables(&seqs).unwrap();
-    let shape = DecodeShape::new(2 * HEADS, 3, D);
+    let (shape, opts) = (DecodeShape::new(2 * HEADS, 3), AttentionOptions::new(D));
     let q: Vec<f32> = (0..seqs.len() * 2 * HEADS * 3 * D)
         .map(|i| ((i * 7) % 23) as f32 / 23.0 - 0.5)
         .collect();
     let cache = &p.layers()[0];
-    let serial = cpu::decode_attention(cache, &tables, &q, &shape, Accum::F32).unwrap();
+    let serial = cpu::decode_attention(cache, &tables, &q, &shape, &opts, Accum::F32).unwrap();
     std::thread::scope(|scope| {
         let runs: Vec<_> = (0..4)
-            .map(|_| scope.spawn(|| cpu::decode_attention(cache, &tables, &q, &shape, Accum::F32)))
+            .map(|_| {
+                scope.spawn(|| cpu::decode_attention(cache, &tables, &q, &shape, &opts, Accum::F32))
+            })
             .collect();
         for r in runs {
             assert_eq!(r.join().unwrap().unwrap(), serial);

@@ -28,7 +28,7 @@
 //! # Options, prefill and merging
 //!
 //! [`AttentionOptions`] adds what models beyond plain causal attention need, with the same
-//! meaning in [`decode_attention_with`] and [`prefill_attention`]:
+//! meaning in [`decode_attention`], [`attention_dense`] and [`prefill_attention`]:
 //!
 //! - a left window `w`: the query at position `p` sees `max(0, p - w)..=p` only;
 //! - a logit soft cap `c`: `logit = c * tanh(logit / c)`, applied after `softmax_scale`;
@@ -61,26 +61,33 @@ use crate::error::{Error, Result, at_least_one};
 /// Below this many (sequence, KV head, position) triples the reference runs on one thread.
 const PARALLEL_MIN_POSITIONS: usize = 1 << 16;
 
-/// Query geometry of one decode step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// Query geometry of one decode step; how logits are formed (the softmax scale among them) is
+/// [`AttentionOptions`], beside it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecodeShape {
     /// Query heads (a multiple of the cache's `num_kv_heads`).
     pub num_q_heads: usize,
     /// New tokens per sequence being decoded (1 for plain decode, more for speculative
     /// verification or chunked prefill).
     pub q_len: usize,
-    /// Multiplier of `q · k` (usually `1 / sqrt(head_dim)`).
-    pub softmax_scale: f32,
 }
 
 impl DecodeShape {
-    /// A shape with the usual `softmax_scale = 1 / sqrt(head_dim)`.
-    pub fn new(num_q_heads: usize, q_len: usize, head_dim: usize) -> Self {
-        DecodeShape {
-            num_q_heads,
-            q_len,
-            softmax_scale: 1.0 / (head_dim as f32).sqrt(),
-        }
+    /// `num_q_heads` query heads, each with `q_len` new tokens per sequence.
+    pub fn new(num_q_heads: usize, q_len: usize) -> Self {
+        DecodeShape { num_q_heads, q_len }
+    }
+}
+
+/// A softmax scale is positive and finite (a zero or negative one is a bug upstream, such as
+/// `1 / head_dim` in integers); the CPU reference and both GPU plans check it here.
+pub(crate) fn check_softmax_scale(scale: f32) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "softmax_scale {scale} must be positive and finite"
+        )))
     }
 }
 
@@ -99,7 +106,7 @@ pub(crate) fn check_soft_cap(cap: Option<f32>) -> Result<()> {
 /// [module docs](self)). Per-head sinks and ALiBi slopes are [`HeadTerms`], beside these.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionOptions {
-    /// Multiplier of `q · k` (usually `1 / sqrt(head_dim)`); must be finite.
+    /// Multiplier of `q · k` (usually `1 / sqrt(head_dim)`); positive and finite.
     pub softmax_scale: f32,
     /// Sliding window: the query at position `p` sees positions `max(0, p - w)..=p` (so `w = 0`
     /// is the query's own token only). `None`: all of `0..=p`.
@@ -121,12 +128,7 @@ impl AttentionOptions {
 
     /// Check the options, and the per-head terms with them (one finite value per query head).
     fn check(&self, heads: HeadTerms<'_>, num_q_heads: usize) -> Result<()> {
-        if !self.softmax_scale.is_finite() {
-            return Err(Error::InvalidArgument(format!(
-                "softmax_scale {} must be finite",
-                self.softmax_scale
-            )));
-        }
+        check_softmax_scale(self.softmax_scale)?;
         check_soft_cap(self.logits_soft_cap)?;
         check_per_head(
             heads.sinks,
@@ -296,29 +298,25 @@ impl KvRows for DenseRows<'_> {
 /// [module docs](self)).
 ///
 /// `q` is `[batch, num_q_heads, q_len, head_dim]` with `batch = tables.batch()`; every
-/// sequence's new tokens must already be in the cache.
+/// sequence's new tokens must already be in the cache. `opts` holds the softmax scale
+/// ([`AttentionOptions::new`] gives `1 / sqrt(head_dim)`), a window and a soft cap.
 pub fn decode_attention(
     cache: &HostCache,
     tables: &BlockTables,
     q: &[f32],
     shape: &DecodeShape,
+    opts: &AttentionOptions,
     accum: Accum,
 ) -> Result<AttentionOutput> {
-    let opts = AttentionOptions {
-        softmax_scale: shape.softmax_scale,
-        window_left: None,
-        logits_soft_cap: None,
-    };
-    decode_attention_with(cache, tables, q, shape, &opts, HeadTerms::default(), accum)
+    decode_attention_with(cache, tables, q, shape, opts, HeadTerms::default(), accum)
 }
 
-/// [`decode_attention`] with a window, a soft cap, per-head sinks and per-head ALiBi slopes
-/// (`heads`: `num_q_heads` finite values each; see the [module docs](self)). With no window,
-/// cap, sink or slope the result is bit for bit that of [`decode_attention`].
+/// [`decode_attention`] with per-head sinks and ALiBi slopes (`heads`: `num_q_heads` finite
+/// values each; see the [module docs](self)). With neither the result is bit for bit that of
+/// [`decode_attention`].
 ///
 /// Errors as [`decode_attention`]'s, plus [`Error::Length`] for sinks or slopes of the wrong
-/// length, [`Error::NonFinite`] for a non-finite sink or slope and [`Error::InvalidArgument`]
-/// when `shape.softmax_scale` and `opts.softmax_scale` differ (one call has one scale).
+/// length and [`Error::NonFinite`] for a non-finite sink or slope.
 pub fn decode_attention_with(
     cache: &HostCache,
     tables: &BlockTables,
@@ -333,12 +331,6 @@ pub fn decode_attention_with(
     let lens: Vec<usize> = tables.context_lens.iter().map(|&l| l as usize).collect();
     check_query(q, shape, c.num_kv_heads, c.head_dim, &lens)?;
     opts.check(heads, shape.num_q_heads)?;
-    if shape.softmax_scale != opts.softmax_scale {
-        return Err(Error::InvalidArgument(format!(
-            "shape.softmax_scale {} and opts.softmax_scale {} differ (one call has one scale)",
-            shape.softmax_scale, opts.softmax_scale
-        )));
-    }
     let sources = (0..tables.batch()).map(|b| PagedRows {
         cache,
         table: tables.row(b),
@@ -359,13 +351,14 @@ pub fn decode_attention_with(
 }
 
 /// Reference attention of one sequence over dense, unquantized K/V (no cache): the "vs f32"
-/// baseline for error measurements. Same semantics as [`decode_attention`] with
+/// baseline for error measurements. Same semantics and options as [`decode_attention`] with
 /// `context_len = kv.k.len() / (num_kv_heads * head_dim)`; `q` is `[num_q_heads, q_len,
 /// head_dim]` and the output has batch 1.
 pub fn attention_dense(
     q: &[f32],
     kv: DenseKv<'_>,
     shape: &DecodeShape,
+    opts: &AttentionOptions,
     accum: Accum,
 ) -> Result<AttentionOutput> {
     at_least_one(&[("num_kv_heads", kv.num_kv_heads), ("head_dim", kv.head_dim)])?;
@@ -393,12 +386,8 @@ pub fn attention_dense(
     }
     let len = kv.k.len() / row;
     check_query(q, shape, kv.num_kv_heads, kv.head_dim, &[len])?;
+    opts.check(HeadTerms::default(), shape.num_q_heads)?;
     let source = DenseRows { kv };
-    let opts = AttentionOptions {
-        softmax_scale: shape.softmax_scale,
-        window_left: None,
-        logits_soft_cap: None,
-    };
     let batch = Batch {
         context_lens: &[len],
         num_kv_heads: kv.num_kv_heads,
@@ -406,14 +395,14 @@ pub fn attention_dense(
         q,
         num_q_heads: shape.num_q_heads,
         q_len: shape.q_len,
-        opts: &opts,
+        opts,
         heads: HeadTerms::default(),
     };
     run(std::iter::once(source), &batch, accum)
 }
 
 /// Validate the query side against the KV side: head counts, `1 <= q_len <= len`, q's length
-/// and finiteness, and the softmax scale.
+/// and finiteness.
 fn check_query(
     q: &[f32],
     shape: &DecodeShape,
@@ -423,12 +412,6 @@ fn check_query(
 ) -> Result<()> {
     check_heads(shape.num_q_heads, num_kv_heads)?;
     at_least_one(&[("q_len", shape.q_len)])?;
-    if !shape.softmax_scale.is_finite() {
-        return Err(Error::InvalidArgument(format!(
-            "softmax_scale {} must be finite",
-            shape.softmax_scale
-        )));
-    }
     if let Some((b, &len)) = context_lens
         .iter()
         .enumerate()
@@ -437,7 +420,7 @@ fn check_query(
         return Err(Error::InvalidArgument(format!(
             "sequence {b}: context length {len} is shorter than q_len {} \
              (the new tokens must already be in the cache; `DecodeShape::new` takes \
-             num_q_heads, q_len, head_dim in that order)",
+             num_q_heads, then q_len)",
             shape.q_len
         )));
     }
@@ -644,8 +627,8 @@ mod tests {
         let v: Vec<f32> = (0..16).map(|i| i as f32).collect();
         cache.write(&[4], &[0.5f32; 16], &v).unwrap(); // block 1, offset 0
         let tables = BlockTables::from_rows(&[&[1]], &[1]).unwrap();
-        let shape = DecodeShape::new(2, 1, 16);
-        let r = decode_attention(&cache, &tables, &[1.0; 32], &shape, Accum::F64).unwrap();
+        let (shape, opts) = (DecodeShape::new(2, 1), AttentionOptions::new(16));
+        let r = decode_attention(&cache, &tables, &[1.0; 32], &shape, &opts, Accum::F64).unwrap();
         assert_eq!(r.out[..16], v[..]);
         assert_eq!(r.out[16..], v[..]);
         assert!((r.lse[0] - 2.0).abs() < 1e-6); // one logit: 16 * 0.5 / 4
@@ -662,8 +645,8 @@ mod tests {
             num_kv_heads: 1,
             head_dim: 8,
         };
-        let shape = DecodeShape::new(1, 2, 8);
-        let r = attention_dense(&[0.5; 16], kv, &shape, Accum::F32).unwrap();
+        let (shape, opts) = (DecodeShape::new(1, 2), AttentionOptions::new(8));
+        let r = attention_dense(&[0.5; 16], kv, &shape, &opts, Accum::F32).unwrap();
         assert!(r.out[..8].iter().all(|&x| (x - 0.5).abs() < 1e-6));
         assert!(r.out[8..].iter().all(|&x| (x - 1.0).abs() < 1e-6));
         assert!((r.lse[1] - 3f32.ln()).abs() < 1e-6);

@@ -346,7 +346,7 @@ mod tests {
                 let whole = run(CHUNK_LOGITS, accum);
                 assert_eq!(run(1, accum), whole); // one token per item
                 assert_eq!(run(2 * 200 * 7, accum), whole); // 7 tokens per item
-                let shape = DecodeShape::new(nq, 1, d);
+                let shape = DecodeShape::new(nq, 1);
                 for (b, (t0, n, len)) in [(0, 200, 200), (200, 30, 90)].into_iter().enumerate() {
                     for i in 0..n {
                         let t = t0 + i;

@@ -364,13 +364,9 @@ impl PrefillPlan {
         })
     }
 
-    /// Logits are `softmax_scale * q · k` (finite, positive).
+    /// Logits are `softmax_scale * q · k` (positive and finite).
     pub fn with_softmax_scale(mut self, softmax_scale: f32) -> Result<Self> {
-        if !softmax_scale.is_finite() || softmax_scale <= 0.0 {
-            return Err(Error::InvalidArgument(format!(
-                "softmax_scale must be finite and positive, got {softmax_scale}"
-            )));
-        }
+        crate::cpu::check_softmax_scale(softmax_scale)?;
         self.softmax_scale = softmax_scale;
         if let Some(d) = self.decode_rows.take() {
             self.decode_rows = Some(d.with_softmax_scale(softmax_scale)?);

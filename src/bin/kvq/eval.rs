@@ -48,7 +48,7 @@ use std::path::{Path, PathBuf};
 use clap::ValueEnum;
 use kvq::cache::{BlockAllocator, BlockTables, HostCache};
 use kvq::calibrate::LayerScales;
-use kvq::cpu::{self, Accum, DecodeShape, DenseKv};
+use kvq::cpu::{self, Accum, AttentionOptions, DecodeShape, DenseKv};
 use kvq::dense::DenseFormat;
 use kvq::format::int4_kc::{self, KcShape};
 use kvq::format::outlier::{self, OutlierKeys};
@@ -702,7 +702,12 @@ impl Layer {
     }
 
     fn shape(&self) -> DecodeShape {
-        DecodeShape::new(self.q_heads, self.q_len, self.head_dim)
+        DecodeShape::new(self.q_heads, self.q_len)
+    }
+
+    /// Plain causal attention at `1 / sqrt(head_dim)`.
+    fn opts(&self) -> AttentionOptions {
+        AttentionOptions::new(self.head_dim)
     }
 
     /// Elements of the `[tokens, kv_heads, head_dim]` rows of `tokens`.
@@ -732,7 +737,7 @@ impl Layer {
     /// `tokens - q_len + i`) with keys `k`, in f64, passed to `f` one at a time.
     fn weights(&self, q: &[f32], k: &[f32], mut f: impl FnMut(usize, &mut Vec<f64>)) {
         let d = self.head_dim;
-        let scale = f64::from(self.shape().softmax_scale);
+        let scale = f64::from(self.opts().softmax_scale);
         let mut p = Vec::with_capacity(self.tokens);
         for (row, qr) in q.chunks_exact(d).enumerate() {
             let kv = self.kv_head_of(row);
@@ -815,7 +820,7 @@ impl Layer {
             num_kv_heads: self.kv_heads,
             head_dim: self.head_dim,
         };
-        Ok(cpu::attention_dense(q, kv, &self.shape(), Accum::F64)?.out)
+        Ok(cpu::attention_dense(q, kv, &self.shape(), &self.opts(), Accum::F64)?.out)
     }
 
     /// The layer's K (`k`: the layer's keys, or the rotated keys of `--hadamard`) and V stored in
@@ -866,7 +871,8 @@ impl Layer {
         block_size: usize,
     ) -> Result<[Vec<f32>; 3], CliError> {
         let (cache, tables, [k, v]) = self.store(k, formats, scales, block_size)?;
-        let out = cpu::decode_attention(&cache, &tables, q, &self.shape(), Accum::F64)?.out;
+        let out =
+            cpu::decode_attention(&cache, &tables, q, &self.shape(), &self.opts(), Accum::F64)?.out;
         Ok([k, v, out])
     }
 

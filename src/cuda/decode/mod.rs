@@ -433,13 +433,9 @@ impl DecodePlan {
         Ok(*slot.get_or_init(|| c))
     }
 
-    /// The same plan with another multiplier of `q · k` (finite).
+    /// The same plan with another multiplier of `q · k` (positive and finite).
     pub fn with_softmax_scale(mut self, softmax_scale: f32) -> Result<Self> {
-        if !softmax_scale.is_finite() {
-            return Err(Error::InvalidArgument(format!(
-                "softmax_scale {softmax_scale} must be finite"
-            )));
-        }
+        crate::cpu::check_softmax_scale(softmax_scale)?;
         self.softmax_scale = softmax_scale;
         Ok(self)
     }
