@@ -22,7 +22,7 @@ use kvq::cuda::decode::{DecodeStep, RawDecodeArgs, RowStrides};
 use kvq::cuda::ops::{self, DeviceElement, Dtype};
 use kvq::cuda::{
     DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu, SwapMove,
-    SwapSpace, TablesCapacity, require_gpu_or_skip,
+    SwapSpace, TablesCapacity, TokenRows, require_gpu_or_skip,
 };
 use kvq::{CacheConfig, Error, KvFormat};
 
@@ -482,7 +482,11 @@ fn strided_views_and_output_types() {
             q_ref.extend_from_slice(&qkv[b * width..b * width + HEADS * D]);
         }
         let s = gpu.stream();
-        let q_rows = RowStrides::token_major_strided(width, D, 1);
+        let q_rows = TokenRows {
+            token: width,
+            head: D,
+        }
+        .with_q_len(1);
         let out_rows = RowStrides::token_major(HEADS, 1, D);
         if k == KvFormat::Bf16 {
             let qkv_d: Vec<bf16> = qkv.iter().map(|&x| bf16::from_f32(x)).collect();

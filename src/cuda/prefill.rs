@@ -83,7 +83,11 @@ impl TokenRows {
     /// The same rows as a decode step's [`RowStrides`], `q_len` new tokens per sequence: one
     /// description of an engine's `[tokens, heads, d]` tensor (or view) serves both plans.
     pub fn with_q_len(self, q_len: usize) -> RowStrides {
-        RowStrides::token_major_strided(self.token, self.head, q_len)
+        RowStrides {
+            seq: q_len * self.token,
+            token: self.token,
+            head: self.head,
+        }
     }
 
     /// One past the last element of `tokens × heads` rows of `width`; None on overflow.
@@ -910,10 +914,8 @@ mod tests {
             token: 48 * d,
             head: d,
         };
-        assert_eq!(
-            fused.with_q_len(1),
-            RowStrides::token_major_strided(48 * d, d, 1)
-        );
+        let rows = fused.with_q_len(3);
+        assert_eq!((rows.seq, rows.token, rows.head), (3 * 48 * d, 48 * d, d));
     }
 
     #[test]

@@ -129,19 +129,25 @@ impl RowStrides {
     }
 
     /// `[tokens, heads, width]` with `q_len` tokens per sequence, contiguous: the layout of
-    /// engines that flatten the batch into tokens.
+    /// engines that flatten the batch into tokens. A view with other strides (into a fused QKV
+    /// projection, for instance) is [`TokenRows`](crate::cuda::TokenRows)`{ token, head
+    /// }.with_q_len(q_len)`.
     pub fn token_major(heads: usize, q_len: usize, width: usize) -> Self {
-        Self::token_major_strided(heads * width, width, q_len)
+        crate::cuda::TokenRows::contiguous(heads, width).with_q_len(q_len)
     }
 
     /// `[tokens, heads, width]` with `token_stride` elements between tokens and `head_stride`
-    /// between heads: a view into a fused QKV projection, for instance.
+    /// between heads.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `TokenRows { token, head }.with_q_len(q_len)`, whose strides are named"
+    )]
     pub fn token_major_strided(token_stride: usize, head_stride: usize, q_len: usize) -> Self {
-        RowStrides {
-            seq: q_len * token_stride,
+        crate::cuda::TokenRows {
             token: token_stride,
             head: head_stride,
         }
+        .with_q_len(q_len)
     }
 
     fn raw(&self) -> Result<sys::kvq_rows> {
@@ -1069,7 +1075,11 @@ mod tests {
         assert_eq!(t.extent(2, 4, 3, 64), Some(6 * 4 * 64));
         assert!(t.rows_disjoint(2, 4, 3, 64));
         // A view into a fused QKV buffer (q heads first, then k and v): rows 3x wider.
-        let f = RowStrides::token_major_strided(3 * 4 * 64, 64, 1);
+        let f = crate::cuda::TokenRows {
+            token: 3 * 4 * 64,
+            head: 64,
+        }
+        .with_q_len(1);
         assert_eq!(f.extent(5, 4, 1, 64), Some(4 * 3 * 4 * 64 + 4 * 64));
         assert!(f.rows_disjoint(5, 4, 1, 64));
         // Heads that overlap, tokens that overlap.
