@@ -5,6 +5,13 @@
 //! - [`BlockTables`] is that decision in the form kernels read.
 //! - [`HostCache`] is one layer's storage in host memory, byte-identical to the device layout.
 //! - [`PagedKvCache`] ties them together for a model: one allocator, one `HostCache` per layer.
+//!
+//! Block ids and slots are `usize` where the host indexes with them ([`CopyBlock`],
+//! [`BlockAllocator::ref_count`], [`HostCache::copy_block`], [`Reservation::slots`]) and `i32`
+//! where a kernel reads them (a table row, [`BlockAllocator::block_table`], the slot mapping an
+//! engine uploads): the int32 tables engines already hold. A pool has at most `i32::MAX`
+//! blocks, so every id converts both ways; a table's entries are checked against the pool
+//! ([`BlockTables::validate`]) before anything indexes with them.
 
 mod allocator;
 mod copies;
