@@ -368,6 +368,96 @@ fn fp8_per_head_and_fixed_scales() {
     }
 }
 
+/// `--pair-heads 2` quantizes [..., 4, 32] as the same bytes shaped [..., 2, 64] (so groups of
+/// 64 fit), says so in the metadata, and `dequantize` gives the original shape back; heads it
+/// cannot pair, and 0, are errors.
+#[test]
+fn quantize_pairs_adjacent_heads() {
+    let dir = scratch("pair-heads");
+    let mut rng = Rng(77);
+    let (k, extra) = (rng.vec(37 * 4 * 32), rng.vec(2 * 6 * 32));
+    let input = |paired: bool| {
+        let (kh, eh, d) = if paired { (2, 3, 64) } else { (4, 6, 32) };
+        vec![
+            In {
+                name: "k.0",
+                dtype: Dtype::F16,
+                shape: vec![37, kh, d],
+                values: k.clone(),
+            },
+            In {
+                name: "extra",
+                dtype: Dtype::F32,
+                shape: vec![2, eh, d],
+                values: extra.clone(),
+            },
+        ]
+    };
+    let path = |name: &str| dir.join(name);
+    write_input(&path("heads32.st"), &input(false));
+    write_input(&path("heads64.st"), &input(true));
+    let (h32, h64) = (path("heads32.st"), path("heads64.st"));
+    let (q32, q64) = (path("q32.st"), path("q64.st"));
+    let (b32, b64) = (path("b32.st"), path("b64.st"));
+    let quantize = |extra: &[&str], input: &Path, out: &Path| {
+        let mut args = vec!["quantize", "--format", "int4-v64"];
+        args.extend_from_slice(extra);
+        args.extend([arg(input), arg(out)]);
+        kvq_ok(&args);
+    };
+    // Heads of 32 take no groups of 64 unpaired; the error says what would.
+    assert_fails(
+        &["quantize", "--format", "int4-v64", arg(&h32), arg(&q32)],
+        &q32,
+        "--pair-heads 2 joins adjacent heads into heads of 64",
+    );
+    quantize(&["--pair-heads", "2"], &h32, &q32);
+    quantize(&[], &h64, &q64);
+    let (a, b) = (fs::read(&q32).unwrap(), fs::read(&q64).unwrap());
+    assert_eq!(metadata(&a)["kvq.pair_heads"], "2");
+    assert!(!metadata(&b).contains_key("kvq.pair_heads"));
+    let (sa, sb) = (
+        SafeTensors::deserialize(&a).unwrap(),
+        SafeTensors::deserialize(&b).unwrap(),
+    );
+    let mut names = sa.names();
+    names.sort();
+    assert_eq!(names.len(), 6);
+    for name in names {
+        let (x, y) = (sa.tensor(name).unwrap(), sb.tensor(name).unwrap());
+        assert_eq!((x.shape(), x.data()), (y.shape(), y.data()), "{name}");
+    }
+    kvq_ok(&["dequantize", arg(&q32), arg(&b32)]);
+    kvq_ok(&["dequantize", arg(&q64), arg(&b64)]);
+    let (a, b) = (fs::read(&b32).unwrap(), fs::read(&b64).unwrap());
+    let (sa, sb) = (
+        SafeTensors::deserialize(&a).unwrap(),
+        SafeTensors::deserialize(&b).unwrap(),
+    );
+    for (name, shape) in [("k.0", vec![37, 4, 32]), ("extra", vec![2, 6, 32])] {
+        let (x, y) = (sa.tensor(name).unwrap(), sb.tensor(name).unwrap());
+        assert_eq!(x.shape(), &shape[..], "{name}");
+        assert_eq!(x.data(), y.data(), "{name}");
+    }
+    // Three heads do not pair; 0 heads per pair is no pairing at all.
+    write_input(&h32, &random_inputs(3, 32));
+    for n in ["2", "0"] {
+        assert_fails(
+            &[
+                "quantize",
+                "--format",
+                "int4-k32",
+                "--pair-heads",
+                n,
+                arg(&h32),
+                arg(&q32),
+            ],
+            &q32,
+            "--pair-heads",
+        );
+    }
+}
+
 /// A failed run: exit code 1, exactly one `kvq: error:` line, and neither the output nor its
 /// temp file written (an existing output stays as it was).
 fn assert_fails(args: &[&str], out_path: &Path, mention: &str) {

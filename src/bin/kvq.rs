@@ -1,7 +1,8 @@
 //! The `kvq` command-line tool (feature `cli`).
 //!
-//! - `kvq quantize --format F [--scale S | --per-head] IN OUT`: every tensor of a safetensors
-//!   file to `NAME.codes` / `NAME.scales` / `NAME.zeros` (layout in `kvq::dense`).
+//! - `kvq quantize --format F [--scale S | --per-head] [--pair-heads N] IN OUT`: every tensor
+//!   of a safetensors file to `NAME.codes` / `NAME.scales` / `NAME.zeros` (layout in
+//!   `kvq::dense`), each N adjacent heads joined into one first if asked.
 //! - `kvq dequantize IN OUT`: back to F32 `NAME`.
 //! - `kvq eval [IN] [--calibrate-on first-half|all] [--positions last|all] [--json]`:
 //!   reconstruction and attention error of each K/V format pair on `q.L`, `k.L`, `v.L` tensors
@@ -60,6 +61,8 @@ const META_FORMAT: &str = "kvq.format";
 const META_VERSION: &str = "kvq.version";
 /// Metadata key saying how FP8 scales were chosen (informational).
 const META_SCALE: &str = "kvq.scale";
+/// Metadata key: the adjacent heads joined into one (`--pair-heads`).
+const META_PAIR_HEADS: &str = "kvq.pair_heads";
 
 #[derive(Parser)]
 #[command(
@@ -86,6 +89,11 @@ enum Command {
         /// FP8 only: one amax scale per head (second-to-last axis) instead of per tensor.
         #[arg(long)]
         per_head: bool,
+        /// Join N adjacent heads into one before quantizing (e.g. 2: [512, 12, 32] -> [512, 6,
+        /// 64], so that int4-v64's groups fit heads of 32). Recorded in the file's metadata;
+        /// `kvq dequantize` gives back the original shape.
+        #[arg(long, default_value_t = 1)]
+        pair_heads: usize,
         /// Input safetensors file.
         input: PathBuf,
         /// Output safetensors file: NAME.codes and the format's NAME.scales, NAME.zeros,
@@ -202,14 +210,35 @@ impl fmt::Display for FileFormat {
     }
 }
 
+/// `shape` ([..., heads, head_dim]) with each `n` adjacent heads joined into one: [..., heads /
+/// n, head_dim * n], the same elements in the same order (any shape as it is for `n = 1`).
+fn pair_heads(name: &str, shape: &[usize], n: usize) -> Result<Vec<usize>, CliError> {
+    let mut paired = shape.to_vec();
+    match paired.as_mut_slice() {
+        _ if n == 1 => Ok(paired),
+        [.., h, d] if *h % n == 0 => {
+            (*h, *d) = (*h / n, *d * n);
+            Ok(paired)
+        }
+        _ => Err(CliError::new(format!(
+            "tensor '{name}' has shape {shape:?}: --pair-heads {n} needs [..., heads, head_dim] \
+             with heads a multiple of {n}"
+        ))),
+    }
+}
+
 fn quantize_file(
     format: &str,
     scale: Option<f32>,
     per_head: bool,
+    pair: usize,
     input: &std::path::Path,
     output: &std::path::Path,
 ) -> Result<(), CliError> {
     let format = FileFormat::from_name(format)?;
+    if pair == 0 {
+        return Err(CliError::new("--pair-heads must be at least 1"));
+    }
     let (choice, scale_note) = match (scale, per_head) {
         (Some(s), _) => (Fp8ScaleChoice::Fixed(s), format!("fixed {s}")),
         (None, true) => (Fp8ScaleChoice::PerHeadAmax, "per-head amax".into()),
@@ -240,21 +269,39 @@ fn quantize_file(
             .tensor(name)
             .map_err(|e| CliError::new(format!("tensor '{name}': {e}")))?;
         let x = files::to_f32(name, &view)?;
+        let shape = pair_heads(name, view.shape(), pair)?;
         if let (Some(kind), Some(s)) = (format.fp8_kind(), scale) {
             let (hi, lo) = (kind.max_finite() * s, kind.min_subnormal() * s / 2.0);
             saturated += x.iter().filter(|v| v.abs() > hi).count();
             flushed += x.iter().filter(|v| **v != 0.0 && v.abs() < lo).count();
         }
-        let in_tensor = |e: kvq::Error| CliError::new(format!("tensor '{name}': {e}"));
+        let in_tensor = |e: kvq::Error| {
+            // Heads too narrow for the format's groups: joining adjacent ones may fit them.
+            let heads = shape.iter().rev().nth(1).copied();
+            let hint = match e {
+                kvq::Error::HeadDim {
+                    head_dim, multiple, ..
+                } if pair == 1
+                    && head_dim > 0
+                    && multiple % head_dim == 0
+                    && heads.is_some_and(|h| h % (multiple / head_dim) == 0) =>
+                {
+                    let n = multiple / head_dim;
+                    format!(" (--pair-heads {n} joins adjacent heads into heads of {multiple})")
+                }
+                _ => String::new(),
+            };
+            CliError::new(format!("tensor '{name}': {e}{hint}"))
+        };
         let (codes, scales, zeros, global_scales) = match format {
             FileFormat::Rows(format) => {
-                let q = dense::quantize(format, &x, view.shape(), choice).map_err(in_tensor)?;
+                let q = dense::quantize(format, &x, &shape, choice).map_err(in_tensor)?;
                 non_finite += q.non_finite();
                 bytes_out += q.stored_bytes();
                 q.into_parts()
             }
             FileFormat::Int4Kc => {
-                let q = dense::quantize_int4_kc(&x, view.shape()).map_err(in_tensor)?;
+                let q = dense::quantize_int4_kc(&x, &shape).map_err(in_tensor)?;
                 non_finite += q.non_finite();
                 bytes_out += q.stored_bytes();
                 let (codes, scales, zeros) = q.into_parts();
@@ -283,6 +330,9 @@ fn quantize_file(
     if format.fp8_kind().is_some() {
         // The other formats keep their scales per row or group, in the file's tensors.
         metadata.insert(META_SCALE.to_string(), scale_note);
+    }
+    if pair > 1 {
+        metadata.insert(META_PAIR_HEADS.to_string(), pair.to_string());
     }
     files::write_atomic(output, out, metadata)?;
     if saturated + flushed > 0 {
@@ -325,6 +375,16 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
         )));
     }
     let format = FileFormat::from_name(format_name)?;
+    // Heads joined by `--pair-heads` are split again: [..., h, d] -> [..., h * n, d / n].
+    let pair = match meta.get(META_PAIR_HEADS) {
+        None => 1,
+        Some(n) => n.parse::<usize>().ok().filter(|&n| n >= 1).ok_or_else(|| {
+            CliError::new(format!(
+                "'{}': {META_PAIR_HEADS} '{n}' is not a positive integer",
+                file.path().display()
+            ))
+        })?,
+    };
     let mut names = st.names();
     names.sort();
     // Every tensor must belong to exactly one NAME: its codes, scales, zeros or global scales.
@@ -390,6 +450,21 @@ fn dequantize_file(input: &std::path::Path, output: &std::path::Path) -> Result<
                 (q.shape().to_vec(), q.dequantize().map_err(in_tensor)?)
             }
         };
+        let shape = match shape.as_slice() {
+            _ if pair == 1 => shape,
+            [.., h, d] if *d % pair == 0 => {
+                let mut s = shape.clone();
+                let r = s.len();
+                (s[r - 2], s[r - 1]) = (*h * pair, *d / pair);
+                s
+            }
+            _ => {
+                return Err(CliError::new(format!(
+                    "tensor '{base}' has shape {shape:?}, which {META_PAIR_HEADS} {pair} \
+                     cannot split"
+                )));
+            }
+        };
         out.push((base.to_string(), OutTensor::f32(shape, &values)));
         bar.inc(1);
     }
@@ -439,9 +514,10 @@ fn run(cli: Cli) -> Result<(), CliError> {
             format,
             scale,
             per_head,
+            pair_heads,
             input,
             output,
-        } => quantize_file(&format, scale, per_head, &input, &output),
+        } => quantize_file(&format, scale, per_head, pair_heads, &input, &output),
         Command::Dequantize { input, output } => dequantize_file(&input, &output),
         Command::Eval(args) => eval::run(&args),
         Command::Calibrate(args) => calibrate::run(&args),

@@ -21,14 +21,12 @@ use kvq::format::Fp8Kind;
 use safetensors::tensor::Dtype;
 
 use crate::files::{self, InputFile, LayerPattern, OutTensor};
-use crate::{CliError, META_FORMAT, META_VERSION, print_out, progress};
+use crate::{CliError, META_FORMAT, META_PAIR_HEADS, META_VERSION, print_out, progress};
 
 /// Metadata key: how the clipping value was chosen (`amax` or `percentile`).
 pub const META_METHOD: &str = "kvq.method";
 /// Metadata key: the percentile, with `kvq.method` `percentile`.
 const META_PERCENTILE: &str = "kvq.percentile";
-/// Metadata key: the heads joined into one (`--pair-heads`).
-const META_PAIR_HEADS: &str = "kvq.pair_heads";
 /// The percentile of `--method percentile` without `--percentile`.
 const DEFAULT_PERCENTILE: f64 = 99.9;
 
