@@ -6,11 +6,14 @@
 //! The file is one object:
 //!
 //! ```json
-//! {"budget": 0.05, "layers": [{"layer": 0, "k_format": "int4-k32", "v_format": "fp8-e4m3",
-//!   "bytes_per_element": 0.78125, "attn_err": 0.031, "within_budget": true}]}
+//! {"budget": 0.05, "head_dim": 128, "layers": [{"layer": 0, "k_format": "int4-k32",
+//!   "v_format": "fp8-e4m3", "bytes_per_element": 0.78125, "attn_err": 0.031,
+//!   "within_budget": true}]}
 //! ```
 //!
-//! Formats are `KvFormat` names; `bytes_per_element` is the mean of the K and V storage (FP8's
+//! `head_dim` is the head size the errors were measured at (absent in older files): a plan
+//! made on heads joined by `--pair-heads` does not describe the model's own heads, and
+//! [`Plan::configs`] refuses a model of another head_dim. Formats are `KvFormat` names; `bytes_per_element` is the mean of the K and V storage (FP8's
 //! per-head scales not counted); `attn_err` the layer's attention-output relative error
 //! measured when the plan was made. A layer for which no pair meets the budget gets its most
 //! accurate pair, with `within_budget` false (a missing `within_budget` reads as
@@ -52,6 +55,8 @@ pub struct Choice {
 pub struct Plan {
     /// The attention error the choices were held to.
     pub budget: f64,
+    /// The head_dim the errors were measured at; `None` for a file that does not say.
+    pub head_dim: Option<usize>,
     /// One choice per layer.
     pub layers: Vec<Choice>,
 }
@@ -111,10 +116,12 @@ impl Plan {
 
     /// The plan as a JSON value (to embed in a larger document).
     pub fn to_value(&self) -> Value {
-        json!({
-            "budget": self.budget,
-            "layers": self.layers.iter().map(|c| c.to_json()).collect::<Vec<_>>(),
-        })
+        let mut doc = json!({ "budget": self.budget });
+        if let Some(d) = self.head_dim {
+            doc["head_dim"] = json!(d);
+        }
+        doc["layers"] = json!(self.layers.iter().map(|c| c.to_json()).collect::<Vec<_>>());
+        doc
     }
 
     /// Parse a plan; `source` names it in errors ([`Error::InvalidArgument`]: not JSON, a
@@ -132,6 +139,15 @@ impl Plan {
                 .ok_or_else(|| bad(format!("no number '{what}'")))
         };
         let budget = check_budget(number(&doc, "budget")?).map_err(|e| bad(e.to_string()))?;
+        let head_dim = match doc.get("head_dim") {
+            None => None,
+            Some(v) => Some(
+                v.as_u64()
+                    .and_then(|d| usize::try_from(d).ok())
+                    .filter(|&d| d > 0)
+                    .ok_or_else(|| bad(format!("head_dim is {v}, not a positive integer")))?,
+            ),
+        };
         let entries = doc
             .get("layers")
             .and_then(Value::as_array)
@@ -171,7 +187,11 @@ impl Plan {
                 within_budget,
             });
         }
-        Ok(Plan { budget, layers })
+        Ok(Plan {
+            budget,
+            head_dim,
+            layers,
+        })
     }
 
     /// Read a plan file ([`Error::InvalidArgument`] for one that cannot be read or parsed).
@@ -212,8 +232,16 @@ impl Plan {
     /// Each layer's cache configuration: `base` (heads, head_dim, block size) with the planned
     /// formats of layers `0..num_layers` ([`formats`](Self::formats)), each validated
     /// ([`CacheConfig::validate`]'s errors: a format that does not take `base`'s head_dim or
-    /// block size).
+    /// block size). A plan measured at another head_dim than `base`'s is
+    /// [`Error::InvalidArgument`]: its errors are those of other heads.
     pub fn configs(&self, base: &CacheConfig, num_layers: usize) -> Result<Vec<CacheConfig>> {
+        if let Some(d) = self.head_dim.filter(|&d| d != base.head_dim) {
+            return Err(Error::InvalidArgument(format!(
+                "the plan was measured at head_dim {d} (heads joined by --pair-heads?), the \
+                 model's heads are {}",
+                base.head_dim
+            )));
+        }
         self.formats(num_layers)?
             .into_iter()
             .map(|(k, v)| CacheConfig::new(base.num_kv_heads, base.head_dim, base.block_size, k, v))
@@ -261,6 +289,7 @@ mod tests {
     fn plans_round_trip_and_bad_ones_are_errors() {
         let plan = Plan {
             budget: 0.05,
+            head_dim: Some(64),
             layers: vec![
                 choose(2, 0.05, &[c(Int4Sym32, Fp8E4m3, 0.031)]).unwrap(),
                 choose(0, 0.05, &[c(Bf16, Int4Affine64, 0.07)]).unwrap(),
@@ -278,11 +307,14 @@ mod tests {
             "v_format":"fp8-e4m3","bytes_per_element":1.0,"attn_err":0.04}]}"#;
         let p = Plan::from_json(minimal, "m").unwrap();
         assert!(p.layers[0].within_budget);
+        assert_eq!(p.head_dim, None);
         for (bad, mention) in [
             ("[]", "budget"),
             ("not json", "not a kvq plan"),
             (r#"{"budget":-1,"layers":[]}"#, "budget -1"),
             (r#"{"budget":0.1}"#, "layers"),
+            (r#"{"budget":0.1,"head_dim":0,"layers":[]}"#, "head_dim"),
+            (r#"{"budget":0.1,"head_dim":"64","layers":[]}"#, "head_dim"),
             (
                 r#"{"budget":0.1,"layers":[{"k_format":"f16"}]}"#,
                 "layer index",
@@ -306,8 +338,9 @@ mod tests {
 
     #[test]
     fn a_plan_gives_every_layer_its_config() {
-        let plan = Plan {
+        let mut plan = Plan {
             budget: 0.05,
+            head_dim: None,
             layers: vec![
                 choose(1, 0.05, &[c(Int4Sym32, Fp8E4m3, 0.031)]).unwrap(),
                 choose(0, 0.05, &[c(Bf16, Int4Affine64, 0.07)]).unwrap(),
@@ -332,5 +365,11 @@ mod tests {
         // A planned format that does not take the model's head_dim is the layout's error.
         let d48 = CacheConfig::new(8, 48, 16, F16, F16).unwrap();
         assert!(plan.configs(&d48, 2).is_err());
+        // A plan measured on other heads (joined ones) is refused, one of these heads is not.
+        plan.head_dim = Some(256);
+        let e = plan.configs(&base, 2).unwrap_err().to_string();
+        assert!(e.contains("head_dim 256"), "{e}");
+        plan.head_dim = Some(128);
+        assert_eq!(plan.configs(&base, 2).unwrap(), configs);
     }
 }

@@ -523,11 +523,6 @@ fn bad_inputs_fail_cleanly() {
         "multiple of 64",
     );
     assert_fails(
-        &["quantize", "--format", "int3", g, o],
-        &out,
-        "unknown format 'int3'",
-    );
-    assert_fails(
         &["quantize", "--format", "int4-k32", "--per-head", g, o],
         &out,
         "only to FP8",
@@ -633,10 +628,15 @@ fn usage_errors_exit_2() {
         // More outlier channels than the synthetic head_dim (128) has.
         &["eval", "--outliers", "129:8"],
         &["bench", "--iters", "0"],
+        // A format name clap does not list; it suggests the nearest.
+        &["quantize", "--format", "int4_v64", "a", "b"],
     ] {
         let out = kvq(args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");
     }
+    let out = kvq(&["quantize", "--format", "int4_v64", "a", "b"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("'int4-v64'"), "{stderr}");
 }
 
 #[test]
@@ -683,6 +683,25 @@ fn eval_says_what_to_do_with_a_head_dim_no_format_takes() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("| int4-k32 / int4-v64 | n/a |"), "{stdout}");
     assert!(stdout.contains("--pair-heads N scores"), "{stdout}");
+    // In JSON a skipped pair has no storage, and the int4-kc rows name their format as
+    // `quantize` takes it, the group beside it.
+    let doc = eval_json(&["eval", arg(&d32), "--json", "--only", "int4-v64,int4-kc"]);
+    let rows = doc["pairs"].as_array().unwrap();
+    let v64 = rows
+        .iter()
+        .find(|r| r["label"] == "int4-k32 / int4-v64")
+        .unwrap();
+    assert!(
+        v64["bytes_per_element"].is_null() && v64["skipped"].is_string(),
+        "{v64}"
+    );
+    let kc = rows
+        .iter()
+        .find(|r| r["k_format"] == "int4-kc" && r["skipped"].is_null())
+        .unwrap();
+    assert_eq!(kc["kc_group"], 32, "{kc}");
+    assert!(kc["bytes_per_element"].is_number(), "{kc}");
+    assert_eq!(doc["scored_queries"], doc["q_heads"]);
 }
 
 #[test]
@@ -724,7 +743,33 @@ fn eval_reads_tensors_by_name_pattern() {
         text[text.find("| K / V format").unwrap()..].to_string()
     };
     assert_eq!(table(&got), table(&want));
-    assert_fails(&["eval", arg(&named)], &dir.join("none"), "--query-pattern");
+    // Without the patterns: what each default finds, and the names the file has.
+    assert_fails(
+        &["eval", arg(&named)],
+        &dir.join("none"),
+        "(--query-pattern, --key-pattern, --value-pattern): q.{L}: none, k.{L}: none, v.{L}: \
+         none; its tensors: model.layers.0.attn.k, model.layers.0.attn.q, model.layers.0.attn.v",
+    );
+    // One pattern wrong: the other two still find their layer.
+    assert_fails(
+        &["eval", arg(&plain), "--key-pattern", "key.{L}"],
+        &dir.join("none"),
+        "q.{L}: layers 0..=0 (1 of them), key.{L}: none, v.{L}: layers 0..=0 (1 of them)",
+    );
+    // A file `kvq quantize` wrote: dequantize it first.
+    let quantized = dir.join("q.st");
+    kvq_ok(&[
+        "quantize",
+        "--format",
+        "int4-k32",
+        arg(&plain),
+        arg(&quantized),
+    ]);
+    assert_fails(
+        &["eval", arg(&quantized)],
+        &dir.join("none"),
+        "`kvq dequantize` turns them back into tensors",
+    );
 }
 
 #[test]
@@ -1278,7 +1323,7 @@ fn calibrate_writes_per_head_scales() {
     for (args, mention) in [
         (
             &["calibrate", i, n][..],
-            "holds no layer with both k.{L} and v.{L}",
+            "holds no layer with all of k.{L}, v.{L} (--key-pattern, --value-pattern)",
         ),
         (
             &["calibrate", i, n, "--percentile", "99"],
@@ -1486,6 +1531,33 @@ fn eval_budget_plans_the_cheapest_pair() {
     assert_eq!(check["within_budget"], true);
     let out = kvq(&["eval", file, "--plan", p]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("| 0 | "));
+    // A plan and its check score every position (one query per head would not hold), unless
+    // told otherwise; the plan says the head_dim it was measured at.
+    assert_eq!(
+        (doc["positions"].as_str(), again["positions"].as_str()),
+        (Some("all"), Some("all"))
+    );
+    let last = eval_json(&[
+        "eval",
+        file,
+        "--json",
+        "--budget",
+        "0.03",
+        "--positions",
+        "last",
+    ]);
+    assert_eq!(last["positions"], "last");
+    assert_eq!(eval_json(&["eval", file, "--json"])["positions"], "last");
+    assert_eq!(doc["plan"]["head_dim"], 64);
+    let mut other: serde_json::Value = serde_json::from_slice(&fs::read(&plan).unwrap()).unwrap();
+    other["head_dim"] = 128.into();
+    let other_path = dir.join("plan128.json");
+    fs::write(&other_path, other.to_string()).unwrap();
+    assert_fails(
+        &["eval", file, "--plan", arg(&other_path)],
+        &dir.join("none"),
+        "the plan was measured at head_dim 128, layer 0 here has heads of 64",
+    );
 
     let none = dir.join("none");
     assert_fails(&["eval", file, "--budget", "-1"], &none, "budget -1");

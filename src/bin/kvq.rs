@@ -79,9 +79,10 @@ struct Cli {
 enum Command {
     /// Quantize every tensor ([..., heads, head_dim], F16/BF16/F32) of a safetensors file.
     Quantize {
-        /// fp8-e4m3, fp8-e5m2, int4-k32, int4-v64, int8-pth, fp4-e2m1, int4-uniform or
-        /// int4-kc (per-channel INT4 keys, groups of 32 tokens).
-        #[arg(long)]
+        /// The format (int4-kc: per-channel INT4 keys, groups of 32 tokens). head_dim, the last
+        /// axis, must be one a cache of the format takes: a multiple of 16 for 8-bit codes, 32
+        /// for 4-bit ones, 64 for int4-v64 (int4-uniform: even).
+        #[arg(long, ignore_case = true, value_parser = file_format_names())]
         format: String,
         /// FP8 only: use this scale for every tensor instead of amax / max_finite.
         #[arg(long, conflicts_with = "per_head", allow_negative_numbers = true)]
@@ -165,6 +166,16 @@ pub fn print_out(text: &str) -> Result<(), CliError> {
         }
         _ => Ok(()),
     }
+}
+
+/// The names `kvq quantize --format` takes: clap lists them in `--help` and suggests the
+/// nearest for a misspelt one.
+fn file_format_names() -> clap::builder::PossibleValuesParser {
+    let names = DenseFormat::ALL
+        .iter()
+        .map(|f| f.name())
+        .chain([int4_kc::NAME]);
+    clap::builder::PossibleValuesParser::new(names)
 }
 
 /// A dense file's format: one of the row formats of [`DenseFormat`], or per-channel INT4 keys

@@ -114,9 +114,11 @@ pub fn run(args: &CalibrateArgs) -> Result<(), CliError> {
     let source = args.input.display().to_string();
     let available = files::layers_with(&st, &[kp, vp]);
     if available.is_empty() {
-        return Err(CliError::new(format!(
-            "'{source}' holds no layer with both {kp} and {vp} (--key-pattern, --value-pattern)"
-        )));
+        return Err(files::no_layers_error(
+            &file,
+            &st,
+            &[(kp, "--key-pattern"), (vp, "--value-pattern")],
+        ));
     }
     let chosen = files::choose_layers(&args.layers, &available, &source)?;
 

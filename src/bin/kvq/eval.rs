@@ -81,7 +81,10 @@ pub struct EvalArgs {
     /// Name of layer L's values in the file, {L} standing for the layer index.
     #[arg(long, default_value = "v.{L}")]
     value_pattern: LayerPattern,
-    /// Join N adjacent heads into one (e.g. 2: [512, 12, 32] -> [512, 6, 64]).
+    /// Join N adjacent heads into one (e.g. 2: [512, 12, 32] -> [512, 6, 64]), queries too: the
+    /// attention scored is then that of heads N times wider, not the model's own. A way to
+    /// study formats whose groups are wider than the model's heads, not a measure of them on
+    /// this model (a cache takes the model's head_dim).
     #[arg(long, default_value_t = 1)]
     pair_heads: usize,
     /// Layers to evaluate, comma separated (default: every layer in the file).
@@ -98,8 +101,10 @@ pub struct EvalArgs {
     #[arg(long, value_enum, default_value_t = Calibration::FirstHalf)]
     calibrate_on: Calibration,
     /// Query positions scored: last (one decode step) or all (every scored position, causal).
-    #[arg(long, value_enum, default_value_t = Positions::Last)]
-    positions: Positions,
+    /// Default: last, and all with --budget or --plan (a choice made on one query per head does
+    /// not hold on the others).
+    #[arg(long, value_enum)]
+    positions: Option<Positions>,
     /// Print one JSON object instead of Markdown tables.
     #[arg(long)]
     json: bool,
@@ -108,7 +113,8 @@ pub struct EvalArgs {
     #[arg(long)]
     scales: Option<PathBuf>,
     /// Per layer, pick the cheapest K/V pair (bytes per element) whose attention relative error
-    /// is at most E, among the pairs the GPU decode kernels serve (FP8 scales per head).
+    /// is at most E, among the pairs the GPU decode kernels serve (FP8 scales per head;
+    /// int4-kc keys are no candidate: their cache blocks keep f16's size).
     #[arg(long, allow_negative_numbers = true, value_name = "E")]
     budget: Option<f64>,
     /// With --budget: write the per-layer plan to FILE as JSON.
@@ -138,6 +144,17 @@ pub struct EvalArgs {
     /// separated; e.g. `--only fp8,int4-k32` or `--only "e4m3 mmas"`). Default: every row.
     #[arg(long, value_delimiter = ',', value_name = "TEXT")]
     only: Vec<String>,
+}
+
+impl EvalArgs {
+    /// The query positions scored: as given, else all when planning or checking a plan.
+    fn positions(&self) -> Positions {
+        match self.positions {
+            Some(p) => p,
+            None if self.budget.is_some() || self.plan.is_some() => Positions::All,
+            None => Positions::Last,
+        }
+    }
 }
 
 /// The synthetic keys' outlier channels (`--outliers N:SCALE[:OFFSET]`).
@@ -655,7 +672,7 @@ fn load_layer(
             ks[1]
         )));
     }
-    let (calib, scored, q_len) = plan(ks[0], args.calibrate_on, args.positions)?;
+    let (calib, scored, q_len) = plan(ks[0], args.calibrate_on, args.positions())?;
     let kv_heads = ks[1] / pair_heads;
     let head_dim = ks[2] * pair_heads;
     if keep {
@@ -1057,19 +1074,32 @@ fn json_row(pair: &Pair, head_dim: usize, e: Option<&ErrorSums>, skipped: Option
             "top1_kept": e.probs.top1(),
         })
     });
-    json!({
+    // Format names as the other commands take them; how the keys were stored beside them.
+    let k_format = match pair.k {
+        Storage::KeysPerChannel(_) => int4_kc::NAME.to_string(),
+        Storage::Hadamard(f) => f.name().to_string(),
+        k => k.name(),
+    };
+    let mut doc = json!({
         "label": pair.label(),
-        "k_format": pair.k.name(),
+        "k_format": k_format,
         "v_format": pair.v.name(),
         "fp8_scales": pair.scale_name(),
         "mma_operands": match pair.operands {
             Operands::Decoded => "decoded",
             Operands::E4m3 => "e4m3",
         },
-        "bytes_per_element": pair.bytes_per_element(head_dim),
+        // A skipped pair has no storage at this head_dim.
+        "bytes_per_element": skipped.is_none().then(|| pair.bytes_per_element(head_dim)),
         "errors": errors,
         "skipped": skipped,
-    })
+    });
+    match pair.k {
+        Storage::KeysPerChannel(g) => doc["kc_group"] = json!(g),
+        Storage::Hadamard(_) => doc["k_rotation"] = json!("hadamard"),
+        _ => {}
+    }
+    doc
 }
 
 impl Pair {
@@ -1208,15 +1238,16 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         None => Source::Synthetic(args.outliers),
     };
     let available = source.layers();
-    if available.is_empty() {
-        return Err(CliError::new(format!(
-            "'{}' holds no layer with all of {}, {} and {} (--query-pattern, --key-pattern, \
-             --value-pattern)",
-            source.describe(),
-            args.query_pattern,
-            args.key_pattern,
-            args.value_pattern
-        )));
+    if let (true, Some(f), Source::File { st, .. }) = (available.is_empty(), &file, &source) {
+        return Err(files::no_layers_error(
+            f,
+            st,
+            &[
+                (&args.query_pattern, "--query-pattern"),
+                (&args.key_pattern, "--key-pattern"),
+                (&args.value_pattern, "--value-pattern"),
+            ],
+        ));
     }
     let chosen = files::choose_layers(&args.layers, &available, &source.describe())?;
     int4_kc::check_group(args.kc_group).map_err(|e| CliError::new(format!("--kc-group: {e}")))?;
@@ -1326,6 +1357,13 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             let planned = *p.layer(index).ok_or_else(|| {
                 CliError::new(format!("the plan has no layer {index} (--layers)"))
             })?;
+            if let Some(d) = p.head_dim.filter(|&d| d != layer.head_dim) {
+                return Err(CliError::new(format!(
+                    "the plan was measured at head_dim {d}, layer {index} here has heads of {} \
+                     (score a plan with the --pair-heads it was made with; here {})",
+                    layer.head_dim, args.pair_heads
+                )));
+            }
             let (k, v) = (planned.pair.k, planned.pair.v);
             let pair = Pair::new(Storage::Cache(k), Storage::Cache(v), Scales::Head)
                 .with_file_scales(file_kind);
@@ -1354,14 +1392,22 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         return Err(CliError::new("no layer was evaluated"));
     };
     if skipped.iter().all(Option::is_some) {
+        let rows = if args.only.is_empty() {
+            "no format pair takes"
+        } else {
+            "no row --only keeps takes"
+        };
         return Err(CliError::new(format!(
-            "no format pair takes head_dim {} (heads joined by --pair-heads {}): --pair-heads N \
-             scores N adjacent heads joined into one",
-            g.head_dim, args.pair_heads
+            "{rows} head_dim {} (heads joined by --pair-heads {}; {}): --pair-heads N scores N \
+             adjacent heads joined into one, queries too",
+            g.head_dim,
+            args.pair_heads,
+            skipped.iter().flatten().next().map_or("", String::as_str)
         )));
     }
     let plan = budget.map(|budget| Plan {
         budget,
+        head_dim: Some(g.head_dim),
         layers: choices,
     });
     if let (Some(plan), Some(path)) = (&plan, &args.plan_out) {
@@ -1392,7 +1438,8 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             "calibrate_on": args.calibrate_on.name(),
             "calibration_tokens": [g.calib.start, g.calib.end],
             "scored_tokens": [g.scored.start, g.scored.end],
-            "positions": args.positions.name(),
+            "positions": args.positions().name(),
+            "scored_queries": g.q_heads * g.q_len * chosen.len(),
             "query_positions": g.q_len,
             "accumulation": "f64",
             "scales_file": args.scales.as_ref().map(|p| p.display().to_string()),
@@ -1435,7 +1482,11 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         g.kv_heads,
         g.head_dim,
         if args.pair_heads > 1 {
-            format!(" ({} heads joined)", args.pair_heads)
+            format!(
+                " ({} heads joined, queries too: the attention of these wider heads, not the \
+                 model's)",
+                args.pair_heads
+            )
         } else {
             String::new()
         },
@@ -1457,7 +1508,7 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         ),
         None => calibration,
     };
-    let queries = match args.positions {
+    let queries = match args.positions() {
         Positions::Last => "decode of the last token's query over all tokens".to_string(),
         Positions::All => format!(
             "the queries of tokens {:?}, each over the tokens up to it",
@@ -1466,8 +1517,14 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     };
     let _ = writeln!(
         text,
-        "{calibration};\n{queries}, f64 accumulation; errors vs unquantized f32, pooled over \
-         layers (rel L2 = sqrt(sum err^2 / sum ref^2))\n"
+        "{calibration};\n{queries}: {} scored queries ({} heads x {} position(s) x {} layer(s); \
+         one query is {:.2} % of top-1 kept), f64 accumulation; errors vs unquantized f32, \
+         pooled over layers (rel L2 = sqrt(sum err^2 / sum ref^2); --per-layer shows each)\n",
+        g.q_heads * g.q_len * chosen.len(),
+        g.q_heads,
+        g.q_len,
+        chosen.len(),
+        100.0 / (g.q_heads * g.q_len * chosen.len()) as f64
     );
     text += HEADER;
     for (pair, e) in pairs.iter().zip(&pooled) {
@@ -1482,7 +1539,8 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
         let _ = writeln!(
             text,
             "\n(n/a: the format does not take head_dim {}; --pair-heads N scores N adjacent \
-             heads joined into one of head_dim N x {})",
+             heads joined into one of head_dim N x {}, queries too: the attention of heads \
+             that wide, not this model's)",
             g.head_dim,
             g.head_dim / args.pair_heads
         );

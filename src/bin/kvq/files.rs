@@ -299,6 +299,54 @@ pub fn layers_with(st: &SafeTensors<'_>, patterns: &[&LayerPattern]) -> Vec<usiz
     layers
 }
 
+/// Why `file` holds no layer with a tensor of every one of `patterns` (each with the flag that
+/// sets it): which layers each pattern finds alone, the file's first tensor names, and, for a
+/// file `kvq quantize` wrote, that `kvq dequantize` turns it back into tensors.
+pub fn no_layers_error(
+    file: &InputFile,
+    st: &SafeTensors<'_>,
+    patterns: &[(&LayerPattern, &str)],
+) -> CliError {
+    let list = |p: &[&str]| p.join(", ");
+    let wanted: Vec<String> = patterns.iter().map(|(p, _)| p.to_string()).collect();
+    let flags: Vec<&str> = patterns.iter().map(|(_, f)| *f).collect();
+    let found: Vec<String> = patterns
+        .iter()
+        .map(|(p, _)| {
+            let layers = layers_with(st, &[p]);
+            match (layers.first(), layers.last()) {
+                (Some(a), Some(b)) => format!("{p}: layers {a}..={b} ({} of them)", layers.len()),
+                _ => format!("{p}: none"),
+            }
+        })
+        .collect();
+    let mut names = st.names();
+    names.sort();
+    let shown: Vec<String> = names.iter().take(6).map(|n| n.to_string()).collect();
+    let more = if names.len() > shown.len() {
+        format!(", ... ({} in all)", names.len())
+    } else {
+        String::new()
+    };
+    let quantized = if file
+        .metadata()
+        .is_ok_and(|m| m.contains_key(crate::META_FORMAT))
+    {
+        "; it holds the codes `kvq quantize` wrote: `kvq dequantize` turns them back into \
+         tensors"
+    } else {
+        ""
+    };
+    CliError::new(format!(
+        "'{}' holds no layer with all of {} ({}): {}; its tensors: {}{more}{quantized}",
+        file.path().display(),
+        wanted.join(", "),
+        list(&flags),
+        found.join(", "),
+        shown.join(", ")
+    ))
+}
+
 /// The layers `requested` (all of `available` when empty), each of which must be available;
 /// `source` names the file in the error.
 pub fn choose_layers(
