@@ -17,7 +17,7 @@
 use candle_core::{D, DType, Device, Tensor};
 use kvq::cache::{BlockAllocator, HostCache, SeqId};
 use kvq::cpu::{Accum, AttentionOptions, HeadTerms, prefill_attention};
-use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillWorkspace};
+use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillWorkspace, QoIndptr};
 use kvq::cuda::{
     DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, TablesCapacity,
 };
@@ -120,8 +120,8 @@ fn rope(x: &Tensor, pos: &[usize]) -> Res<Tensor> {
     Ok(Tensor::cat(&[r1, r2], D::Minus1)?)
 }
 
-/// kvq on the GPU: one cache per layer; one decode plan, one prefill plan, their workspaces
-/// and block tables for all.
+/// kvq on the GPU: one cache per layer; one decode plan, one prefill plan, their workspaces,
+/// the block tables and a prefill step's offsets for all.
 struct GpuAttention {
     caches: Vec<DeviceCache>,
     plan: DecodePlan,
@@ -129,6 +129,7 @@ struct GpuAttention {
     prefill: PrefillPlan,
     pws: PrefillWorkspace,
     tables: DeviceBlockTables,
+    qo: QoIndptr,
 }
 
 /// Where attention runs: kvq on the GPU, or kvq's CPU reference (one host cache per layer).
@@ -164,12 +165,11 @@ fn step(w: &Weights, att: &mut Attention, inp: &StepInput, dev: &Device) -> Res<
     let mut h = w.embed.index_select(&ids, 0)?; // [tokens, HIDDEN]
     let tables = alloc.block_tables(seqs)?;
     let decode = qo.windows(2).all(|r| r[1] - r[0] == 1);
-    let mut qo_dev = None;
     if let Attention::Gpu(g) = att {
-        g.tables.update(&tables)?; // one upload per step, for every layer
+        // One upload of each per step, for every layer.
+        g.tables.update(&tables)?;
         if !decode {
-            let qo_i32: Vec<i32> = qo.iter().map(|&x| x as i32).collect();
-            qo_dev = Some(g.prefill.gpu().stream().clone_htod(&qo_i32)?);
+            g.qo.set(qo)?;
         }
     }
     for (li, l) in w.layers.iter().enumerate() {
@@ -188,26 +188,18 @@ fn step(w: &Weights, att: &mut Attention, inp: &StepInput, dev: &Device) -> Res<
                 )?;
                 let cache = &mut g.caches[li];
                 kvq::candle::append(cache, &slots, &k.contiguous()?, &v.contiguous()?)?;
-                match &qo_dev {
-                    None => kvq::candle::decode(
-                        &g.plan,
-                        &mut g.ws,
-                        cache,
-                        &g.tables,
-                        &q16,
-                        1,
-                        DType::F32,
-                    )?,
-                    Some(qo_dev) => kvq::candle::prefill(
+                if decode {
+                    kvq::candle::decode(&g.plan, &mut g.ws, cache, &g.tables, &q16, 1, DType::F32)?
+                } else {
+                    kvq::candle::prefill(
                         &g.prefill,
                         &mut g.pws,
                         cache,
                         &g.tables,
-                        qo,
-                        qo_dev,
+                        &g.qo,
                         &q16,
                         DType::F32,
-                    )?,
+                    )?
                 }
             }
             Attention::Cpu(caches) => {
@@ -286,6 +278,7 @@ fn run(steps: usize) -> Res<()> {
             max_context_len: MAX_CTX,
         },
     )?;
+    let qo = QoIndptr::new(&gpu, BATCH)?;
     let mut on_gpu = Attention::Gpu(Box::new(GpuAttention {
         caches,
         plan,
@@ -293,13 +286,14 @@ fn run(steps: usize) -> Res<()> {
         prefill,
         pws,
         tables,
+        qo,
     }));
     let mut on_cpu = Attention::Cpu(
         (0..LAYERS)
             .map(|_| HostCache::new(config, num_blocks))
             .collect::<kvq::Result<Vec<_>>>()?,
     );
-    let mut alloc = BlockAllocator::new(num_blocks, BS)?;
+    let mut alloc = BlockAllocator::for_config(&config, num_blocks)?;
     let seqs: Vec<SeqId> = (0..BATCH).map(|_| alloc.create_sequence()).collect();
     let prompts: [&[u8]; BATCH] = [
         b"kvq decodes a quantized paged cache",
@@ -321,7 +315,11 @@ fn run(steps: usize) -> Res<()> {
         for (b, &s) in seqs.iter().enumerate() {
             let n = (qo[b + 1] - qo[b]) as usize;
             let start = alloc.len(s)?;
-            slots.extend(alloc.reserve(s, n)?.slots);
+            let r = alloc.reserve(s, n)?;
+            // No sequence here shares blocks (no forks), so no copy-on-write is ever due; an
+            // engine with prefix sharing applies `r.copies` to every layer first (README).
+            assert!(r.copies.is_empty());
+            slots.extend(r.slots);
             pos.extend(start..start + n);
         }
         let inp = StepInput {

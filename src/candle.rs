@@ -11,11 +11,24 @@
 //! // per step and layer, k / v / q from candle's projections ([tokens, heads, head_dim]):
 //! kvq::candle::append(&mut cache, &slots, &k, &v)?;
 //! let out = kvq::candle::decode(&plan, &mut ws, &cache, &tables, &q, 1, DType::F32)?;
+//! // a prefill step: qo (a QoIndptr) set from each sequence's new tokens, once per step
+//! let out = kvq::candle::prefill(&prefill_plan, &mut pws, &cache, &tables, &qo, &q, DType::F32)?;
 //! ```
+//!
+//! What each call costs: [`append`] launches one kernel and allocates nothing; [`decode`] and
+//! [`prefill`] launch theirs and allocate their output through candle (uninitialized, no
+//! memset), like any candle op; none of them waits for the GPU. The tables, the step's
+//! `QoIndptr` and the slot tensor are the engine's, filled once per step for every layer
+//! (README, "Using the GPU path"). Not here: CUDA-graph capture (each call allocates its
+//! output), `lse`, sinks and ALiBi slopes, and writing into an existing output. For those, call
+//! [`DecodePlan::decode_step`] / [`PrefillPlan::prefill`] with buffers of your own (a
+//! `CudaView` into a candle tensor's storage serves as `q`): the ops here are thin wrappers of
+//! them, with the same checks and errors, which survive the trip through candle
+//! ([`Error`] is recovered from candle's error when a kvq check fails).
 
 use crate::cuda::decode::{DecodeElement, DecodeStep, RowStrides};
 use crate::cuda::ops::{self, DeviceElement};
-use crate::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
+use crate::cuda::prefill::{PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows};
 use crate::cuda::{DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu};
 use crate::error::{Error, Result};
 use candle_core::backend::BackendStorage;
@@ -352,18 +365,17 @@ impl CustomOp1 for DecodeOp<'_> {
 
 /// Attention of a ragged batch of new tokens over the cache (chunked prefill, prefix hits; see
 /// [`crate::cuda::prefill`]): `q` is `[total_tokens, num_q_heads, head_dim]` (f16 / bf16, token
-/// rows may be strided), sequence `b`'s tokens are rows `qo_indptr[b]..qo_indptr[b + 1]` (host
-/// copy; `qo_indptr_dev` the same on the device), already appended to `cache`, whose `tables`
-/// lengths include them. Returns a new `[total_tokens, num_q_heads, head_dim]` tensor of
-/// `out_dtype` (f16, bf16 or f32), computed on the plan's stream.
-#[allow(clippy::too_many_arguments)]
+/// rows may be strided), sequence `b`'s tokens are rows `qo[b]..qo[b + 1]` of the offsets
+/// `qo` holds ([`QoIndptr::set`] or [`set_counts`](QoIndptr::set_counts) each step), already
+/// appended to `cache`, whose `tables` lengths include them. Returns a new `[total_tokens,
+/// num_q_heads, head_dim]` tensor of `out_dtype` (f16, bf16 or f32), computed on the plan's
+/// stream.
 pub fn prefill(
     plan: &PrefillPlan,
     ws: &mut PrefillWorkspace,
     cache: &DeviceCache,
     tables: &DeviceBlockTables,
-    qo_indptr: &[u32],
-    qo_indptr_dev: &CudaSlice<i32>,
+    qo: &QoIndptr,
     q: &Tensor,
     out_dtype: DType,
 ) -> Result<Tensor> {
@@ -372,8 +384,8 @@ pub fn prefill(
         ws: RefCell::new(ws),
         cache,
         tables,
-        qo_indptr,
-        qo_indptr_dev,
+        qo_indptr: qo.host(),
+        qo_indptr_dev: qo.device(),
         out_dtype,
         failure: Failure::default(),
     };

@@ -166,8 +166,9 @@ pub struct PrefillStep<'a, Q, O> {
 /// A prefill step's `qo_indptr` held once: the host offsets and their device copy, set
 /// together, so that [`PrefillStep`]'s two fields (`qo.host()`, `qo.device()`) cannot disagree.
 /// [`set`](Self::set) checks the offsets and copies them on the handle's stream (the plan's),
-/// from pageable memory: not inside a graph capture (a captured prefill keeps its own device
-/// buffer, filled outside the graph, as before).
+/// from pageable memory: CUDA may hold the host while it stages those few bytes (its
+/// documentation lets a pageable copy be synchronous), and such a copy cannot be captured (a
+/// captured prefill keeps its own device buffer, filled outside the graph, as before).
 #[derive(Debug)]
 pub struct QoIndptr {
     gpu: Gpu,
