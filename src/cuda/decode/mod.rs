@@ -243,7 +243,9 @@ struct ForcedLaunch {
 }
 
 /// How decode launches for one cache layout and capacity are cut: made once, used for every
-/// step whose batch, `q_len` and contexts fit the capacity.
+/// step whose batch, `q_len` and contexts fit the capacity. Cloning one is cheap (its launch
+/// table is shared; it holds no device memory), so a plan can both serve decode steps and be
+/// handed to [`PrefillPlan::with_decode_rows`](crate::cuda::PrefillPlan::with_decode_rows).
 #[derive(Debug, Clone)]
 pub struct DecodePlan {
     gpu: Gpu,
