@@ -1318,8 +1318,30 @@ fn calibrate_writes_per_head_scales() {
         }
     }
 
+    // --tokens A..B: the scales of those tokens alone, the range in the metadata.
+    let mut args = vec!["calibrate", i, o, "--tokens", "8..20"];
+    args.extend(patterns);
+    kvq_ok(&args);
+    let bytes = fs::read(&output).unwrap();
+    assert_eq!(metadata(&bytes)["kvq.tokens"], "8..20");
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let row = 4 * 32;
+    let part = tensors[0].stored_values()[8 * row..20 * row].to_vec();
+    let expected: Vec<f32> = joined_abs(&part, 4, 32, 2)
+        .into_iter()
+        .map(|abs| abs.into_iter().fold(0f32, f32::max) / 448.0)
+        .collect();
+    assert_eq!(f32_vector(&st, "k_scale.0"), expected);
+
     let none = dir.join("none.st");
     let n = arg(&none);
+    let mut past = vec!["calibrate", i, n, "--tokens", "8..25"];
+    past.extend(patterns);
+    assert_fails(&past, &none, "--tokens 8..25 reaches past its 24 tokens");
+    for bad in ["8..8", "9..3", "8", "a..b"] {
+        let out = kvq(&["calibrate", i, n, "--tokens", bad]);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+    }
     for (args, mention) in [
         (
             &["calibrate", i, n][..],
@@ -1473,6 +1495,33 @@ fn eval_takes_scales_from_calibrate() {
         "{}",
         String::from_utf8_lossy(&only_int8.stderr)
     );
+}
+
+/// `eval --scales` says whether the file's scales saw the scored tokens.
+#[test]
+fn eval_says_whether_file_scales_are_held_out() {
+    let dir = scratch("scales-held-out");
+    let (input, scales) = (dir.join("growing.st"), dir.join("scales.st"));
+    growing_layer(&input, 32, 4.0);
+    let (i, s) = (arg(&input), arg(&scales));
+    for (tokens, says) in [
+        (
+            &["--tokens", "0..16"][..],
+            "calibrated on tokens 0..16: held out",
+        ),
+        (&[], "calibrated on every token: in-sample for these rows"),
+        (
+            &["--tokens", "8..24"],
+            "calibrated on tokens 8..24: in-sample where they meet 16..32",
+        ),
+    ] {
+        kvq_ok(&[&["calibrate", i, s][..], tokens].concat());
+        let out = kvq_ok(&["eval", i, "--scales", s, "--only", "fp8-e4m3 / fp8-e4m3"]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains(says), "{tokens:?}: {text}");
+    }
+    let doc = eval_json(&["eval", i, "--scales", s, "--json", "--only", "bf16"]);
+    assert_eq!(doc["scales_file_tokens"], serde_json::json!([8, 24]));
 }
 
 /// `eval --budget E`: the cheapest pair within `E` per layer, its plan file, and `--plan` scoring

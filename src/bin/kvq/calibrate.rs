@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use clap::ValueEnum;
@@ -27,6 +28,8 @@ use crate::{CliError, META_FORMAT, META_PAIR_HEADS, META_VERSION, print_out, pro
 pub const META_METHOD: &str = "kvq.method";
 /// Metadata key: the percentile, with `kvq.method` `percentile`.
 const META_PERCENTILE: &str = "kvq.percentile";
+/// Metadata key: the tokens calibrated on, `A..B` (absent: every token).
+const META_TOKENS: &str = "kvq.tokens";
 /// The percentile of `--method percentile` without `--percentile`.
 const DEFAULT_PERCENTILE: f64 = 99.9;
 
@@ -54,12 +57,41 @@ pub struct CalibrateArgs {
     /// Join N adjacent heads into one (as `kvq eval --pair-heads`): one scale per joined head.
     #[arg(long, default_value_t = 1)]
     pair_heads: usize,
+    /// Calibrate on tokens A..B of each layer only (default: every token). `--tokens 0..256`
+    /// on a 512-token dump leaves `kvq eval --scales`' held-out half unseen, as its own
+    /// calibration does.
+    #[arg(long, value_name = "A..B")]
+    tokens: Option<TokenRange>,
     /// Name of layer L's keys, {L} standing for the layer index.
     #[arg(long, default_value = "k.{L}")]
     key_pattern: LayerPattern,
     /// Name of layer L's values, {L} standing for the layer index.
     #[arg(long, default_value = "v.{L}")]
     value_pattern: LayerPattern,
+}
+
+/// A range of token positions, `A..B` with `A < B` (`--tokens`, `kvq.tokens`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenRange(pub Range<usize>);
+
+impl std::str::FromStr for TokenRange {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, b) = s.split_once("..").ok_or(format!("'{s}' is not A..B"))?;
+        match (a.parse::<usize>(), b.parse::<usize>()) {
+            (Ok(a), Ok(b)) if a < b => Ok(TokenRange(a..b)),
+            _ => Err(format!(
+                "'{s}' is not A..B with token positions A < B (B excluded)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for TokenRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}..{}", self.0.start, self.0.end)
+    }
 }
 
 /// `--format`.
@@ -144,6 +176,23 @@ pub fn run(args: &CalibrateArgs) -> Result<(), CliError> {
                 "layer {layer}: no tokens to calibrate on (keys {ks:?}, values {vs:?})"
             )));
         }
+        // Rows of whole tokens: [tokens, heads, head_dim].
+        let row = heads * ks[2];
+        let (k, v) = match &args.tokens {
+            Some(TokenRange(r)) if r.end > ks[0].min(vs[0]) => {
+                return Err(CliError::new(format!(
+                    "layer {layer}: --tokens {}..{} reaches past its {} tokens",
+                    r.start,
+                    r.end,
+                    ks[0].min(vs[0])
+                )));
+            }
+            Some(TokenRange(r)) => (
+                &k[r.start * row..r.end * row],
+                &v[r.start * row..r.end * row],
+            ),
+            None => (&k[..], &v[..]),
+        };
         // Adjacent heads are adjacent in memory: joining them only changes the shape.
         let (h, d) = (heads / args.pair_heads, ks[2] * args.pair_heads);
         let scales = |x: &[f32]| {
@@ -151,8 +200,8 @@ pub fn run(args: &CalibrateArgs) -> Result<(), CliError> {
                 .map_err(|e| CliError::new(format!("layer {layer}: {e}")))
         };
         let s = LayerScales {
-            k: scales(&k)?,
-            v: scales(&v)?,
+            k: scales(k)?,
+            v: scales(v)?,
         };
         let _ = writeln!(
             report,
@@ -182,6 +231,9 @@ pub fn run(args: &CalibrateArgs) -> Result<(), CliError> {
     if let Some(p) = percentile {
         metadata.insert(META_PERCENTILE.to_string(), p.to_string());
     }
+    if let Some(t) = &args.tokens {
+        metadata.insert(META_TOKENS.to_string(), t.to_string());
+    }
     files::write_atomic(&args.output, out, metadata)?;
     let how = percentile.map_or("amax".to_string(), |p| format!("percentile {p} of |x|"));
     print_out(&format!(
@@ -204,6 +256,8 @@ fn range(s: &[f32]) -> String {
 pub struct ScalesFile {
     path: PathBuf,
     kind: Fp8Kind,
+    /// The tokens calibrated on (`None`: every token).
+    tokens: Option<TokenRange>,
     layers: BTreeMap<usize, LayerScales>,
 }
 
@@ -230,6 +284,13 @@ impl ScalesFile {
                      FP8 format)"
                 ))
             })?;
+        let tokens = match meta.get(META_TOKENS) {
+            None => None,
+            Some(t) => Some(
+                t.parse::<TokenRange>()
+                    .map_err(|e| CliError::new(format!("'{shown}': {META_TOKENS} {e}")))?,
+            ),
+        };
         let k_pattern = LayerPattern::with_prefix("k_scale.");
         let v_pattern = LayerPattern::with_prefix("v_scale.");
         let vector = |name: &str| -> Result<Vec<f32>, CliError> {
@@ -266,6 +327,7 @@ impl ScalesFile {
         Ok(ScalesFile {
             path: path.to_path_buf(),
             kind,
+            tokens,
             layers,
         })
     }
@@ -273,6 +335,11 @@ impl ScalesFile {
     /// The FP8 encoding the scales are for.
     pub fn kind(&self) -> Fp8Kind {
         self.kind
+    }
+
+    /// The tokens the scales were calibrated on (`None`: every token).
+    pub fn tokens(&self) -> Option<&Range<usize>> {
+        self.tokens.as_ref().map(|t| &t.0)
     }
 
     /// Layer `layer`'s scales, which must be `kv_heads` per side.

@@ -1207,6 +1207,17 @@ fn plan_check_text(path: &Path, budget: f64, checks: &[PlanCheck]) -> String {
     text
 }
 
+/// Which tokens a scales file was calibrated on, and whether the scored ones are among them.
+fn file_tokens(file: &ScalesFile, scored: &Range<usize>) -> String {
+    match file.tokens() {
+        None => "calibrated on every token: in-sample for these rows".to_string(),
+        Some(t) if t.end <= scored.start || scored.end <= t.start => {
+            format!("calibrated on tokens {t:?}: held out")
+        }
+        Some(t) => format!("calibrated on tokens {t:?}: in-sample where they meet {scored:?}"),
+    }
+}
+
 /// Run `kvq eval`.
 pub fn run(args: &EvalArgs) -> Result<(), CliError> {
     if args.pair_heads == 0 {
@@ -1443,6 +1454,9 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
             "query_positions": g.q_len,
             "accumulation": "f64",
             "scales_file": args.scales.as_ref().map(|p| p.display().to_string()),
+            "scales_file_tokens": scales
+                .as_ref()
+                .map(|f| f.tokens().map(|t| [t.start, t.end])),
             "pairs": pairs,
         });
         if args.per_layer {
@@ -1501,12 +1515,13 @@ pub fn run(args: &EvalArgs) -> Result<(), CliError> {
                              errors on every token"
             .to_string(),
     };
-    let calibration = match &args.scales {
-        Some(path) => format!(
-            "{calibration} (rows marked (file): FP8 scales from '{}')",
-            path.display()
+    let calibration = match (&args.scales, &scales) {
+        (Some(path), Some(file)) => format!(
+            "{calibration} (rows marked (file): FP8 scales from '{}', {})",
+            path.display(),
+            file_tokens(file, &g.scored)
         ),
-        None => calibration,
+        _ => calibration,
     };
     let queries = match args.positions() {
         Positions::Last => "decode of the last token's query over all tokens".to_string(),
