@@ -35,7 +35,7 @@ step() {  # step NAME LOG CMD...: run, keep the log, record pass/fail and time
   printf '%s\n' "${summary[@]}" > "$out/summary.txt"
   tar -czf "$dest/logs.tar.gz" -C "$out" .
 }
-# gpu_engine captures CUDA graphs in global mode: one test at a time. Under a sanitizer every
+# gpu_engine's tests run one at a time (graph captures and timing beside each other). Under a sanitizer every
 # binary runs one test at a time too: racecheck over 9 concurrent decode tests did not finish in
 # 10 minutes, one at a time it takes 40 s.
 tests=("gpu_append" "gpu_decode --test-threads 8" "gpu_engine --test-threads 1" "gpu_prefill" \
