@@ -748,12 +748,14 @@ constexpr ScalesKernel scales_kernel() {
   else return nullptr;
 }
 
-/// Every format's calibration kernel, indexed by id. A table built at compile time rather than a
-/// with_format launch: that keeps these kernels ahead of the ones launched from templates in the
-/// PTX (scripts/ptx-diff.sh).
+/// Every format's calibration kernel, indexed by id (null for the ids the list skips). A table
+/// built at compile time rather than a with_format launch: that keeps these kernels ahead of the
+/// ones launched from templates in the PTX (scripts/ptx-diff.sh).
 template <int... F>
-constexpr std::array<ScalesKernel, sizeof...(F)> scales_kernels(FormatList<F...>) {
-  return {scales_kernel<F>()...};
+constexpr std::array<ScalesKernel, std::max({F...}) + 1> scales_kernels(FormatList<F...>) {
+  std::array<ScalesKernel, std::max({F...}) + 1> table{};
+  ((table[F] = scales_kernel<F>()), ...);
+  return table;
 }
 
 template <typename In>

@@ -18,7 +18,7 @@ namespace {
 template <Fmt M, bool V, int D>
 constexpr bool whole_groups() {
   using C = Codec<format_of<M, V>()>;
-  return (C::kGroup == 0 || D % C::kGroup == 0) && D * C::kBits / 8 % 16 == 0;
+  return D % (C::kGroup > 0 ? C::kGroup : 1) == 0 && D * C::kBits / 8 % 16 == 0;
 }
 
 /// The instances: the kernel formats of the codecs with kDecodeMixed mixed freely (K x V), any

@@ -49,7 +49,13 @@ template <int... F> constexpr bool ids_in_order(FormatList<F...>) {
   int next = 0;
   return ((F == next++) && ...);
 }
-static_assert(ids_in_order(AllFormats{}), "AllFormats lists the ids 0 to N-1 in order");
+// Whether a list holds ids in increasing order: none twice, some may be missing (AllFormats
+// skips kInt4Kc, so a format added after it has an id past the gap).
+template <int... F> constexpr bool ids_increasing(FormatList<F...>) {
+  int last = -1;
+  return ((F > last && (last = F, true)) && ...);
+}
+static_assert(ids_increasing(AllFormats{}), "AllFormats lists its ids in increasing order");
 
 // Every format an attention kernel may take: the row codecs, then int4-kc, whose codec has the
 // decode kernel's K role only (codec/int4_kc.cuh). decode.cu's dispatch folds over it.

@@ -51,8 +51,8 @@ namespace kvq_decode {
 using namespace kvq;
 
 /// Whether codec F is taken in the V (values) or K role (its kDecodeV / kDecodeK), unless the
-/// decode kernel has no fragment kind for it (kFusedDecode false: FP4's E4M3 group scales;
-/// prefill still takes those).
+/// decode kernel has no fragment kind for it (kFusedDecode false, which no codec sets today;
+/// prefill still takes such a codec).
 template <int F, bool V>
 constexpr bool has_role() {
   if constexpr (FusedDecodeOf<Codec<F>>::value) return V ? Codec<F>::kDecodeV : Codec<F>::kDecodeK;
