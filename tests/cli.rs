@@ -1495,15 +1495,7 @@ fn eval_takes_scales_from_calibrate() {
         "{}",
         String::from_utf8_lossy(&only_int8.stderr)
     );
-}
-
-/// `eval --scales` says whether the file's scales saw the scored tokens.
-#[test]
-fn eval_says_whether_file_scales_are_held_out() {
-    let dir = scratch("scales-held-out");
-    let (input, scales) = (dir.join("growing.st"), dir.join("scales.st"));
-    growing_layer(&input, 32, 4.0);
-    let (i, s) = (arg(&input), arg(&scales));
+    // The report says whether the file's scales saw the scored tokens (16..32 here).
     for (tokens, says) in [
         (
             &["--tokens", "0..16"][..],
@@ -1515,12 +1507,12 @@ fn eval_says_whether_file_scales_are_held_out() {
             "calibrated on tokens 8..24: in-sample where they meet 16..32",
         ),
     ] {
-        kvq_ok(&[&["calibrate", i, s][..], tokens].concat());
-        let out = kvq_ok(&["eval", i, "--scales", s, "--only", "fp8-e4m3 / fp8-e4m3"]);
+        kvq_ok(&[&["calibrate", file, s][..], tokens].concat());
+        let out = kvq_ok(&["eval", file, "--scales", s, "--only", "fp8-e4m3 / fp8-e4m3"]);
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains(says), "{tokens:?}: {text}");
     }
-    let doc = eval_json(&["eval", i, "--scales", s, "--json", "--only", "bf16"]);
+    let doc = eval_json(&["eval", file, "--scales", s, "--json", "--only", "bf16"]);
     assert_eq!(doc["scales_file_tokens"], serde_json::json!([8, 24]));
 }
 
