@@ -1441,6 +1441,27 @@ fn eval_takes_scales_from_calibrate() {
     // E5M2 rows keep their own scales: the file is for E4M3.
     let e5m2 = "fp8-e5m2 / fp8-e5m2 (head)";
     assert_eq!(pair(&calibrated, e5m2), pair(&from_file, e5m2));
+    // --per-tensor: one scale a layer, in every head's place, which is what the (tensor) rows
+    // calibrate in-sample: the (file) row agrees with them to the bit.
+    let tensor_scales = dir.join("tensor.st");
+    kvq_ok(&["calibrate", file, arg(&tensor_scales), "--per-tensor"]);
+    let bytes = fs::read(&tensor_scales).unwrap();
+    assert_eq!(metadata(&bytes)["kvq.granularity"], "tensor");
+    let k = f32_vector(&SafeTensors::deserialize(&bytes).unwrap(), "k_scale.0");
+    assert!(k.len() == 2 && k[0] == k[1], "{k:?}");
+    let per_tensor = eval_json(&[
+        "eval",
+        file,
+        "--json",
+        "--calibrate-on",
+        "all",
+        "--scales",
+        arg(&tensor_scales),
+    ]);
+    assert_eq!(
+        pair(&calibrated, "fp8-e4m3 / fp8-e4m3 (tensor)")["errors"],
+        pair(&per_tensor, "fp8-e4m3 / fp8-e4m3 (file)")["errors"]
+    );
     // Held out, the file's in-sample scales do not saturate the grown half.
     let held = eval_json(&["eval", file, "--json"]);
     let held_file = eval_json(&["eval", file, "--json", "--scales", s]);

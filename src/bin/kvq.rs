@@ -18,7 +18,7 @@
 //!   `--only TEXT[,TEXT]` scores only the rows whose label contains one of them.
 //! - `kvq calibrate [--format e4m3|e5m2] [--method amax|percentile] [--percentile P] IN OUT`:
 //!   per-layer, per-KV-head FP8 scales of the keys and values `k.L`, `v.L` of `IN` (`--tokens
-//!   A..B`: of those tokens only)
+//!   A..B`: of those tokens only; `--per-tensor`: one per layer in every head's place)
 //!   (`--key-pattern` / `--value-pattern` map other names): `OUT` holds `k_scale.L` and
 //!   `v_scale.L`, F32 `[kv_heads]`, with `kvq.format` and `kvq.method` in its metadata.
 //! - `kvq info`: version and what this build can run on.

@@ -30,6 +30,8 @@ pub const META_METHOD: &str = "kvq.method";
 const META_PERCENTILE: &str = "kvq.percentile";
 /// Metadata key: the tokens calibrated on, `A..B` (absent: every token).
 const META_TOKENS: &str = "kvq.tokens";
+/// Metadata key: `head` (a scale per KV head) or `tensor` (one per layer, repeated per head).
+const META_GRANULARITY: &str = "kvq.granularity";
 /// The percentile of `--method percentile` without `--percentile`.
 const DEFAULT_PERCENTILE: f64 = 99.9;
 
@@ -62,6 +64,10 @@ pub struct CalibrateArgs {
     /// calibration does.
     #[arg(long, value_name = "A..B")]
     tokens: Option<TokenRange>,
+    /// One scale per layer and side, from all its heads' values, written once per KV head (a
+    /// cache takes a scale per head; equal ones are eval's `(tensor)` rows).
+    #[arg(long)]
+    per_tensor: bool,
     /// Name of layer L's keys, {L} standing for the layer index.
     #[arg(long, default_value = "k.{L}")]
     key_pattern: LayerPattern,
@@ -196,7 +202,10 @@ pub fn run(args: &CalibrateArgs) -> Result<(), CliError> {
         // Adjacent heads are adjacent in memory: joining them only changes the shape.
         let (h, d) = (heads / args.pair_heads, ks[2] * args.pair_heads);
         let scales = |x: &[f32]| {
-            calibrate::fp8_head_scales(x, h, d, kind, method)
+            // Per tensor: the whole token row is one "head", its scale repeated.
+            let (groups, width) = if args.per_tensor { (1, h * d) } else { (h, d) };
+            calibrate::fp8_head_scales(x, groups, width, kind, method)
+                .map(|s| if args.per_tensor { vec![s[0]; h] } else { s })
                 .map_err(|e| CliError::new(format!("layer {layer}: {e}")))
         };
         let s = LayerScales {
@@ -223,6 +232,10 @@ pub fn run(args: &CalibrateArgs) -> Result<(), CliError> {
         (META_FORMAT.to_string(), format.name().to_string()),
         (META_METHOD.to_string(), method_name.to_string()),
         (META_PAIR_HEADS.to_string(), args.pair_heads.to_string()),
+        (
+            META_GRANULARITY.to_string(),
+            if args.per_tensor { "tensor" } else { "head" }.to_string(),
+        ),
         (
             META_VERSION.to_string(),
             env!("CARGO_PKG_VERSION").to_string(),
