@@ -43,14 +43,9 @@ fn quick() -> bool {
 trait QElem: DecodeElement {
     fn from_f32(x: f32) -> Self;
     fn nan() -> Self;
-    /// Mantissa bits (without the implicit one).
-    const MANTISSA: i32;
     /// Half a unit in the last place of `x` in this type: the rounding of the result to the
     /// output type, which is not kernel error.
-    fn half_ulp(x: f32) -> f64 {
-        let x = (x as f64).abs().max(f64::MIN_POSITIVE);
-        2f64.powi(x.log2().floor() as i32 - Self::MANTISSA - 1)
-    }
+    fn half_ulp(x: f32) -> f64;
 }
 impl QElem for f16 {
     fn from_f32(x: f32) -> Self {
@@ -59,7 +54,9 @@ impl QElem for f16 {
     fn nan() -> Self {
         f16::NAN
     }
-    const MANTISSA: i32 = 10;
+    fn half_ulp(x: f32) -> f64 {
+        common::half_ulp_f16(x)
+    }
 }
 impl QElem for bf16 {
     fn from_f32(x: f32) -> Self {
@@ -68,7 +65,9 @@ impl QElem for bf16 {
     fn nan() -> Self {
         bf16::NAN
     }
-    const MANTISSA: i32 = 7;
+    fn half_ulp(x: f32) -> f64 {
+        common::half_ulp_bf16(x)
+    }
 }
 
 // ---- one decode case --------------------------------------------------------------------------

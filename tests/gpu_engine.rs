@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::Rng;
+use common::{Rng, half_ulp_bf16, half_ulp_f16};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::{bf16, f16};
@@ -128,16 +128,6 @@ fn assert_lse(what: &str, got: &[f32], want: &[f32]) {
             "{what}: lse[{i}] = {g}, want {w}"
         );
     }
-}
-
-fn half_ulp_f16(w: f32) -> f64 {
-    let x = (w as f64).abs().max(f64::MIN_POSITIVE);
-    2f64.powi(x.log2().floor() as i32 - 11)
-}
-
-fn half_ulp_bf16(w: f32) -> f64 {
-    let x = (w as f64).abs().max(f64::MIN_POSITIVE);
-    2f64.powi(x.log2().floor() as i32 - 8)
 }
 
 fn to_f32<T: DeviceElement>(gpu: &Gpu, x: &CudaSlice<T>) -> Vec<f32> {

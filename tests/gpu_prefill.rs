@@ -40,12 +40,8 @@ trait Elem: DeviceElement {
     fn from_f32(x: f32) -> Self;
     fn widen(self) -> f32;
     fn nan() -> Self;
-    /// Mantissa bits (without the implicit one).
-    const MANTISSA: i32;
-    fn half_ulp(x: f32) -> f64 {
-        let x = (x as f64).abs().max(f64::MIN_POSITIVE);
-        2f64.powi(x.log2().floor() as i32 - Self::MANTISSA - 1)
-    }
+    /// Half a unit in the last place of `x` in this type (the rounding to it).
+    fn half_ulp(x: f32) -> f64;
 }
 impl Elem for f16 {
     fn from_f32(x: f32) -> Self {
@@ -57,7 +53,9 @@ impl Elem for f16 {
     fn nan() -> Self {
         f16::NAN
     }
-    const MANTISSA: i32 = 10;
+    fn half_ulp(x: f32) -> f64 {
+        common::half_ulp_f16(x)
+    }
 }
 impl Elem for bf16 {
     fn from_f32(x: f32) -> Self {
@@ -69,7 +67,9 @@ impl Elem for bf16 {
     fn nan() -> Self {
         bf16::NAN
     }
-    const MANTISSA: i32 = 7;
+    fn half_ulp(x: f32) -> f64 {
+        common::half_ulp_bf16(x)
+    }
 }
 impl Elem for f32 {
     fn from_f32(x: f32) -> Self {
@@ -81,7 +81,9 @@ impl Elem for f32 {
     fn nan() -> Self {
         f32::NAN
     }
-    const MANTISSA: i32 = 23;
+    fn half_ulp(x: f32) -> f64 {
+        common::half_ulp(x, 23, -126)
+    }
 }
 
 /// One ragged step: per sequence (new tokens, context length).

@@ -127,3 +127,22 @@ impl Input for half::bf16 {
         half::bf16::from_f32(x)
     }
 }
+
+/// Half a unit in the last place of `x` in a float type of `mantissa` bits (without the
+/// implicit one) whose smallest normal exponent is `min_exp`: the rounding of a result to that
+/// type, which is no kernel's error. Below the normals the step stays that of the smallest
+/// binade (f16's subnormals are 2^-24 apart, whatever their size).
+pub fn half_ulp(x: f32, mantissa: i32, min_exp: i32) -> f64 {
+    let x = (x as f64).abs().max(f64::MIN_POSITIVE);
+    2f64.powi((x.log2().floor() as i32).max(min_exp) - mantissa - 1)
+}
+
+/// [`half_ulp`] of f16 (10 mantissa bits, normals from 2^-14).
+pub fn half_ulp_f16(x: f32) -> f64 {
+    half_ulp(x, 10, -14)
+}
+
+/// [`half_ulp`] of bf16 (7 mantissa bits, normals from 2^-126).
+pub fn half_ulp_bf16(x: f32) -> f64 {
+    half_ulp(x, 7, -126)
+}
