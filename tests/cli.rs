@@ -1417,15 +1417,19 @@ fn eval_takes_scales_from_calibrate() {
     kvq_ok(&["calibrate", file, s]);
 
     let calibrated = eval_json(&["eval", file, "--json", "--calibrate-on", "all"]);
-    let from_file = eval_json(&[
-        "eval",
-        file,
-        "--json",
-        "--calibrate-on",
-        "all",
-        "--scales",
-        s,
-    ]);
+    // In-sample scores with a scales file's scales.
+    let in_sample_with = |scales: &str| {
+        eval_json(&[
+            "eval",
+            file,
+            "--json",
+            "--calibrate-on",
+            "all",
+            "--scales",
+            scales,
+        ])
+    };
+    let from_file = in_sample_with(s);
     assert_eq!(from_file["scales_file"], s);
     for (head, file_row) in [
         ("fp8-e4m3 / fp8-e4m3 (head)", "fp8-e4m3 / fp8-e4m3 (file)"),
@@ -1449,15 +1453,7 @@ fn eval_takes_scales_from_calibrate() {
     assert_eq!(metadata(&bytes)["kvq.granularity"], "tensor");
     let k = f32_vector(&SafeTensors::deserialize(&bytes).unwrap(), "k_scale.0");
     assert!(k.len() == 2 && k[0] == k[1], "{k:?}");
-    let per_tensor = eval_json(&[
-        "eval",
-        file,
-        "--json",
-        "--calibrate-on",
-        "all",
-        "--scales",
-        arg(&tensor_scales),
-    ]);
+    let per_tensor = in_sample_with(arg(&tensor_scales));
     assert_eq!(
         pair(&calibrated, "fp8-e4m3 / fp8-e4m3 (tensor)")["errors"],
         pair(&per_tensor, "fp8-e4m3 / fp8-e4m3 (file)")["errors"]
