@@ -278,6 +278,32 @@ fn host_cache_validates_and_poisons() {
 }
 
 #[test]
+fn a_side_without_a_head_scale_may_take_no_scales() {
+    // FP8 keys over INT4 values: the values' side takes `&[]` and keeps its scales; the keys'
+    // side still needs one per KV head.
+    let c = CacheConfig::new(2, 64, 16, KvFormat::Fp8E4m3, KvFormat::Int4Affine64).unwrap();
+    let mut h = HostCache::new(c, 1).unwrap();
+    h.set_scales(&[0.5, 2.0], &[]).unwrap();
+    assert_eq!(
+        (h.k_scales(), h.v_scales()),
+        (&[0.5, 2.0][..], &[1.0, 1.0][..])
+    );
+    assert!(matches!(
+        h.set_scales(&[], &[]),
+        Err(Error::Length {
+            what: "k_scales",
+            expected: 2,
+            actual: 0
+        })
+    ));
+    assert!(matches!(
+        h.set_scales(&[1.0], &[]),
+        Err(Error::Length { .. })
+    ));
+    assert_eq!(h.k_scales(), &[0.5, 2.0], "a refused call changes nothing");
+}
+
+#[test]
 fn calibrate_fp8_scales_per_tensor_and_per_head() {
     let c = CacheConfig::new(2, 16, 4, KvFormat::Fp8E4m3, KvFormat::Fp8E5m2).unwrap();
     let mut h = HostCache::new(c, 1).unwrap();

@@ -40,6 +40,37 @@ pub struct HostCache {
     v_scales: Vec<f32>,
 }
 
+/// Check head scales for `config`'s sides as [`HostCache::set_scales`] takes them: per side
+/// `num_kv_heads` values, positive and finite, or none (`&[]`) for a side whose format has no
+/// head scale. Returns, per side (K, V), whether values were given.
+pub(crate) fn check_head_scales(config: &CacheConfig, k: &[f32], v: &[f32]) -> Result<[bool; 2]> {
+    let heads = config.num_kv_heads;
+    let mut given = [false; 2];
+    for (i, (what, format, s)) in [
+        ("k_scales", config.k_format, k),
+        ("v_scales", config.v_format, v),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if s.is_empty() && format.head_scale().is_none() {
+            continue;
+        }
+        if s.len() != heads {
+            return Err(Error::Length {
+                what,
+                expected: heads,
+                actual: s.len(),
+            });
+        }
+        if let Some(&bad) = s.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+            return Err(Error::Scale { what, value: bad });
+        }
+        given[i] = true;
+    }
+    Ok(given)
+}
+
 impl HostCache {
     /// An all-[`POISON`] pool of `num_blocks` blocks for `config`. Errors: an invalid config
     /// (including layouts whose sizes overflow), `num_blocks` outside `1..=i32::MAX`, slots
@@ -113,24 +144,17 @@ impl HostCache {
 
     /// Set the head scales of FP8 and FP4 sides (`num_kv_heads` each, positive and finite). Rows
     /// already written keep the codes they were quantized with, so set scales before writing. A
-    /// side whose format has no head scale takes values all the same (1.0, say): checked, then
-    /// unused.
+    /// side whose format has no head scale (16-bit, INT4, INT8) may take `&[]` and keeps its
+    /// scales (1.0), or `num_kv_heads` values, checked and then unused: `set_scales(&k, &[])`
+    /// for FP8 keys over INT4 values.
     pub fn set_scales(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
-        let heads = self.layout.config.num_kv_heads;
-        for (what, s) in [("k_scales", k), ("v_scales", v)] {
-            if s.len() != heads {
-                return Err(Error::Length {
-                    what,
-                    expected: heads,
-                    actual: s.len(),
-                });
-            }
-            if let Some(&bad) = s.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
-                return Err(Error::Scale { what, value: bad });
-            }
+        let [set_k, set_v] = check_head_scales(&self.layout.config, k, v)?;
+        if set_k {
+            self.k_scales.copy_from_slice(k);
         }
-        self.k_scales.copy_from_slice(k);
-        self.v_scales.copy_from_slice(v);
+        if set_v {
+            self.v_scales.copy_from_slice(v);
+        }
         Ok(())
     }
 

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::{Gpu, driver_err, owned_ptr, sys};
-use crate::cache::{HostCache, POISON};
+use crate::cache::{HostCache, POISON, check_head_scales};
 use crate::error::{Error, Result, at_least_one};
 use crate::layout::{BlockLayout, CacheConfig};
 use cudarc::driver::{CudaSlice, CudaView, DevicePtrMut};
@@ -91,24 +91,6 @@ pub(crate) fn raw_layout(l: &BlockLayout) -> Result<sys::kvq_layout> {
         head_stride: i64_("head_stride", l.head_stride)?,
         block_stride: i64_("block_stride", l.block_stride)?,
     })
-}
-
-/// Check head scales (FP8 `s`, FP4 `g`) as [`HostCache::set_scales`] does: `heads` each,
-/// positive and finite.
-fn check_scales(heads: usize, k: &[f32], v: &[f32]) -> Result<()> {
-    for (what, s) in [("k_scales", k), ("v_scales", v)] {
-        if s.len() != heads {
-            return Err(Error::Length {
-                what,
-                expected: heads,
-                actual: s.len(),
-            });
-        }
-        if let Some(&bad) = s.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
-            return Err(Error::Scale { what, value: bad });
-        }
-    }
-    Ok(())
 }
 
 impl DeviceCache {
@@ -301,17 +283,21 @@ impl DeviceCache {
 
     /// Set the head scales (FP8 `s`, FP4 `g`; `num_kv_heads` each, positive and finite), as
     /// [`HostCache::set_scales`]. Rows already written keep the codes they were quantized with.
-    /// A side whose format has no head scale (f16, INT4, INT8) takes `num_kv_heads` values all
-    /// the same (1.0, say): checked, then unused.
+    /// A side whose format has no head scale (16-bit, INT4, INT8) may take `&[]` (its scales
+    /// stay 1.0), or `num_kv_heads` values, checked and then unused.
     pub fn set_scales(&mut self, k: &[f32], v: &[f32]) -> Result<()> {
-        check_scales(self.config().num_kv_heads, k, v)?;
+        let [set_k, set_v] = check_head_scales(self.config(), k, v)?;
         let s = self.gpu.stream();
-        s.memcpy_htod(k, &mut self.k_scales)
-            .map_err(driver_err("uploading k scales"))?;
-        s.memcpy_htod(v, &mut self.v_scales)
-            .map_err(driver_err("uploading v scales"))?;
-        self.host_k_scales.copy_from_slice(k);
-        self.host_v_scales.copy_from_slice(v);
+        if set_k {
+            s.memcpy_htod(k, &mut self.k_scales)
+                .map_err(driver_err("uploading k scales"))?;
+            self.host_k_scales.copy_from_slice(k);
+        }
+        if set_v {
+            s.memcpy_htod(v, &mut self.v_scales)
+                .map_err(driver_err("uploading v scales"))?;
+            self.host_v_scales.copy_from_slice(v);
+        }
         Ok(())
     }
 
