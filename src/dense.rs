@@ -667,9 +667,56 @@ pub fn quantize<T: Element>(
         )));
     }
     match format.kv_format() {
-        Some(kv) => quantize_rows(format, kv, data, &geometry, scale),
+        Some(kv) => {
+            let head_scales = head_scales_of(kv, data, &geometry, scale)?;
+            quantize_rows(format, kv, data, &geometry, &head_scales)
+        }
         None => quantize_uniform(data, &geometry),
     }
+}
+
+/// Quantize an FP8 tensor as [`quantize`] does, under given scales: one per head (the
+/// second-to-last axis) or one for the whole tensor, each positive and finite with `max_finite ×
+/// scale` finite too, such as scales calibrated on other data. Values past `max_finite ×
+/// scale` saturate. Errors as [`quantize`], and [`Error::Unsupported`] for a format without FP8
+/// codes, [`Error::Length`] for a count of scales that is neither 1 nor the heads,
+/// [`Error::Scale`] for a scale outside that rule.
+pub fn quantize_fp8_with_scales<T: Element>(
+    format: DenseFormat,
+    data: &[T],
+    shape: &[usize],
+    scales: &[f32],
+) -> Result<QuantizedTensor> {
+    let geometry = Geometry::of(format, shape)?;
+    if data.len() != geometry.elements() {
+        return Err(Error::Length {
+            what: "tensor data",
+            expected: geometry.elements(),
+            actual: data.len(),
+        });
+    }
+    let (Some(kv), Some(kind)) = (format.kv_format(), format.fp8_kind()) else {
+        return Err(Error::Unsupported(format!(
+            "{format} derives its scales from the data; given scales apply only to FP8"
+        )));
+    };
+    if scales.len() != 1 && scales.len() != geometry.heads {
+        return Err(Error::Length {
+            what: "FP8 scales (one per head, or one)",
+            expected: geometry.heads,
+            actual: scales.len(),
+        });
+    }
+    if let Some(&bad) = scales
+        .iter()
+        .find(|&&s| !f32_scale_decodes_finite(s, kind.max_finite()))
+    {
+        return Err(Error::Scale {
+            what: "given FP8 scale (max_finite × scale must be finite too)",
+            value: bad,
+        });
+    }
+    quantize_rows(format, kv, data, &geometry, scales)
 }
 
 /// FP8 scales for a tensor: `[1]` or `[heads]` values.
@@ -698,16 +745,14 @@ fn fp8_scales<T: Element>(
     })
 }
 
-/// Quantize row by row with the cache format's own row encoder.
-fn quantize_rows<T: Element>(
-    format: DenseFormat,
+/// The head scales of a tensor of cache format `kv`: `[1]` or `[heads]` values.
+fn head_scales_of<T: Element>(
     kv: KvFormat,
     data: &[T],
     geometry: &Geometry,
     choice: Fp8ScaleChoice,
-) -> Result<QuantizedTensor> {
-    let d = geometry.head_dim;
-    let head_scales = match kv.head_scale() {
+) -> Result<Vec<f32>> {
+    Ok(match kv.head_scale() {
         Some(HeadScale::Fp8(kind)) => fp8_scales(kind, data, geometry, choice)?,
         // FP4's g: always per head, from that head's amax.
         Some(h @ HeadScale::Fp4) => head_amax(data, geometry.heads, geometry.head_dim)?
@@ -715,7 +760,19 @@ fn quantize_rows<T: Element>(
             .map(|a| h.scale_from_amax(a))
             .collect(),
         None => vec![1.0], // unused by INT4 and INT8
-    };
+    })
+}
+
+/// Quantize row by row with the cache format's own row encoder, under `head_scales` (`[1]` or
+/// `[heads]`).
+fn quantize_rows<T: Element>(
+    format: DenseFormat,
+    kv: KvFormat,
+    data: &[T],
+    geometry: &Geometry,
+    head_scales: &[f32],
+) -> Result<QuantizedTensor> {
+    let d = geometry.head_dim;
     // Both fit: the codes and metadata of a row are no larger than its f32 elements.
     let (code_len, meta_len) = (kv.code_bytes(d), kv.meta_bytes(d));
     let mut codes = filled(geometry.rows * code_len, 0u8, "quantized codes")?;
@@ -744,11 +801,11 @@ fn quantize_rows<T: Element>(
         StoredTensor::new(StoredDtype::F32, vec![values.len()], bytes)
     };
     let global_scales = match spec.head_scale {
-        Some(HeadScale::Fp4) => Some(f32_part(&head_scales)?),
+        Some(HeadScale::Fp4) => Some(f32_part(head_scales)?),
         _ => None,
     };
     let (scales, zeros) = if spec.group.is_none() && spec.meta_bytes_per_row == 0 {
-        (f32_part(&head_scales)?, None) // FP8: the head scales are the scales
+        (f32_part(head_scales)?, None) // FP8: the head scales are the scales
     } else if spec.group_zeros() {
         // The row metadata interleaves (scale, zero) per group; files keep them apart.
         let (dtype, shape) = geometry.group_scale_shape(format);

@@ -824,6 +824,104 @@ fn a_fixed_fp8_scale_that_loses_values_is_reported() {
     assert!(!metadata(&fs::read(&q).unwrap()).contains_key("kvq.scale"));
 }
 
+/// `quantize --scales FILE` quantizes keys and values under a `kvq calibrate` file's per-head
+/// scales: calibrated on the first half of a layer whose second half grows, the file's scales
+/// are the stored ones, the grown values saturate (a note counts them), and what the file has
+/// no scales for, or scales of another FP8 encoding, is refused.
+#[test]
+fn quantize_takes_scales_from_calibrate() {
+    let dir = scratch("quantize-scales");
+    let (input, scales, kv, q) = (
+        dir.join("growing.st"),
+        dir.join("scales.st"),
+        dir.join("kv.st"),
+        dir.join("q.st"),
+    );
+    growing_layer(&input, 32, 4.0);
+    kvq_ok(&["calibrate", arg(&input), arg(&scales), "--tokens", "0..16"]);
+    let calibrated = fs::read(&scales).unwrap();
+    let calibrated = SafeTensors::deserialize(&calibrated).unwrap();
+    // The keys and values alone (the file has no scales for q.0).
+    let only_kv = dir.join("only-kv.st");
+    let source = fs::read(&input).unwrap();
+    let source = SafeTensors::deserialize(&source).unwrap();
+    let tensor = |name: &'static str| {
+        let t = source.tensor(name).unwrap();
+        let values = t
+            .data()
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        In {
+            name,
+            dtype: Dtype::F16,
+            shape: t.shape().to_vec(),
+            values,
+        }
+    };
+    write_input(&only_kv, &[tensor("k.0"), tensor("v.0")]);
+    let out = kvq_ok(&[
+        "quantize",
+        "--format",
+        "fp8-e4m3",
+        "--scales",
+        arg(&scales),
+        arg(&only_kv),
+        arg(&kv),
+    ]);
+    let note = String::from_utf8_lossy(&out.stderr);
+    assert!(note.contains("value(s) saturated"), "{note}");
+    let bytes = fs::read(&kv).unwrap();
+    assert!(metadata(&bytes)["kvq.scale"].contains("scales.st"));
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    for (stored, file) in [("k.0.scales", "k_scale.0"), ("v.0.scales", "v_scale.0")] {
+        assert_eq!(f32_vector(&st, stored), f32_vector(&calibrated, file));
+    }
+
+    // q.0 has no scales in the file; an E5M2 file does not serve E4M3 codes; --scales is FP8's.
+    assert_fails(
+        &[
+            "quantize",
+            "--format",
+            "fp8-e4m3",
+            "--scales",
+            arg(&scales),
+            arg(&input),
+            arg(&q),
+        ],
+        &q,
+        "'q.0' is neither keys nor values",
+    );
+    let e5m2 = dir.join("e5m2.st");
+    kvq_ok(&["calibrate", "--format", "e5m2", arg(&input), arg(&e5m2)]);
+    assert_fails(
+        &[
+            "quantize",
+            "--format",
+            "fp8-e4m3",
+            "--scales",
+            arg(&e5m2),
+            arg(&only_kv),
+            arg(&q),
+        ],
+        &q,
+        "holds e5m2 scales",
+    );
+    assert_fails(
+        &[
+            "quantize",
+            "--format",
+            "int8-pth",
+            "--scales",
+            arg(&scales),
+            arg(&only_kv),
+            arg(&q),
+        ],
+        &q,
+        "apply only to FP8 formats",
+    );
+}
+
 #[test]
 fn eval_reports_every_pair() {
     let dir = scratch("eval");

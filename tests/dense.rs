@@ -5,6 +5,7 @@ use half::{bf16, f16};
 use kvq::Error;
 use kvq::dense::{
     DenseFormat, Fp8ScaleChoice, QuantizedTensor, StoredDtype, StoredTensor, dequantize, quantize,
+    quantize_fp8_with_scales,
 };
 use kvq::format::Fp8Kind;
 
@@ -301,6 +302,75 @@ fn bad_inputs_are_typed_errors() {
             &[3, 32],
             Fp8ScaleChoice::Fixed(1.0)
         ),
+        Err(Error::Unsupported(_))
+    ));
+}
+
+#[test]
+fn given_fp8_scales_quantize_like_the_same_chosen_ones() {
+    // Two heads of 64, amax 1 and 100: the per-head amax scales given back give the same bytes,
+    // one scale for both heads the bytes of that fixed scale, and a smaller scale saturates.
+    let x: Vec<f32> = (0..128)
+        .map(|i| {
+            if i < 64 {
+                (i as f32 - 32.0) / 32.0
+            } else {
+                (i as f32 - 64.0) * 100.0 / 63.0
+            }
+        })
+        .collect();
+    let shape = [2, 64];
+    for format in [DenseFormat::Fp8E4m3, DenseFormat::Fp8E5m2] {
+        let ph = quantize(format, &x, &shape, Fp8ScaleChoice::PerHeadAmax).unwrap();
+        let s: Vec<f32> = ph
+            .scales()
+            .data()
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(
+            quantize_fp8_with_scales(format, &x, &shape, &s).unwrap(),
+            ph
+        );
+        let fixed = quantize(format, &x, &shape, Fp8ScaleChoice::Fixed(0.25)).unwrap();
+        assert_eq!(
+            quantize_fp8_with_scales(format, &x, &shape, &[0.25]).unwrap(),
+            fixed
+        );
+    }
+    let tight =
+        quantize_fp8_with_scales(DenseFormat::Fp8E4m3, &x, &shape, &[1.0 / 448.0, 0.1]).unwrap();
+    assert_eq!(
+        *dequantize(&tight).last().unwrap(),
+        44.8,
+        "448 x 0.1: saturated"
+    );
+
+    let bad = |format, scales: &[f32]| quantize_fp8_with_scales(format, &x, &shape, scales);
+    assert!(matches!(
+        bad(DenseFormat::Fp8E4m3, &[1.0, 1.0, 1.0]),
+        Err(Error::Length {
+            expected: 2,
+            actual: 3,
+            ..
+        })
+    ));
+    assert!(matches!(
+        bad(DenseFormat::Fp8E4m3, &[]),
+        Err(Error::Length { .. })
+    ));
+    for s in [0.0, -1.0, f32::NAN, f32::INFINITY, f32::MAX] {
+        assert!(matches!(
+            bad(DenseFormat::Fp8E4m3, &[1.0, s]),
+            Err(Error::Scale { .. })
+        ));
+    }
+    assert!(matches!(
+        bad(DenseFormat::Int4K32, &[1.0]),
+        Err(Error::Unsupported(_))
+    ));
+    assert!(matches!(
+        bad(DenseFormat::Fp4E2m1, &[1.0, 1.0]),
         Err(Error::Unsupported(_))
     ));
 }

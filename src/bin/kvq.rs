@@ -1,8 +1,9 @@
 //! The `kvq` command-line tool (feature `cli`).
 //!
-//! - `kvq quantize --format F [--scale S | --per-head] [--pair-heads N] IN OUT`: every tensor
-//!   of a safetensors file to `NAME.codes` / `NAME.scales` / `NAME.zeros` (layout in
-//!   `kvq::dense`), each N adjacent heads joined into one first if asked.
+//! - `kvq quantize --format F [--scale S | --per-head | --scales FILE] [--pair-heads N] IN OUT`:
+//!   every tensor of a safetensors file to `NAME.codes` / `NAME.scales` / `NAME.zeros` (layout
+//!   in `kvq::dense`), each N adjacent heads joined into one first if asked; `--scales` takes
+//!   FP8 per-head scales from `kvq calibrate` for the keys and values it names.
 //! - `kvq dequantize IN OUT`: back to F32 `NAME`.
 //! - `kvq eval [IN] [--calibrate-on first-half|all] [--positions last|all] [--json]`:
 //!   reconstruction and attention error of each K/V format pair on `q.L`, `k.L`, `v.L` tensors
@@ -79,29 +80,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Quantize every tensor ([..., heads, head_dim], F16/BF16/F32) of a safetensors file.
-    Quantize {
-        /// The format (int4-kc: per-channel INT4 keys, groups of 32 tokens). head_dim, the last
-        /// axis, must be one a cache of the format takes: a multiple of 16 for 8-bit codes, 32
-        /// for 4-bit ones, 64 for int4-v64 (int4-uniform: even).
-        #[arg(long, ignore_case = true, value_parser = file_format_names())]
-        format: String,
-        /// FP8 only: use this scale for every tensor instead of amax / max_finite.
-        #[arg(long, conflicts_with = "per_head", allow_negative_numbers = true)]
-        scale: Option<f32>,
-        /// FP8 only: one amax scale per head (second-to-last axis) instead of per tensor.
-        #[arg(long)]
-        per_head: bool,
-        /// Join N adjacent heads into one before quantizing (e.g. 2: [512, 12, 32] -> [512, 6,
-        /// 64], so that int4-v64's groups fit heads of 32). Recorded in the file's metadata;
-        /// `kvq dequantize` gives back the original shape.
-        #[arg(long, default_value_t = 1)]
-        pair_heads: usize,
-        /// Input safetensors file.
-        input: PathBuf,
-        /// Output safetensors file: NAME.codes and the format's NAME.scales, NAME.zeros,
-        /// NAME.global_scales (layout in kvq::dense, docs/FORMATS.md).
-        output: PathBuf,
-    },
+    Quantize(QuantizeArgs),
     /// Turn a file written by `kvq quantize` back into F32 tensors.
     Dequantize {
         /// Input file written by `kvq quantize`.
@@ -121,6 +100,44 @@ enum Command {
     Info,
     /// Decode bandwidth of every cache format over the standard shapes (needs CUDA and a GPU).
     Bench(bench::BenchArgs),
+}
+
+/// `kvq quantize`'s arguments.
+#[derive(clap::Args)]
+struct QuantizeArgs {
+    /// The format (int4-kc: per-channel INT4 keys, groups of 32 tokens). head_dim, the last
+    /// axis, must be one a cache of the format takes: a multiple of 16 for 8-bit codes, 32 for
+    /// 4-bit ones, 64 for int4-v64 (int4-uniform: even).
+    #[arg(long, ignore_case = true, value_parser = file_format_names())]
+    format: String,
+    /// FP8 only: use this scale for every tensor instead of amax / max_finite.
+    #[arg(long, conflicts_with_all = ["per_head", "scales"], allow_negative_numbers = true)]
+    scale: Option<f32>,
+    /// FP8 only: one amax scale per head (second-to-last axis) instead of per tensor.
+    #[arg(long, conflicts_with = "scales")]
+    per_head: bool,
+    /// FP8 only: the per-head scales of a `kvq calibrate` file (k_scale.L, v_scale.L, of the
+    /// same FP8 format and --pair-heads) for the keys and values it names (--key-pattern,
+    /// --value-pattern); the input's other tensors are an error. Values past a head's scale
+    /// times the largest code saturate (counted in a note).
+    #[arg(long)]
+    scales: Option<PathBuf>,
+    /// With --scales: the name of layer L's keys, {L} standing for the layer index.
+    #[arg(long, default_value = "k.{L}")]
+    key_pattern: files::LayerPattern,
+    /// With --scales: the name of layer L's values, {L} standing for the layer index.
+    #[arg(long, default_value = "v.{L}")]
+    value_pattern: files::LayerPattern,
+    /// Join N adjacent heads into one before quantizing (e.g. 2: [512, 12, 32] -> [512, 6,
+    /// 64], so that int4-v64's groups fit heads of 32). Recorded in the file's metadata;
+    /// `kvq dequantize` gives back the original shape.
+    #[arg(long, default_value_t = 1)]
+    pair_heads: usize,
+    /// Input safetensors file.
+    input: PathBuf,
+    /// Output safetensors file: NAME.codes and the format's NAME.scales, NAME.zeros,
+    /// NAME.global_scales (layout in kvq::dense, docs/FORMATS.md).
+    output: PathBuf,
 }
 
 /// A failure to report: one line, exit code 1.
@@ -222,6 +239,33 @@ impl fmt::Display for FileFormat {
     }
 }
 
+/// The scales of `file` for tensor `name` of `shape` (heads joined already): its layer's key or
+/// value scales by `args`' patterns, one per head.
+fn file_scales(
+    file: &calibrate::ScalesFile,
+    args: &QuantizeArgs,
+    name: &str,
+    shape: &[usize],
+) -> Result<Vec<f32>, CliError> {
+    let heads = shape.iter().rev().nth(1).copied().unwrap_or(1);
+    let (layer, keys) = match (
+        args.key_pattern.layer_of(name),
+        args.value_pattern.layer_of(name),
+    ) {
+        (Some(l), _) => (l, true),
+        (None, Some(l)) => (l, false),
+        (None, None) => {
+            return Err(CliError::new(format!(
+                "tensor '{name}' is neither keys nor values by --key-pattern / \
+                 --value-pattern, so --scales has no scales for it (quantize it without \
+                 --scales, from a file of its own)"
+            )));
+        }
+    };
+    let s = file.layer(layer, heads)?;
+    Ok(if keys { s.k.clone() } else { s.v.clone() })
+}
+
 /// `shape` ([..., heads, head_dim]) with each `n` adjacent heads joined into one: [..., heads /
 /// n, head_dim * n], the same elements in the same order (any shape as it is for `n = 1`).
 fn pair_heads(name: &str, shape: &[usize], n: usize) -> Result<Vec<usize>, CliError> {
@@ -239,28 +283,48 @@ fn pair_heads(name: &str, shape: &[usize], n: usize) -> Result<Vec<usize>, CliEr
     }
 }
 
-fn quantize_file(
-    format: &str,
-    scale: Option<f32>,
-    per_head: bool,
-    pair: usize,
-    input: &std::path::Path,
-    output: &std::path::Path,
-) -> Result<(), CliError> {
-    let format = FileFormat::from_name(format)?;
+fn quantize_file(args: &QuantizeArgs) -> Result<(), CliError> {
+    let (input, output) = (args.input.as_path(), args.output.as_path());
+    let (scale, pair) = (args.scale, args.pair_heads);
+    let format = FileFormat::from_name(&args.format)?;
     if pair == 0 {
         return Err(CliError::new("--pair-heads must be at least 1"));
     }
-    let (choice, scale_note) = match (scale, per_head) {
+    let (choice, mut scale_note) = match (scale, args.per_head) {
         (Some(s), _) => (Fp8ScaleChoice::Fixed(s), format!("fixed {s}")),
         (None, true) => (Fp8ScaleChoice::PerHeadAmax, "per-head amax".into()),
         (None, false) => (Fp8ScaleChoice::PerTensorAmax, "per-tensor amax".into()),
     };
-    if format.fp8_kind().is_none() && choice != Fp8ScaleChoice::PerTensorAmax {
+    if format.fp8_kind().is_none()
+        && (choice != Fp8ScaleChoice::PerTensorAmax || args.scales.is_some())
+    {
         return Err(CliError::new(format!(
-            "--scale and --per-head apply only to FP8 formats, not {format}"
+            "--scale, --per-head and --scales apply only to FP8 formats, not {format}"
         )));
     }
+    // Scales calibrated elsewhere (`kvq calibrate`), per layer and head.
+    let given = match (&args.scales, format.fp8_kind()) {
+        (Some(path), Some(kind)) => {
+            let file = calibrate::ScalesFile::read(path)?;
+            if file.kind() != kind {
+                let name = |k| match k {
+                    kvq::format::Fp8Kind::E4M3 => "e4m3",
+                    kvq::format::Fp8Kind::E5M2 => "e5m2",
+                };
+                return Err(CliError::new(format!(
+                    "'{}' holds {} scales; --format {format} takes {} ones (`kvq calibrate \
+                     --format {}`)",
+                    path.display(),
+                    name(file.kind()),
+                    name(kind),
+                    name(kind)
+                )));
+            }
+            scale_note = format!("per-head scales of {}", path.display());
+            Some(file)
+        }
+        _ => None,
+    };
     let file = InputFile::read(input)?;
     let st = file.parse()?;
     let mut names = st.names();
@@ -273,8 +337,8 @@ fn quantize_file(
     }
     let bar = progress(names.len(), "quantize");
     let (mut out, mut non_finite, mut bytes_in, mut bytes_out) = (Vec::new(), 0u64, 0, 0);
-    // A fixed FP8 scale: the values it cannot represent, beyond max_finite * s (saturated) or
-    // nonzero below the smallest subnormal's half (flushed to 0).
+    // A fixed or given FP8 scale: the values it cannot represent, beyond max_finite * s
+    // (saturated) or nonzero below the smallest subnormal's half (flushed to 0).
     let (mut saturated, mut flushed) = (0usize, 0usize);
     for name in names {
         let view = st
@@ -282,10 +346,20 @@ fn quantize_file(
             .map_err(|e| CliError::new(format!("tensor '{name}': {e}")))?;
         let x = files::to_f32(name, &view)?;
         let shape = pair_heads(name, view.shape(), pair)?;
-        if let (Some(kind), Some(s)) = (format.fp8_kind(), scale) {
-            let (hi, lo) = (kind.max_finite() * s, kind.min_subnormal() * s / 2.0);
-            saturated += x.iter().filter(|v| v.abs() > hi).count();
-            flushed += x.iter().filter(|v| **v != 0.0 && v.abs() < lo).count();
+        let head_scales: Option<Vec<f32>> = match &given {
+            Some(file) => Some(file_scales(file, args, name, &shape)?),
+            None => scale.map(|s| vec![s]),
+        };
+        if let (Some(kind), Some(scales), Some(&d)) =
+            (format.fp8_kind(), &head_scales, shape.last())
+        {
+            // Row r of [..., heads, head_dim] is head r % heads (one scale: every head's).
+            for (r, row) in x.chunks(d.max(1)).enumerate() {
+                let s = scales[r % scales.len()];
+                let (hi, lo) = (kind.max_finite() * s, kind.min_subnormal() * s / 2.0);
+                saturated += row.iter().filter(|v| v.abs() > hi).count();
+                flushed += row.iter().filter(|v| **v != 0.0 && v.abs() < lo).count();
+            }
         }
         let in_tensor = |e: kvq::Error| {
             // Heads too narrow for the format's groups: joining adjacent ones may fit them.
@@ -307,7 +381,13 @@ fn quantize_file(
         };
         let (codes, scales, zeros, global_scales) = match format {
             FileFormat::Rows(format) => {
-                let q = dense::quantize(format, &x, &shape, choice).map_err(in_tensor)?;
+                let q = match (&given, &head_scales) {
+                    (Some(_), Some(scales)) => {
+                        dense::quantize_fp8_with_scales(format, &x, &shape, scales)
+                    }
+                    _ => dense::quantize(format, &x, &shape, choice),
+                }
+                .map_err(in_tensor)?;
                 non_finite += q.non_finite();
                 bytes_out += q.stored_bytes();
                 q.into_parts()
@@ -341,7 +421,7 @@ fn quantize_file(
     ]);
     if format.fp8_kind().is_some() {
         // The other formats keep their scales per row or group, in the file's tensors.
-        metadata.insert(META_SCALE.to_string(), scale_note);
+        metadata.insert(META_SCALE.to_string(), scale_note.clone());
     }
     if pair > 1 {
         metadata.insert(META_PAIR_HEADS.to_string(), pair.to_string());
@@ -349,10 +429,9 @@ fn quantize_file(
     files::write_atomic(output, out, metadata)?;
     if saturated + flushed > 0 {
         eprintln!(
-            "kvq: note: --scale {}: {saturated} value(s) saturated at ±{} x the scale and \
-             {flushed} nonzero value(s) flushed to 0 (an amax scale, without --scale, fits the \
-             data)",
-            scale.unwrap_or(1.0),
+            "kvq: note: {scale_note}: {saturated} value(s) saturated at ±{} x their scale and \
+             {flushed} nonzero value(s) flushed to 0 (amax scales, without --scale or --scales, \
+             fit the data)",
             format.fp8_kind().map_or(0.0, |k| k.max_finite())
         );
     }
@@ -522,14 +601,7 @@ fn info() -> Result<(), CliError> {
 
 fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
-        Command::Quantize {
-            format,
-            scale,
-            per_head,
-            pair_heads,
-            input,
-            output,
-        } => quantize_file(&format, scale, per_head, pair_heads, &input, &output),
+        Command::Quantize(args) => quantize_file(&args),
         Command::Dequantize { input, output } => dequantize_file(&input, &output),
         Command::Eval(args) => eval::run(&args),
         Command::Calibrate(args) => calibrate::run(&args),

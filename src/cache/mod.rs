@@ -20,6 +20,7 @@ mod paged;
 mod tables;
 
 pub use allocator::{BlockAllocator, CopyBlock, Reservation, SeqId};
+#[cfg(feature = "cuda")]
 pub(crate) use host::check_head_scales;
 pub use host::{HostCache, POISON};
 pub use paged::PagedKvCache;
