@@ -513,6 +513,19 @@ struct Geometry {
 }
 
 impl Geometry {
+    /// The geometry of `shape`, checked to hold `elements` values (a tensor's data).
+    fn of_data(format: DenseFormat, shape: &[usize], elements: usize) -> Result<Self> {
+        let geometry = Geometry::of(format, shape)?;
+        if elements != geometry.elements() {
+            return Err(Error::Length {
+                what: "tensor data",
+                expected: geometry.elements(),
+                actual: elements,
+            });
+        }
+        Ok(geometry)
+    }
+
     fn of(format: DenseFormat, shape: &[usize]) -> Result<Self> {
         let Some((&head_dim, prefix)) = shape.split_last() else {
             return Err(Error::InvalidArgument(
@@ -653,14 +666,7 @@ pub fn quantize<T: Element>(
     shape: &[usize],
     scale: Fp8ScaleChoice,
 ) -> Result<QuantizedTensor> {
-    let geometry = Geometry::of(format, shape)?;
-    if data.len() != geometry.elements() {
-        return Err(Error::Length {
-            what: "tensor data",
-            expected: geometry.elements(),
-            actual: data.len(),
-        });
-    }
+    let geometry = Geometry::of_data(format, shape, data.len())?;
     if format.fp8_kind().is_none() && scale != Fp8ScaleChoice::PerTensorAmax {
         return Err(Error::Unsupported(format!(
             "{format} derives its scales from the data; a {scale:?} scale applies only to FP8"
@@ -687,14 +693,7 @@ pub fn quantize_fp8_with_scales<T: Element>(
     shape: &[usize],
     scales: &[f32],
 ) -> Result<QuantizedTensor> {
-    let geometry = Geometry::of(format, shape)?;
-    if data.len() != geometry.elements() {
-        return Err(Error::Length {
-            what: "tensor data",
-            expected: geometry.elements(),
-            actual: data.len(),
-        });
-    }
+    let geometry = Geometry::of_data(format, shape, data.len())?;
     let (Some(kv), Some(kind)) = (format.kv_format(), format.fp8_kind()) else {
         return Err(Error::Unsupported(format!(
             "{format} derives its scales from the data; given scales apply only to FP8"

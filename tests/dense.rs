@@ -224,13 +224,7 @@ fn fixed_and_per_head_scales() {
         Fp8ScaleChoice::PerHeadAmax,
     )
     .unwrap();
-    let s: Vec<f32> = ph
-        .scales()
-        .data()
-        .chunks(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    assert_eq!(s, vec![1.0 / 448.0, 100.0 / 448.0]);
+    assert_eq!(f32s(ph.scales()), vec![1.0 / 448.0, 100.0 / 448.0]);
     assert_eq!(dequantize(&ph), x);
     // An all-zero tensor gets scale 1 (FORMATS.md).
     let z = quantize(
@@ -306,6 +300,14 @@ fn bad_inputs_are_typed_errors() {
     ));
 }
 
+/// The values of an F32 stored part.
+fn f32s(t: &StoredTensor) -> Vec<f32> {
+    t.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
 #[test]
 fn given_fp8_scales_quantize_like_the_same_chosen_ones() {
     // Two heads of 64, amax 1 and 100: the per-head amax scales given back give the same bytes,
@@ -322,12 +324,7 @@ fn given_fp8_scales_quantize_like_the_same_chosen_ones() {
     let shape = [2, 64];
     for format in [DenseFormat::Fp8E4m3, DenseFormat::Fp8E5m2] {
         let ph = quantize(format, &x, &shape, Fp8ScaleChoice::PerHeadAmax).unwrap();
-        let s: Vec<f32> = ph
-            .scales()
-            .data()
-            .chunks(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
+        let s = f32s(ph.scales());
         assert_eq!(
             quantize_fp8_with_scales(format, &x, &shape, &s).unwrap(),
             ph
