@@ -100,6 +100,49 @@ template <typename In, int E> __device__ uint32_t scrub_raw(RawChunk<In, E> &raw
   return count;
 }
 
+// Whether appending In to codec C can saturate: with a head scale (inputs past the scale times
+// the codec's largest value), or from inputs wider than f16's range (FORMATS.md's clamp).
+template <typename In, class C> constexpr bool kMaySaturate = C::kHeadScale || kMayExceedF16<In>;
+
+// What a side of codec C holds of an input: ±65504, and with a head scale at most the scale times
+// C's largest value (the limit HostCache::write_strict checks, computed the same way in f32).
+template <class C> __device__ __forceinline__ float saturation_limit(float head_scale) {
+  if constexpr (C::kHeadScale) return fminf(head_scale * C::kHeadMax, kF16Max);
+  else return kF16Max;
+}
+
+// Whether some input of the chunk may lie past `limit`: false only when none does. NaN and Inf
+// answer true; count_saturated leaves them out. Packed maxima for 16-bit inputs.
+template <typename In, int E>
+__device__ __forceinline__ bool may_exceed(const RawChunk<In, E> &raw, float limit) {
+  if constexpr (sizeof(In) == 2) {
+    using P = typename PairOf<In>::type;
+    P a[E / 2];
+    load_pairs(raw.q, 0x7FFF7FFFu, a);  // |x| of both halves
+    const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(x, y); });
+    return !(__low2float(m) <= limit && __high2float(m) <= limit);
+  } else {
+    const float *x = reinterpret_cast<const float *>(raw.q);
+    bool within = true;
+#pragma unroll
+    for (int i = 0; i < E; ++i) within = within && fabsf(x[i]) <= limit;
+    return !within;
+  }
+}
+
+// Finite inputs of the chunk whose magnitude is past `limit`: the ones that saturate. Called on
+// the raw chunk before scrub_raw, which turns f16 infinities into finite values.
+template <typename In, int E>
+__device__ __forceinline__ uint32_t count_saturated(const RawChunk<In, E> &raw, float limit) {
+  uint32_t n = 0;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const float a = fabsf(to_f32(reinterpret_cast<const In *>(raw.q)[i]));
+    n += a > limit && a <= 0x1.fffffep127f ? 1u : 0u;
+  }
+  return n;
+}
+
 // Element i of a 16-bit chunk as f32, clamped to ±65504 when Clamp: the sanitized input once
 // scrub_raw has run (or when the chunk had nothing to scrub).
 template <typename In, int E, bool Clamp> struct RawValues {
@@ -330,7 +373,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
       p.raw = {};  // no row: zeros, which the encoders take without a slow path
     }
   };
-  uint32_t non_finite = 0, out_of_range = 0;
+  uint32_t non_finite = 0, out_of_range = 0, saturated = 0;
   // Every lane of the warp quantizes each k (the INT4 V group reduction shuffles).
   auto quantize = [&](PendingRow<In, E> &p) {
     // A slot past the pool is an error the host learns about through the counter.
@@ -347,8 +390,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
       bool needs_clamp = false;
       if (active) {
         if (!C::packed_extremes(p.raw, own)) {
+          if constexpr (kMaySaturate<In, C>)
+            saturated += count_saturated<In, E>(p.raw, saturation_limit<C>(p.head_scale));
           non_finite += scrub_raw<In, E>(p.raw);
           C::packed_extremes(p.raw, own);
+        } else if constexpr (kMaySaturate<In, C>) {
+          // The extremes at hand bound |x| (both signs' ends, or a group's amax in either).
+          const float limit = saturation_limit<C>(p.head_scale);
+          if (__builtin_expect(fmaxf(-own.lo, own.hi) > limit, 0))
+            saturated += count_saturated<In, E>(p.raw, limit);
         }
         // Only bf16 can exceed ±65504 once scrubbed (f16 never takes the clamped copy of the
         // encoder); the clamp is monotonic, so it commutes with taking extremes.
@@ -365,7 +415,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
         C::encode(RawValues<In, E, false>{p.raw}, own, group, chunk, r, active);
     } else {
       float v[E] = {};
-      if (active) non_finite += sanitize_raw<In, E>(p.raw, v);
+      if (active) {
+        if constexpr (kMaySaturate<In, C>) {
+          const float limit = saturation_limit<C>(p.head_scale);
+          if (__builtin_expect(may_exceed<In, E>(p.raw, limit), 0))
+            saturated += count_saturated<In, E>(p.raw, limit);
+        }
+        non_finite += sanitize_raw<In, E>(p.raw, v);
+      }
       const Extremes own = C::extremes(v);
       C::encode([&](int i) { return v[i]; }, own, extremes_for<F>(own, shape), chunk, r, active);
     }
@@ -377,6 +434,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
 #pragma unroll
   for (int k = 0; k < R; ++k) quantize(rows[k]);
   warp_count(counters ? counters + KVQ_COUNTER_NON_FINITE : nullptr, non_finite);
+  if constexpr (kMaySaturate<In, C>)
+    warp_count(counters ? counters + KVQ_COUNTER_SATURATED : nullptr, saturated);
   if (count_out_of_range)
     warp_count(counters ? counters + KVQ_COUNTER_OUT_OF_RANGE : nullptr, out_of_range);
 }

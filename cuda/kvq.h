@@ -81,11 +81,14 @@ typedef enum kvq_dtype {
 #define KVQ_DENSE_INT4_UNIFORM 16
 
 /* Optional device counters (unsigned long long[KVQ_NUM_COUNTERS]) a launcher adds to:
- * non-finite inputs met (they are sanitized, FORMATS.md), and tokens skipped because their slot
- * (append) or block id (gather) lies outside the pool. */
+ * non-finite inputs met (they are sanitized, FORMATS.md), tokens skipped because their slot
+ * (append) or block id (gather) lies outside the pool, and finite inputs an append saturated:
+ * past +-65504 (FORMATS.md's clamp) or, for FP8 and FP4, past the head scale times the largest
+ * code (448 for E4M3, 57344 for E5M2, 2688 for FP4), which wants the scales calibrated. */
 #define KVQ_COUNTER_NON_FINITE 0
 #define KVQ_COUNTER_OUT_OF_RANGE 1
-#define KVQ_NUM_COUNTERS 2
+#define KVQ_COUNTER_SATURATED 2
+#define KVQ_NUM_COUNTERS 3
 
 /* Quantize-on-append. k and v are [num_tokens, num_kv_heads, head_dim] of `dtype` (kvq_dtype),
  * row t starting at element t * k_token_stride (resp. v_token_stride), a multiple of 8 that is

@@ -15,7 +15,7 @@ use kvq::cache::{BlockAllocator, HostCache, POISON};
 use kvq::cuda::ops::{self, DeviceElement, DeviceQuantized};
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::dense::{self, DenseFormat, Fp8ScaleChoice};
-use kvq::{CacheConfig, Error, KvFormat, ScaleGranularity};
+use kvq::{CacheConfig, Element, Error, KvFormat, ScaleGranularity};
 
 // ---- inputs ------------------------------------------------------------------------------
 
@@ -194,9 +194,31 @@ enum Data {
     Grid,
 }
 
+/// Finite values of `k` and `v` (`[tokens, kv_heads, head_dim]`) past what `host`'s sides hold:
+/// ±65504, and with a head scale that scale times the largest code. The elements
+/// `HostCache::write_strict` refuses, which the appends count as saturated.
+fn saturated_count<T: Element>(host: &HostCache, k: &[T], v: &[T]) -> u64 {
+    let c = host.config();
+    let mut n = 0u64;
+    for (format, scales, x) in [
+        (c.k_format, host.k_scales(), k),
+        (c.v_format, host.v_scales(), v),
+    ] {
+        for (row, scale) in x.chunks_exact(c.head_dim).zip(scales.iter().cycle()) {
+            let limit = format
+                .head_scale()
+                .map_or(65504.0, |h| (h.max_value() * scale).min(65504.0));
+            let past = |e: &&T| e.to_f32().is_finite() && e.to_f32().abs() > limit;
+            n += row.iter().filter(past).count() as u64;
+        }
+    }
+    n
+}
+
 /// One append round-trip: K/V of `data` for `tokens` tokens, some of them padding (slot -1), into
-/// shuffled slots; GPU pool bytes and non-finite count must equal the CPU's, and the whole pool
-/// gathered as one sequence must dequantize to the CPU's values bit for bit.
+/// shuffled slots; GPU pool bytes and the non-finite and saturated counts must equal the CPU's,
+/// and the whole pool gathered as one sequence must dequantize to the CPU's values bit for
+/// bit.
 fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u64, data: Data) {
     let num_blocks = 3 + tokens / config.block_size;
     let mut rng = Rng(seed);
@@ -250,12 +272,24 @@ fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u
     };
     let host_slots: Vec<usize> = kept.iter().map(|&t| mapping[t] as usize).collect();
     let non_finite = host.write(&host_slots, &pick(&k), &pick(&v)).unwrap();
+    let saturated = saturated_count(&host, &pick(&k), &pick(&v));
+    if non_finite == 0 {
+        // The same rule as the library's strict write.
+        let mut strict = HostCache::new(config, num_blocks).unwrap();
+        strict.set_scales(host.k_scales(), host.v_scales()).unwrap();
+        match strict.write_strict(&host_slots, &pick(&k), &pick(&v)) {
+            Ok(()) => assert_eq!(saturated, 0, "{config:?}"),
+            Err(Error::Saturated { count, .. }) => assert_eq!(count, saturated, "{config:?}"),
+            Err(e) => panic!("{config:?}: {e}"),
+        }
+    }
 
     let s = gpu.stream();
     let slots_d = s.clone_htod(&mapping).unwrap();
     let (k_d, v_d) = (s.clone_htod(&k).unwrap(), s.clone_htod(&v).unwrap());
     ops::append(&mut dev, &slots_d, &k_d, &v_d, tokens).unwrap();
-    let gpu_non_finite = dev.check_appends().unwrap();
+    let counted = dev.take_counters().unwrap();
+    assert_eq!(counted.out_of_range, 0, "{config:?}: faults");
     let back = dev.to_host().unwrap();
     if let Some(m) = pool_mismatch(&host, &back) {
         panic!(
@@ -263,8 +297,23 @@ fn check_append<T: Input>(gpu: &Gpu, config: CacheConfig, tokens: usize, seed: u
             std::any::type_name::<T>()
         );
     }
-    // Padding tokens' non-finite inputs are not counted (they are not quantized).
-    assert_eq!(gpu_non_finite, non_finite, "{config:?}: non-finite count");
+    // Padding tokens' inputs are not counted (they are not quantized).
+    assert_eq!(
+        counted.non_finite, non_finite,
+        "{config:?}: non-finite count"
+    );
+    assert_eq!(counted.saturated, saturated, "{config:?}: saturated count");
+    if data == Data::Edge {
+        // The edge rows hold values past ±65504 (and, with FP8 / FP4 sides, past their scale's
+        // largest code) for f32 and bf16 inputs: the count above is not trivially zero.
+        let wide = std::any::type_name::<T>() != std::any::type_name::<f16>();
+        let scaled =
+            config.k_format.head_scale().is_some() || config.v_format.head_scale().is_some();
+        assert!(
+            !(wide || scaled) || saturated > 0,
+            "{config:?}: nothing saturated"
+        );
+    }
 
     // Dequantize everything (written rows and poison alike) as one long sequence.
     let table: Vec<i32> = (0..num_blocks as i32).collect();

@@ -67,7 +67,9 @@ static_assert(ids_in_order(AttentionFormats{}), "AttentionFormats lists the ids 
 //   constants  kBits (per code), kGroup (elements per group along head_dim, 0: none),
 //              kGroupMeta (metadata bytes per group), kEpt (elements one thread of the row
 //              kernels handles: one 16-byte vector of codes), kDense (served by the dense
-//              quantize / dequantize), kHeadScale (an f32 scale per head, outside the rows),
+//              quantize / dequantize), kHeadScale (an f32 scale per head, outside the rows;
+//              with it kHeadMax, the largest value a head scale of 1 holds: past the scale
+//              times it, inputs saturate),
 //              kPackedExtremes (packed_extremes exists), optionally kRowMeta (metadata bytes
 //              of the whole row), kRowGroup (the whole row is one group: row_extremes reduces
 //              over the row's lanes where they divide a warp, the row kernels through shared

@@ -187,6 +187,7 @@ template <> struct Codec<kFp4E2m1> {
   // FP8's head scale), prefill and the decode kernel.
   static constexpr bool kDense = true;
   static constexpr bool kHeadScale = true;  // g, per KV head
+  static constexpr float kHeadMax = kFp4GlobalMax;
   static constexpr bool kPackedExtremes = true;
   static constexpr bool kRowGroup = false;
   static constexpr bool kLongEncode = true;  // append tuning (append.cu's AppendTuning)

@@ -113,6 +113,7 @@ template <int F> struct Fp8Codec : UngroupedRows<16, 8> {
   static_assert(F == kFp8E4m3 || F == kFp8E5m2, "FP8 formats only");
   static constexpr bool kDense = true;
   static constexpr bool kHeadScale = true;  // per head (or tensor), outside the rows
+  static constexpr float kHeadMax = Fp8Traits<F>::max_finite;
 
   // ---- row role ----
 

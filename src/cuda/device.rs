@@ -25,6 +25,11 @@ pub struct AppendCounters {
     /// skipped because their slot was outside the pool, and decode / block-copy thread blocks
     /// that met a block id outside the pool or a context longer than its table row.
     pub out_of_range: u64,
+    /// Finite inputs the appends saturated: past ±65504 (FORMATS.md's clamp), or on an FP8 /
+    /// FP4 side past its KV head's scale times the largest code (448 for E4M3). The elements
+    /// [`HostCache::write_strict`](crate::HostCache::write_strict) refuses; a count that grows
+    /// says the scales want calibrating ([`set_scales`](DeviceCache::set_scales)).
+    pub saturated: u64,
 }
 
 /// Where a layer's pool lives: an allocation of its own, or a range of one allocation that
@@ -388,13 +393,15 @@ impl DeviceCache {
         Ok(AppendCounters {
             non_finite: c[sys::KVQ_COUNTER_NON_FINITE],
             out_of_range: c[sys::KVQ_COUNTER_OUT_OF_RANGE],
+            saturated: c[sys::KVQ_COUNTER_SATURATED],
         })
     }
 
     /// Read and reset the counters; an error if any appended token had a slot outside the
     /// pool (it was skipped), or a decode or block copy met a block id outside the pool or a
     /// context longer than its table row (those blocks were not read). Returns the number of
-    /// non-finite inputs met.
+    /// non-finite inputs met; the saturated ones, reset here too, are
+    /// [`take_counters`](Self::take_counters)' to read.
     pub fn check_appends(&mut self) -> Result<u64> {
         let c = self.take_counters()?;
         if c.out_of_range > 0 {

@@ -3,7 +3,8 @@
 pub const KVQ_DENSE_INT4_UNIFORM: i32 = 16;
 pub const KVQ_COUNTER_NON_FINITE: usize = 0;
 pub const KVQ_COUNTER_OUT_OF_RANGE: usize = 1;
-pub const KVQ_NUM_COUNTERS: usize = 2;
+pub const KVQ_COUNTER_SATURATED: usize = 2;
+pub const KVQ_NUM_COUNTERS: usize = 3;
 pub const KVQ_DECODE_CHUNK_TOKENS: i32 = 16;
 pub const KVQ_DECODE_WARPS_MULTIPLE: i32 = 4;
 pub const KVQ_DECODE_MAX_WARPS: i32 = 16;
