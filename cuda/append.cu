@@ -50,26 +50,33 @@ __device__ __forceinline__ void load_raw(const In *p, RawChunk<In, E> &raw) {
 // clamps them to ±65504.
 template <typename In> constexpr bool kMayExceedF16 = !std::is_same<In, __half>::value;
 
-// Widen to f32 and sanitize (FORMATS.md): returns how many inputs were non-finite. The common
-// case (all finite) costs one compare per element, plus a clamp for types whose finite range
-// exceeds f16's; a chunk with a non-finite value takes the careful path.
+// Widen to f32 and sanitize (FORMATS.md): returns how many inputs were non-finite, and adds to
+// `saturated` (when given) the finite ones past `limit`. The common case (all finite, none past
+// the limit) costs one compare per element, plus a clamp for types whose finite range exceeds
+// f16's; a chunk with a non-finite value or one past the limit takes the careful path.
 template <typename In, int E>
-__device__ __forceinline__ uint32_t sanitize_raw(const RawChunk<In, E> &raw, float (&v)[E]) {
+__device__ __forceinline__ uint32_t sanitize_raw(const RawChunk<In, E> &raw, float (&v)[E],
+                                                 float limit = 0x1.fffffep127f,
+                                                 uint32_t *saturated = nullptr) {
   float x[E];
 #pragma unroll
   for (int j = 0; j < E / kChunk; ++j)
     unpack8(reinterpret_cast<const In *>(raw.q) + j * kChunk,
             *reinterpret_cast<float(*)[8]>(x + j * kChunk));
-  bool non_finite = false;
+  bool careful = false;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
-    non_finite |= !(fabsf(x[i]) <= 0x1.fffffep127f);  // NaN or ±Inf
+    careful |= !(fabsf(x[i]) <= limit);  // NaN, ±Inf, or past the limit
     v[i] = kMayExceedF16<In> ? fminf(fmaxf(x[i], -kF16Max), kF16Max) : x[i];
   }
   uint32_t count = 0;
-  if (non_finite) {
+  if (careful) {
 #pragma unroll
-    for (int i = 0; i < E; ++i) v[i] = sanitize(x[i], count);
+    for (int i = 0; i < E; ++i) {
+      const float a = fabsf(x[i]);
+      if (saturated != nullptr) *saturated += a > limit && a <= 0x1.fffffep127f ? 1u : 0u;
+      v[i] = sanitize(x[i], count);
+    }
   }
   return count;
 }
@@ -109,25 +116,6 @@ template <typename In, class C> constexpr bool kMaySaturate = C::kHeadScale || k
 template <class C> __device__ __forceinline__ float saturation_limit(float head_scale) {
   if constexpr (C::kHeadScale) return fminf(head_scale * C::kHeadMax, kF16Max);
   else return kF16Max;
-}
-
-// Whether some input of the chunk may lie past `limit`: false only when none does. NaN and Inf
-// answer true; count_saturated leaves them out. Packed maxima for 16-bit inputs.
-template <typename In, int E>
-__device__ __forceinline__ bool may_exceed(const RawChunk<In, E> &raw, float limit) {
-  if constexpr (sizeof(In) == 2) {
-    using P = typename PairOf<In>::type;
-    P a[E / 2];
-    load_pairs(raw.q, 0x7FFF7FFFu, a);  // |x| of both halves
-    const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(x, y); });
-    return !(__low2float(m) <= limit && __high2float(m) <= limit);
-  } else {
-    const float *x = reinterpret_cast<const float *>(raw.q);
-    bool within = true;
-#pragma unroll
-    for (int i = 0; i < E; ++i) within = within && fabsf(x[i]) <= limit;
-    return !within;
-  }
 }
 
 // Finite inputs of the chunk whose magnitude is past `limit`: the ones that saturate. Called on
@@ -416,12 +404,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
     } else {
       float v[E] = {};
       if (active) {
-        if constexpr (kMaySaturate<In, C>) {
-          const float limit = saturation_limit<C>(p.head_scale);
-          if (__builtin_expect(may_exceed<In, E>(p.raw, limit), 0))
-            saturated += count_saturated<In, E>(p.raw, limit);
-        }
-        non_finite += sanitize_raw<In, E>(p.raw, v);
+        // The saturation limit rides on the non-finite check's one compare an element.
+        if constexpr (kMaySaturate<In, C>)
+          non_finite += sanitize_raw<In, E>(p.raw, v, saturation_limit<C>(p.head_scale),
+                                            &saturated);
+        else
+          non_finite += sanitize_raw<In, E>(p.raw, v);
       }
       const Extremes own = C::extremes(v);
       C::encode([&](int i) { return v[i]; }, own, extremes_for<F>(own, shape), chunk, r, active);
