@@ -85,6 +85,7 @@ fn run() -> kvq::Result<()> {
         },
     )?; // queued on the plan's stream: no allocation, no host sync, capturable in a graph
     cache.check_appends()?; // now and then: slots or block ids outside the pool are errors
+    // (`take_counters()` instead gives every count, the inputs appends saturated among them)
     // README:end
     println!("decoded one step: {} output values", out.len());
 

@@ -26,9 +26,9 @@ pub struct AppendCounters {
     /// that met a block id outside the pool or a context longer than its table row.
     pub out_of_range: u64,
     /// Finite inputs the appends saturated: past ±65504 (FORMATS.md's clamp), or on an FP8 /
-    /// FP4 side past its KV head's scale times the largest code (448 for E4M3). The elements
-    /// [`HostCache::write_strict`](crate::HostCache::write_strict) refuses; a count that grows
-    /// says the scales want calibrating ([`set_scales`](DeviceCache::set_scales)).
+    /// FP4 side past its KV head's scale times the largest code (448 for E4M3): the elements
+    /// [`HostCache::write_strict`] refuses. A count that grows says the scales want
+    /// calibrating ([`set_scales`](DeviceCache::set_scales)).
     pub saturated: u64,
 }
 
