@@ -312,10 +312,15 @@ fn check_attention(
         );
     }
     for (i, (&g, &w)) in got.lse.iter().zip(want_lse).enumerate() {
-        prop_assert!(
-            (g as f64 - w).abs() <= tol * (w.abs() + 1.0),
-            "lse[{i}] = {g}, naive {w}"
-        );
+        if (w as f32).is_infinite() {
+            // Past f32's range (a huge query): the f32 lse is the infinity it rounds to.
+            prop_assert_eq!(g, w as f32, "lse[{}], naive {}", i, w);
+        } else {
+            prop_assert!(
+                (g as f64 - w).abs() <= tol * (w.abs() + 1.0),
+                "lse[{i}] = {g}, naive {w}"
+            );
+        }
     }
     Ok(())
 }
