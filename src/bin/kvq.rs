@@ -241,12 +241,12 @@ impl fmt::Display for FileFormat {
 
 /// The scales of `file` for tensor `name` of `shape` (heads joined already): its layer's key or
 /// value scales by `args`' patterns, one per head.
-fn file_scales(
-    file: &calibrate::ScalesFile,
+fn file_scales<'a>(
+    file: &'a calibrate::ScalesFile,
     args: &QuantizeArgs,
     name: &str,
     shape: &[usize],
-) -> Result<Vec<f32>, CliError> {
+) -> Result<&'a [f32], CliError> {
     let heads = shape.iter().rev().nth(1).copied().unwrap_or(1);
     let (layer, keys) = match (
         args.key_pattern.layer_of(name),
@@ -263,7 +263,7 @@ fn file_scales(
         }
     };
     let s = file.layer(layer, heads)?;
-    Ok(if keys { s.k.clone() } else { s.v.clone() })
+    Ok(if keys { &s.k } else { &s.v })
 }
 
 /// `shape` ([..., heads, head_dim]) with each `n` adjacent heads joined into one: [..., heads /
@@ -346,12 +346,11 @@ fn quantize_file(args: &QuantizeArgs) -> Result<(), CliError> {
             .map_err(|e| CliError::new(format!("tensor '{name}': {e}")))?;
         let x = files::to_f32(name, &view)?;
         let shape = pair_heads(name, view.shape(), pair)?;
-        let head_scales: Option<Vec<f32>> = match &given {
+        let head_scales: Option<&[f32]> = match &given {
             Some(file) => Some(file_scales(file, args, name, &shape)?),
-            None => scale.map(|s| vec![s]),
+            None => scale.as_ref().map(std::slice::from_ref),
         };
-        if let (Some(kind), Some(scales), Some(&d)) =
-            (format.fp8_kind(), &head_scales, shape.last())
+        if let (Some(kind), Some(scales), Some(&d)) = (format.fp8_kind(), head_scales, shape.last())
         {
             // Row r of [..., heads, head_dim] is head r % heads (one scale: every head's).
             for (r, row) in x.chunks(d.max(1)).enumerate() {
@@ -381,7 +380,7 @@ fn quantize_file(args: &QuantizeArgs) -> Result<(), CliError> {
         };
         let (codes, scales, zeros, global_scales) = match format {
             FileFormat::Rows(format) => {
-                let q = match (&given, &head_scales) {
+                let q = match (&given, head_scales) {
                     (Some(_), Some(scales)) => {
                         dense::quantize_fp8_with_scales(format, &x, &shape, scales)
                     }
