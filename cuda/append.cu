@@ -50,6 +50,13 @@ __device__ __forceinline__ void load_raw(const In *p, RawChunk<In, E> &raw) {
 // clamps them to ±65504.
 template <typename In> constexpr bool kMayExceedF16 = !std::is_same<In, __half>::value;
 
+// 1 when x is finite and past ±limit: an input that saturates (what HostCache::write_strict
+// refuses).
+__device__ __forceinline__ uint32_t saturates(float x, float limit) {
+  const float a = fabsf(x);
+  return a > limit && a <= 0x1.fffffep127f ? 1u : 0u;
+}
+
 // Widen to f32 and sanitize (FORMATS.md): returns how many inputs were non-finite, and adds to
 // `saturated` (when given) the finite ones past `limit`. The common case (all finite, none past
 // the limit) costs one compare per element, plus a clamp for types whose finite range exceeds
@@ -73,8 +80,7 @@ __device__ __forceinline__ uint32_t sanitize_raw(const RawChunk<In, E> &raw, flo
   if (careful) {
 #pragma unroll
     for (int i = 0; i < E; ++i) {
-      const float a = fabsf(x[i]);
-      if (saturated != nullptr) *saturated += a > limit && a <= 0x1.fffffep127f ? 1u : 0u;
+      if (saturated != nullptr) *saturated += saturates(x[i], limit);
       v[i] = sanitize(x[i], count);
     }
   }
@@ -125,8 +131,7 @@ __device__ __forceinline__ uint32_t count_saturated(const RawChunk<In, E> &raw, 
   uint32_t n = 0;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
-    const float a = fabsf(to_f32(reinterpret_cast<const In *>(raw.q)[i]));
-    n += a > limit && a <= 0x1.fffffep127f ? 1u : 0u;
+    n += saturates(to_f32(reinterpret_cast<const In *>(raw.q)[i]), limit);
   }
   return n;
 }

@@ -153,15 +153,8 @@ template <> struct Codec<kInt8Pth> {
   template <typename In>
   static __device__ __forceinline__ bool packed_extremes(const RawChunk<In, kEpt> &raw,
                                                          Extremes &ex) {
-    using P = typename PairOf<In>::type;
-    P a[kEpt / 2];
-    load_pairs(raw.q, 0xFFFFFFFFu, a);
-    // |x| of both halves: HMNMX2 takes the absolute values as operand modifiers.
-    const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(__habs2(x), __habs2(y)); });
-    const float m0 = __low2float(m), m1 = __high2float(m);
     ex.lo = 0.0f;
-    ex.hi = fmaxf(m0, m1);
-    return m0 <= 0x1.fffffep127f && m1 <= 0x1.fffffep127f;  // false for NaN
+    return packed_abs_max<In, kEpt / 2>(raw.q, ex.hi);
   }
 
   template <typename Values>

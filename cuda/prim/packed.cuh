@@ -37,4 +37,18 @@ __device__ __forceinline__ P tree_reduce(P (&p)[N], Op op) {
   return p[0];
 }
 
+// The largest magnitude of the 2N 16-bit values (In: __half or __nv_bfloat16) in the N words at
+// `w`, as f32 in `amax` (exact: it is one of them), found on packed pairs (HMNMX2 takes |x| as
+// operand modifiers; NaN-propagating). Returns false when a value is NaN or ±Inf.
+template <typename In, int N>
+__device__ __forceinline__ bool packed_abs_max(const void *w, float &amax) {
+  using P = typename PairOf<In>::type;
+  P a[N];
+  load_pairs(w, 0xFFFFFFFFu, a);
+  const P m = tree_reduce(a, [](P x, P y) { return __hmax2_nan(__habs2(x), __habs2(y)); });
+  const float m0 = __low2float(m), m1 = __high2float(m);
+  amax = fmaxf(m0, m1);
+  return m0 <= 0x1.fffffep127f && m1 <= 0x1.fffffep127f;  // false for NaN
+}
+
 }  // namespace kvq
