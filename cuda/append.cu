@@ -292,7 +292,7 @@ __device__ __forceinline__ Extremes extremes_for(const Extremes &own, const RowS
 }
 
 // Whether append quantizes straight from the packed 16-bit input (f16 / bf16 into the INT4,
-// INT8 and FP4 formats: the codecs with packed_extremes).
+// INT8, FP8 and FP4 formats: the codecs with packed_extremes).
 template <typename In, int F>
 constexpr bool kPackedInput = sizeof(In) == 2 && CodecOf<F>::kPackedExtremes;
 

@@ -8,6 +8,7 @@
 
 #include "codec/format.cuh"
 #include "prim/bits.cuh"
+#include "prim/packed.cuh"
 
 // FP8 E4M3 unpacking in the decode kernel: sm_89+ has a conversion instruction; sm_80 moves the
 // bits into an f16 whose value is the code's value * 2^-8 (exact, subnormals included), and the
@@ -68,22 +69,35 @@ struct Fp8Bracket {
   __device__ __forceinline__ bool valid() const { return lo >= 0x1p-126f && hi <= 0x1.fffffep127f; }
 };
 
-// Encode the pair (x0, x1) / s into two FP8 codes (x0 in the low byte); sets `mismatch` bits when
-// the bracket does not decide and fp8x2_encode(__fdiv_rn(x, s)) must be used instead.
+// Encode the four values x[0..3] / s into four FP8 codes (x[0] in the low byte); `differ` gets
+// the bits where the bracket's two ends encode differently: there the codes must come from
+// fp8x2_encode(__fdiv_rn(x, s)) instead. Whole words, so one XOR compares four codes.
 template <int F>
-__device__ __forceinline__ uint16_t fp8x2_quantize_fast(float x0, float x1, const Fp8Bracket &b,
-                                                        uint32_t &mismatch) {
-  const uint16_t lo = fp8x2_encode<F>(make_float2(__fmul_rn(x0, b.lo), __fmul_rn(x1, b.lo)));
-  const uint16_t hi = fp8x2_encode<F>(make_float2(__fmul_rn(x0, b.hi), __fmul_rn(x1, b.hi)));
-  mismatch |= (uint32_t)(lo ^ hi);
+__device__ __forceinline__ uint32_t fp8x4_quantize_fast(float x0, float x1, float x2, float x3,
+                                                        const Fp8Bracket &b, uint32_t &differ) {
+  auto word = [&](float r) {
+    const uint32_t c01 = fp8x2_encode<F>(make_float2(__fmul_rn(x0, r), __fmul_rn(x1, r)));
+    const uint32_t c23 = fp8x2_encode<F>(make_float2(__fmul_rn(x2, r), __fmul_rn(x3, r)));
+    return c01 | c23 << 16;
+  };
+  const uint32_t lo = word(b.lo), hi = word(b.hi);
+  differ = lo ^ hi;
   return lo;
 }
 
-// The codes of (x0, x1) / s by correctly rounded division, for the pairs the bracket leaves
-// undecided. Out of line because it is rare (see int4_nibble_exact).
+// Word `w` of four codes (x[0] in the low byte) with each pair that `differ` marks (nonzero bits
+// in its half) replaced by the codes of (x0, x1) / s, (x2, x3) / s by correctly rounded
+// division. Out of line because it is rare (see int4_nibble_exact), and so that the hot path
+// keeps whole words.
 template <int F>
-static __device__ __noinline__ uint16_t fp8x2_encode_exact(float x0, float x1, float s) {
-  return fp8x2_encode<F>(make_float2(__fdiv_rn(x0, s), __fdiv_rn(x1, s)));
+static __device__ __noinline__ uint32_t fp8x4_redo(uint32_t w, uint32_t differ, float x0,
+                                                    float x1, float x2, float x3, float s) {
+  uint32_t lo = w & 0xFFFFu, hi = w >> 16;
+  if ((differ & 0xFFFFu) != 0)
+    lo = fp8x2_encode<F>(make_float2(__fdiv_rn(x0, s), __fdiv_rn(x1, s)));
+  if ((differ >> 16) != 0)
+    hi = fp8x2_encode<F>(make_float2(__fdiv_rn(x2, s), __fdiv_rn(x3, s)));
+  return lo | hi << 16;
 }
 
 // ---- decode-kernel unpacking ---------------------------------------------------------------
@@ -114,6 +128,7 @@ template <int F> struct Fp8Codec : UngroupedRows<16, 8> {
   static constexpr bool kDense = true;
   static constexpr bool kHeadScale = true;  // per head (or tensor), outside the rows
   static constexpr float kHeadMax = Fp8Traits<F>::max_finite;
+  static constexpr bool kPackedExtremes = true;
 
   // ---- row role ----
 
@@ -122,26 +137,36 @@ template <int F> struct Fp8Codec : UngroupedRows<16, 8> {
                                                 int chunk, const RowRef &r, bool active) {
     const float s = active ? r.head_scale : 1.0f;  // idle lanes: any valid scale
     const Fp8Bracket bracket(s);
-    // Bit i: pair i needs the exact division. Redone pair by pair, not all 16 elements: inputs
-    // that sit on a rounding tie of x / s (data on a grid commensurate with the scale, e.g.
-    // 3.75 / (10 / 448) = 168, an E4M3 midpoint) leave a few undecided pairs in most warps, and
-    // a divergent branch costs the warp only the pairs some lane needs.
-    uint32_t undecided = bracket.valid() ? 0u : 0xFFu;
     uint4 raw;
-    uint16_t *h = reinterpret_cast<uint16_t *>(&raw);
+    uint32_t(&w)[4] = *reinterpret_cast<uint32_t(*)[4]>(&raw);
+    uint32_t differ[4];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      uint32_t mismatch = 0;
-      h[i] = fp8x2_quantize_fast<F>(v(2 * i), v(2 * i + 1), bracket, mismatch);
-      undecided |= (mismatch != 0 ? 1u : 0u) << i;
-    }
-    if (__builtin_expect(undecided != 0, 0)) {
+    for (int j = 0; j < 4; ++j)
+      w[j] = fp8x4_quantize_fast<F>(v(4 * j), v(4 * j + 1), v(4 * j + 2), v(4 * j + 3), bracket,
+                                    differ[j]);
+    // Undecided words are redone pair by pair, not all 16 elements: inputs that sit on a rounding
+    // tie of x / s (data on a grid commensurate with the scale, e.g. 3.75 / (10 / 448) = 168, an
+    // E4M3 midpoint) leave a few undecided pairs in most warps, and a divergent branch costs the
+    // warp only the words some lane needs.
+    if (!bracket.valid()) differ[0] = differ[1] = differ[2] = differ[3] = ~0u;
+    if (__builtin_expect((differ[0] | differ[1] | differ[2] | differ[3]) != 0, 0)) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if (undecided & (1u << i)) h[i] = fp8x2_encode_exact<F>(v(2 * i), v(2 * i + 1), s);
-      }
+      for (int j = 0; j < 4; ++j)
+        if (differ[j] != 0)
+          w[j] = fp8x4_redo<F>(w[j], differ[j], v(4 * j), v(4 * j + 1), v(4 * j + 2),
+                               v(4 * j + 3), s);
     }
     if (active) reinterpret_cast<uint4 *>(r.codes)[chunk] = raw;
+  }
+
+  // This thread's largest |x| (as extremes: lo 0) of a chunk of f16 / bf16 input, on packed
+  // pairs; false when the chunk holds a NaN or ±Inf. Append checks it against the saturation
+  // limit: one compare a chunk, where the f32 values took one an element.
+  template <typename In>
+  static __device__ __forceinline__ bool packed_extremes(const RawChunk<In, kEpt> &raw,
+                                                         Extremes &ex) {
+    ex.lo = 0.0f;
+    return packed_abs_max<In, kEpt / 2>(raw.q, ex.hi);
   }
 
   static __device__ __forceinline__ void decode(const RowRef &r, int chunk, float (&v)[kEpt]) {
