@@ -13,6 +13,7 @@
 //! [`outlier`] (INT2 / INT3 key rows with each head's top-k channels in f16) is a CPU reference
 //! only, scored by `kvq eval`.
 
+pub(crate) mod dense_format;
 pub mod fp4;
 pub mod fp8;
 pub mod int4;

@@ -5,9 +5,9 @@
 //!
 //! [`DenseFormat`]: crate::dense::DenseFormat
 
+use super::dense_format::DenseFormat;
 use super::fp8::Fp8Kind;
 use super::{KvFormat, fp4, int4, int4_kc};
-use crate::dense::DenseFormat;
 
 /// One cache format's identity and storage, as FORMATS.md defines them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
