@@ -69,8 +69,8 @@ struct Fp8Bracket {
   __device__ __forceinline__ bool valid() const { return lo >= 0x1p-126f && hi <= 0x1.fffffep127f; }
 };
 
-// Encode the four values x[0..3] / s into four FP8 codes (x[0] in the low byte); `differ` gets
-// the bits where the bracket's two ends encode differently: there the codes must come from
+// Encode (x0, x1, x2, x3) / s into four FP8 codes (x0 in the low byte); `differ` gets the bits
+// where the bracket's two ends encode differently: there the codes must come from
 // fp8x2_encode(__fdiv_rn(x, s)) instead. Whole words, so one XOR compares four codes.
 template <int F>
 __device__ __forceinline__ uint32_t fp8x4_quantize_fast(float x0, float x1, float x2, float x3,
@@ -85,7 +85,7 @@ __device__ __forceinline__ uint32_t fp8x4_quantize_fast(float x0, float x1, floa
   return lo;
 }
 
-// Word `w` of four codes (x[0] in the low byte) with each pair that `differ` marks (nonzero bits
+// Word `w` of four codes (x0 in the low byte) with each pair that `differ` marks (nonzero bits
 // in its half) replaced by the codes of (x0, x1) / s, (x2, x3) / s by correctly rounded
 // division. Out of line because it is rare (see int4_nibble_exact), and so that the hot path
 // keeps whole words.
