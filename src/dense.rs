@@ -529,16 +529,25 @@ pub fn quantize_fp8_with_scales<T: Element>(
             actual: scales.len(),
         });
     }
-    if let Some(&bad) = scales
+    check_fp8_scales(
+        kind,
+        scales,
+        "given FP8 scale (max_finite × scale must be finite too)",
+    )?;
+    quantize_rows(format, kv, data, &geometry, scales)
+}
+
+/// Check FP8 scales a caller gives (`what` names them in the error): each must keep
+/// `max_finite × scale` finite, the rule `from_parts` applies to stored scales, so that a
+/// tensor always reads back.
+fn check_fp8_scales(kind: Fp8Kind, scales: &[f32], what: &'static str) -> Result<()> {
+    match scales
         .iter()
         .find(|&&s| !f32_scale_decodes_finite(s, kind.max_finite()))
     {
-        return Err(Error::Scale {
-            what: "given FP8 scale (max_finite × scale must be finite too)",
-            value: bad,
-        });
+        Some(&bad) => Err(Error::Scale { what, value: bad }),
+        None => Ok(()),
     }
-    quantize_rows(format, kv, data, &geometry, scales)
 }
 
 /// FP8 scales for a tensor: `[1]` or `[heads]` values.
@@ -550,13 +559,11 @@ fn fp8_scales<T: Element>(
 ) -> Result<Vec<f32>> {
     Ok(match choice {
         Fp8ScaleChoice::Fixed(s) => {
-            // The rule from_parts applies to stored scales, so a tensor always reads back.
-            if !f32_scale_decodes_finite(s, kind.max_finite()) {
-                return Err(Error::Scale {
-                    what: "fixed FP8 scale (max_finite × scale must be finite too)",
-                    value: s,
-                });
-            }
+            check_fp8_scales(
+                kind,
+                &[s],
+                "fixed FP8 scale (max_finite × scale must be finite too)",
+            )?;
             vec![s]
         }
         Fp8ScaleChoice::PerTensorAmax => vec![kind.scale_from_amax(sanitized_amax(data))],
