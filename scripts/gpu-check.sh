@@ -5,7 +5,10 @@
 # scripts/read_ceiling.py when python3 has torch and triton), every GPU test binary
 # (KVQ_REQUIRE_GPU=1: a missing GPU fails), the engine examples (step loop, tensor parallel),
 # the decode bandwidth grid, the 8x22B budget, the append bench. `quick`: the tests and the
-# examples only. `sanitize`: every GPU test binary, whole, under compute-sanitizer's memcheck
+# examples only. `peers`: the bracketed peer run: the read ceiling, the decode grid, the peers
+# of scripts/peer_decode.py (cuDNN's dense SDPA; FlashInfer and XQA when .gpu-stage/fi holds
+# their prebuilt carry, scripts/stage-flashinfer.sh), the grid again.
+# `sanitize`: every GPU test binary, whole, under compute-sanitizer's memcheck
 # (with leak check), racecheck, initcheck and synccheck (or the TOOLs named); with
 # KVQ_DECODE_QUICK=1 the decode suite is the reduced one (racecheck is slow on the whole).
 # Reports go to $OUT (or ./gpu-check-out): decode_bench.{md,json,png}, moe.md, and every log in
@@ -53,6 +56,20 @@ if [ "$mode" = sanitize ]; then
         --error-exitcode 1 "$bin/test-$1" "${@:2}"
     done
   done
+elif [ "$mode" = peers ]; then
+  step "read ceiling (probe variants)" read_ceiling.log "$bin/example-decode_bench" --ceiling-only
+  step "read ceiling (triton cross-check)" read_ceiling_triton.log python3 "$here/read_ceiling.py"
+  ceiling=$(grep -h '^BEST' "$out"/read_ceiling*.log | awk '{print $NF}' | sort -g | tail -1)
+  step "decode_bench (grid 1)" decode_bench.log "$bin/example-decode_bench" --out "$out" --iters 30
+  if [ -f "$here/fi/install.sh" ]; then
+    step "FlashInfer install" fi-install.log bash "$here/fi/install.sh"
+    source /tmp/site/fi_env.sh
+  fi
+  step "peers" peers.log env PYTHONUNBUFFERED=1 python3 scripts/peer_decode.py \
+    --ceiling "${ceiling:-0}" --json "$out/peers.json"
+  mkdir -p "$out/grid2"
+  step "decode_bench (grid 2)" decode_bench-2.log "$bin/example-decode_bench" --out "$out/grid2" \
+    --iters 30
 else
   step "kvq info" info.log "$bin/bin-kvq" info
   if [ "$mode" != quick ]; then
@@ -91,7 +108,8 @@ grep -h -e '^decode:' -e '^host per step' -e '^capacity shape' "$out"/engine_ste
 grep -h -e 'ERROR SUMMARY' -e 'RACECHECK SUMMARY' -e 'LEAK SUMMARY' "$out"/*check-*.log 2>/dev/null | sort | uniq -c
 printf '%s\n' "${summary[@]}"
 tar -czf "$dest/logs.tar.gz" -C "$out" .
-for f in decode_bench.md decode_bench.json decode_bench.png moe.md read_ceiling_triton.json; do
+for f in decode_bench.md decode_bench.json decode_bench.png moe.md read_ceiling_triton.json \
+  peers.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$dest/"
 done
 # The exit status says whether every step passed (a missing report above is not a failure).

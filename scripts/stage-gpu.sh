@@ -5,7 +5,10 @@
 # machine (its transfer limit is 64 MiB: sm_90a only, stripped, xz-compressed; gpu-check.sh
 # unpacks them). There, from the repo root:
 #   bash .gpu-stage/gpu-check.sh [quick]     tests, sanitizers, benches; logs under $OUT
-# Usage here: scripts/stage-gpu.sh   (KVQ_CUDA_ARCHS overrides the sm_90a default)
+#   bash .gpu-stage/gpu-check.sh peers       kvq's grid beside cuDNN, FlashInfer and XQA
+# Usage here: scripts/stage-gpu.sh   (KVQ_CUDA_ARCHS overrides the sm_90a default; with
+# KVQ_STAGE_PEERS=1 it also stages FlashInfer's prebuilt kernels for the peers, ~17 MB:
+# scripts/stage-flashinfer.sh, ~12 min the first time, under a minute after that)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 if ! command -v nvcc >/dev/null 2>&1 && [ -z "${NVCC:-}" ]; then
@@ -42,4 +45,5 @@ rm -rf .gpu-stage/bin
 cp scripts/gpu-check.sh scripts/read_ceiling.py .gpu-stage/
 data=../shared/data/minilm_kv.safetensors
 [ -f "$data" ] && cp "$data" .gpu-stage/data/
+if [ "${KVQ_STAGE_PEERS:-0}" = 1 ]; then scripts/stage-flashinfer.sh .gpu-stage/fi; fi
 tar -tJf .gpu-stage/bin.tar.xz; du -sh .gpu-stage
