@@ -31,13 +31,14 @@ COLUMNS = [
 def main():
     d = Path(sys.argv[1])
     grids = [json.loads((d / p).read_text()) for p in ("decode_bench.json", "grid2/decode_bench.json")]
-    reads = [g["ceiling_gbps"] for g in grids]
-    for log in d.glob("read_ceiling*.log"):
-        reads += [float(x) for x in re.findall(r"^BEST \S+ ([\d.]+)", log.read_text(), re.M)]
-    ceiling = max(reads)
+    reads = {f"grid {i + 1}'s probe": g["ceiling_gbps"] for i, g in enumerate(grids)}
+    for log in sorted(d.glob("read_ceiling*.log")):
+        for x in re.findall(r"^BEST (\S+) ([\d.]+)", log.read_text(), re.M):
+            reads[x[0]] = float(x[1])
+    ceiling = max(reads.values())
     peers = json.loads((d / "peers.json").read_text())["rows"]
-    print(f"{grids[0]['device']}: reads {', '.join(f'{r:.0f}' for r in reads)} GB/s; "
-          f"the ceiling used {ceiling:.0f}\n")
+    print(f"{grids[0]['device']}: reads (GB/s) " + ", ".join(f"{k} {v:.1f}" for k, v in reads.items())
+          + f"; the ceiling used {ceiling:.0f}\n")
 
     def shape(r):
         return r["case"], r["batch"], r["context_len"]
