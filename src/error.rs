@@ -1,7 +1,7 @@
 //! The crate's one error type. Every variant carries the values that were wrong, so a caller can
 //! print it and know what to fix without a debugger.
 
-use crate::format::KvFormat;
+use crate::format::kind::KvFormat;
 
 /// Errors returned by every fallible call in the crate.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]
