@@ -17,8 +17,8 @@ f32 reference on a small batch of mixed lengths, and a peer that fails the check
 
 FlashInfer and XQA need FlashInfer 0.7.2 with its kernels prebuilt for sm_90a (the GPU machine
 cannot compile them in the time it is lent): `scripts/stage-flashinfer.sh` says how the carry is
-made and installed. Built for head_dim 128, pages of 16 and bf16 queries (XQA: GQA groups 4 and
-6 only; FlashInfer: any group).
+made and installed. Built for pages of 16 and bf16 queries; FlashInfer for head_dim 64, 128 and
+256 (any GQA group), XQA for head_dim 128 and groups 1, 4 and 6: the grid's shapes.
 """
 
 import argparse
@@ -135,11 +135,11 @@ PAGED = {"fi": (fi_run, "NHD"), "xqa": (xqa_run, "HND")}
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def check(name, kv, hq, hkv, ws):
+def check(name, kv, hq, hkv, d, ws):
     """A paged peer against the f32 reference on mixed lengths: (max |error| of each sequence
     over that sequence's largest |output|, worst sequence)."""
     run, layout = PAGED[name]
-    c = Paged([1, 17, 300, 1024, 4097], hq, hkv, 128, KV_DTYPES[kv], layout, seed=3)
+    c = Paged([1, 17, 300, 1024, 4097], hq, hkv, d, KV_DTYPES[kv], layout, seed=3)
     out, ref = run(c, ws)().float(), c.reference()
     per_seq = (out - ref).abs().amax(dim=(1, 2)) / ref.abs().amax(dim=(1, 2))
     return per_seq.max().item()
@@ -165,21 +165,22 @@ def main():
             print(f"flashinfer unavailable ({type(e).__name__}: {str(e)[:120]}): cuDNN only")
             paged = []
     ws = {p: torch.zeros(128 << 20, dtype=torch.uint8, device=DEV) for p in paged}
-    usable = {}  # (peer, kv, group) -> checked
+    usable = {}  # (peer, kv, q heads, kv heads, head_dim) -> passed its check
     for p in paged:
         for kv in KV_DTYPES:
-            for hq, hkv in [(32, 8), (6, 1), (32, 32)]:
+            for hq, hkv, d in dict.fromkeys((hq, hkv, d) for _, _, _, hq, hkv, d in GRID):
                 try:
-                    err = check(p, kv, hq, hkv, ws[p])
+                    err = check(p, kv, hq, hkv, d, ws[p])
                     # bf16 outputs err by a few of their ulps (0.4-0.7 %); XQA's FP8 kernel
                     # also rounds q and P to E4M3 (3.6-3.8 %); a broken kernel errs by O(1).
                     ok = err < 0.1
-                    print(f"check {p} {kv} {hq}/{hkv}: max |err| / max |out| {err:.4f} "
+                    print(f"check {p} {kv} {hq}/{hkv} d={d}: max |err| / max |out| {err:.4f} "
                           f"{'ok' if ok else 'WRONG'}")
                 except Exception as e:  # noqa: BLE001 - refused or not built: reported, skipped
                     ok = False
-                    print(f"check {p} {kv} {hq}/{hkv}: refused: {str(e).splitlines()[0][:100]}")
-                usable[(p, kv, hq // hkv)] = ok
+                    print(f"check {p} {kv} {hq}/{hkv} d={d}: refused: "
+                          f"{str(e).splitlines()[0][:100]}")
+                usable[(p, kv, hq, hkv, d)] = ok
     print("| case | B | L | heads q/kv | d | peer | KV | µs | GB/s | % ceiling |")
     print("|---|---:|---:|---|---:|---|---|---:|---:|---:|")
     rows = []
@@ -220,7 +221,7 @@ def main():
         for p in paged:
             for kv, dt in KV_DTYPES.items():
                 row = dict(shape, peer=p, kv=kv)
-                if d != 128 or hq % hkv or not usable.get((p, kv, hq // hkv), False):
+                if not usable.get((p, kv, hq, hkv, d), False):
                     refused(row, "not built or failed its check")
                     rows.append(row)
                     continue

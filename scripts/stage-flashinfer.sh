@@ -7,15 +7,16 @@
 # these kernels there would eat its lent time, so they are compiled here and shipped as FlashInfer
 # AOT artifacts, flashinfer/data/aot/<name>/<name>.so, which it loads instead of JIT-compiling.
 #
-# What: head_dim 128, pages of 16, bf16 queries and output, bf16 or FP8 E4M3 KV caches (10 modules):
-#   fa2:KV     batch prefill, which BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) runs
+# What: pages of 16, bf16 queries and output, bf16 or FP8 E4M3 KV caches (16 modules):
+#   fa2:KV[:D] batch prefill, which BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
+#              runs, head_dim D (default 128; 64 and 256 for the grid's gqa-d64 / gqa-d256)
 #   fa2i:KV    its stride-independent twin (used when K and V have different strides)
-#   xqa:KV:G   XQA, GQA group G compiled in: 4 and 6
+#   xqa:KV:G   XQA at head_dim 128, GQA group G compiled in: 1, 4 and 6
 #   dec:KV     the CUDA-core decode (use_tensor_cores=False)
 # MODULES="xqa:bf16:4 ..." builds only those (default: all).
 #
 # Cost on a 2-core machine, one nvcc at a time (MAX_JOBS=1): ~130-150 s per fa2 module, ~75 s
-# per fa2i, ~16 s per XQA, ~30 s per dec, so ~10 min in all, after ~2 min installing a ~5 GB
+# per fa2i, ~16 s per XQA, ~30 s per dec, so ~20 min in all, after ~2 min installing a ~5 GB
 # build venv (PyPI's torch 2.11.0 and its CUDA wheels; only its CPU side is used). A rerun with
 # the same WORK recompiles nothing. The carry is ~17 MB.
 #
@@ -31,7 +32,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=$(realpath -m "${1:-$root/.gpu-stage/fi}")
 work=$(realpath -m "${2:-/tmp/kvq-flashinfer}")
-modules=${MODULES:-fa2:bf16 fa2:e4m3 fa2i:bf16 fa2i:e4m3 xqa:bf16:4 xqa:bf16:6 xqa:e4m3:4 xqa:e4m3:6 dec:bf16 dec:e4m3}
+modules=${MODULES:-fa2:bf16 fa2:e4m3 fa2:bf16:64 fa2:e4m3:64 fa2:bf16:256 fa2:e4m3:256 fa2i:bf16 fa2i:e4m3 xqa:bf16:1 xqa:bf16:4 xqa:bf16:6 xqa:e4m3:1 xqa:e4m3:4 xqa:e4m3:6 dec:bf16 dec:e4m3}
 log() { echo "stage-flashinfer: $*" >&2; }
 
 # Pins. The carry's wheels are for the GPU machine's CPython 3.12; install.sh installs tvm-ffi
@@ -122,9 +123,10 @@ KV = {"bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}
 PLAIN = dict(pos_encoding_mode=0, use_sliding_window=False, use_logits_soft_cap=False)
 
 def spec(key):
-    kind, kv, *group = key.split(":")
+    kind, kv, *extra = key.split(":")  # extra: XQA's group, or the others' head_dim (128)
+    d = int(extra[0]) if extra and kind != "xqa" else 128
     common = dict(dtype_q=bf16, dtype_kv=KV[kv], dtype_o=bf16, dtype_idx=torch.int32,
-                  head_dim_qk=128, head_dim_vo=128, **PLAIN)
+                  head_dim_qk=d, head_dim_vo=d, **PLAIN)
     if kind in ("fa2", "fa2i"):
         gen = _gen_batch_prefill_primary_module if kind == "fa2" else _gen_batch_prefill_independent_paged_module
         return gen(backend="fa2", use_fp16_qk_reduction=False, **common)
@@ -132,7 +134,7 @@ def spec(key):
         return gen_batch_decode_module(**common)
     if kind == "xqa":
         return gen_xqa_module(input_dtype=bf16, kv_cache_dtype=KV[kv], page_size=16, head_dim=128,
-                              head_group_ratio=int(group[0]), use_sliding_window=False,
+                              head_group_ratio=int(extra[0]), use_sliding_window=False,
                               output_dtype=bf16, q_seq_len=1, use_ragged_q=False)
     sys.exit(f"unknown module {key!r}")
 
@@ -252,7 +254,7 @@ Contents
   wheels/                apache_tvm_ffi 0.1.15.post2 cp312 (required) + small deps (installed only if missing)
   install.sh             offline install into /tmp/site, writes /tmp/site/fi_env.sh
 
-Modules (head_dim 128, pages of 16, bf16 query and output, KV cache bf16 or FP8 E4M3):
+Modules (pages of 16, bf16 query and output, KV cache bf16 or FP8 E4M3; head_dim 128 unless named):
   batch_prefill_..._kv_stride_equal
       -> BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) (fa2 path; GQA group is a runtime arg)
   batch_prefill_..._paged_kv_stride_independent  (only used when K and V tensors have different strides)
@@ -260,7 +262,8 @@ Modules (head_dim 128, pages of 16, bf16 query and output, KV cache bf16 or FP8 
       -> BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=False) (CUDA-core decode)
   xqa_..._head_group_ratio_{4,6}_...
       -> trtllm_batch_decode_with_kv_cache(backend auto/'xqa' on sm90); group size is compiled in
-Not built: page sizes other than 16, head_dim != 128, fp16, sliding window, logits soft cap, q_len>1.
+Not built: page sizes other than 16, fp16, sliding window, logits soft cap, q_len>1; head_dim 64 and
+256 for the fa2 path only.
 
 Built here:
 EOF
