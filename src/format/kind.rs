@@ -2,8 +2,8 @@
 //! crate's error type can name a format without importing the formats' code.
 
 /// A cache element format, usable for keys or values. Its identity and storage (names, bits,
-/// groups, metadata, head scale) are its row of [`SPECS`](super::SPECS); the discriminant is the row's index
-/// and the `kvq_format` id of `cuda/kvq.h`.
+/// groups, metadata, head scale) are its row of [`SPECS`](super::SPECS); the discriminant is the
+/// row's index and the `kvq_format` id of `cuda/kvq.h`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum KvFormat {
