@@ -46,6 +46,13 @@ tests=("gpu_append" "gpu_decode --test-threads 8" "gpu_engine --test-threads 1" 
 [ "$mode" = sanitize ] && tests=("gpu_append --test-threads 1" "gpu_decode --test-threads 1" \
   "gpu_engine --test-threads 1" "gpu_prefill --test-threads 1" "gpu_calibrate --test-threads 1")
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader > "$out/gpu.txt" 2>&1
+read_ceiling() {  # kvq's probe variants, then Triton's read right after on the same warm GPU
+  step "read ceiling (probe variants)" read_ceiling.log "$bin/example-decode_bench" --ceiling-only
+  if python3 -c 'import torch, triton' 2>/dev/null; then
+    step "read ceiling (triton cross-check)" read_ceiling_triton.log \
+      python3 "$here/read_ceiling.py" --json "$out/read_ceiling_triton.json"
+  fi
+}
 if [ "$mode" = sanitize ]; then
   tools=("$@"); [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck initcheck synccheck)
   for tool in "${tools[@]}"; do
@@ -57,8 +64,7 @@ if [ "$mode" = sanitize ]; then
     done
   done
 elif [ "$mode" = peers ]; then
-  step "read ceiling (probe variants)" read_ceiling.log "$bin/example-decode_bench" --ceiling-only
-  step "read ceiling (triton cross-check)" read_ceiling_triton.log python3 "$here/read_ceiling.py"
+  read_ceiling
   ceiling=$(grep -h '^BEST' "$out"/read_ceiling*.log | awk '{print $NF}' | sort -g | tail -1)
   step "decode_bench (grid 1)" decode_bench.log "$bin/example-decode_bench" --out "$out" --iters 30
   if [ -f "$here/fi/install.sh" ]; then
@@ -72,14 +78,7 @@ elif [ "$mode" = peers ]; then
     --iters 30
 else
   step "kvq info" info.log "$bin/bin-kvq" info
-  if [ "$mode" != quick ]; then
-    step "read ceiling (probe variants)" read_ceiling.log "$bin/example-decode_bench" --ceiling-only
-    # Right after the probe, on the same warm GPU, so that the two BEST lines compare.
-    if python3 -c 'import torch, triton' 2>/dev/null; then
-      step "read ceiling (triton cross-check)" read_ceiling_triton.log \
-        python3 "$here/read_ceiling.py" --json "$out/read_ceiling_triton.json"
-    fi
-  fi
+  if [ "$mode" != quick ]; then read_ceiling; fi
   for t in "${tests[@]}"; do
     set -- $t
     step "tests: $1" "test-$1.log" "$bin/test-$1" "${@:2}"

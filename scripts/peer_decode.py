@@ -228,8 +228,7 @@ def main():
                 try:
                     c = Paged([l] * b, hq, hkv, d, dt, PAGED[p][1])
                     fn = PAGED[p][0](c, ws[p])
-                    elem = dt.itemsize
-                    nbytes = 2 * b * hkv * l * d * elem + b * hq * d * 2 + c.used_pages * 4
+                    nbytes = 2 * b * hkv * l * d * dt.itemsize + b * hq * d * 2 + c.used_pages * 4
                     report(row, time_us(fn, flush, a.iters), nbytes)
                     del c, fn
                 except Exception as e:  # noqa: BLE001 - a refusal is a result
