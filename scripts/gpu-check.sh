@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU machine's side of scripts/stage-gpu.sh: run from the repo root as
-#   bash .gpu-stage/gpu-check.sh [quick | sanitize [TOOL...]]
+#   bash .gpu-stage/gpu-check.sh [quick | peers | prefill-peers | sanitize [TOOL...]]
 # Default: the read ceiling (every probe variant, then the Triton cross-check
 # scripts/read_ceiling.py when python3 has torch and triton), every GPU test binary
 # (KVQ_REQUIRE_GPU=1: a missing GPU fails), the engine examples (step loop, tensor parallel),
 # the decode bandwidth grid, the 8x22B budget, the append bench. `quick`: the tests and the
 # examples only. `peers`: the bracketed peer run: the read ceiling, the decode grid, the peers
 # of scripts/peer_decode.py (cuDNN's dense SDPA; FlashInfer and XQA when .gpu-stage/fi holds
-# their prebuilt carry, scripts/stage-flashinfer.sh), the grid again.
+# their prebuilt carry, scripts/stage-flashinfer.sh), the grid again. `prefill-peers`: the same
+# bracket for prefill: the read ceiling, kvq's prefill grid, scripts/peer_prefill.py (cuDNN's
+# dense SDPA; FlashInfer's fa2 and fa3 paged prefill from the carry), the grid again, and the
+# compute anchors of scripts/prefill_anchor.py.
 # `sanitize`: every GPU test binary, whole, under compute-sanitizer's memcheck
 # (with leak check), racecheck, initcheck and synccheck (or the TOOLs named); with
 # KVQ_DECODE_QUICK=1 the decode suite is the reduced one (racecheck is slow on the whole).
@@ -63,19 +66,32 @@ if [ "$mode" = sanitize ]; then
         --error-exitcode 1 "$bin/test-$1" "${@:2}"
     done
   done
-elif [ "$mode" = peers ]; then
+elif [ "$mode" = peers ] || [ "$mode" = prefill-peers ]; then
   read_ceiling
   ceiling=$(grep -h '^BEST' "$out"/read_ceiling*.log | awk '{print $NF}' | sort -g | tail -1)
-  step "decode_bench (grid 1)" decode_bench.log "$bin/example-decode_bench" --out "$out" --iters 30
+  if [ "$mode" = peers ]; then
+    step "decode_bench (grid 1)" decode_bench.log "$bin/example-decode_bench" --out "$out" --iters 30
+  else
+    step "prefill_bench (grid 1)" prefill.md "$bin/example-prefill_bench" \
+      --json "$out/prefill_bench.json"
+  fi
   if [ -f "$here/fi/install.sh" ]; then
     step "FlashInfer install" fi-install.log bash "$here/fi/install.sh"
     source /tmp/site/fi_env.sh
   fi
-  step "peers" peers.log env PYTHONUNBUFFERED=1 python3 scripts/peer_decode.py \
-    --ceiling "${ceiling:-0}" --json "$out/peers.json"
-  mkdir -p "$out/grid2"
-  step "decode_bench (grid 2)" decode_bench-2.log "$bin/example-decode_bench" --out "$out/grid2" \
-    --iters 30
+  if [ "$mode" = peers ]; then
+    step "peers" peers.log env PYTHONUNBUFFERED=1 python3 scripts/peer_decode.py \
+      --ceiling "${ceiling:-0}" --json "$out/peers.json"
+    mkdir -p "$out/grid2"
+    step "decode_bench (grid 2)" decode_bench-2.log "$bin/example-decode_bench" \
+      --out "$out/grid2" --iters 30
+  else
+    step "prefill peers" prefill-peers.log env PYTHONUNBUFFERED=1 python3 \
+      scripts/peer_prefill.py --ceiling "${ceiling:-0}" --json "$out/prefill_peers.json"
+    step "prefill_bench (grid 2)" prefill-2.md "$bin/example-prefill_bench" \
+      --json "$out/prefill_bench-2.json"
+    step "compute anchors" prefill_anchor.log python3 scripts/prefill_anchor.py
+  fi
 else
   step "kvq info" info.log "$bin/bin-kvq" info
   if [ "$mode" != quick ]; then read_ceiling; fi
@@ -102,13 +118,16 @@ cat "$out/gpu.txt"
 [ -f "$out/decode_bench.md" ] && cat "$out/decode_bench.md"
 [ -f "$out/moe.md" ] && cat "$out/moe.md"
 [ -f "$out/prefill.md" ] && cat "$out/prefill.md"
+[ -f "$out/prefill-peers.log" ] && grep -e '^|' -e '^check' "$out/prefill-peers.log"
+[ -f "$out/prefill-2.md" ] && cat "$out/prefill-2.md"
+[ -f "$out/prefill_anchor.log" ] && cat "$out/prefill_anchor.log"
 grep -h -e '^read ceiling' -e '^BEST' "$out"/read_ceiling*.log 2>/dev/null
 grep -h -e '^decode:' -e '^host per step' -e '^capacity shape' "$out"/engine_step.log 2>/dev/null
 grep -h -e 'ERROR SUMMARY' -e 'RACECHECK SUMMARY' -e 'LEAK SUMMARY' "$out"/*check-*.log 2>/dev/null | sort | uniq -c
 printf '%s\n' "${summary[@]}"
 tar -czf "$dest/logs.tar.gz" -C "$out" .
 for f in decode_bench.md decode_bench.json decode_bench.png moe.md read_ceiling_triton.json \
-  peers.json; do
+  peers.json prefill_bench.json prefill_peers.json; do
   [ -f "$out/$f" ] && cp "$out/$f" "$dest/"
 done
 # The exit status says whether every step passed (a missing report above is not a failure).

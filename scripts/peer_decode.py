@@ -21,14 +21,13 @@ made and installed. Built for pages of 16 and bf16 queries; FlashInfer for head_
 256 (any GQA group), XQA for head_dim 128 and groups 1, 4 and 6: the grid's shapes.
 """
 
-import argparse
-import json
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from peer_common import DEV, PAGE, have_flashinfer, parse_args, start, time_us, write_json
 
 # (case, batch, context, q heads, kv heads, head_dim): the standard grid.
 GRID = [
@@ -45,25 +44,6 @@ GRID = [
     ("gqa-d64", 64, 16384, 32, 8, 64),
     ("gqa-d256", 32, 8192, 16, 4, 256),
 ]
-PAGE = 16
-DEV = "cuda"
-
-
-def time_us(fn, flush, iters):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        flush.sum()
-        torch.cuda._sleep(200_000)  # ~0.1 ms of GPU time while the host queues the call
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1e3)
-    return statistics.median(ts)
 
 
 class Paged:
@@ -146,24 +126,12 @@ def check(name, kv, hq, hkv, d, ws):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ceiling", type=float, help="read ceiling in GB/s for the % column")
-    ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--peers", default="cudnn,fi,xqa", help="comma-separated: cudnn, fi, xqa")
-    a = ap.parse_args()
+    a = parse_args("cudnn,fi,xqa", 30)
     peers = a.peers.split(",")
-    flush = torch.ones(256 << 20 >> 2, device=DEV, dtype=torch.int32)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}")
+    flush = start()
     paged = [p for p in peers if p in PAGED]
-    if paged:
-        try:
-            import flashinfer
-
-            print(f"flashinfer {flashinfer.__version__}")
-        except Exception as e:  # noqa: BLE001 - any import failure means: no paged peers
-            print(f"flashinfer unavailable ({type(e).__name__}: {str(e)[:120]}): cuDNN only")
-            paged = []
+    if paged and not have_flashinfer():
+        paged = []
     ws = {p: torch.zeros(128 << 20, dtype=torch.uint8, device=DEV) for p in paged}
     usable = {}  # (peer, kv, q heads, kv heads, head_dim) -> passed its check
     for p in paged:
@@ -235,9 +203,7 @@ def main():
                     refused(row, str(e).splitlines()[0])
                 rows.append(row)
                 torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), ceiling=a.ceiling, rows=rows), f, indent=1)
+    write_json(a.json, a.ceiling, rows)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 # unpacks them). There, from the repo root:
 #   bash .gpu-stage/gpu-check.sh [quick]     tests, sanitizers, benches; logs under $OUT
 #   bash .gpu-stage/gpu-check.sh peers       kvq's grid beside cuDNN, FlashInfer and XQA
+#   bash .gpu-stage/gpu-check.sh prefill-peers  kvq's prefill grid beside cuDNN and FlashInfer
 # Usage here: scripts/stage-gpu.sh   (KVQ_CUDA_ARCHS overrides the sm_90a default; with
 # KVQ_STAGE_PEERS=1 it also stages FlashInfer's prebuilt kernels for the peers, ~21 MB:
 # scripts/stage-flashinfer.sh, ~20 min the first time, under a minute after that)
