@@ -7,18 +7,22 @@
 # these kernels there would eat its lent time, so they are compiled here and shipped as FlashInfer
 # AOT artifacts, flashinfer/data/aot/<name>/<name>.so, which it loads instead of JIT-compiling.
 #
-# What: pages of 16, bf16 queries and output, bf16 or FP8 E4M3 KV caches (16 modules):
-#   fa2:KV[:D] batch prefill, which BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True)
-#              runs, head_dim D (default 128; 64 and 256 for the grid's gqa-d64 / gqa-d256)
+# What: pages of 16, bf16 queries and output, bf16 or FP8 E4M3 KV caches (18 modules):
+#   fa2:KV[:D] batch prefill, which BatchPrefillWithPagedKVCacheWrapper(backend="fa2") and
+#              BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) run, head_dim D
+#              (default 128; 64 and 256 for the grid's gqa-d64 / gqa-d256)
 #   fa2i:KV    its stride-independent twin (used when K and V have different strides)
+#   fa3:bf16   batch prefill on FlashAttention-3's Hopper kernels (backend="fa3"), head_dim 128
+#   fa3q8:e4m3 the same with FP8 E4M3 queries and cache (FP8 tensor cores; fa3 takes an FP8
+#              cache only with an FP8 query)
 #   xqa:KV:G   XQA at head_dim 128, GQA group G compiled in: 1, 4 and 6
 #   dec:KV     the CUDA-core decode (use_tensor_cores=False)
 # MODULES="xqa:bf16:4 ..." builds only those (default: all).
 #
 # Cost on a 2-core machine, one nvcc at a time (MAX_JOBS=1): ~130-150 s per fa2 module, ~75 s
-# per fa2i, ~16 s per XQA, ~30 s per dec, so ~20 min in all, after ~2 min installing a ~5 GB
-# build venv (PyPI's torch 2.11.0 and its CUDA wheels; only its CPU side is used). A rerun with
-# the same WORK recompiles nothing. The carry is ~21 MB.
+# per fa2i, ~620 s per fa3, ~16 s per XQA, ~30 s per dec, so ~40 min in all, after ~2 min
+# installing a ~5 GB build venv (PyPI's torch 2.11.0 and its CUDA wheels; only its CPU side is
+# used). A rerun with the same WORK recompiles nothing. The carry is ~21 MB.
 #
 # On the GPU machine (Python 3.12, torch in /opt/torch/.venv), from the repo root:
 #   bash .gpu-stage/fi/install.sh && source /tmp/site/fi_env.sh
@@ -32,7 +36,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=$(realpath -m "${1:-$root/.gpu-stage/fi}")
 work=$(realpath -m "${2:-/tmp/kvq-flashinfer}")
-modules=${MODULES:-fa2:bf16 fa2:e4m3 fa2:bf16:64 fa2:e4m3:64 fa2:bf16:256 fa2:e4m3:256 fa2i:bf16 fa2i:e4m3 xqa:bf16:1 xqa:bf16:4 xqa:bf16:6 xqa:e4m3:1 xqa:e4m3:4 xqa:e4m3:6 dec:bf16 dec:e4m3}
+modules=${MODULES:-fa2:bf16 fa2:e4m3 fa2:bf16:64 fa2:e4m3:64 fa2:bf16:256 fa2:e4m3:256 fa2i:bf16 fa2i:e4m3 fa3:bf16 fa3q8:e4m3 xqa:bf16:1 xqa:bf16:4 xqa:bf16:6 xqa:e4m3:1 xqa:e4m3:4 xqa:e4m3:6 dec:bf16 dec:e4m3}
 log() { echo "stage-flashinfer: $*" >&2; }
 
 # Pins. The carry's wheels are for the GPU machine's CPython 3.12; install.sh installs tvm-ffi
@@ -62,9 +66,12 @@ log "nvcc: $("$toolkit/bin/nvcc" --version | grep -o 'release [0-9.]*, V[0-9.]*'
 # stub, so FlashInfer gets a CUDA_HOME of symlinks to the toolkit with those two added.
 cuda=$work/cuda
 rm -rf "$cuda"; mkdir -p "$cuda/lib64/stubs"
-for d in bin include nvvm; do
+for d in bin nvvm; do
   if [ -e "$toolkit/$d" ]; then ln -s "$toolkit/$d" "$cuda/$d"; fi
 done
+# include/: the toolkit's headers, one link each, so that curand's can join them below.
+mkdir "$cuda/include"
+for f in "$toolkit"/include/*; do ln -s "$f" "$cuda/include/"; done
 libdir=$toolkit/lib64; [ -d "$libdir" ] || libdir=$toolkit/lib
 for f in "$libdir"/*; do
   if [ "${f##*/}" != stubs ]; then ln -s "$f" "$cuda/lib64/"; fi
@@ -91,6 +98,13 @@ venv=$work/venv
 py=$venv/bin/python
 log "build venv (torch 2.11.0 and its CUDA wheels: a few GB on first run)"
 "$py" -m pip install -q torch==2.11.0 "$tvm_ffi" ninja==1.13.2 numpy==2.4.6 "${small[@]}"
+# The fa3 modules' sources include curand_kernel.h, which the toolkit's wheels leave out; torch's
+# CUDA wheels carry curand's headers.
+curand_h=$(find "$venv" -name curand_kernel.h -path '*nvidia*' | head -1)
+[ -n "$curand_h" ] || { log "no curand_kernel.h in the build venv"; exit 1; }
+for f in "$(dirname "$curand_h")"/curand*; do
+  [ -e "$cuda/include/${f##*/}" ] || ln -s "$f" "$cuda/include/"
+done
 mkdir -p "$work/dl/carry"
 "$py" -m pip download -q --no-deps -d "$work/dl" "$flashinfer"
 "$py" -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
@@ -114,7 +128,7 @@ import os, shutil, sys, time
 import torch
 from flashinfer.jit.attention.modules import (
     _gen_batch_prefill_independent_paged_module, _gen_batch_prefill_primary_module,
-    gen_batch_decode_module)
+    gen_batch_decode_module, gen_batch_prefill_module)
 from flashinfer.jit.xqa import gen_xqa_module
 
 bf16 = torch.bfloat16
@@ -130,6 +144,10 @@ def spec(key):
     if kind in ("fa2", "fa2i"):
         gen = _gen_batch_prefill_primary_module if kind == "fa2" else _gen_batch_prefill_independent_paged_module
         return gen(backend="fa2", use_fp16_qk_reduction=False, **common)
+    if kind in ("fa3", "fa3q8"):
+        if kind == "fa3q8":
+            common["dtype_q"] = KV[kv]
+        return gen_batch_prefill_module(backend="fa3", use_fp16_qk_reduction=False, **common)
     if kind == "dec":
         return gen_batch_decode_module(**common)
     if kind == "xqa":
@@ -256,14 +274,17 @@ Contents
 
 Modules (pages of 16, bf16 query and output, KV cache bf16 or FP8 E4M3; head_dim 128 unless named):
   batch_prefill_..._kv_stride_equal
-      -> BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) (fa2 path; GQA group is a runtime arg)
+      -> BatchPrefillWithPagedKVCacheWrapper(backend="fa2") and
+         BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) (GQA group, mask: runtime args)
   batch_prefill_..._paged_kv_stride_independent  (only used when K and V tensors have different strides)
+  batch_prefill_... (fa3 backend: bf16 query and cache, or FP8 E4M3 query and cache)
+      -> BatchPrefillWithPagedKVCacheWrapper(backend="fa3")
   batch_decode_...
       -> BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=False) (CUDA-core decode)
   xqa_..._head_group_ratio_{1,4,6}_...
       -> trtllm_batch_decode_with_kv_cache(backend auto/'xqa' on sm90); group size is compiled in
-Not built: page sizes other than 16, fp16, sliding window, logits soft cap, q_len>1; head_dim 64 and
-256 for the fa2 path only.
+Not built: page sizes other than 16, fp16, sliding window, logits soft cap, XQA for q_len>1;
+head_dim 64 and 256 for the fa2 path only.
 
 Built here:
 EOF
@@ -272,6 +293,7 @@ EOF
 
 On the GPU machine, from the repo root:
   bash .gpu-stage/fi/install.sh && source /tmp/site/fi_env.sh && python3 scripts/peer_decode.py
+  (python3 scripts/peer_prefill.py for the prefill peers)
 EOF
 } > "$out/README.txt"
 
