@@ -22,7 +22,7 @@
 # Cost on a 2-core machine, one nvcc at a time (MAX_JOBS=1): ~130-150 s per fa2 module, ~75 s
 # per fa2i, ~620 s per fa3, ~16 s per XQA, ~30 s per dec, so ~40 min in all, after ~2 min
 # installing a ~5 GB build venv (PyPI's torch 2.11.0 and its CUDA wheels; only its CPU side is
-# used). A rerun with the same WORK recompiles nothing. The carry is ~21 MB.
+# used). A rerun with the same WORK recompiles nothing. The carry is ~22 MB.
 #
 # On the GPU machine (Python 3.12, torch in /opt/torch/.venv), from the repo root:
 #   bash .gpu-stage/fi/install.sh && source /tmp/site/fi_env.sh

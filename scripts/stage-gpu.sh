@@ -8,8 +8,8 @@
 #   bash .gpu-stage/gpu-check.sh peers       kvq's grid beside cuDNN, FlashInfer and XQA
 #   bash .gpu-stage/gpu-check.sh prefill-peers  kvq's prefill grid beside cuDNN and FlashInfer
 # Usage here: scripts/stage-gpu.sh   (KVQ_CUDA_ARCHS overrides the sm_90a default; with
-# KVQ_STAGE_PEERS=1 it also stages FlashInfer's prebuilt kernels for the peers, ~21 MB:
-# scripts/stage-flashinfer.sh, ~20 min the first time, under a minute after that)
+# KVQ_STAGE_PEERS=1 it also stages FlashInfer's prebuilt kernels for the peers, ~22 MB:
+# scripts/stage-flashinfer.sh, ~40 min the first time, under a minute after that)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 if ! command -v nvcc >/dev/null 2>&1 && [ -z "${NVCC:-}" ]; then
