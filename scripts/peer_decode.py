@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from peer_common import DEV, PAGE, have_flashinfer, parse_args, start, time_us, write_json
+from peer_common import (DEV, PAGE, have_flashinfer, parse_args, random_cache, scattered_pages,
+                         start, time_us, write_json)
 
 # (case, batch, context, q heads, kv heads, head_dim): the standard grid.
 GRID = [
@@ -52,23 +53,13 @@ class Paged:
     def __init__(self, lens, hq, hkv, d, kv_dtype, layout, seed=7):
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.lens, self.hq, self.hkv, self.d = lens, hq, hkv, d
+        self.indptr, self.indices, self.last, total = scattered_pages(lens, seed)
         per = [math.ceil(n / PAGE) for n in lens]
-        total = sum(per)
-        perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
-        self.indptr = torch.tensor([0] + list(torch.tensor(per).cumsum(0)), dtype=torch.int32)
-        self.indices = perm.to(torch.int32)
-        self.last = torch.tensor([(n - 1) % PAGE + 1 for n in lens], dtype=torch.int32)
         self.tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
         for b in range(len(lens)):
             self.tables[b, : per[b]] = self.indices[self.indptr[b] : self.indptr[b + 1]]
         shape = (total, 2, PAGE, hkv, d) if layout == "NHD" else (total, 2, hkv, PAGE, d)
-        # Filled in slices: a bf16 cache of B=64 L=16k is 4.3 GB, its f32 source twice that.
-        self.kv = torch.empty(shape, device=DEV, dtype=kv_dtype)
-        for s in range(0, total, 4096):
-            n = min(4096, total - s)
-            self.kv[s : s + n] = (
-                torch.randn((n,) + shape[1:], device=DEV, generator=g) * 0.5
-            ).to(kv_dtype)
+        self.kv = random_cache(shape, kv_dtype, g)
         self.layout = layout
         self.q = (torch.randn(len(lens), hq, d, device=DEV, generator=g) * 0.5).to(torch.bfloat16)
         self.indptr, self.indices = self.indptr.to(DEV), self.indices.to(DEV)

@@ -28,13 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from peer_common import DEV, PAGE, have_flashinfer, parse_args, start, time_us, write_json
+from peer_common import (DEV, PAGE, have_flashinfer, parse_args, random_cache, scattered_pages,
+                         start, time_us, write_json)
 
 HQ, HKV, D = 32, 8, 128
-
-
-def mixed():
-    return [(1, 16384)] * 63 + [(1024, 4096)]
 
 
 # (name, [(new tokens, context) per sequence]): prefill_bench's shapes, less its routed one.
@@ -45,7 +42,7 @@ GRID = [
     ("extend 16 after 16k, B=32", [(16, 16384)] * 32),
     ("extend 64 after 16k, B=8", [(64, 16384)] * 8),
     ("extend 16 after 128k, B=1", [(16, 131072)]),
-    ("mixed: 63 decodes after 16k + 1k chunk", mixed()),
+    ("mixed: 63 decodes after 16k + 1k chunk", [(1, 16384)] * 63 + [(1024, 4096)]),
 ]
 FP8 = torch.float8_e4m3fn
 # name -> (FlashInfer backend, query dtype, cache dtype)
@@ -69,22 +66,11 @@ class Paged:
     def __init__(self, seqs, q_dtype, kv_dtype, seed=7):
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.seqs = seqs
-        per = [math.ceil(l / PAGE) for _, l in seqs]
-        total = sum(per)
-        perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed))
-        self.kv_indptr = torch.tensor([0] + list(torch.tensor(per).cumsum(0)), dtype=torch.int32)
-        self.indices = perm.to(torch.int32)
-        self.last = torch.tensor([(l - 1) % PAGE + 1 for _, l in seqs], dtype=torch.int32)
+        lens = [l for _, l in seqs]
+        self.kv_indptr, self.indices, self.last, total = scattered_pages(lens, seed)
         self.qo_indptr = torch.tensor([0] + list(torch.tensor([n for n, _ in seqs]).cumsum(0)),
                                       dtype=torch.int32)
-        shape = (total, 2, PAGE, HKV, D)
-        # Filled in slices: the mixed step's bf16 cache is 4.3 GB, its f32 source twice that.
-        self.kv = torch.empty(shape, device=DEV, dtype=kv_dtype)
-        for s in range(0, total, 4096):
-            n = min(4096, total - s)
-            self.kv[s : s + n] = (
-                torch.randn((n,) + shape[1:], device=DEV, generator=g) * 0.5
-            ).to(kv_dtype)
+        self.kv = random_cache((total, 2, PAGE, HKV, D), kv_dtype, g)
         rows = int(self.qo_indptr[-1])
         self.q = (torch.randn(rows, HQ, D, device=DEV, generator=g) * 0.5).to(q_dtype)
         self.used_pages = total
