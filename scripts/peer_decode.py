@@ -54,7 +54,7 @@ class Paged:
         g = torch.Generator(device=DEV).manual_seed(seed)
         self.lens, self.hq, self.hkv, self.d = lens, hq, hkv, d
         self.indptr, self.indices, self.last, total = scattered_pages(lens, seed)
-        per = [math.ceil(n / PAGE) for n in lens]
+        per = self.indptr.diff().tolist()  # pages per sequence
         self.tables = torch.zeros(len(lens), max(per), dtype=torch.int32)
         for b in range(len(lens)):
             self.tables[b, : per[b]] = self.indices[self.indptr[b] : self.indptr[b + 1]]
