@@ -105,7 +105,8 @@ struct Case {
     /// (`factor * 2^(-8 (h + 1) / heads)`).
     alibi: Option<f32>,
     splits: Option<usize>,
-    /// Extra elements between tokens of q (a fused-QKV view) and an f32 output.
+    /// Extra elements between tokens of q (a fused-QKV view) and of out (an odd stride), and an
+    /// f32 output.
     strided: bool,
     /// Leading one-token rows through the decode kernel (`with_decode_rows`).
     route: bool,
@@ -295,8 +296,14 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     let mut qo_both = QoIndptr::new(gpu, counts.len().max(1)).expect("qo_indptr");
     qo_both.set_counts(&counts).expect("set qo_indptr");
     assert_eq!(qo_both.host(), &qo[..]);
+    // Strided: an odd token stride in out too, whose rows the kernel stores element by element.
+    let out_token = if case.strided {
+        heads * d + 1
+    } else {
+        heads * d
+    };
     let mut out_dev = s
-        .clone_htod(&vec![O::nan(); total.max(1) * heads * d])
+        .clone_htod(&vec![O::nan(); total.max(1) * out_token])
         .expect("out");
     let mut lse_dev = s
         .clone_htod(&vec![f32::NAN; total.max(1) * heads])
@@ -316,7 +323,10 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
                 head: d,
             },
             out: &mut out_dev,
-            out_rows: TokenRows::contiguous(heads, d),
+            out_rows: TokenRows {
+                token: out_token,
+                head: d,
+            },
             lse: Some((&mut lse_dev, TokenRows::contiguous(heads, 1))),
             sinks: case.sinks.then_some(&sinks_dev),
             alibi_slopes: case.alibi.is_some().then_some(&slopes_dev),
@@ -335,7 +345,20 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         panic!("{name}: {e}");
     }
 
-    let out = &out[..total * heads * d];
+    let pads_written = out
+        .chunks(out_token)
+        .take(total)
+        .filter(|t| !t[heads * d..].iter().all(|x| x.is_nan()))
+        .count();
+    assert_eq!(
+        pads_written, 0,
+        "{name}: {pads_written} tokens' padding written"
+    );
+    let out: Vec<f32> = out
+        .chunks(out_token)
+        .take(total)
+        .flat_map(|t| t[..heads * d].iter().copied())
+        .collect();
     let unwritten = out.iter().filter(|x| !x.is_finite()).count();
     assert_eq!(
         unwritten, 0,

@@ -688,11 +688,17 @@ template <int R> struct WarpSoftmax {
     // capped, biased, masked to -inf) and e_a is 1.
     float mx_a = -INFINITY, mx_b = -INFINITY, e_a = 1.f, e_b = 1.f;
     if (plain_ok && tok0 >= in_lo && tok0 + kTokens <= in_hi) {
+      // Pairwise, so that the chain of dependent maxima is 4 deep rather than 8.
+      float ma[8], mb[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
-      }
+      for (int j = 0; j < 8; ++j)
+        ma[j] = fmaxf(s[j][0], s[j][1]), mb[j] = fmaxf(s[j][2], s[j][3]);
+#pragma unroll
+      for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+        for (int j = 0; j < w; ++j)
+          ma[j] = fmaxf(ma[j], ma[j + w]), mb[j] = fmaxf(mb[j], mb[j + w]);
+      mx_a = ma[0], mx_b = mb[0];
       e_a = mul_a, e_b = mul_b;
     } else {
       // Key tok is in row a's range when tok - lo_a < hi_a - lo_a (unsigned).
@@ -734,9 +740,13 @@ template <int R> struct WarpSoftmax {
     m_a = mn_a, m_b = mn_b;
     const float sub_a = mn_a == -INFINITY ? 0.f : mn_a, sub_b = mn_b == -INFINITY ? 0.f : mn_b;
     l_a *= al_a, l_b *= al_b;
+    // O keeps its scale when no row of the warp found a larger logit (alpha exactly 1: skipping
+    // changes no bit), most steps once the rows have seen their largest keys.
+    if (__any_sync(kFull, al_a != 1.f || al_b != 1.f)) {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
+      for (int i = 0; i < D / 8; ++i)
+        o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float p0 = fast_exp2(fmaf(s[j][0], e_a, -sub_a));
@@ -789,12 +799,14 @@ template <int R> struct WarpSoftmax {
         L = l * scale_o + fast_exp2(s2 - M);
       }
       const float inv = L > 0.f ? scale_o * v_factor / L : 0.f;
+      // A row starts on an even element when the view's strides are even (d is).
+      const bool paired = ((p.o_tok | p.o_head) & 1) == 0 &&
+                          (reinterpret_cast<uintptr_t>(p.out) & 7) == 0;
 #pragma unroll
       for (int c = 0; c < D / 8; ++c) {
         const int d = c * 8 + 2 * t;
         const float *oc = o[c] + 2 * half;
-        store_out(p.out, rw.out[rr] + d, oc[0] * inv, p.out_dtype);
-        store_out(p.out, rw.out[rr] + d + 1, oc[1] * inv, p.out_dtype);
+        store_out2(p.out, rw.out[rr] + d, oc[0] * inv, oc[1] * inv, p.out_dtype, paired);
       }
       if (t == 0 && p.lse != nullptr)
         p.lse[rw.lse[rr]] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
@@ -804,11 +816,11 @@ template <int R> struct WarpSoftmax {
 
 #if KVQ_HAS_WGMMA
 /// O += P V on a warpgroup, waited: P from this thread's A fragments (n-tile j, rows a / b), V
-/// the operand tile at shared address vt (an N-major B: 16 keys are 2048 bytes of every column
-/// block). The fences keep O's rescale and P's packing before the MMAs, and every use of o and
-/// pa after the wait.
+/// the operand tile whose descriptor's low word is v_lo (b128_desc_lo; an N-major B: 16 keys are
+/// 2048 bytes of every column block). The fences keep O's rescale and P's packing before the
+/// MMAs, and every use of o and pa after the wait.
 template <bool VB, int D>
-__device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], uint32_t (&pa)[8][2], uint32_t vt) {
+__device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], uint32_t (&pa)[8][2], uint32_t v_lo) {
 #pragma unroll
   for (int i = 0; i < D / 8; ++i)
     for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
@@ -818,7 +830,7 @@ __device__ __forceinline__ void wg_pv(float (&o)[D / 8][4], uint32_t (&pa)[8][2]
 #pragma unroll
   for (int ks2 = 0; ks2 < 4; ++ks2) {
     const uint32_t a[4] = {pa[2 * ks2][0], pa[2 * ks2][1], pa[2 * ks2 + 1][0], pa[2 * ks2 + 1][1]};
-    const uint64_t desc = b128_desc(vt + ks2 * 2048, 8192);
+    const uint64_t desc = b128_desc_at(v_lo, ks2 * 2048);
     if constexpr (D == 128) wgmma_m64n128k16<VB, 1>(o, a, desc, 1);
     else wgmma_m64n64k16<VB, 1>(o, a, desc, 1);
   }
@@ -855,15 +867,15 @@ __device__ __forceinline__ void wg_wait_scores(float (&s)[8][4]) {
 }
 
 /// S = Q K^T on a warpgroup, waited: Q from this thread's A fragments qf (held in registers),
-/// K the operand tile at shared address kt (K-major: 64-column block kk / 4 of the rows, 32
-/// bytes per k-step within it).
+/// K the operand tile whose descriptor's low word is k_lo (b128_desc_lo; K-major: 64-column
+/// block kk / 4 of the rows, 32 bytes per k-step within it).
 template <bool KB, int D>
 __device__ __forceinline__ void wg_qk(float (&s)[8][4], const uint32_t (&qf)[D / 16][4],
-                                      uint32_t kt) {
+                                      uint32_t k_lo) {
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const uint64_t kd = b128_desc(kt + (kk / 4) * (kTokens * 128) + (kk % 4) * 32, 8192);
+    const uint64_t kd = b128_desc_at(k_lo, (kk / 4) * (kTokens * 128) + (kk % 4) * 32);
     wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
   }
   wg_wait_scores(s);
@@ -1066,7 +1078,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
       // is this warpgroup's 64 rows of the Q tile (or, held, its registers).
       const uint32_t kt = smem_u32(k_op(st)), qt = smem_u32(qs) + (warp / 4) * 64 * 128;
       if constexpr (QREG) {
-        wg_qk<KB, D>(s, qf, kt);
+        wg_qk<KB, D>(s, qf, b128_desc_lo(kt, 8192));
       } else {
         wgmma_fence();
 #pragma unroll
@@ -1103,7 +1115,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
     // O += P V: per 16 tokens, A = P (n-tiles 2ks, 2ks + 1), B = V^T by transposed ldmatrix
     // (or, wgmma, an N-major B: 16 keys are 2048 bytes of every column block).
 #if KVQ_HAS_WGMMA
-    if constexpr (WG) wg_pv<VB, D>(o, pa, smem_u32(v_op(st)));
+    if constexpr (WG) wg_pv<VB, D>(o, pa, b128_desc_lo(smem_u32(v_op(st)), 8192));
 #endif
 #pragma unroll
     for (int ks2 = 0; ks2 < (WG ? 0 : 4); ++ks2) {
@@ -1406,18 +1418,24 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     for (int kk = 0; kk < D / 16; ++kk)
       ldmatrix_x4(smem_u32(qs) + tile_at<D, true, R>(cw * 16 + lane % 16, 2 * kk + lane / 16),
                   qf[kk]);
+    // Addresses the loop would otherwise convert every step: stage s's barriers are 8 s bytes
+    // past the first, its K tile's descriptor 2 TILE bytes past stage 0's, its V tile's TILE
+    // past its K tile's.
+    const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
+    const uint32_t k_lo0 = b128_desc_lo(smem_u32(k_op(0)), 8192);
 #pragma unroll 1
     for (int st = 0; st < nsteps; ++st) {
       const int s = st % S;
-      mbar_wait(&full[s], (st / S) & 1);
+      const uint32_t k_lo = k_lo0 + s * (2 * TILE >> 4);
+      mbar_wait(full0 + 8 * s, (st / S) & 1);
       float sc[8][4];
-      wg_qk<KB, D>(sc, qf, smem_u32(k_op(s)));
+      wg_qk<KB, D>(sc, qf, k_lo);
 
       uint32_t pa[8][2];
       sm.template step<VB, D>(sc, base + st * kTokens, o, pa);
 
-      wg_pv<VB, D>(o, pa, smem_u32(v_op(s)));
-      mbar_arrive(&empty[s]);  // this thread is done with the stage's tiles
+      wg_pv<VB, D>(o, pa, k_lo + (TILE >> 4));
+      mbar_arrive(empty0 + 8 * s);  // this thread is done with the stage's tiles
     }
     sm.template finish<D>(p, job, o, v_factor);
   }

@@ -50,4 +50,21 @@ __device__ __forceinline__ void store_out(void *p, int64_t i, float x, int32_t d
     reinterpret_cast<float *>(p)[i] = x;
 }
 
+/// Elements i and i + 1 set to x and y as store_out does; as one store of the pair where
+/// `paired` (i even and the output aligned to 8 bytes), else one by one.
+__device__ __forceinline__ void store_out2(void *p, int64_t i, float x, float y, int32_t dtype,
+                                          bool paired) {
+  if (!paired) {
+    store_out(p, i, x, dtype);
+    store_out(p, i + 1, y, dtype);
+  } else if (dtype == KVQ_DTYPE_BF16) {
+    reinterpret_cast<__nv_bfloat162 *>(p)[i / 2] =
+        __halves2bfloat162(__float2bfloat16_rn(x), __float2bfloat16_rn(y));
+  } else if (dtype == KVQ_DTYPE_F16) {
+    reinterpret_cast<__half2 *>(p)[i / 2] = __halves2half2(__float2half_rn(x), __float2half_rn(y));
+  } else {
+    reinterpret_cast<float2 *>(p)[i / 2] = make_float2(x, y);
+  }
+}
+
 }  // namespace kvq

@@ -20,11 +20,13 @@ __device__ __forceinline__ void fence_mbarrier_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-/// One arrival (release: this thread's earlier writes are visible to the waiters).
-__device__ __forceinline__ void mbar_arrive(uint64_t *bar) {
-  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar))
-               : "memory");
+/// One arrival (release: this thread's earlier writes are visible to the waiters) on the barrier
+/// at shared address `bar` (a loop keeps its barriers' addresses: converting a pointer costs
+/// instructions every time).
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(uint64_t *bar) { mbar_arrive(smem_u32(bar)); }
 
 /// One arrival that also raises the bytes the current phase waits for (bulk copies complete
 /// them as transactions).
@@ -62,14 +64,17 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t *bar, unsigned parity) {
 
 /// Wait (acquire) until the phase of parity `parity` has completed: mbar_try_wait in a loop of
 /// PTX (as a C++ loop around it, ptxas kept more registers live across it and spilled).
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+__device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
   asm volatile(
       "{\n.reg .pred done;\n"
       "KVQ_MBAR_WAIT:\n"
       "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra KVQ_MBAR_WAIT;\n}\n" ::"r"(smem_u32(bar)),
+      "@!done bra KVQ_MBAR_WAIT;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
+  mbar_wait(smem_u32(bar), parity);
 }
 
 #endif  // __CUDA_ARCH__ >= 900

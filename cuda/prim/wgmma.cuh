@@ -29,12 +29,29 @@ __host__ __device__ constexpr int b128_at(int row, int chunk) {
   return (chunk / 8) * (kTileRows * 128) + row * 128 + (((chunk % 8) ^ (row % 8)) << 4);
 }
 
-/// Descriptor of a B128 tile's operand starting at shared address `addr` (1024-aligned tile
-/// base plus the operand's offset): stride between 8-row groups 1024 bytes, between column
-/// blocks `block_bytes` (used by N-major operands wider than one block).
+/// A B128 operand's descriptor is two words: the low one holds the start address (in 16-byte
+/// units) and the stride between column blocks, the high one what every B128 tile shares (1024
+/// bytes between 8-row groups, the 128-byte swizzle). A loop keeps the low word of a tile and
+/// adds each operand's offset to it (b128_desc_at): one add in place of the masks and shifts of
+/// b128_desc. The add cannot carry out of the address field, since shared memory ends below
+/// 2^18 bytes.
+constexpr uint32_t kB128DescHi = (1024 >> 4) | (1u << 30);
+
+/// Low word of the descriptor of a B128 operand at shared address `addr` (1024-aligned tile
+/// base plus the operand's offset) whose column blocks are `block_bytes` apart (N-major operands
+/// wider than one block).
+__host__ __device__ constexpr uint32_t b128_desc_lo(uint32_t addr, uint32_t block_bytes) {
+  return ((addr & 0x3FFFF) >> 4) | ((block_bytes >> 4) << 16);
+}
+
+/// Descriptor of the operand `bytes` past the one whose low word is `lo`.
+__device__ __forceinline__ uint64_t b128_desc_at(uint32_t lo, uint32_t bytes) {
+  return ((uint64_t)kB128DescHi << 32) | (lo + (bytes >> 4));
+}
+
+/// Descriptor of a B128 operand at shared address `addr` (b128_desc_lo).
 __device__ __forceinline__ uint64_t b128_desc(uint32_t addr, uint32_t block_bytes) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(block_bytes >> 4) << 16) |
-         ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
+  return b128_desc_at(b128_desc_lo(addr, block_bytes), 0);
 }
 
 #if KVQ_HAS_WGMMA
