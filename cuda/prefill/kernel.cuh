@@ -296,7 +296,11 @@ template <int R, int kThreads>
 __device__ __forceinline__ bool find_tile(const Params &p, int tile, int *seq, int *index,
                                           int *count) {
   constexpr int kWarps = kThreads / 32;
-  __shared__ int s_seq, s_index, s_count, s_warp[kWarps];
+  // The warps' sums in whole 16-byte words of their own: the sums are read four at a time, and
+  // such a read must not take in s_count, which a thread writes meanwhile (racecheck says so,
+  // though the value goes unused).
+  __shared__ __align__(16) int s_warp[(kWarps + 3) / 4 * 4];
+  __shared__ int s_seq, s_index, s_count;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if (tid == 0) s_seq = -1;
   __syncthreads();
