@@ -132,48 +132,67 @@ template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limi
 }
 
 /// Call fn(std::bool_constant<QUANT>) for the warp-specialized instance of sides k and v of
-/// operand type KB at tiles of R rows (QUANT: both quantized; wide tiles only, ws_sides).
-template <bool KB, int R, class Fn> cudaError_t with_ws(const Side &k, Fn &&fn) {
-  if constexpr (KB || R != kWideRows) return fn(std::false_type{});
+/// operand type KB (QUANT: both quantized, decoded to f16 operands; ws_sides).
+template <bool KB, class Fn> cudaError_t with_ws(const Side &k, Fn &&fn) {
+  if constexpr (KB) return fn(std::false_type{});
   else return k.direct ? fn(std::false_type{}) : fn(std::true_type{});
 }
 
+/// Call fn(std::integral_constant<int, A>) for the instance's raw steps ahead: kWsRawDeep where
+/// `ahead` says so (quantized sides at wide tiles), else 1.
+template <bool QUANT, int R, class Fn> cudaError_t with_ahead(int ahead, Fn &&fn) {
+  if constexpr (QUANT && R == kWideRows)
+    if (ahead == kWsRawDeep) return fn(std::integral_constant<int, kWsRawDeep>{});
+  return fn(std::integral_constant<int, 1>{});
+}
+
 /// Whether the warp-specialized kernel (prefill/kernel.cuh) may serve an instance: head_dim
-/// 128 and sides it takes at the instance's tiles (ws_sides). KVQ_PREFILL_WS=0 turns it off,
-/// for A/B runs against the block-synchronous kernel.
+/// 128 and sides it takes (ws_sides). KVQ_PREFILL_WS=0 turns it off, for A/B runs against the
+/// block-synchronous kernel.
 template <int D, bool KB, bool VB, int R, bool KC>
 bool ws_serves(const Side &k, const Side &v) {
   static const bool off = [] {
     const char *e = std::getenv("KVQ_PREFILL_WS");
     return e != nullptr && e[0] == '0';
   }();
-  return D == kWsD && !KC && ws_sides(k, v, KB, VB, R) && !off;
+  return D == kWsD && !KC && ws_sides(k, v, KB, VB) && !off;
 }
 
 /// Prepare the warp-specialized kernel of operand type KB at tiles of R rows for sides k and v;
 /// *usable is false where its layout does not fit or the device runs code of it built without
 /// sm_90a features: other GPUs, or PTX alone JIT-compiled for a Hopper GPU, whose stub (binary
 /// version 90 too) declares no shared memory, unlike the kernel.
-template <bool KB, bool QUANT, int R>
+template <bool KB, bool QUANT, int R, int A>
 cudaError_t prepare_ws(const Side &k, const Side &v, bool *usable) {
   static std::atomic<uint64_t> done{0};
   int limit = 0;
   cudaFuncAttributes attr{};
   const cudaError_t e =
-      prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT, R>, done, &limit, &attr);
+      prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT, R, A>, done, &limit, &attr);
   *usable = e == cudaSuccess && attr.binaryVersion == 90 && attr.sharedSizeBytes > 0 &&
-            ws_smem_bytes(k, v, R) <= limit;
+            ws_layout(k, v, R, A).bytes <= limit;
   return e;
 }
 
 /// Prepare the warp-specialized kernel for an instance: KVQ_OK with *usable (false where it does
-/// not serve the instance), or KVQ_ERR_LAUNCH (the error recorded).
+/// not serve the instance) and *ahead (its raw steps ahead: kWsRawDeep where that layout fits,
+/// else 1), or KVQ_ERR_LAUNCH (the error recorded).
 template <int D, bool KB, bool VB, int R, bool KC>
-int ws_instance(const Side &k, const Side &v, bool *usable) {
+int ws_instance(const Side &k, const Side &v, bool *usable, int *ahead) {
   *usable = false;
+  *ahead = 1;
   if (!ws_serves<D, KB, VB, R, KC>(k, v)) return KVQ_OK;
-  const cudaError_t e = with_ws<KB, R>(
-      k, [&](auto q) { return prepare_ws<KB, decltype(q)::value, R>(k, v, usable); });
+  const cudaError_t e = with_ws<KB>(k, [&](auto q) {
+    constexpr bool Q = decltype(q)::value;
+    if constexpr (Q && R == kWideRows) {
+      const cudaError_t deep = prepare_ws<KB, Q, R, kWsRawDeep>(k, v, usable);
+      if (deep != cudaSuccess || *usable) {
+        *ahead = kWsRawDeep;
+        return deep;
+      }
+    }
+    return prepare_ws<KB, Q, R, 1>(k, v, usable);
+  });
   if (e == cudaSuccess) return KVQ_OK;
   set_last_error(e);
   return KVQ_ERR_LAUNCH;
@@ -194,9 +213,11 @@ struct Prepare {
     int bytes = smem_layout<D, R>(k, v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
     bool usable = false;
-    const int status = ws_instance<D, KB, VB, R, KC>(k, v, &usable);
+    int ahead = 1;
+    const int status = ws_instance<D, KB, VB, R, KC>(k, v, &usable, &ahead);
     if (status != KVQ_OK) return status;
-    if (usable) bytes = bytes > ws_smem_bytes(k, v, R) ? bytes : ws_smem_bytes(k, v, R);
+    const int ws_bytes = ws_layout(k, v, R, ahead).bytes;
+    if (usable) bytes = bytes > ws_bytes ? bytes : ws_bytes;
     *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
   }
@@ -213,14 +234,18 @@ struct Launch {
     if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
     const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
     bool usable = false;
-    const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, &usable);
+    int ahead = 1;
+    const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, &usable, &ahead);
     if (status != KVQ_OK) return status;
     if (usable) {
-      const int bytes = ws_smem_bytes(p.k, p.v, R);
-      with_ws<KB, R>(p.k, [&](auto q) {
+      const int bytes = ws_layout(p.k, p.v, R, ahead).bytes;
+      with_ws<KB>(p.k, [&](auto q) {
         constexpr bool Q = decltype(q)::value;
-        prefill_ws_kernel<KB, KB, Q, R><<<grid, ws_threads(Q, R), bytes, stream>>>(p);
-        return cudaSuccess;
+        return with_ahead<Q, R>(ahead, [&](auto a) {
+          constexpr int A = decltype(a)::value;
+          prefill_ws_kernel<KB, KB, Q, R, A><<<grid, ws_threads(Q, R), bytes, stream>>>(p);
+          return cudaSuccess;
+        });
       });
       ws = true;
       return launch_status();

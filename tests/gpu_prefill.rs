@@ -561,10 +561,11 @@ fn wide_tiles_warp_specialized() {
     );
 }
 
-/// Narrow tiles at head_dim 128 over 16-bit caches (on sm_90a the warp-specialized kernel at 64
-/// rows a block, two blocks an SM): extend-like steps of a few new tokens over longer contexts,
-/// f16 and bf16 caches, bf16 queries over f16 keys, windows, soft cap, sinks, ALiBi, key splits,
-/// strided views and pages of 32 tokens; in quick mode too, for the sanitizers.
+/// Narrow tiles at head_dim 128 (on sm_90a the warp-specialized kernel at 64 rows a block, two
+/// blocks an SM; for quantized caches its Q tile over the staging areas): extend-like steps of a
+/// few new tokens over longer contexts, f16 and bf16 caches, bf16 queries over f16 keys, FP8,
+/// INT4, INT8 and FP4 on both sides, windows, soft cap, sinks, ALiBi, key splits, strided views
+/// and pages of 32 tokens; in quick mode too, for the sanitizers.
 #[test]
 fn narrow_tiles_warp_specialized() {
     // 4 x (16 + 3 + 9) rows over 3 sequences: narrow tiles (< 128 rows a sequence).
@@ -574,6 +575,10 @@ fn narrow_tiles_warp_specialized() {
             (KvFormat::F16, KvFormat::F16, false),
             (KvFormat::F16, KvFormat::F16, true),
             (KvFormat::Bf16, KvFormat::Bf16, true),
+            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, true),
+            (KvFormat::Fp8E5m2, KvFormat::Int4Affine64, false),
+            (KvFormat::Int4Sym32, KvFormat::Int4Affine64, true),
+            (KvFormat::Int8Pth, KvFormat::Fp4E2m1, true),
         ],
         &[(16, 400), (3, 90), (9, 9)],
     );
@@ -583,8 +588,8 @@ fn narrow_tiles_warp_specialized() {
 /// it) is counted and its tokens read as zeros: the launch matches the CPU reference over a table
 /// that names a spare block of zero bytes there (zeros in every format: INT4's scales and zeros
 /// too). 16-bit, FP8 and INT4 caches at wide and narrow tiles: on sm_90a the warp-specialized
-/// kernel's 16-bit copies (zero-filled), its quantized producers (which store the zeros
-/// themselves) and its narrow tiles, and the block-synchronous kernel's quantized narrow tiles.
+/// kernel's 16-bit copies (zero-filled) and its quantized producers (which store the zeros
+/// themselves), at both tile widths.
 #[test]
 fn block_outside_the_pool_reads_as_zeros() {
     let Some(gpu) = require_gpu_or_skip("block_outside_the_pool_reads_as_zeros") else {

@@ -1143,10 +1143,10 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
   sm.template finish<D>(p, job, o, v_factor);
 }
 
-// ---- Warp-specialized tiles (sm_90a, head_dim 128; wide tiles whose sides are both stored as
-// their 16-bit operands or both quantized, narrow tiles of 16-bit sides). Producer warps fill a
-// ring of stages with each step's K and V operand tiles — copied, or for quantized sides copied
-// raw into a staging area a step ahead and decoded by the producers — and hand every stage over
+// ---- Warp-specialized tiles (sm_90a, head_dim 128; sides both stored as their 16-bit operands
+// or both quantized, wide and narrow tiles). Producer warps fill a ring of stages with each
+// step's K and V operand tiles — copied, or for quantized sides copied raw into a staging area
+// steps ahead and decoded by the producers — and hand every stage over
 // through an mbarrier; a consumer warpgroup per 64 rows (Q fragments held in registers) runs
 // S = Q K^T, the softmax and O += P V from the ring and gives each stage back through a second
 // mbarrier. No block-wide barrier is left in the loop, so one consumer warpgroup's softmax
@@ -1154,17 +1154,18 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 // the copies and the decode run ahead of them.
 
 /// Threads of a warp-specialized block: a consumer warpgroup per 64 of its R rows, then its
-/// producer threads (one warpgroup, or for quantized sides kWsQuantProducers: the decode is
-/// most of a producer's work).
+/// producer threads: one warpgroup, or for quantized sides at wide tiles kWsQuantProducers (the
+/// decode is most of a producer's work; narrow tiles share an SM, and its registers, with
+/// another block).
 constexpr int kWsQuantProducers = 256;
-__host__ __device__ constexpr int ws_producers(bool quant) {
-  return quant ? kWsQuantProducers : 128;
+__host__ __device__ constexpr int ws_producers(bool quant, int r) {
+  return quant && r == kWideRows ? kWsQuantProducers : 128;
 }
 __host__ __device__ constexpr int ws_threads(bool quant, int r) {
-  return ws_producers(quant) + 2 * r;
+  return ws_producers(quant, r) + 2 * r;
 }
-/// Blocks an SM holds: wide tiles one (two consumer warpgroups), narrow tiles (16-bit sides
-/// only) two, so that an SM still has two consumer warpgroups.
+/// Blocks an SM holds: wide tiles one (two consumer warpgroups), narrow tiles two, so that an
+/// SM still has two consumer warpgroups.
 __host__ __device__ constexpr int ws_blocks_per_sm(int r) { return r == kWideRows ? 1 : 2; }
 /// Stages of the ring: what fits the blocks an SM holds.
 __host__ __device__ constexpr int ws_stages(int r) { return r == kWideRows ? 4 : 2; }
@@ -1174,49 +1175,58 @@ constexpr int kWsD = 128;
 __host__ __device__ constexpr int ws_in_flight(int r) {
   return ws_stages(r) < 3 ? ws_stages(r) : 3;
 }
-/// Quantized sides: steps whose raw rows are in flight ahead of the one being decoded, in a
-/// ring of staging areas (the step being decoded holds one).
-constexpr int kWsRawAhead = 1;
-constexpr int kWsRawSlots = kWsRawAhead + 1;
+/// Quantized sides: steps whose raw rows are in flight ahead of the one being decoded (the
+/// kernel's A), in a ring of A + 1 staging areas (the step being decoded holds one). Wide tiles
+/// take kWsRawDeep where the layout fits the block (INT4: 4-6 % faster than one step ahead on an
+/// H100; FP8's does not fit, and was level at two), else one; narrow tiles (two blocks an SM)
+/// one.
+constexpr int kWsRawDeep = 3;
 
-/// Dynamic shared memory of the warp-specialized kernel: the Q tile, per stage the K and V
-/// operand tiles (B128), for quantized sides kWsRawSlots staging areas of raw rows and the zero
-/// row, plus room for the 1024-byte alignment.
-__host__ __device__ inline int ws_operands_bytes(int r) {
-  return r * kWsD * 2 + ws_stages(r) * 2 * kTokens * kWsD * 2;
+/// Where the warp-specialized kernel's dynamic shared memory goes (offsets from its first
+/// 1024-byte boundary; `bytes` has room for the alignment): the Q tile, the ring's K and V
+/// operand tiles (B128) per stage, for quantized sides `ahead` + 1 staging areas of raw rows
+/// and the zero row. Quantized sides at narrow tiles (two blocks an SM) put the Q tile over the
+/// staging areas from the second on: the consumers hold Q in registers before the producers
+/// first copy there (the kernel's q_free).
+struct WsLayout {
+  int q, ring, raw, slot, zero, bytes;
+};
+__host__ __device__ inline WsLayout ws_layout(const Side &k, const Side &v, int r, int ahead) {
+  const bool quant = !k.direct, q_over_raw = quant && r == kRows;
+  const int q_bytes = r * kWsD * 2;
+  WsLayout l;
+  l.slot = quant ? stage_bytes(k) + stage_bytes(v) : 0;
+  l.ring = q_over_raw ? 0 : q_bytes;
+  l.raw = l.ring + ws_stages(r) * 2 * kTokens * kWsD * 2;
+  l.q = q_over_raw ? l.raw + l.slot : 0;
+  int staging = quant ? (ahead + 1) * l.slot : 0;
+  if (q_over_raw && staging < l.slot + q_bytes) staging = l.slot + q_bytes;
+  l.zero = l.raw + staging;
+  l.bytes = l.zero + (quant ? kZeroRow : 0) + 1024;
+  return l;
 }
-/// The staging areas' bytes after the operand tiles: kWsRawSlots steps of raw rows for
-/// quantized sides (`quant`: the kernel's QUANT, the sides' !direct), none for 16-bit ones. The
-/// zero row follows them.
-__host__ __device__ inline int ws_staging_bytes(const Side &k, const Side &v, bool quant) {
-  return quant ? kWsRawSlots * (stage_bytes(k) + stage_bytes(v)) : 0;
-}
-__host__ __device__ inline int ws_smem_bytes(const Side &k, const Side &v, int r) {
-  const bool quant = !k.direct;
-  return ws_operands_bytes(r) + ws_staging_bytes(k, v, quant) + (quant ? kZeroRow : 0) + 1024;
-}
-/// Whether the warp-specialized kernel serves a pair of sides at tiles of r rows: both 16-bit
-/// (one operand type), or at wide tiles both quantized (f16 operands); int4-kc keys and mixed
-/// pairs take the block-synchronous one.
-__host__ __device__ inline bool ws_sides(const Side &k, const Side &v, bool kb, bool vb, int r) {
-  return kb == vb && k.direct == v.direct && k.format != KVQ_INT4_KC &&
-         (r == kWideRows || k.direct);
+/// Whether the warp-specialized kernel serves a pair of sides: both 16-bit (one operand type)
+/// or both quantized (f16 operands); int4-kc keys and mixed pairs take the block-synchronous
+/// one.
+__host__ __device__ inline bool ws_sides(const Side &k, const Side &v, bool kb, bool vb) {
+  return kb == vb && k.direct == v.direct && k.format != KVQ_INT4_KC;
 }
 
 /// QUANT: both sides quantized (decoded by the producer into f16 operands), else both 16-bit.
-/// R: the tile's query rows (kWideRows, or kRows for 16-bit sides).
-template <bool KB, bool VB, bool QUANT, int R>
+/// R: the tile's query rows (kWideRows or kRows). A: quantized sides' raw steps in flight ahead
+/// of the one being decoded (kWsRawDeep or 1).
+template <bool KB, bool VB, bool QUANT, int R, int A>
 __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     prefill_ws_kernel(const Params p) {
   static_assert(!QUANT || (!KB && !VB), "quantized sides decode to f16 operands");
-  static_assert(R == kWideRows || (R == kRows && !QUANT), "narrow tiles: 16-bit sides");
+  static_assert(R == kWideRows || R == kRows, "wide or narrow tiles");
 #if KVQ_HAS_WGMMA
   // Registers of a producer and a consumer thread (setmaxnreg). The block's pool is what it
   // launched with (kLaunchRegs a thread, from the launch bound): a consumer's increase waits
   // until the producers' decrease covers it, so the two must fit in it.
-  constexpr int NP = ws_producers(QUANT), NC = 2 * R, kThreads = ws_threads(QUANT, R);
+  constexpr int NP = ws_producers(QUANT, R), NC = 2 * R, kThreads = ws_threads(QUANT, R);
   constexpr int kLaunchRegs = 65536 / (kThreads * ws_blocks_per_sm(R)) / 8 * 8;
-  constexpr int kProducerRegs = QUANT ? 64 : 56;
+  constexpr int kProducerRegs = QUANT ? (R == kRows ? 80 : 64) : 56;
   constexpr int kPoolLeft = (kThreads * kLaunchRegs - NP * kProducerRegs) / NC / 8 * 8;
   constexpr int kConsumerRegs = kPoolLeft < 224 ? kPoolLeft : 224;
   static_assert(NP * kProducerRegs + NC * kConsumerRegs <= kThreads * kLaunchRegs,
@@ -1230,7 +1240,11 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   __shared__ uint64_t full[S], empty[S];  // stage landed (producer threads), consumed (consumers)
   // Quantized sides: a staging area's raw rows landed (the copying lanes and their bytes),
   // decoded (every producer thread).
-  __shared__ uint64_t raw_full[kWsRawSlots], raw_free[kWsRawSlots];
+  constexpr int kRawSlots = A + 1;
+  __shared__ uint64_t raw_full[kRawSlots], raw_free[kRawSlots];
+  // Quantized sides at narrow tiles: the consumers hold Q in registers (the Q tile lies over the
+  // staging areas from the second on).
+  __shared__ uint64_t q_free;
   // The split merge (prefill.cu) may launch now: it waits for this grid before its reads, and
   // its blocks take the SMs this grid's blocks leave.
   allow_dependent_launch();
@@ -1238,20 +1252,23 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   TileJob job;
   if (!begin_tile<R, kThreads>(p, rw, job)) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  uint8_t *const qs = smem;
-  auto k_op = [&](int s) { return smem + R * D * 2 + s * 2 * TILE; };
+  const WsLayout L = ws_layout(p.k, p.v, R, A);
+  constexpr bool kQOverRaw = QUANT && R == kRows;
+  uint8_t *const qs = smem + L.q;
+  auto k_op = [&](int s) { return smem + L.ring + s * 2 * TILE; };
   auto v_op = [&](int s) { return k_op(s) + TILE; };
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < S; ++s) mbar_init(&full[s], NP), mbar_init(&empty[s], NC);
 #pragma unroll
-    for (int s = 0; s < kWsRawSlots; ++s)
+    for (int s = 0; s < kRawSlots; ++s)
       mbar_init(&raw_full[s], kTokens / kRun), mbar_init(&raw_free[s], NP);
+    mbar_init(&q_free, NC);
     fence_mbarrier_init();
   }
   load_q<D, R, true, kThreads>(p, job, qs);
   // Quantized sides: the zero row after the staging areas, stored before the barrier below.
-  uint8_t *const zero_row = smem + ws_operands_bytes(R) + ws_staging_bytes(p.k, p.v, QUANT);
+  uint8_t *const zero_row = smem + L.zero;
   if (QUANT && tid < kZeroRow / 16)
     reinterpret_cast<uint4 *>(zero_row)[tid] = make_uint4(0, 0, 0, 0);
   cp_async_wait<0>();
@@ -1333,16 +1350,17 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     } else {
       // Quantized sides (f16 operands): lane 0 of producer warp r < 4 copies run r of step j's
       // raw rows (codes, metadata; both sides: contiguous in the pool) by bulk copies,
-      // kWsRawAhead steps ahead, into staging area j % kWsRawSlots, and arrives on its
+      // A steps ahead, into staging area j % (A + 1), and arrives on its
       // raw_full barrier expecting their bytes; every producer thread waits there, decodes the
       // step into the stage's operand tiles, and gives the staging area back (raw_free).
       const int ks = stage_bytes(p.k), vs = stage_bytes(p.v);
-      uint8_t *const raw0 = smem + ws_operands_bytes(R);
-      auto raw_k = [&](int j) { return raw0 + (j % kWsRawSlots) * (ks + vs); };
+      uint8_t *const raw0 = smem + L.raw;
+      auto raw_k = [&](int j) { return raw0 + (j % kRawSlots) * (ks + vs); };
       auto issue_step = [&](int j) {
         if (!looks_up || j >= nsteps) return;
-        const int slot = j % kWsRawSlots;
-        if (j >= kWsRawSlots) mbar_wait(&raw_free[slot], (j / kWsRawSlots + 1) & 1);
+        if (kQOverRaw && j == 1) mbar_wait(&q_free, 0);  // Q read: staging areas 1 on are free
+        const int slot = j % kRawSlots;
+        if (j >= kRawSlots) mbar_wait(&raw_free[slot], (j / kRawSlots + 1) & 1);
         const bool run_live = live;
         const int run_off = off;
         const int64_t at = run_offset();
@@ -1388,13 +1406,13 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         }
       };
 #pragma unroll 1
-      for (int j = 0; j < kWsRawAhead; ++j) issue_step(j);
+      for (int j = 0; j < A; ++j) issue_step(j);
 #pragma unroll 1
       for (int st = 0; st < nsteps; ++st) {
-        const int s = st % S, slot = st % kWsRawSlots;
-        issue_step(st + kWsRawAhead);
+        const int s = st % S, slot = st % kRawSlots;
+        issue_step(st + A);
         __syncwarp();  // the copying lane rejoins its warp before the decode
-        mbar_wait(&raw_full[slot], (st / kWsRawSlots) & 1);  // step st's raw rows landed
+        mbar_wait(&raw_full[slot], (st / kRawSlots) & 1);  // step st's raw rows landed
         if (st >= S) mbar_wait(&empty[s], (st / S + 1) & 1);  // step st - S consumed
         const int tok0 = base + st * kTokens;
         const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
@@ -1422,6 +1440,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     for (int kk = 0; kk < D / 16; ++kk)
       ldmatrix_x4(smem_u32(qs) + tile_at<D, true, R>(cw * 16 + lane % 16, 2 * kk + lane / 16),
                   qf[kk]);
+    if constexpr (kQOverRaw) mbar_arrive(&q_free);  // the producers may copy over the Q tile
     // Addresses the loop would otherwise convert every step: stage s's barriers are 8 s bytes
     // past the first, its K tile's descriptor 2 TILE bytes past stage 0's, its V tile's TILE
     // past its K tile's.
