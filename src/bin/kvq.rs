@@ -37,8 +37,6 @@ mod calibrate;
 mod eval;
 #[path = "kvq/files.rs"]
 mod files;
-#[path = "kvq/fp8_mma.rs"]
-mod fp8_mma;
 #[path = "kvq/plan.rs"]
 mod plan;
 #[path = "kvq/rotate.rs"]

@@ -44,6 +44,7 @@
 //! sequence, token-major `q`); [`merge_states`] combines two partial attentions of the same
 //! queries over disjoint key sets, as split-KV kernels do.
 
+pub mod e4m3_operands;
 mod kernel;
 mod merge;
 mod prefill;

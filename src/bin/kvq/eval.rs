@@ -37,7 +37,7 @@
 //! `--keep-channels K`, default 4) are CPU references too: the keys are dequantized and attended
 //! with `attention_dense`, the values go through the cache as in the `int4-kc` rows.
 //!
-//! The `(e4m3 MMAs)` rows attend an E4M3 or FP4 cache as FP8 tensor cores would (fp8_mma.rs):
+//! The `(e4m3 MMAs)` rows attend an E4M3 or FP4 cache as FP8 tensor cores would (`kvq::cpu::e4m3_operands`):
 //! the query rounded to E4M3 per row and the probabilities to E4M3 before they weigh V. They
 //! price a kernel mode that does not exist yet; the other rows are the kernels' arithmetic.
 
@@ -61,10 +61,10 @@ use serde_json::{Value, json};
 
 use crate::calibrate::ScalesFile;
 use crate::files::{self, InputFile, LayerPattern, Tensor3};
-use crate::fp8_mma;
 use crate::plan::{self, Candidate, Choice, Plan};
 use crate::rotate;
 use crate::{CliError, print_out, progress};
+use kvq::cpu::e4m3_operands;
 
 /// Arguments of `kvq eval`.
 #[derive(clap::Args)]
@@ -332,7 +332,7 @@ enum Operands {
     Decoded,
     /// E4M3 on both sides, as FP8 tensor cores take them: the cache's codes as stored (E4M3, or
     /// E2M1 codes, which are E4M3 values, under group scales applied around the MMAs), the
-    /// query and the probabilities rounded to E4M3 ([`fp8_mma`]). No kernel runs this yet.
+    /// query and the probabilities rounded to E4M3 ([`e4m3_operands`]): the prefill kernel's opt-in E4M3 operands.
     E4m3,
 }
 
@@ -784,7 +784,7 @@ impl Layer {
         });
     }
 
-    /// Attention as FP8 MMAs would compute it ([`fp8_mma`]): `q` already rounded to E4M3 per
+    /// Attention as FP8 MMAs would compute it ([`e4m3_operands`]): `q` already rounded to E4M3 per
     /// row, `k` and `v` the cache's values, each probability rounded to E4M3 before it weighs
     /// V, the normalizer summing the unrounded ones.
     fn attend_e4m3_mma(&self, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
@@ -795,7 +795,7 @@ impl Layer {
             let kv = self.kv_head_of(row);
             acc.iter_mut().for_each(|a| *a = 0.0);
             for (t, &w) in p.iter().enumerate() {
-                let w8 = fp8_mma::probability(w);
+                let w8 = e4m3_operands::probability(w);
                 let vr = &v[(t * self.kv_heads + kv) * d..][..d];
                 acc.iter_mut()
                     .zip(vr)
@@ -976,8 +976,8 @@ impl Layer {
         block_size: usize,
     ) -> Result<ErrorSums, CliError> {
         // The query the logits see: the kernels' (as given), or E4M3's.
-        let q_mma =
-            (pair.operands == Operands::E4m3).then(|| fp8_mma::quantize_rows(q, self.head_dim));
+        let q_mma = (pair.operands == Operands::E4m3)
+            .then(|| e4m3_operands::quantize_rows(q, self.head_dim));
         let [k, v, out] = match (pair.k, pair.v) {
             (Storage::Cache(kf), Storage::Cache(vf)) => match &q_mma {
                 None => self.through_cache(q, &self.k, (kf, vf), pair.scales, block_size)?,

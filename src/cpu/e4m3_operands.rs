@@ -1,23 +1,24 @@
-//! The operands FP8 tensor cores would take, for `kvq eval`'s `(e4m3 MMAs)` rows: how much
-//! accuracy an attention kernel that fed the cache's codes straight to FP8 MMAs would give up
+//! The operands FP8 tensor cores take: what the prefill kernel's opt-in E4M3 operands
+//! (`PrefillPlan::with_e4m3_operands`) round, and what `kvq eval`'s `(e4m3 MMAs)` rows model
 //! (E4M3 codes; E2M1 codes are E4M3 values, their group scales applied to S and to P).
 //!
-//! No kvq kernel computes this way yet. FP8 MMAs take E4M3 (or E5M2) on both sides, so beside
-//! the cache's codes the query and the probabilities become E4M3 too:
-//! - each query row under its own scale `amax / 448` (computed once a launch, per row);
+//! FP8 MMAs take E4M3 (or E5M2) on both sides, so beside the cache's codes the query and the
+//! probabilities become E4M3 too:
+//! - each query row under its own scale `amax / 448` (FORMATS.md's E4M3 calibration; the
+//!   kernel computes it per row once a launch, and rounds `q / scale` exactly as here);
 //! - each probability `p = exp(s - max)` as the E4M3 of `p · 2^8`, which keeps the largest
 //!   probabilities in E4M3's normal range and flushes those below `2^-18` to zero
-//!   (FlashAttention-3's FP8 path offsets by the same 2^8). Quantizing against the row's
-//!   final max, as here, is the pessimistic case: a kernel's running max is at most the final
-//!   one, so its `p` sit higher in the range. (A kernel over FP4 values rounds `p` times the
-//!   group scale instead: the same relative rounding.)
+//!   (FlashAttention-3's FP8 path offsets by the same 2^8). The kernel rounds against its
+//!   running max; against the row's final max, as `kvq eval` does, is the pessimistic case (a
+//!   running max is at most the final one, so its `p` sit higher in the range). (A kernel over
+//!   FP4 values rounds `p` times the group scale instead: the same relative rounding.)
 //!
-//! The sums stay in f64 and the softmax's normalizer sums the unquantized `p`. Hopper's FP8
-//! MMAs accumulate each 32-element product sum with about 14 significant bits before adding
-//! it in f32 (reported for H800 GEMMs), a relative error near 2^-14 that the E4M3 rounding of
-//! the query (2^-4 per element) dwarfs.
+//! The softmax's normalizer sums the unquantized `p`. Hopper's FP8 MMAs accumulate each
+//! 32-element product sum with about 14 significant bits before adding it in f32 (reported for
+//! H800 GEMMs), a relative error near 2^-14 that the E4M3 rounding of the query (2^-4 per
+//! element) dwarfs.
 
-use kvq::format::{Fp8Kind, sanitized_amax};
+use crate::format::{Fp8Kind, sanitized_amax};
 
 /// The factor on a probability before its E4M3 rounding (FlashAttention-3's FP8 offset).
 const P_OFFSET: f64 = 256.0;
