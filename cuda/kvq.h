@@ -404,6 +404,8 @@ typedef struct kvq_prefill_args {
   float softmax_scale;
   float logits_soft_cap; /* <= 0: none */
   const float *alibi_slopes; /* may be null */
+  int32_t e4m3_operands; /* 1: an fp8-e4m3 cache's codes feed FP8 tensor cores (sm_90a, head_dim
+                          * 128), q and P rounded to E4M3 (docs/ACCURACY.md); else ignored */
 } kvq_prefill_args;
 
 /* 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every

@@ -131,17 +131,33 @@ template <int D, bool KB, bool VB, int R, bool KC> cudaError_t prepare(int *limi
   return prepare_kernel((const void *)prefill_kernel<D, KB, VB, R, KC>, done, limit, nullptr);
 }
 
-/// Call fn(std::bool_constant<QUANT>) for the warp-specialized instance of sides k and v of
-/// operand type KB (QUANT: both quantized, decoded to f16 operands; ws_sides).
-template <bool KB, class Fn> cudaError_t with_ws(const Side &k, Fn &&fn) {
-  if constexpr (KB) return fn(std::false_type{});
-  else return k.direct ? fn(std::false_type{}) : fn(std::true_type{});
+/// Whether both sides are fp8-e4m3, whose codes the E4M3 instances take as MMA operands.
+bool e4m3_sides(const Side &k, const Side &v) {
+  return k.format == KVQ_FP8_E4M3 && v.format == KVQ_FP8_E4M3;
+}
+
+/// Call fn(std::bool_constant<QUANT>, std::bool_constant<E4M3>) for the warp-specialized
+/// instance of sides k and v of operand type KB (QUANT: both quantized, decoded to f16 operands;
+/// ws_sides), E4M3 where `e4m3` asks for E4M3 operands and both sides are fp8-e4m3.
+template <bool KB, class Fn>
+cudaError_t with_ws(const Side &k, const Side &v, bool e4m3, Fn &&fn) {
+  using T = std::true_type;
+  using F = std::false_type;
+  if constexpr (KB) return fn(F{}, F{});
+  else if (k.direct) return fn(F{}, F{});
+  else return e4m3 && e4m3_sides(k, v) ? fn(T{}, T{}) : fn(T{}, F{});
+}
+
+/// Whether an instance may take its raw rows kWsRawDeep steps ahead: quantized sides at wide
+/// tiles, and the E4M3 instances at narrow ones too (their operand tiles leave the room).
+template <bool QUANT, int R, bool E4M3> constexpr bool may_go_deep() {
+  return QUANT && (R == kWideRows || E4M3);
 }
 
 /// Call fn(std::integral_constant<int, A>) for the instance's raw steps ahead: kWsRawDeep where
-/// `ahead` says so (quantized sides at wide tiles), else 1.
-template <bool QUANT, int R, class Fn> cudaError_t with_ahead(int ahead, Fn &&fn) {
-  if constexpr (QUANT && R == kWideRows)
+/// `ahead` says so (may_go_deep), else 1.
+template <bool QUANT, int R, bool E4M3, class Fn> cudaError_t with_ahead(int ahead, Fn &&fn) {
+  if constexpr (may_go_deep<QUANT, R, E4M3>())
     if (ahead == kWsRawDeep) return fn(std::integral_constant<int, kWsRawDeep>{});
   return fn(std::integral_constant<int, 1>{});
 }
@@ -162,36 +178,37 @@ bool ws_serves(const Side &k, const Side &v) {
 /// *usable is false where its layout does not fit or the device runs code of it built without
 /// sm_90a features: other GPUs, or PTX alone JIT-compiled for a Hopper GPU, whose stub (binary
 /// version 90 too) declares no shared memory, unlike the kernel.
-template <bool KB, bool QUANT, int R, int A>
+template <bool KB, bool QUANT, int R, int A, bool E4M3>
 cudaError_t prepare_ws(const Side &k, const Side &v, bool *usable) {
   static std::atomic<uint64_t> done{0};
   int limit = 0;
   cudaFuncAttributes attr{};
-  const cudaError_t e =
-      prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT, R, A>, done, &limit, &attr);
+  const cudaError_t e = prepare_kernel((const void *)prefill_ws_kernel<KB, KB, QUANT, R, A, E4M3>,
+                                       done, &limit, &attr);
   *usable = e == cudaSuccess && attr.binaryVersion == 90 && attr.sharedSizeBytes > 0 &&
-            ws_layout(k, v, R, A).bytes <= limit;
+            ws_layout(k, v, R, A, E4M3).bytes <= limit;
   return e;
 }
 
-/// Prepare the warp-specialized kernel for an instance: KVQ_OK with *usable (false where it does
-/// not serve the instance) and *ahead (its raw steps ahead: kWsRawDeep where that layout fits,
-/// else 1), or KVQ_ERR_LAUNCH (the error recorded).
+/// Prepare the warp-specialized kernel for an instance (E4M3 operands where `e4m3` asks for them
+/// and the sides are fp8-e4m3): KVQ_OK with *usable (false where it does not serve the instance)
+/// and *ahead (its raw steps ahead: kWsRawDeep where that layout fits, else 1), or
+/// KVQ_ERR_LAUNCH (the error recorded).
 template <int D, bool KB, bool VB, int R, bool KC>
-int ws_instance(const Side &k, const Side &v, bool *usable, int *ahead) {
+int ws_instance(const Side &k, const Side &v, bool e4m3, bool *usable, int *ahead) {
   *usable = false;
   *ahead = 1;
   if (!ws_serves<D, KB, VB, R, KC>(k, v)) return KVQ_OK;
-  const cudaError_t e = with_ws<KB>(k, [&](auto q) {
-    constexpr bool Q = decltype(q)::value;
-    if constexpr (Q && R == kWideRows) {
-      const cudaError_t deep = prepare_ws<KB, Q, R, kWsRawDeep>(k, v, usable);
+  const cudaError_t e = with_ws<KB>(k, v, e4m3, [&](auto q, auto e8) {
+    constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
+    if constexpr (may_go_deep<Q, R, E>()) {
+      const cudaError_t deep = prepare_ws<KB, Q, R, kWsRawDeep, E>(k, v, usable);
       if (deep != cudaSuccess || *usable) {
         *ahead = kWsRawDeep;
         return deep;
       }
     }
-    return prepare_ws<KB, Q, R, 1>(k, v, usable);
+    return prepare_ws<KB, Q, R, 1, E>(k, v, usable);
   });
   if (e == cudaSuccess) return KVQ_OK;
   set_last_error(e);
@@ -212,12 +229,16 @@ struct Prepare {
     }
     int bytes = smem_layout<D, R>(k, v).bytes;
     if (bytes > limit) return KVQ_ERR_UNSUPPORTED;
-    bool usable = false;
-    int ahead = 1;
-    const int status = ws_instance<D, KB, VB, R, KC>(k, v, &usable, &ahead);
-    if (status != KVQ_OK) return status;
-    const int ws_bytes = ws_layout(k, v, R, ahead).bytes;
-    if (usable) bytes = bytes > ws_bytes ? bytes : ws_bytes;
+    // Both the decoded and (fp8-e4m3 sides) the E4M3 instances: a launch may ask for either.
+    for (const bool e4m3 : {false, true}) {
+      if (e4m3 && !e4m3_sides(k, v)) continue;
+      bool usable = false;
+      int ahead = 1;
+      const int status = ws_instance<D, KB, VB, R, KC>(k, v, e4m3, &usable, &ahead);
+      if (status != KVQ_OK) return status;
+      const int ws_bytes = ws_layout(k, v, R, ahead, e4m3).bytes;
+      if (usable) bytes = bytes > ws_bytes ? bytes : ws_bytes;
+    }
     *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
   }
@@ -235,15 +256,16 @@ struct Launch {
     const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
     bool usable = false;
     int ahead = 1;
-    const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, &usable, &ahead);
+    const bool e4m3 = p.e4m3_operands != 0;
+    const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, e4m3, &usable, &ahead);
     if (status != KVQ_OK) return status;
     if (usable) {
-      const int bytes = ws_layout(p.k, p.v, R, ahead).bytes;
-      with_ws<KB>(p.k, [&](auto q) {
-        constexpr bool Q = decltype(q)::value;
-        return with_ahead<Q, R>(ahead, [&](auto a) {
+      with_ws<KB>(p.k, p.v, e4m3, [&](auto q, auto e8) {
+        constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
+        const int bytes = ws_layout(p.k, p.v, R, ahead, E).bytes;
+        return with_ahead<Q, R, E>(ahead, [&](auto a) {
           constexpr int A = decltype(a)::value;
-          prefill_ws_kernel<KB, KB, Q, R, A><<<grid, ws_threads(Q, R), bytes, stream>>>(p);
+          prefill_ws_kernel<KB, KB, Q, R, A, E><<<grid, ws_threads(Q, R), bytes, stream>>>(p);
           return cudaSuccess;
         });
       });
@@ -542,6 +564,7 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   p.sm_scale = a->softmax_scale;
   p.soft_cap = a->logits_soft_cap > 0.f ? a->logits_soft_cap : 0.f;
   p.alibi_slopes = a->alibi_slopes;
+  p.e4m3_operands = a->e4m3_operands != 0;
 
   if (l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
   const bool kb = rk.bf16, vb = rv.bf16;

@@ -1,6 +1,7 @@
 //! Attention over the paged cache for long queries (`kvq::cuda::prefill`): the compute-bound
 //! prompt and chunk shapes and the memory-bound extend shapes of docs/PERFORMANCE.md, Llama-3-8B
-//! heads (32 q / 8 KV, head_dim 128, pages of 16, bf16 queries), per cache format.
+//! heads (32 q / 8 KV, head_dim 128, pages of 16, bf16 queries), per cache format; fp8-e4m3 also
+//! with E4M3 operands on FP8 tensor cores (`PrefillPlan::with_e4m3_operands`, "(e4m3 MMAs)").
 //!
 //! Times are CUDA-event medians with the L2 flushed before each run. TFLOP/s count causal FLOPs
 //! once (4 · head_dim per visible (query, key) pair and query head); GB/s count the bytes the
@@ -123,6 +124,7 @@ fn measure(
     shape: &Shape,
     k: KvFormat,
     v: KvFormat,
+    e4m3: bool,
     opts: &Opts,
 ) -> Result<Row> {
     let Opts {
@@ -190,7 +192,8 @@ fn measure(
             max_context_len: max_len,
         },
     )?
-    .with_num_splits(splits);
+    .with_num_splits(splits)
+    .with_e4m3_operands(e4m3);
     let route_q_len = route_q_len.filter(|_| kvq::cuda::decode::kernel_available(k, v));
     let plan = if shape.route || route_q_len.is_some() {
         let q_len = route_q_len.unwrap_or(1);
@@ -245,10 +248,10 @@ fn measure(
     let gbps = bytes / (us * 1e-6) / 1e9;
     Ok(Row {
         shape: shape.name,
-        format: if k == v {
-            k.name().to_string()
-        } else {
-            format!("{}/{}", k.name(), v.name())
+        format: match (k == v, e4m3) {
+            (true, false) => k.name().to_string(),
+            (true, true) => format!("{} (e4m3 MMAs)", k.name()),
+            _ => format!("{}/{}", k.name(), v.name()),
         },
         us,
         tflops: flops / (us * 1e-6) / 1e12,
@@ -300,11 +303,12 @@ fn main() -> Result<()> {
         {
             continue;
         }
-        for (k, v) in [
-            (KvFormat::Bf16, KvFormat::Bf16),
-            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
-            (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
-            (KvFormat::Int4Kc, KvFormat::Int4Affine64),
+        for (k, v, e4m3) in [
+            (KvFormat::Bf16, KvFormat::Bf16, false),
+            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, false),
+            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, true),
+            (KvFormat::Int4Sym32, KvFormat::Int4Affine64, false),
+            (KvFormat::Int4Kc, KvFormat::Int4Affine64, false),
         ] {
             if only_format
                 .as_ref()
@@ -316,7 +320,7 @@ fn main() -> Result<()> {
             if shape.route && !kvq::cuda::decode::kernel_available(k, v) {
                 continue;
             }
-            match measure(&gpu, &mut timer, &shape, k, v, &opts) {
+            match measure(&gpu, &mut timer, &shape, k, v, e4m3, &opts) {
                 Ok(r) => {
                     println!(
                         "| {} | {} | {:.1} | {:.1} | {:.0} | {:.1} |",

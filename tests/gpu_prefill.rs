@@ -9,7 +9,8 @@
 //! Each case: relative error ‖e‖ / ‖ref‖ over the whole output (e beyond half an ulp of the
 //! output type) ≤ 2e-3 with f16 operands (4e-3 with bf16: P and decoded keys carry 8 bits), no
 //! row worse than 2e-2, `lse` within 5e-3 (plus 10 % of that per unit of |lse|), and every
-//! output element written (outputs are poisoned with NaN first). Inputs are fresh random draws
+//! output element written (E4M3 operands: against the reference over the query rounded as the
+//! kernel rounds it, 2e-2 over all rows and 8e-2 a row for the probabilities' rounding) (outputs are poisoned with NaN first). Inputs are fresh random draws
 //! each run; the seed is printed and `KVQ_SEED=<n>` replays it. `KVQ_PREFILL_QUICK=1` shrinks
 //! the suite (for compute-sanitizer runs). Without a GPU the tests print `SKIPPED`; with
 //! `KVQ_REQUIRE_GPU=1` they fail instead.
@@ -21,7 +22,7 @@ use common::{Rng, fresh_rng as rng};
 use cudarc::driver::DevicePtr;
 use half::{bf16, f16};
 use kvq::cache::{BlockTables, HostCache};
-use kvq::cpu::{Accum, AttentionOptions, HeadTerms, prefill_attention};
+use kvq::cpu::{Accum, AttentionOptions, HeadTerms, e4m3_operands, prefill_attention};
 use kvq::cuda::decode::DeviceBlockTables;
 use kvq::cuda::ops::{DeviceElement, Dtype};
 use kvq::cuda::prefill::{
@@ -110,6 +111,8 @@ struct Case {
     strided: bool,
     /// Leading one-token rows through the decode kernel (`with_decode_rows`).
     route: bool,
+    /// E4M3 operands (`with_e4m3_operands`; fp8-e4m3 caches).
+    e4m3: bool,
 }
 
 impl Case {
@@ -130,12 +133,13 @@ impl Case {
             splits: None,
             strided: false,
             route: false,
+            e4m3: false,
         }
     }
     fn name(&self) -> String {
         format!(
             "{}/{} d{} bs{} kv{} G{} {} seqs{:?} window{:?} cap{:?} sinks{} alibi{:?} \
-             splits{:?}{}{}",
+             splits{:?}{}{}{}",
             self.k,
             self.v,
             self.head_dim,
@@ -150,7 +154,8 @@ impl Case {
             self.alibi,
             self.splits,
             if self.strided { " strided/f32" } else { "" },
-            if self.route { " routed" } else { "" }
+            if self.route { " routed" } else { "" },
+            if self.e4m3 { " e4m3-operands" } else { "" }
         )
     }
 }
@@ -228,20 +233,31 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     let mut opts = AttentionOptions::new(d);
     opts.window_left = case.window;
     opts.logits_soft_cap = case.cap;
-    let want = prefill_attention(
-        &host,
-        &tables,
-        &qo,
-        &q_ref,
-        heads,
-        &opts,
-        HeadTerms {
-            sinks: case.sinks.then_some(sinks.as_slice()),
-            alibi_slopes: case.alibi.is_some().then_some(slopes.as_slice()),
-        },
-        Accum::F64,
-    )
-    .unwrap_or_else(|e| panic!("{name}: cpu: {e}"));
+    let reference = |q: &[f32]| {
+        prefill_attention(
+            &host,
+            &tables,
+            &qo,
+            q,
+            heads,
+            &opts,
+            HeadTerms {
+                sinks: case.sinks.then_some(sinks.as_slice()),
+                alibi_slopes: case.alibi.is_some().then_some(slopes.as_slice()),
+            },
+            Accum::F64,
+        )
+        .unwrap_or_else(|e| panic!("{name}: cpu: {e}"))
+    };
+    // E4M3 operands: the reference takes the query rows as the kernel rounds them (the
+    // probabilities' rounding is left to the tolerance); the exact query's too, to tell that
+    // the E4M3 instance ran.
+    let want = if case.e4m3 {
+        reference(&e4m3_operands::quantize_rows(&q_ref, d))
+    } else {
+        reference(&q_ref)
+    };
+    let exact_q = case.e4m3.then(|| reference(&q_ref));
 
     let mut dcache = DeviceCache::from_host(gpu, &host).expect("device cache");
     let dtables = DeviceBlockTables::new(&dcache, &tables).expect("device tables");
@@ -261,7 +277,8 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     .expect("window")
     .with_logits_soft_cap(case.cap)
     .expect("cap")
-    .with_num_splits(case.splits);
+    .with_num_splits(case.splits)
+    .with_e4m3_operands(case.e4m3);
     let plan = if case.route {
         let decode = kvq::cuda::DecodePlan::new(
             gpu,
@@ -364,8 +381,48 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         unwritten, 0,
         "{name}: {unwritten} output elements not written (or NaN)"
     );
+    let (rel, worst_row) = compare::<O>(&out, &want.out, d);
+    for (i, (&g, &w)) in lse[..total * heads].iter().zip(&want.lse).enumerate() {
+        assert!(g.is_finite(), "{name}: lse[{i}] = {g} (want {w})");
+        let err = (g as f64 - w as f64).abs();
+        assert!(
+            err <= 5e-3 * (1.0 + 0.1 * (w as f64).abs()),
+            "{name}: lse[{i}] = {g}, want {w}"
+        );
+    }
+    // E4M3 operands: the probabilities' rounding (3 mantissa bits each) on top.
+    let (tol, row_tol) = match (case.e4m3, case.q_bf16) {
+        (true, _) => (E4M3_TOL, E4M3_ROW_TOL),
+        (false, true) => (4e-3, 2e-2),
+        (false, false) => (2e-3, 2e-2),
+    };
+    assert!(rel <= tol, "{name}: relative error {rel:.3e} > {tol:e}");
+    assert!(
+        worst_row <= row_tol,
+        "{name}: worst row error {worst_row:.3e}"
+    );
+    if let Some(exact) = exact_q {
+        let (rel_exact, _) = compare::<O>(&out, &exact.out, d);
+        assert!(
+            rel < rel_exact,
+            "{name}: closer to the exact query's attention ({rel_exact:.3e}) than to the \
+             E4M3 query's ({rel:.3e}): the decoded operands ran"
+        );
+    }
+    eprintln!("{name}: rel {rel:.2e}, worst row {worst_row:.2e}");
+    rel
+}
+
+/// E4M3 operands: bounds on the relative error against the reference over E4M3-rounded query
+/// rows, all rows and the worst one (the probabilities' rounding: 2^-4 of each at most).
+const E4M3_TOL: f64 = 2e-2;
+const E4M3_ROW_TOL: f64 = 8e-2;
+
+/// Relative error of `out` against `want` (rows of `d`), less half an ulp of O per element: over
+/// all rows, and the worst row's.
+fn compare<O: Elem>(out: &[f32], want: &[f32], d: usize) -> (f64, f64) {
     let (mut num, mut den, mut worst_row) = (0f64, 0f64, 0f64);
-    for (o_row, w_row) in out.chunks(d).zip(want.out.chunks(d)) {
+    for (o_row, w_row) in out.chunks(d).zip(want.chunks(d)) {
         let (mut rn, mut rd) = (0f64, 0f64);
         for (&o, &w) in o_row.iter().zip(w_row) {
             let e = ((o as f64 - w as f64).abs() - O::half_ulp(w)).max(0.0);
@@ -378,20 +435,7 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
             worst_row = worst_row.max((rn / rd).sqrt());
         }
     }
-    let rel = (num / den.max(f64::MIN_POSITIVE)).sqrt();
-    for (i, (&g, &w)) in lse[..total * heads].iter().zip(&want.lse).enumerate() {
-        assert!(g.is_finite(), "{name}: lse[{i}] = {g} (want {w})");
-        let err = (g as f64 - w as f64).abs();
-        assert!(
-            err <= 5e-3 * (1.0 + 0.1 * (w as f64).abs()),
-            "{name}: lse[{i}] = {g}, want {w}"
-        );
-    }
-    let tol = if case.q_bf16 { 4e-3 } else { 2e-3 };
-    assert!(rel <= tol, "{name}: relative error {rel:.3e} > {tol:e}");
-    assert!(worst_row <= 2e-2, "{name}: worst row error {worst_row:.3e}");
-    eprintln!("{name}: rel {rel:.2e}, worst row {worst_row:.2e}");
-    rel
+    ((num / den.max(f64::MIN_POSITIVE)).sqrt(), worst_row)
 }
 
 /// A prompt, a chunk after a cached prefix, a decode row and padding, in one ragged step.
@@ -584,6 +628,30 @@ fn narrow_tiles_warp_specialized() {
     );
 }
 
+/// E4M3 operands (fp8-e4m3 caches on FP8 tensor cores, `with_e4m3_operands`): on sm_90a the
+/// warp-specialized kernel's E4M3 instances at wide and narrow tiles, bf16 and f16 queries, with
+/// every option of check_options; in quick mode too, for the sanitizers. Elsewhere the decoded
+/// operands run, and the check that the E4M3 instance ran fails: this test needs sm_90a.
+#[test]
+fn e4m3_operands_warp_specialized() {
+    let name = "e4m3_operands_warp_specialized";
+    let Some(gpu) = require_gpu_or_skip(name) else {
+        return;
+    };
+    let mut rng = rng(name);
+    for seqs in [
+        vec![(130, 130), (64, 600), (40, 41)],
+        vec![(16, 400), (3, 90), (9, 9)],
+    ] {
+        for q_bf16 in [true, false] {
+            let mut base = Case::new(KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, 128, seqs.clone());
+            base.q_bf16 = q_bf16;
+            base.e4m3 = true;
+            check_options(&gpu, &mut rng, &base);
+        }
+    }
+}
+
 /// A block-table entry outside the pool (which only a raw caller can pass: the safe tables refuse
 /// it) is counted and its tokens read as zeros: the launch matches the CPU reference over a table
 /// that names a spare block of zero bytes there (zeros in every format: INT4's scales and zeros
@@ -604,17 +672,23 @@ fn block_outside_the_pool_reads_as_zeros() {
     ] {
         for new_tokens in [130, 16] {
             if k == KvFormat::Bf16 {
-                fault_case::<bf16>(&gpu, &mut rng, k, v, new_tokens);
+                fault_case::<bf16>(&gpu, &mut rng, k, v, new_tokens, false);
             } else {
-                fault_case::<f16>(&gpu, &mut rng, k, v, new_tokens);
+                fault_case::<f16>(&gpu, &mut rng, k, v, new_tokens, false);
+            }
+            if k == KvFormat::Fp8E4m3 {
+                fault_case::<f16>(&gpu, &mut rng, k, v, new_tokens, true);
             }
         }
     }
 }
 
-fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: usize) {
+fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: usize, e4m3: bool) {
     use kvq::cuda::sys;
-    let name = format!("{k}/{v} {n} new tokens, a block outside the pool");
+    let name = format!(
+        "{k}/{v} {n} new tokens, a block outside the pool{}",
+        if e4m3 { ", e4m3 operands" } else { "" }
+    );
     let (d, bs, nkv, heads, len): (usize, usize, usize, usize, usize) = (128, 16, 2, 8, 300);
     let used = len.div_ceil(bs);
     let num_blocks = used + 1; // block `used`: the CPU's stand-in for the one outside the pool
@@ -641,7 +715,10 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
     let q: Vec<Q> = (0..n * heads * d)
         .map(|_| Q::from_f32(rng.normal() * 0.5))
         .collect();
-    let q_ref: Vec<f32> = q.iter().map(|&x| x.widen()).collect();
+    let mut q_ref: Vec<f32> = q.iter().map(|&x| x.widen()).collect();
+    if e4m3 {
+        q_ref = e4m3_operands::quantize_rows(&q_ref, d);
+    }
     let opts = AttentionOptions::new(d);
     let want = prefill_attention(
         &host,
@@ -710,6 +787,7 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
         softmax_scale: 1.0 / (d as f32).sqrt(),
         logits_soft_cap: 0.0,
         alibi_slopes: std::ptr::null(),
+        e4m3_operands: i32::from(e4m3),
     };
     // SAFETY: every buffer holds what the strides and lengths address; the one table entry
     // outside the pool is the point (the kernel reads no memory for it and counts it).
@@ -736,7 +814,11 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
         den += (w as f64) * (w as f64);
     }
     let rel = (num / den).sqrt();
-    let tol = if Q::DTYPE == Dtype::Bf16 { 4e-3 } else { 2e-3 };
+    let tol = match (e4m3, Q::DTYPE == Dtype::Bf16) {
+        (true, _) => E4M3_TOL,
+        (false, true) => 4e-3,
+        (false, false) => 2e-3,
+    };
     assert!(rel <= tol, "{name}: relative error {rel:.3e} > {tol:e}");
     eprintln!("{name}: rel {rel:.2e}");
 }

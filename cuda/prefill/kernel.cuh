@@ -63,6 +63,9 @@ constexpr int kRun = 16;  // tokens per copied run: pages hold a multiple of 16 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFull = 0xffffffffu;
+constexpr int kWsD = 128;  // the head_dim of the warp-specialized instances
+/// E4M3 operands: log2 of the factor on a probability before its E4M3 rounding.
+constexpr float kE4m3POffset = 8.f;
 
 /// One side (K or V) of the cache as the kernel reads it.
 struct Side {
@@ -94,6 +97,7 @@ struct Params {
   float sm_scale;  // softmax_scale
   float soft_cap;  // <= 0: none
   const float *alibi_slopes;  // [num_q_heads] or null
+  int32_t e4m3_operands;      // E4M3 caches may take the E4M3 instances (the launcher's choice)
 };
 
 /// Bytes of one row of operand tiles in shared memory: 16 bytes of padding put the 8 rows that
@@ -684,7 +688,7 @@ template <int R> struct WarpSoftmax {
 
   /// Step of keys [tok0, tok0 + kTokens): from the scores s (16 rows x 64 keys a warp), rescale
   /// O and l, and return P as A operands in pa (n-tile j, rows a (0) / b (1), keys 2t, 2t + 1).
-  template <bool VB, int D>
+  template <bool VB, int D, bool E4M3 = false>
   __device__ __forceinline__ void step(float (&s)[8][4], int tok0, float (&o)[D / 8][4],
                                        uint32_t (&pa)[8][2]) {
     // Running max of the logits (log2 domain). The exponent below is s * e_a - sub_a: plain,
@@ -742,7 +746,11 @@ template <int R> struct WarpSoftmax {
     const float al_a = mn_a == -INFINITY ? 1.f : fast_exp2(m_a - mn_a);
     const float al_b = mn_b == -INFINITY ? 1.f : fast_exp2(m_b - mn_b);
     m_a = mn_a, m_b = mn_b;
-    const float sub_a = mn_a == -INFINITY ? 0.f : mn_a, sub_b = mn_b == -INFINITY ? 0.f : mn_b;
+    // E4M3 P: the exponentials carry the factor 2^kE4m3POffset (so does l; the caller takes it
+    // out of both before finish).
+    constexpr float kOff = E4M3 ? kE4m3POffset : 0.f;
+    const float sub_a = (mn_a == -INFINITY ? 0.f : mn_a) - kOff;
+    const float sub_b = (mn_b == -INFINITY ? 0.f : mn_b) - kOff;
     l_a *= al_a, l_b *= al_b;
     // O keeps its scale when no row of the warp found a larger logit (alpha exactly 1: skipping
     // changes no bit), most steps once the rows have seen their largest keys.
@@ -758,8 +766,13 @@ template <int R> struct WarpSoftmax {
       const float p2 = fast_exp2(fmaf(s[j][2], e_b, -sub_b));
       const float p3 = fast_exp2(fmaf(s[j][3], e_b, -sub_b));
       l_a += p0 + p1, l_b += p2 + p3;
-      pa[j][0] = pack2<VB>(p0, p1);
-      pa[j][1] = pack2<VB>(p2, p3);
+      if constexpr (E4M3) {
+        pa[j][0] = fp8x2_encode<kFp8E4m3>(make_float2(p0, p1));
+        pa[j][1] = fp8x2_encode<kFp8E4m3>(make_float2(p2, p3));
+      } else {
+        pa[j][0] = pack2<VB>(p0, p1);
+        pa[j][1] = pack2<VB>(p2, p3);
+      }
     }
   }
 
@@ -883,6 +896,166 @@ __device__ __forceinline__ void wg_qk(float (&s)[8][4], const uint32_t (&qf)[D /
     wgmma_m64n64k16<KB, 0>(s, qf[kk], kd, kk > 0);
   }
   wg_wait_scores(s);
+}
+#endif
+
+// ---- E4M3 operands (the E4M3 instances: an fp8-e4m3 cache on FP8 tensor cores, opt-in). The
+// codes go to the MMAs as stored; the query rows and the probabilities become E4M3 too (the
+// accuracy this costs: docs/ACCURACY.md). A query row is quantized under its own scale, amax /
+// 448 (FORMATS.md's E4M3 calibration), which multiplies its scores; a probability p is taken
+// as the E4M3 of p * 2^8, which keeps the largest in E4M3's normal range.
+//
+// The k32 MMAs take both operands K-major (prim/wgmma.cuh). K's rows are: a B128 tile of
+// kTokens rows of 128 codes. For O += P V the keys are the reduction, so V goes transposed into
+// a B64 tile: row d holds channel d of the step's 64 keys. P comes from the S accumulators,
+// where thread t holds keys 8 j + 2 (t % 4) + {0, 1}, while an A fragment's byte i of register
+// 0 / 2 is key position 4 (t % 4) + i (+ 16): the keys' order is free in a sum, so V's row
+// takes, at position 4 m + i of each 16, key 2 m + {0, 1, 8, 9}[i] of those 16: P's registers
+// are then A fragments as they stand, after one byte permute per pair.
+
+/// Four words as their 4 x 4 byte transpose: out[b] holds byte b of a, b, c, d (low to high).
+__device__ __forceinline__ void transpose_bytes(uint32_t a, uint32_t b, uint32_t c, uint32_t d,
+                                                uint32_t (&out)[4]) {
+  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410), out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410), out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
+
+/// One step's raw E4M3 rows (kTokens rows of kWsD codes each side, staging rows as the pool
+/// holds them) into the operand tiles: K's rows into B128 tile kt, V's transposed into B64 tile
+/// vt (in the key order above); rows outside [lo, hi) as zeros (staging rows there may hold
+/// anything, NaN codes included). Thread pt of NP.
+template <int NP>
+__device__ __forceinline__ void stage_e4m3(const uint8_t *rk, const uint8_t *rv, uint8_t *kt,
+                                           uint8_t *vt, int lo, int hi, int pt) {
+  static_assert(kWsD == 128 && kTokens == 64, "128 codes a row, 64 keys a step");
+  const unsigned live = hi > lo ? (unsigned)(hi - lo) : 0u;
+#pragma unroll
+  for (int u = pt; u < kTokens * 8; u += NP) {
+    const int row = u / 8, c = u % 8;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if ((unsigned)(row - lo) < live)
+      x = *reinterpret_cast<const uint4 *>(rk + row * 128 + c * 16);
+    *reinterpret_cast<uint4 *>(kt + b128_at<kTokens>(row, c)) = x;
+  }
+  // V: keys 16 q .. 16 q + 15 of channels 4 w .. 4 w + 3 a thread (a warp reads whole rows).
+  if (pt < 128) {
+    const int q = pt / 32, w = pt % 32;
+    uint32_t x[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+      const int row = 16 * q + k;
+      x[k] = (unsigned)(row - lo) < live
+                 ? *reinterpret_cast<const uint32_t *>(rv + row * 128 + 4 * w)
+                 : 0u;
+    }
+    uint32_t t[4][4];  // [m][b]: positions 4 m .. 4 m + 3 of channel 4 w + b
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+      transpose_bytes(x[2 * m], x[2 * m + 1], x[2 * m + 8], x[2 * m + 9], t[m]);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int d = 4 * w + b;
+      *reinterpret_cast<uint4 *>(vt + d * 64 + ((q ^ ((d >> 1) & 3)) << 4)) =
+          make_uint4(t[0][b], t[1][b], t[2][b], t[3][b]);
+    }
+  }
+}
+
+/// This thread's Q fragments for S's k32 steps (rows ra = 16 cw + lane / 4 and rb = ra + 8 of
+/// the Q tile, 16-bit B128), each row quantized to E4M3 under its own scale; *scale_a / *scale_b
+/// get the two rows' scales.
+template <int R>
+__device__ __forceinline__ void e4m3_q_fragments(const uint8_t *qs, int cw, bool q_bf16,
+                                                 uint32_t (&qf)[kWsD / 32][4], float *scale_a,
+                                                 float *scale_b) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float x[2][kWsD / 32][2][4];  // row a / b, k-step, its half, element
+  float amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int c = 0; c < kWsD / 32; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // Elements 32 c + 16 h + 4 t .. + 3: half of a 16-byte chunk.
+        const uint2 w = *reinterpret_cast<const uint2 *>(
+            qs + b128_at<R>(cw * 16 + g + 8 * r, 4 * c + 2 * h + t / 2) + (t % 2) * 8);
+        const uint32_t half_bits[4] = {w.x & 0xFFFFu, w.x >> 16, w.y & 0xFFFFu, w.y >> 16};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float v = q_bf16 ? bf16_from_bits((uint16_t)half_bits[e])
+                                 : half_from_bits((uint16_t)half_bits[e]);
+          x[r][c][h][e] = v;
+          amax[r] = fmaxf(amax[r], fabsf(v));
+        }
+      }
+  float scale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    amax[r] = fmaxf(amax[r], __shfl_xor_sync(kFull, amax[r], 1));
+    amax[r] = fmaxf(amax[r], __shfl_xor_sync(kFull, amax[r], 2));
+    scale[r] = fp8_scale_from_amax<kFp8E4m3>(amax[r]);
+  }
+#pragma unroll
+  for (int c = 0; c < kWsD / 32; ++c)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float *v = x[r][c][h];
+        const uint32_t lo = fp8x2_encode<kFp8E4m3>(
+            make_float2(__fdiv_rn(v[0], scale[r]), __fdiv_rn(v[1], scale[r])));
+        const uint32_t hi = fp8x2_encode<kFp8E4m3>(
+            make_float2(__fdiv_rn(v[2], scale[r]), __fdiv_rn(v[3], scale[r])));
+        qf[c][r + 2 * h] = lo | hi << 16;
+      }
+  *scale_a = scale[0], *scale_b = scale[1];
+}
+
+#if KVQ_HAS_WGMMA
+/// S = Q K^T on a warpgroup from E4M3 operands, waited: Q's fragments qf, K the B128 tile whose
+/// descriptor's low word is k_lo (32 codes per k-step).
+__device__ __forceinline__ void wg_qk_e4m3(float (&s)[8][4], const uint32_t (&qf)[kWsD / 32][4],
+                                           uint32_t k_lo) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kWsD / 32; ++kk)
+    wgmma_m64n64k32_e4m3(s, qf[kk], b128_desc_at(k_lo, kk * 32), kk > 0);
+  wg_wait_scores(s);
+}
+
+/// O += P V on a warpgroup from E4M3 operands, waited: P from this thread's E4M3 pairs (n-tile
+/// j, rows a / b: WarpSoftmax's pa), V^T the B64 tile at shared address vt.
+__device__ __forceinline__ void wg_pv_e4m3(float (&o)[kWsD / 8][4], const uint32_t (&pa)[8][2],
+                                           uint32_t vt) {
+#pragma unroll
+  for (int i = 0; i < kWsD / 8; ++i)
+    for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
+  // The A fragments of the two k32 steps: a register is two of pa's pairs.
+  uint32_t a[kTokens / 32][4];
+#pragma unroll
+  for (int c = 0; c < kTokens / 32; ++c) {
+    a[c][0] = __byte_perm(pa[4 * c][0], pa[4 * c + 1][0], 0x5410);
+    a[c][1] = __byte_perm(pa[4 * c][1], pa[4 * c + 1][1], 0x5410);
+    a[c][2] = __byte_perm(pa[4 * c + 2][0], pa[4 * c + 3][0], 0x5410);
+    a[c][3] = __byte_perm(pa[4 * c + 2][1], pa[4 * c + 3][1], 0x5410);
+  }
+#pragma unroll
+  for (int c = 0; c < kTokens / 32; ++c)
+    for (int e = 0; e < 4; ++e) fence_operand(a[c][e]);
+  wgmma_fence();
+#pragma unroll
+  for (int c = 0; c < kTokens / 32; ++c) wgmma_m64n128k32_e4m3(o, a[c], b64_desc(vt + c * 32), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kWsD / 8; ++i)
+    for (int e = 0; e < 4; ++e) fence_operand(o[i][e]);
+#pragma unroll
+  for (int c = 0; c < kTokens / 32; ++c)
+    for (int e = 0; e < 4; ++e) fence_operand(a[c][e]);
 }
 #endif
 
@@ -1169,7 +1342,6 @@ __host__ __device__ constexpr int ws_threads(bool quant, int r) {
 __host__ __device__ constexpr int ws_blocks_per_sm(int r) { return r == kWideRows ? 1 : 2; }
 /// Stages of the ring: what fits the blocks an SM holds.
 __host__ __device__ constexpr int ws_stages(int r) { return r == kWideRows ? 4 : 2; }
-constexpr int kWsD = 128;
 /// Steps whose copies a producer thread keeps in flight before handing the oldest over (16-bit
 /// sides): at most three, at most the stages.
 __host__ __device__ constexpr int ws_in_flight(int r) {
@@ -1182,6 +1354,12 @@ __host__ __device__ constexpr int ws_in_flight(int r) {
 /// one.
 constexpr int kWsRawDeep = 3;
 
+/// Bytes of one operand tile of the ring: kTokens rows of kWsD 16-bit operands, or of E4M3 codes
+/// (the E4M3 instances).
+__host__ __device__ constexpr int ws_tile_bytes(bool e4m3) {
+  return kTokens * kWsD * (e4m3 ? 1 : 2);
+}
+
 /// Where the warp-specialized kernel's dynamic shared memory goes (offsets from its first
 /// 1024-byte boundary; `bytes` has room for the alignment): the Q tile, the ring's K and V
 /// operand tiles (B128) per stage, for quantized sides `ahead` + 1 staging areas of raw rows
@@ -1191,13 +1369,14 @@ constexpr int kWsRawDeep = 3;
 struct WsLayout {
   int q, ring, raw, slot, zero, bytes;
 };
-__host__ __device__ inline WsLayout ws_layout(const Side &k, const Side &v, int r, int ahead) {
+__host__ __device__ inline WsLayout ws_layout(const Side &k, const Side &v, int r, int ahead,
+                                              bool e4m3 = false) {
   const bool quant = !k.direct, q_over_raw = quant && r == kRows;
   const int q_bytes = r * kWsD * 2;
   WsLayout l;
   l.slot = quant ? stage_bytes(k) + stage_bytes(v) : 0;
   l.ring = q_over_raw ? 0 : q_bytes;
-  l.raw = l.ring + ws_stages(r) * 2 * kTokens * kWsD * 2;
+  l.raw = l.ring + ws_stages(r) * 2 * ws_tile_bytes(e4m3);
   l.q = q_over_raw ? l.raw + l.slot : 0;
   int staging = quant ? (ahead + 1) * l.slot : 0;
   if (q_over_raw && staging < l.slot + q_bytes) staging = l.slot + q_bytes;
@@ -1214,11 +1393,13 @@ __host__ __device__ inline bool ws_sides(const Side &k, const Side &v, bool kb, 
 
 /// QUANT: both sides quantized (decoded by the producer into f16 operands), else both 16-bit.
 /// R: the tile's query rows (kWideRows or kRows). A: quantized sides' raw steps in flight ahead
-/// of the one being decoded (kWsRawDeep or 1).
-template <bool KB, bool VB, bool QUANT, int R, int A>
+/// of the one being decoded (kWsRawDeep or 1). E4M3: both sides fp8-e4m3, their codes the MMAs'
+/// operands (the producers copy K's and transpose V's; the consumers quantize Q and P).
+template <bool KB, bool VB, bool QUANT, int R, int A, bool E4M3 = false>
 __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     prefill_ws_kernel(const Params p) {
   static_assert(!QUANT || (!KB && !VB), "quantized sides decode to f16 operands");
+  static_assert(!E4M3 || QUANT, "E4M3 operands are a quantized cache's");
   static_assert(R == kWideRows || R == kRows, "wide or narrow tiles");
 #if KVQ_HAS_WGMMA
   // Registers of a producer and a consumer thread (setmaxnreg). The block's pool is what it
@@ -1233,7 +1414,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
                 "register pool");
   constexpr int D = kWsD, S = ws_stages(R), kInFlight = ws_in_flight(R);
   static_assert(kInFlight <= S, "in-flight steps hold stages");
-  constexpr int TILE = kTokens * D * 2;
+  constexpr int TILE = ws_tile_bytes(E4M3);
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t *const smem = align1024(smem_raw);
   __shared__ RowInfo<R> rw;
@@ -1252,7 +1433,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   TileJob job;
   if (!begin_tile<R, kThreads>(p, rw, job)) return;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const WsLayout L = ws_layout(p.k, p.v, R, A);
+  const WsLayout L = ws_layout(p.k, p.v, R, A, E4M3);
   constexpr bool kQOverRaw = QUANT && R == kRows;
   uint8_t *const qs = smem + L.q;
   auto k_op = [&](int s) { return smem + L.ring + s * 2 * TILE; };
@@ -1273,7 +1454,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     reinterpret_cast<uint4 *>(zero_row)[tid] = make_uint4(0, 0, 0, 0);
   cp_async_wait<0>();
   __syncthreads();  // row bounds, the barriers, the Q tile
-  if (p.q_bf16 && !KB) {
+  if (p.q_bf16 && !KB && !E4M3) {  // (E4M3 quantizes either query type as it is)
     scale_q<D, R, true>(qs, rw, warp, kThreads / 32);
     __syncthreads();
   }
@@ -1417,10 +1598,14 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         const int tok0 = base + st * kTokens;
         const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
         const uint8_t *rk = raw_k(st), *rv = rk + ks;
-        decode_any<KB, D, true, NP, true>(rk, rk + kTokens * p.k.codes_row, zero_row, p.k,
-                                          k_op(s), lo, hi);
-        decode_any<VB, D, true, NP, true>(rv, rv + kTokens * p.v.codes_row, zero_row, p.v,
-                                          v_op(s), lo, hi);
+        if constexpr (E4M3) {
+          stage_e4m3<NP>(rk, rv, k_op(s), v_op(s), lo, hi, tid - NC);
+        } else {
+          decode_any<KB, D, true, NP, true>(rk, rk + kTokens * p.k.codes_row, zero_row, p.k,
+                                            k_op(s), lo, hi);
+          decode_any<VB, D, true, NP, true>(rv, rv + kTokens * p.v.codes_row, zero_row, p.v,
+                                            v_op(s), lo, hi);
+        }
         hand_over(st);
         mbar_arrive(&raw_free[slot]);  // this thread is done reading the staging area
       }
@@ -1435,32 +1620,48 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     float o[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    uint32_t qf[D / 16][4];  // the warp's Q fragments (A of S), chunk 2 kk + lane / 16
+    // The warp's Q fragments (A of S): 16-bit, chunk 2 kk + lane / 16; or E4M3 (k32 steps).
+    uint32_t qf[E4M3 ? 1 : D / 16][4], q8[E4M3 ? D / 32 : 1][4];
+    if constexpr (E4M3) {
+      float scale_a, scale_b;
+      e4m3_q_fragments<R>(qs, cw, p.q_bf16 != 0, q8, &scale_a, &scale_b);
+      sm.mul_a *= scale_a, sm.mul_b *= scale_b;  // the rows' scales multiply their scores
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk)
-      ldmatrix_x4(smem_u32(qs) + tile_at<D, true, R>(cw * 16 + lane % 16, 2 * kk + lane / 16),
-                  qf[kk]);
+      for (int kk = 0; kk < D / 16; ++kk)
+        ldmatrix_x4(smem_u32(qs) + tile_at<D, true, R>(cw * 16 + lane % 16, 2 * kk + lane / 16),
+                    qf[kk]);
+    }
     if constexpr (kQOverRaw) mbar_arrive(&q_free);  // the producers may copy over the Q tile
     // Addresses the loop would otherwise convert every step: stage s's barriers are 8 s bytes
     // past the first, its K tile's descriptor 2 TILE bytes past stage 0's, its V tile's TILE
     // past its K tile's.
     const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
-    const uint32_t k_lo0 = b128_desc_lo(smem_u32(k_op(0)), 8192);
+    const uint32_t k_op0 = smem_u32(k_op(0)), k_lo0 = b128_desc_lo(k_op0, 8192);
 #pragma unroll 1
     for (int st = 0; st < nsteps; ++st) {
       const int s = st % S;
       const uint32_t k_lo = k_lo0 + s * (2 * TILE >> 4);
       mbar_wait(full0 + 8 * s, (st / S) & 1);
       float sc[8][4];
-      wg_qk<KB, D>(sc, qf, k_lo);
+      if constexpr (E4M3) wg_qk_e4m3(sc, q8, k_lo);
+      else wg_qk<KB, D>(sc, qf, k_lo);
 
       uint32_t pa[8][2];
-      sm.template step<VB, D>(sc, base + st * kTokens, o, pa);
+      sm.template step<VB, D, E4M3>(sc, base + st * kTokens, o, pa);
 
-      wg_pv<VB, D>(o, pa, k_lo + (TILE >> 4));
+      if constexpr (E4M3) wg_pv_e4m3(o, pa, k_op0 + s * 2 * TILE + TILE);
+      else wg_pv<VB, D>(o, pa, k_lo + (TILE >> 4));
       mbar_arrive(empty0 + 8 * s);  // this thread is done with the stage's tiles
     }
-    sm.template finish<D>(p, job, o, v_factor);
+    if constexpr (E4M3) {
+      // P's factor 2^kE4m3POffset out of l and O.
+      constexpr float kInv = 1.f / (1 << (int)kE4m3POffset);
+      sm.l_a *= kInv, sm.l_b *= kInv;
+      sm.template finish<D>(p, job, o, v_factor * kInv);
+    } else {
+      sm.template finish<D>(p, job, o, v_factor);
+    }
   }
 
   // One count per thread block that met a fault.

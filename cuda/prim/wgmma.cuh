@@ -11,6 +11,11 @@
 // Accumulators and register A fragments have, per warp of the warpgroup (rows 16w..16w+15), the
 // layouts of mma.sync m16n8k16's C and A fragments (prim/mma.cuh), so the code around the MMAs
 // is the same for both.
+//
+// E4M3 MMAs (k32) take both operands K-major: A in 4 registers (thread t of a warp: row t / 4
+// (+ 8 in registers 1 and 3), bytes k = 4 (t % 4) .. + 3, + 16 in registers 2 and 3) and B from
+// a B128 tile (rows of 128 codes, as K's) or a B64 tile (rows of 64 codes: 16-byte chunk c of
+// row r at chunk c ^ (r / 2 % 4), 512 bytes between 8-row groups).
 #pragma once
 
 #include <stdint.h>
@@ -47,6 +52,15 @@ __host__ __device__ constexpr uint32_t b128_desc_lo(uint32_t addr, uint32_t bloc
 /// Descriptor of the operand `bytes` past the one whose low word is `lo`.
 __device__ __forceinline__ uint64_t b128_desc_at(uint32_t lo, uint32_t bytes) {
   return ((uint64_t)kB128DescHi << 32) | (lo + (bytes >> 4));
+}
+
+/// High word of a B64 operand's descriptor: 512 bytes between 8-row groups, the 64-byte swizzle.
+constexpr uint32_t kB64DescHi = (512 >> 4) | (2u << 30);
+
+/// Descriptor of the K-major B64 operand at shared address `addr` (a 512-aligned tile base plus
+/// the k-step's byte offset within a row).
+__device__ __forceinline__ uint64_t b64_desc(uint32_t addr) {
+  return ((uint64_t)kB64DescHi << 32) | ((addr & 0x3FFFF) >> 4) | (1u << 16);
 }
 
 /// Descriptor of a B128 operand at shared address `addr` (b128_desc_lo).
@@ -137,6 +151,35 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], const uint32
                                                  uint64_t desc, int acc) {
   if constexpr (BF16) KVQ_WG_M64N128("bf16");
   else KVQ_WG_M64N128("f16");
+}
+
+/// d[8][4] (+)= A (64 x 32 E4M3, registers) * B (32 x 64 E4M3, K-major descriptor); `acc` 0
+/// overwrites d.
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[8][4], const uint32_t (&a)[4],
+                                                     uint64_t desc, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %36, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
+               "%31}, {%32, %33, %34, %35}, %37, p, 1, 1;\n}\n"
+               : KVQ_WG_ACC8(0), KVQ_WG_ACC8(2), KVQ_WG_ACC8(4), KVQ_WG_ACC8(6)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(acc), "l"(desc));
+}
+
+/// d[16][4] (+)= A (64 x 32 E4M3, registers) * B (32 x 128 E4M3, K-major descriptor); `acc` 0
+/// overwrites d.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[16][4], const uint32_t (&a)[4],
+                                                      uint64_t desc, int acc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %68, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+               "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+               "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
+               "%31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, "
+               "%46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, "
+               "%61, %62, %63}, {%64, %65, %66, %67}, %69, p, 1, 1;\n}\n"
+               : KVQ_WG_ACC8(0), KVQ_WG_ACC8(2), KVQ_WG_ACC8(4), KVQ_WG_ACC8(6),
+                 KVQ_WG_ACC8(8), KVQ_WG_ACC8(10), KVQ_WG_ACC8(12), KVQ_WG_ACC8(14)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(acc), "l"(desc));
 }
 
 #undef KVQ_WG_M64N64

@@ -303,6 +303,8 @@ pub struct PrefillPlan {
     split_budget: usize,
     forced_splits: Option<usize>,
     graph_grid: bool,
+    /// E4M3 operands for fp8-e4m3 caches (`with_e4m3_operands`).
+    e4m3_operands: bool,
     /// The decode plan a step's leading decode rows are routed to (`with_decode_rows`).
     decode_rows: Option<DecodePlan>,
 }
@@ -365,6 +367,7 @@ impl PrefillPlan {
             split_budget: DEFAULT_SPLIT_BUDGET,
             forced_splits: None,
             graph_grid: false,
+            e4m3_operands: false,
             decode_rows: None,
         })
     }
@@ -461,6 +464,23 @@ impl PrefillPlan {
     pub fn with_graph_grid(mut self, on: bool) -> Self {
         self.graph_grid = on;
         self
+    }
+
+    /// Let an fp8-e4m3 cache's codes feed FP8 tensor cores as stored (opt-in; off by default):
+    /// each query row is rounded to E4M3 under its own scale (its amax / 448) and each
+    /// probability `p` to the E4M3 of `p * 2^8`, as FP8 MMAs need. That adds 5-15 % to the FP8
+    /// cache's own attention error (docs/ACCURACY.md, "E4M3 operands"); what it saves in time:
+    /// docs/PERFORMANCE.md. It applies where both sides are fp8-e4m3 and the
+    /// warp-specialized kernel runs (sm_90a, head_dim 128); elsewhere, and for rows routed to
+    /// the decode kernel, the operands stay decoded.
+    pub fn with_e4m3_operands(mut self, on: bool) -> Self {
+        self.e4m3_operands = on;
+        self
+    }
+
+    /// Whether the plan asks for E4M3 operands ([`with_e4m3_operands`](Self::with_e4m3_operands)).
+    pub fn e4m3_operands(&self) -> bool {
+        self.e4m3_operands
     }
 
     /// The plan's GPU.
@@ -774,6 +794,7 @@ impl PrefillPlan {
                     softmax_scale: self.softmax_scale,
                     logits_soft_cap: self.soft_cap.unwrap_or(0.0),
                     alibi_slopes: slopes_p as *const f32,
+                    e4m3_operands: i32::from(self.e4m3_operands),
                 };
                 // SAFETY: the cache comes from a live DeviceCache of this plan's layout; the tables
                 // were checked against its pool, cover `batch` rows and their (uploaded) lengths

@@ -471,10 +471,12 @@ pub struct kvq_prefill_args {
     pub logits_soft_cap: f32,
     #[doc = " may be null"]
     pub alibi_slopes: *const f32,
+    #[doc = " 1: an fp8-e4m3 cache's codes feed FP8 tensor cores (sm_90a, head_dim\n 128), q and P rounded to E4M3 (docs/ACCURACY.md); else ignored"]
+    pub e4m3_operands: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
-    ["Size of kvq_prefill_args"][::std::mem::size_of::<kvq_prefill_args>() - 288usize];
+    ["Size of kvq_prefill_args"][::std::mem::size_of::<kvq_prefill_args>() - 296usize];
     ["Alignment of kvq_prefill_args"][::std::mem::align_of::<kvq_prefill_args>() - 8usize];
     ["Offset of field: kvq_prefill_args::cache"]
         [::std::mem::offset_of!(kvq_prefill_args, cache) - 0usize];
@@ -536,6 +538,8 @@ const _: () = {
         [::std::mem::offset_of!(kvq_prefill_args, logits_soft_cap) - 272usize];
     ["Offset of field: kvq_prefill_args::alibi_slopes"]
         [::std::mem::offset_of!(kvq_prefill_args, alibi_slopes) - 280usize];
+    ["Offset of field: kvq_prefill_args::e4m3_operands"]
+        [::std::mem::offset_of!(kvq_prefill_args, e4m3_operands) - 288usize];
 };
 impl Default for kvq_prefill_args {
     fn default() -> Self {
