@@ -940,7 +940,9 @@ __device__ __forceinline__ void stage_e4m3(const uint8_t *rk, const uint8_t *rv,
     *reinterpret_cast<uint4 *>(kt + b128_at<kTokens>(row, c)) = x;
   }
   // V: keys 16 q .. 16 q + 15 of channels 4 w .. 4 w + 3 a thread (a warp reads whole rows).
-  if (pt < 128) {
+  constexpr int kVUnits = kTokens / 16 * (kWsD / 4);
+  static_assert(kVUnits <= NP, "a V unit a producer thread");
+  if (pt < kVUnits) {
     const int q = pt / 32, w = pt % 32;
     uint32_t x[16];
 #pragma unroll
@@ -1534,12 +1536,14 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       // A steps ahead, into staging area j % (A + 1), and arrives on its
       // raw_full barrier expecting their bytes; every producer thread waits there, decodes the
       // step into the stage's operand tiles, and gives the staging area back (raw_free).
-      const int ks = stage_bytes(p.k), vs = stage_bytes(p.v);
+      const int ks = stage_bytes(p.k);
       uint8_t *const raw0 = smem + L.raw;
-      auto raw_k = [&](int j) { return raw0 + (j % kRawSlots) * (ks + vs); };
+      auto raw_k = [&](int j) { return raw0 + (j % kRawSlots) * L.slot; };
       auto issue_step = [&](int j) {
         if (!looks_up || j >= nsteps) return;
-        if (kQOverRaw && j == 1) mbar_wait(&q_free, 0);  // Q read: staging areas 1 on are free
+        // The Q tile lies over staging areas 1 on (as many as it spans): each one's first copy
+        // waits until the consumers hold Q in registers (a completed phase: later waits pass).
+        if (kQOverRaw && j >= 1 && j < kRawSlots) mbar_wait(&q_free, 0);
         const int slot = j % kRawSlots;
         if (j >= kRawSlots) mbar_wait(&raw_free[slot], (j / kRawSlots + 1) & 1);
         const bool run_live = live;
