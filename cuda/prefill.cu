@@ -537,6 +537,7 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   p.k = side_of(l.k_format, l.k_codes_offset, l.k_codes_row, l.k_meta_offset, l.k_meta_row);
   p.v = side_of(l.v_format, l.v_codes_offset, l.v_codes_row, l.v_meta_offset, l.v_meta_row);
   p.block_size = l.block_size;
+  p.block_div = FastDiv((uint32_t)l.block_size);
   p.q = a->q;
   p.out = a->out;
   p.lse = a->lse;

@@ -417,6 +417,11 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
 /// rows, all rows and the worst one (the probabilities' rounding: 2^-4 of each at most).
 const E4M3_TOL: f64 = 2e-2;
 const E4M3_ROW_TOL: f64 = 8e-2;
+/// E4M3 operands over diffuse attention (independent normal keys and values, as the fault test
+/// holds): the output is a near-cancelling mean, and the probabilities' rounding (2^-4 at most
+/// each, about 2 % rms) leaves a relative error of that size whatever the context length (2.5e-2
+/// measured on an H100).
+const E4M3_DIFFUSE_TOL: f64 = 4e-2;
 
 /// Relative error of `out` against `want` (rows of `d`), less half an ulp of O per element: over
 /// all rows, and the worst row's.
@@ -815,7 +820,7 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
     }
     let rel = (num / den).sqrt();
     let tol = match (e4m3, Q::DTYPE == Dtype::Bf16) {
-        (true, _) => E4M3_TOL,
+        (true, _) => E4M3_DIFFUSE_TOL,
         (false, true) => 4e-3,
         (false, false) => 2e-3,
     };

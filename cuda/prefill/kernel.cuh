@@ -44,6 +44,7 @@
 #include "prim/bits.cuh"
 #include "prim/convert.cuh"
 #include "prim/cp_async.cuh"
+#include "prim/fast_div.cuh"
 #include "prim/fast_math.cuh"
 #include "prim/mbarrier.cuh"
 #include "prim/mma.cuh"
@@ -81,6 +82,7 @@ struct Params {
   int64_t head_stride, block_stride, num_blocks;
   Side k, v;
   int32_t block_size;
+  FastDiv block_div;  // by block_size: a token's page
   const void *q;
   void *out;
   float *lse;
@@ -922,35 +924,42 @@ __device__ __forceinline__ void transpose_bytes(uint32_t a, uint32_t b, uint32_t
   out[2] = __byte_perm(ab_hi, cd_hi, 0x5410), out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-/// One step's raw E4M3 rows (kTokens rows of kWsD codes each side, staging rows as the pool
-/// holds them) into the operand tiles: K's rows into B128 tile kt, V's transposed into B64 tile
-/// vt (in the key order above); rows outside [lo, hi) as zeros (staging rows there may hold
-/// anything, NaN codes included). Thread pt of NP.
-template <int NP>
-__device__ __forceinline__ void stage_e4m3(const uint8_t *rk, const uint8_t *rv, uint8_t *kt,
-                                           uint8_t *vt, int lo, int hi, int pt) {
-  static_assert(kWsD == 128 && kTokens == 64, "128 codes a row, 64 keys a step");
+/// stage_e4m3's work for rows known to lie in [lo, hi) (ALL: every row of the step does, as in
+/// all but a sequence's first and last steps: no test a row).
+template <int NP, bool ALL>
+__device__ __forceinline__ void stage_e4m3_rows(const uint8_t *rk, const uint8_t *rv,
+                                                uint8_t *kt, uint8_t *vt, int lo, int hi,
+                                                unsigned pt) {
   const unsigned live = hi > lo ? (unsigned)(hi - lo) : 0u;
+  // K: thread pt copies chunk pt % 8 of rows pt / 8 + i NP / 8, whose swizzle (row % 8) is the
+  // same for every i, so that one address each side serves all of them.
+  static_assert(NP % 64 == 0 && kTokens * 8 % NP == 0, "whole columns of chunks a thread");
+  constexpr int kKUnits = kTokens * 8 / NP, kApart = NP / 8;
+  const unsigned r0 = pt / 8, c = pt % 8;
+  const uint8_t *const ksrc = rk + r0 * 128 + c * 16;
+  uint8_t *const kdst = kt + b128_at<kTokens>(r0, c);
+  uint4 kx[kKUnits];
 #pragma unroll
-  for (int u = pt; u < kTokens * 8; u += NP) {
-    const int row = u / 8, c = u % 8;
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if ((unsigned)(row - lo) < live)
-      x = *reinterpret_cast<const uint4 *>(rk + row * 128 + c * 16);
-    *reinterpret_cast<uint4 *>(kt + b128_at<kTokens>(row, c)) = x;
+  for (int i = 0; i < kKUnits; ++i) {
+    kx[i] = make_uint4(0, 0, 0, 0);
+    if (ALL || r0 + i * kApart - lo < live)
+      kx[i] = *reinterpret_cast<const uint4 *>(ksrc + i * kApart * 128);
   }
+#pragma unroll
+  for (int i = 0; i < kKUnits; ++i)
+    *reinterpret_cast<uint4 *>(kdst + i * kApart * 128) = kx[i];
   // V: keys 16 q .. 16 q + 15 of channels 4 w .. 4 w + 3 a thread (a warp reads whole rows).
   constexpr int kVUnits = kTokens / 16 * (kWsD / 4);
   static_assert(kVUnits <= NP, "a V unit a producer thread");
   if (pt < kVUnits) {
-    const int q = pt / 32, w = pt % 32;
+    const unsigned q = pt / 32, w = pt % 32;
+    const uint8_t *const vsrc = rv + q * 16 * 128 + 4 * w;
     uint32_t x[16];
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
-      const int row = 16 * q + k;
-      x[k] = (unsigned)(row - lo) < live
-                 ? *reinterpret_cast<const uint32_t *>(rv + row * 128 + 4 * w)
-                 : 0u;
+      x[k] = 0u;
+      if (ALL || 16 * q + k - lo < live)
+        x[k] = *reinterpret_cast<const uint32_t *>(vsrc + k * 128);
     }
     uint32_t t[4][4];  // [m][b]: positions 4 m .. 4 m + 3 of channel 4 w + b
 #pragma unroll
@@ -958,11 +967,23 @@ __device__ __forceinline__ void stage_e4m3(const uint8_t *rk, const uint8_t *rv,
       transpose_bytes(x[2 * m], x[2 * m + 1], x[2 * m + 8], x[2 * m + 9], t[m]);
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      const int d = 4 * w + b;
+      const unsigned d = 4 * w + b;
       *reinterpret_cast<uint4 *>(vt + d * 64 + ((q ^ ((d >> 1) & 3)) << 4)) =
           make_uint4(t[0][b], t[1][b], t[2][b], t[3][b]);
     }
   }
+}
+
+/// One step's raw E4M3 rows (kTokens rows of kWsD codes each side, staging rows as the pool
+/// holds them) into the operand tiles: K's rows into B128 tile kt, V's transposed into B64 tile
+/// vt (in the key order above); rows outside [lo, hi) as zeros (staging rows there may hold
+/// anything, NaN codes included). Thread pt of NP.
+template <int NP>
+__device__ __forceinline__ void stage_e4m3(const uint8_t *rk, const uint8_t *rv, uint8_t *kt,
+                                           uint8_t *vt, int lo, int hi, unsigned pt) {
+  static_assert(kWsD == 128 && kTokens == 64, "128 codes a row, 64 keys a step");
+  if (lo <= 0 && hi >= kTokens) stage_e4m3_rows<NP, true>(rk, rv, kt, vt, lo, hi, pt);
+  else stage_e4m3_rows<NP, false>(rk, rv, kt, vt, lo, hi, pt);
 }
 
 /// This thread's Q fragments for S's k32 steps (rows ra = 16 cw + lane / 4 and rb = ra + 8 of
@@ -1124,7 +1145,7 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
       int64_t at = -1;
       int32_t off = 0;
       if (tok < kv_hi) {
-        const int page = tok / p.block_size;
+        const int page = (int)p.block_div.div((uint32_t)tok);
         off = tok - page * p.block_size;
         at = block_offset(p, table[page], &fault);
       }
@@ -1486,7 +1507,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       const int tok = base + st * kTokens + my_run * kRun;
       live = looks_up && st < nsteps && tok < kv_hi;
       if (live) {
-        const int page = tok / p.block_size;
+        const int page = (int)p.block_div.div((uint32_t)tok);
         off = tok - page * p.block_size;
         entry = __ldg(table + page);
       }
@@ -1603,7 +1624,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
         const uint8_t *rk = raw_k(st), *rv = rk + ks;
         if constexpr (E4M3) {
-          stage_e4m3<NP>(rk, rv, k_op(s), v_op(s), lo, hi, tid - NC);
+          stage_e4m3<NP>(rk, rv, k_op(s), v_op(s), lo, hi, (unsigned)(tid - NC));
         } else {
           decode_any<KB, D, true, NP, true>(rk, rk + kTokens * p.k.codes_row, zero_row, p.k,
                                             k_op(s), lo, hi);
