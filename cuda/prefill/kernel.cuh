@@ -924,8 +924,8 @@ __device__ __forceinline__ void transpose_bytes(uint32_t a, uint32_t b, uint32_t
   out[2] = __byte_perm(ab_hi, cd_hi, 0x5410), out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-/// stage_e4m3's work for rows known to lie in [lo, hi) (ALL: every row of the step does, as in
-/// all but a sequence's first and last steps: no test a row).
+/// stage_e4m3's work. ALL: every row of the step lies in [lo, hi), as in all but a sequence's
+/// first and last steps, so that no row is tested.
 template <int NP, bool ALL>
 __device__ __forceinline__ void stage_e4m3_rows(const uint8_t *rk, const uint8_t *rv,
                                                 uint8_t *kt, uint8_t *vt, int lo, int hi,
