@@ -37,9 +37,10 @@
 //! `--keep-channels K`, default 4) are CPU references too: the keys are dequantized and attended
 //! with `attention_dense`, the values go through the cache as in the `int4-kc` rows.
 //!
-//! The `(e4m3 MMAs)` rows attend an E4M3 or FP4 cache as FP8 tensor cores would (`kvq::cpu::e4m3_operands`):
-//! the query rounded to E4M3 per row and the probabilities to E4M3 before they weigh V. They
-//! price a kernel mode that does not exist yet; the other rows are the kernels' arithmetic.
+//! The `(e4m3 MMAs)` rows attend an E4M3 or FP4 cache as FP8 tensor cores would
+//! (`kvq::cpu::e4m3_operands`): the query rounded to E4M3 per row and the probabilities to E4M3
+//! before they weigh V, as the prefill kernel's opt-in E4M3 operands do for E4M3 caches (no
+//! kernel takes FP4 codes so yet); the other rows are the kernels' arithmetic.
 
 use std::fmt::Write as _;
 use std::ops::Range;
@@ -332,7 +333,8 @@ enum Operands {
     Decoded,
     /// E4M3 on both sides, as FP8 tensor cores take them: the cache's codes as stored (E4M3, or
     /// E2M1 codes, which are E4M3 values, under group scales applied around the MMAs), the
-    /// query and the probabilities rounded to E4M3 ([`e4m3_operands`]): the prefill kernel's opt-in E4M3 operands.
+    /// query and the probabilities rounded to E4M3 ([`e4m3_operands`]), as the prefill kernel's
+    /// opt-in E4M3 operands do for E4M3 caches.
     E4m3,
 }
 
