@@ -1491,16 +1491,20 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   // The consumer warps come first (warps 0 .. NC / 32 - 1), the producers after them: quantized
   // sides measured 0.5-1.5 % faster so than the other way round, 16-bit ones level.
   if (warp >= NC / 32) {
-    // ---- Producers. A step's four runs are looked up by four threads, each run's table entry
-    // loaded one step ahead so that the load's latency hides behind a step's copies: for 16-bit
-    // sides lane r of every producer warp (the warp shares the four by shuffles), for quantized
-    // sides lane 0 of producer warp r, which also copies the run (the copies spread over warps).
+    // ---- Producers. A step's four runs are looked up by lanes 0-3 of a warp, lane r run r,
+    // each run's table entry loaded ahead so that the load's latency hides behind copies: for
+    // 16-bit sides by every producer warp, one step ahead (the warp shares the four by
+    // shuffles); for quantized sides by the warp that copies the step's raw rows, warp j % kPW
+    // for step j, so that each warp issues one step's copies in kPW (the issue, ~40
+    // instructions a bulk copy, is a warp's serial work, beside the decode that all warps share).
     setmaxnreg_dec<kProducerRegs>();
     const uint8_t *head = p.pool + (int64_t)job.kvh * p.head_stride;
     const int32_t *table = p.block_tables + (int64_t)job.b * p.max_blocks;
     const int pw = warp - NC / 32;  // the producer warp
-    const int my_run = QUANT ? pw : lane;
-    const bool looks_up = QUANT ? lane == 0 && pw < kTokens / kRun : lane < kTokens / kRun;
+    constexpr int kPW = NP / 32;     // producer warps
+    static_assert(kTokens / kRun <= 32, "a step's runs are lanes of one warp");
+    const int my_run = lane;
+    const bool looks_up = lane < kTokens / kRun;
     bool live = false;       // this thread's run of the looked-up step lies before kv_hi
     int entry = 0, off = 0;  // its table entry and first row within its page
     auto load_entry = [&](int st) {
@@ -1531,7 +1535,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       fence_proxy_async();
       mbar_arrive(&full[j % S]);
     };
-    load_entry(0);
+    load_entry(QUANT ? pw : 0);  // quantized sides: the first step this warp copies
     if constexpr (!QUANT) {
 #pragma unroll 1
       for (int st = 0; st < nsteps; ++st) {
@@ -1552,16 +1556,16 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       cp_async_wait<0>();
       for (int j = max(nsteps - (kInFlight - 1), 0); j < nsteps; ++j) hand_over(j);
     } else {
-      // Quantized sides (f16 operands): lane 0 of producer warp r < 4 copies run r of step j's
-      // raw rows (codes, metadata; both sides: contiguous in the pool) by bulk copies,
-      // A steps ahead, into staging area j % (A + 1), and arrives on its
-      // raw_full barrier expecting their bytes; every producer thread waits there, decodes the
-      // step into the stage's operand tiles, and gives the staging area back (raw_free).
+      // Quantized sides: lane r of producer warp j % kPW copies run r of step j's raw rows
+      // (codes, metadata; both sides) by bulk copies, A steps ahead, into staging area
+      // j % (A + 1), and arrives on its raw_full barrier expecting their bytes; every producer
+      // thread waits there, decodes (or stages) the step into the stage's operand tiles, and
+      // gives the staging area back (raw_free).
       const int ks = stage_bytes(p.k);
       uint8_t *const raw0 = smem + L.raw;
       auto raw_k = [&](int j) { return raw0 + (j % kRawSlots) * L.slot; };
       auto issue_step = [&](int j) {
-        if (!looks_up || j >= nsteps) return;
+        if (!looks_up || j >= nsteps || j % kPW != pw) return;
         // The Q tile lies over staging areas 1 on (as many as it spans): each one's first copy
         // waits until the consumers hold Q in registers (a completed phase: later waits pass).
         if (kQOverRaw && j >= 1 && j < kRawSlots) mbar_wait(&q_free, 0);
@@ -1570,7 +1574,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         const bool run_live = live;
         const int run_off = off;
         const int64_t at = run_offset();
-        load_entry(j + 1);
+        load_entry(j + kPW);  // this warp's next step
         uint8_t *const st = raw_k(j);
         const Side *sides[2] = {&p.k, &p.v};
         uint8_t *const dst[2] = {st, st + ks};
@@ -1617,7 +1621,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       for (int st = 0; st < nsteps; ++st) {
         const int s = st % S, slot = st % kRawSlots;
         issue_step(st + A);
-        __syncwarp();  // the copying lane rejoins its warp before the decode
+        __syncwarp();  // the copying lanes rejoin their warp before the decode
         mbar_wait(&raw_full[slot], (st / kRawSlots) & 1);  // step st's raw rows landed
         if (st >= S) mbar_wait(&empty[s], (st / S + 1) & 1);  // step st - S consumed
         const int tok0 = base + st * kTokens;
