@@ -215,6 +215,21 @@ int ws_instance(const Side &k, const Side &v, bool e4m3, bool *usable, int *ahea
   return KVQ_ERR_LAUNCH;
 }
 
+/// Whether the quantized producer warps of the warp-specialized kernel take turns at a step's
+/// copies (Params::ws_turns). One warp issuing all four runs' copies every kPW steps measured
+/// faster where a run is two copies and the producers' decode leaves room for the turn: E4M3
+/// operands (-4 % on the 4k prompt) and narrow tiles of sides without metadata (decoded FP8
+/// extends -8 to -9 %); slower where a run is four copies (INT4 +3 to +9 %) and where wide tiles
+/// decode to f16 (FP8 +3 to +4 %; H100, session 32). KVQ_PREFILL_TURNS=0 or 1 forces it (A/B).
+bool ws_turns(const Params &p, int r, bool e4m3) {
+  static const int forced = [] {
+    const char *e = std::getenv("KVQ_PREFILL_TURNS");
+    return e == nullptr ? -1 : e[0] == '1' ? 1 : e[0] == '0' ? 0 : -1;
+  }();
+  if (forced >= 0) return forced == 1;
+  return e4m3 || (r == kRows && p.k.meta_row == 0 && p.v.meta_row == 0);
+}
+
 /// Prepare an instance (its shared-memory limit) and check that its layout fits; *smem gets
 /// the largest layout prepared.
 struct Prepare {
@@ -263,9 +278,11 @@ struct Launch {
       with_ws<KB>(p.k, p.v, e4m3, [&](auto q, auto e8) {
         constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
         const int bytes = ws_layout(p.k, p.v, R, ahead, E).bytes;
+        Params pw = p;
+        pw.ws_turns = Q && ws_turns(p, R, E);
         return with_ahead<Q, R, E>(ahead, [&](auto a) {
           constexpr int A = decltype(a)::value;
-          prefill_ws_kernel<KB, KB, Q, R, A, E><<<grid, ws_threads(Q, R), bytes, stream>>>(p);
+          prefill_ws_kernel<KB, KB, Q, R, A, E><<<grid, ws_threads(Q, R), bytes, stream>>>(pw);
           return cudaSuccess;
         });
       });

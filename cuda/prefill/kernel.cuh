@@ -100,6 +100,7 @@ struct Params {
   float soft_cap;  // <= 0: none
   const float *alibi_slopes;  // [num_q_heads] or null
   int32_t e4m3_operands;      // E4M3 caches may take the E4M3 instances (the launcher's choice)
+  int32_t ws_turns;  // quantized warp-specialized: producer warps take turns at a step's copies
 };
 
 /// Bytes of one row of operand tiles in shared memory: 16 bytes of padding put the 8 rows that
@@ -1491,20 +1492,24 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   // The consumer warps come first (warps 0 .. NC / 32 - 1), the producers after them: quantized
   // sides measured 0.5-1.5 % faster so than the other way round, 16-bit ones level.
   if (warp >= NC / 32) {
-    // ---- Producers. A step's four runs are looked up by lanes 0-3 of a warp, lane r run r,
-    // each run's table entry loaded ahead so that the load's latency hides behind copies: for
-    // 16-bit sides by every producer warp, one step ahead (the warp shares the four by
-    // shuffles); for quantized sides by the warp that copies the step's raw rows, warp j % kPW
-    // for step j, so that each warp issues one step's copies in kPW (the issue, ~40
-    // instructions a bulk copy, is a warp's serial work, beside the decode that all warps share).
+    // ---- Producers. A step's four runs are looked up by four threads, each run's table entry
+    // loaded ahead so that the load's latency hides behind copies: for 16-bit sides lane r of
+    // every producer warp, one step ahead (the warp shares the four by shuffles); for quantized
+    // sides the threads that copy the runs' raw rows: lane 0 of producer warp r, every step, or
+    // with `p.ws_turns` lane r of warp j % kPW for step j, kPW steps ahead, so that each warp
+    // issues one step's copies in kPW (a bulk copy's issue, ~40 instructions, is its warp's
+    // serial work beside the decode all producers share; Launch decides which pays).
     setmaxnreg_dec<kProducerRegs>();
     const uint8_t *head = p.pool + (int64_t)job.kvh * p.head_stride;
     const int32_t *table = p.block_tables + (int64_t)job.b * p.max_blocks;
     const int pw = warp - NC / 32;  // the producer warp
     constexpr int kPW = NP / 32;     // producer warps
-    static_assert(kTokens / kRun <= 32, "a step's runs are lanes of one warp");
-    const int my_run = lane;
-    const bool looks_up = lane < kTokens / kRun;
+    static_assert(kTokens / kRun <= 32 && kTokens / kRun <= kPW, "a run a lane, or a warp");
+    const bool turns = QUANT && p.ws_turns != 0;
+    const int my_run = QUANT && !turns ? pw : lane;
+    const bool looks_up =
+        QUANT && !turns ? lane == 0 && pw < kTokens / kRun : lane < kTokens / kRun;
+    const int issue_apart = turns ? kPW : 1;  // steps between two a warp copies
     bool live = false;       // this thread's run of the looked-up step lies before kv_hi
     int entry = 0, off = 0;  // its table entry and first row within its page
     auto load_entry = [&](int st) {
@@ -1535,7 +1540,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       fence_proxy_async();
       mbar_arrive(&full[j % S]);
     };
-    load_entry(QUANT ? pw : 0);  // quantized sides: the first step this warp copies
+    load_entry(turns ? pw : 0);  // the first step this thread looks up
     if constexpr (!QUANT) {
 #pragma unroll 1
       for (int st = 0; st < nsteps; ++st) {
@@ -1556,16 +1561,16 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       cp_async_wait<0>();
       for (int j = max(nsteps - (kInFlight - 1), 0); j < nsteps; ++j) hand_over(j);
     } else {
-      // Quantized sides: lane r of producer warp j % kPW copies run r of step j's raw rows
-      // (codes, metadata; both sides) by bulk copies, A steps ahead, into staging area
-      // j % (A + 1), and arrives on its raw_full barrier expecting their bytes; every producer
-      // thread waits there, decodes (or stages) the step into the stage's operand tiles, and
-      // gives the staging area back (raw_free).
+      // Quantized sides: the looking-up thread of run r of step j copies its raw rows (codes,
+      // metadata; both sides) by bulk copies, A steps ahead, into staging area j % (A + 1),
+      // and arrives on its raw_full barrier expecting their bytes; every producer thread waits
+      // there, decodes (or stages) the step into the stage's operand tiles, and gives the
+      // staging area back (raw_free).
       const int ks = stage_bytes(p.k);
       uint8_t *const raw0 = smem + L.raw;
       auto raw_k = [&](int j) { return raw0 + (j % kRawSlots) * L.slot; };
       auto issue_step = [&](int j) {
-        if (!looks_up || j >= nsteps || j % kPW != pw) return;
+        if (!looks_up || j >= nsteps || (turns && j % kPW != pw)) return;
         // The Q tile lies over staging areas 1 on (as many as it spans): each one's first copy
         // waits until the consumers hold Q in registers (a completed phase: later waits pass).
         if (kQOverRaw && j >= 1 && j < kRawSlots) mbar_wait(&q_free, 0);
@@ -1574,7 +1579,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         const bool run_live = live;
         const int run_off = off;
         const int64_t at = run_offset();
-        load_entry(j + kPW);  // this warp's next step
+        load_entry(j + issue_apart);  // this thread's next step
         uint8_t *const st = raw_k(j);
         const Side *sides[2] = {&p.k, &p.v};
         uint8_t *const dst[2] = {st, st + ks};
