@@ -278,11 +278,12 @@ struct Launch {
       with_ws<KB>(p.k, p.v, e4m3, [&](auto q, auto e8) {
         constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
         const int bytes = ws_layout(p.k, p.v, R, ahead, E).bytes;
-        Params pw = p;
-        pw.ws_turns = Q && ws_turns(p, R, E);
+        Params ws_params = p;
+        ws_params.ws_turns = Q && ws_turns(p, R, E);
         return with_ahead<Q, R, E>(ahead, [&](auto a) {
           constexpr int A = decltype(a)::value;
-          prefill_ws_kernel<KB, KB, Q, R, A, E><<<grid, ws_threads(Q, R), bytes, stream>>>(pw);
+          prefill_ws_kernel<KB, KB, Q, R, A, E>
+              <<<grid, ws_threads(Q, R), bytes, stream>>>(ws_params);
           return cudaSuccess;
         });
       });
