@@ -230,6 +230,20 @@ bool ws_turns(const Params &p, int r, bool e4m3) {
   return e4m3 || (r == kRows && p.k.meta_row == 0 && p.v.meta_row == 0);
 }
 
+/// Whether a quantized warp-specialized launch copies each run as its page's head section
+/// (Params::ws_whole_runs): pages of one run whose section is laid out as the staging run
+/// (ws_run_layout). KVQ_PREFILL_WHOLE_RUNS=0 forces a copy a side and a region (A/B).
+bool ws_whole_runs(const Params &p) {
+  static const bool off = [] {
+    const char *e = std::getenv("KVQ_PREFILL_WHOLE_RUNS");
+    return e != nullptr && e[0] == '0';
+  }();
+  const RunLayout l = ws_run_layout(p.k, p.v);
+  return !off && p.block_size == kRun && p.k.codes_off == l.k_codes &&
+         (p.k.meta_row == 0 || p.k.meta_off == l.k_meta) && p.v.codes_off == l.v_codes &&
+         (p.v.meta_row == 0 || p.v.meta_off == l.v_meta);
+}
+
 /// Prepare an instance (its shared-memory limit) and check that its layout fits; *smem gets
 /// the largest layout prepared.
 struct Prepare {
@@ -280,6 +294,8 @@ struct Launch {
         const int bytes = ws_layout(p.k, p.v, R, ahead, E).bytes;
         Params ws_params = p;
         ws_params.ws_turns = Q && ws_turns(p, R, E);
+        ws_params.ws_run = ws_run_layout(p.k, p.v);
+        ws_params.ws_whole_runs = Q && ws_whole_runs(p);
         return with_ahead<Q, R, E>(ahead, [&](auto a) {
           constexpr int A = decltype(a)::value;
           prefill_ws_kernel<KB, KB, Q, R, A, E>

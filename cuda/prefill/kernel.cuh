@@ -75,6 +75,23 @@ struct Side {
   int32_t direct;  // 16-bit codes, which are their own operands: copied, not decoded
 };
 
+/// The warp-specialized kernel's staging of quantized sides, run-major: run r of a step at
+/// r * bytes holds kRun rows each of K's codes, K's metadata, V's codes and V's metadata, at
+/// these offsets: a head section's layout at pages of kRun tokens, so that a run whose page
+/// holds it that way is one bulk copy (Params::ws_whole_runs).
+struct RunLayout {
+  int k_codes, k_meta, v_codes, v_meta, bytes;
+};
+__host__ __device__ inline RunLayout ws_run_layout(const Side &k, const Side &v) {
+  RunLayout l;
+  l.k_codes = 0;
+  l.k_meta = kRun * k.codes_row;
+  l.v_codes = l.k_meta + kRun * k.meta_row;
+  l.v_meta = l.v_codes + kRun * v.codes_row;
+  l.bytes = l.v_meta + kRun * v.meta_row;
+  return l;
+}
+
 /// Everything a prefill launch needs; built by the launcher from kvq_prefill_args.
 struct Params {
   const uint8_t *pool;
@@ -101,6 +118,11 @@ struct Params {
   const float *alibi_slopes;  // [num_q_heads] or null
   int32_t e4m3_operands;      // E4M3 caches may take the E4M3 instances (the launcher's choice)
   int32_t ws_turns;  // quantized warp-specialized: producer warps take turns at a step's copies
+  // Quantized warp-specialized: the staging of a run (ws_run_layout; the launcher's, so that
+  // the kernel reads its offsets as constants), and whether a run's raw rows are its page's
+  // head section as it stands, copied as one instead of a side and a region at a time.
+  RunLayout ws_run;
+  int32_t ws_whole_runs;
 };
 
 /// Bytes of one row of operand tiles in shared memory: 16 bytes of padding put the 8 rows that
@@ -186,10 +208,22 @@ template <class C, class = void> struct HasF16Rows : std::false_type {};
 template <class C>
 struct HasF16Rows<C, std::void_t<decltype(&C::decode_f16)>> : std::true_type {};
 
-/// Decode the staged rows of one side (kTokens rows of codes, then of metadata) into an operand
-/// tile; rows outside [lo, hi) become zeros (past the sequence or the split: never-written or
-/// stale codes must not reach the MMAs, where 0 * NaN would poison the sum). Run by NT
-/// threads, thread threadIdx.x % NT taking every NT-th unit.
+/// Where a step's raw rows of one quantized side lie in shared memory: row i of run r (kRun
+/// rows) at codes + r * codes_run + i * codes_row, its metadata alike. Side-major staging
+/// (`side_major`, the block-synchronous kernel) holds a side's kTokens rows of codes, then of
+/// metadata; the warp-specialized kernel stages run-major (ws_run_layout).
+struct Staged {
+  const uint8_t *codes, *meta;
+  int codes_run, meta_run;
+};
+__device__ __forceinline__ Staged side_major(const uint8_t *raw, const Side &s) {
+  return {raw, raw + kTokens * s.codes_row, kRun * s.codes_row, kRun * s.meta_row};
+}
+
+/// Decode the staged rows of one side into an operand tile; rows outside [lo, hi) become zeros
+/// (past the sequence or the split: never-written or stale codes must not reach the MMAs,
+/// where 0 * NaN would poison the sum). Run by NT threads, thread threadIdx.x % NT taking every
+/// NT-th unit.
 ///
 /// A thread's units (chunk c of a row) are decoded all first, then stored: with no branch
 /// between them and no store that might alias the staged rows, their shared-memory loads are in
@@ -199,9 +233,8 @@ struct HasF16Rows<C, std::void_t<decltype(&C::decode_f16)>> : std::true_type {};
 /// block-synchronous one); else from its staged bytes, whatever they hold, and its values
 /// replaced by zeros.
 template <int F, bool BF16, int D, bool SW, int NT, bool ZR>
-__device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t *meta,
-                                            const uint8_t *zero_row, const Side &s,
-                                            uint8_t *tile, int lo, int hi) {
+__device__ __forceinline__ void decode_side(const Staged &raw, const uint8_t *zero_row,
+                                            const Side &s, uint8_t *tile, int lo, int hi) {
   using C = Codec<F>;
   constexpr int E = C::kEpt;
   constexpr int kChunks = D / E;
@@ -219,14 +252,22 @@ __device__ __forceinline__ void decode_side(const uint8_t *codes, const uint8_t 
     const unsigned c = NT % kChunks == 0 ? tid % kChunks : u % kChunks;
     const unsigned jr = kUnits % NT == 0 ? j : min(j, (unsigned)kTokens - 1);  // in the stage
     const bool live = (kUnits % NT == 0 || u < kUnits) && j - lo < live_rows;
+    // The row's run and place in it; where a thread's rows lie whole runs apart, its first
+    // row's place serves every i.
+    constexpr bool kRunsApart =
+        kUnits % NT == 0 && NT % kChunks == 0 && (NT / kChunks) % kRun == 0;
+    const unsigned j0 = tid / kChunks;
+    const unsigned run = kRunsApart ? j0 / kRun + i * (NT / kChunks / kRun) : jr / kRun;
+    const unsigned in_run = kRunsApart ? j0 % kRun : jr % kRun;
+    const uint8_t *const crow = raw.codes + run * raw.codes_run + in_run * s.codes_row;
+    const uint8_t *const mrow = raw.meta + run * raw.meta_run + in_run * s.meta_row;
     RowRef r;
     if constexpr (ZR) {
-      r.codes = const_cast<uint8_t *>(live ? codes + jr * s.codes_row : zero_row);
-      r.scales = reinterpret_cast<uint16_t *>(
-          const_cast<uint8_t *>(live ? meta + jr * s.meta_row : zero_row));
+      r.codes = const_cast<uint8_t *>(live ? crow : zero_row);
+      r.scales = reinterpret_cast<uint16_t *>(const_cast<uint8_t *>(live ? mrow : zero_row));
     } else {
-      r.codes = const_cast<uint8_t *>(codes + jr * s.codes_row);
-      r.scales = reinterpret_cast<uint16_t *>(const_cast<uint8_t *>(meta + jr * s.meta_row));
+      r.codes = const_cast<uint8_t *>(crow);
+      r.scales = reinterpret_cast<uint16_t *>(const_cast<uint8_t *>(mrow));
     }
     r.zeros = r.scales + 1;
     r.meta_step = s.meta_step;
@@ -268,23 +309,22 @@ template <int F, int D> __host__ __device__ constexpr bool fits() {
 /// so a new codec is decoded here without an edit. Only the formats that decode to the
 /// instance's operand type (BF16) are compiled in: the launcher picks the instance by it.
 template <bool BF16, int D, bool SW, int NT, bool ZR, int... F>
-__device__ __forceinline__ void decode_in(FormatList<F...>, const uint8_t *codes,
-                                          const uint8_t *meta, const uint8_t *zero_row,
-                                          const Side &s, uint8_t *tile, int lo, int hi) {
+__device__ __forceinline__ void decode_in(FormatList<F...>, const Staged &raw,
+                                          const uint8_t *zero_row, const Side &s, uint8_t *tile,
+                                          int lo, int hi) {
   auto one = [&](auto f) {
     constexpr int G = decltype(f)::value;
     // 16-bit formats are always their operand type: copied, never decoded.
     if constexpr (fits<G, D>() && Codec<G>::kBits < 16 && Codec<G>::kBf16Operands == BF16)
-      decode_side<G, BF16, D, SW, NT, ZR>(codes, meta, zero_row, s, tile, lo, hi);
+      decode_side<G, BF16, D, SW, NT, ZR>(raw, zero_row, s, tile, lo, hi);
   };
   (void)((s.format == F && (one(FormatTag<F>{}), true)) || ...);
 }
 
 template <bool BF16, int D, bool SW, int NT, bool ZR>
-__device__ __forceinline__ void decode_any(const uint8_t *codes, const uint8_t *meta,
-                                           const uint8_t *zero_row, const Side &s, uint8_t *tile,
-                                           int lo, int hi) {
-  decode_in<BF16, D, SW, NT, ZR>(AllFormats{}, codes, meta, zero_row, s, tile, lo, hi);
+__device__ __forceinline__ void decode_any(const Staged &raw, const uint8_t *zero_row,
+                                           const Side &s, uint8_t *tile, int lo, int hi) {
+  decode_in<BF16, D, SW, NT, ZR>(AllFormats{}, raw, zero_row, s, tile, lo, hi);
 }
 
 /// New tokens of sequence b and the first one's index over the batch; 0 tokens (and `*bad`)
@@ -928,7 +968,7 @@ __device__ __forceinline__ void transpose_bytes(uint32_t a, uint32_t b, uint32_t
 /// stage_e4m3's work. ALL: every row of the step lies in [lo, hi), as in all but a sequence's
 /// first and last steps, so that no row is tested.
 template <int NP, bool ALL>
-__device__ __forceinline__ void stage_e4m3_rows(const uint8_t *rk, const uint8_t *rv,
+__device__ __forceinline__ void stage_e4m3_rows(const uint8_t *rk, const uint8_t *rv, int run,
                                                 uint8_t *kt, uint8_t *vt, int lo, int hi,
                                                 unsigned pt) {
   const unsigned live = hi > lo ? (unsigned)(hi - lo) : 0u;
@@ -936,15 +976,16 @@ __device__ __forceinline__ void stage_e4m3_rows(const uint8_t *rk, const uint8_t
   // same for every i, so that one address each side serves all of them.
   static_assert(NP % 64 == 0 && kTokens * 8 % NP == 0, "whole columns of chunks a thread");
   constexpr int kKUnits = kTokens * 8 / NP, kApart = NP / 8;
+  static_assert(kApart % kRun == 0, "a thread's rows whole runs apart");
   const unsigned r0 = pt / 8, c = pt % 8;
-  const uint8_t *const ksrc = rk + r0 * 128 + c * 16;
+  const uint8_t *const ksrc = rk + (r0 / kRun) * run + (r0 % kRun) * 128 + c * 16;
   uint8_t *const kdst = kt + b128_at<kTokens>(r0, c);
   uint4 kx[kKUnits];
 #pragma unroll
   for (int i = 0; i < kKUnits; ++i) {
     kx[i] = make_uint4(0, 0, 0, 0);
     if (ALL || r0 + i * kApart - lo < live)
-      kx[i] = *reinterpret_cast<const uint4 *>(ksrc + i * kApart * 128);
+      kx[i] = *reinterpret_cast<const uint4 *>(ksrc + i * (kApart / kRun) * run);
   }
 #pragma unroll
   for (int i = 0; i < kKUnits; ++i)
@@ -954,7 +995,8 @@ __device__ __forceinline__ void stage_e4m3_rows(const uint8_t *rk, const uint8_t
   static_assert(kVUnits <= NP, "a V unit a producer thread");
   if (pt < kVUnits) {
     const unsigned q = pt / 32, w = pt % 32;
-    const uint8_t *const vsrc = rv + q * 16 * 128 + 4 * w;
+    static_assert(kRun == 16, "a V unit's keys one run");
+    const uint8_t *const vsrc = rv + q * run + 4 * w;
     uint32_t x[16];
 #pragma unroll
     for (int k = 0; k < 16; ++k) {
@@ -976,15 +1018,17 @@ __device__ __forceinline__ void stage_e4m3_rows(const uint8_t *rk, const uint8_t
 }
 
 /// One step's raw E4M3 rows (kTokens rows of kWsD codes each side, staging rows as the pool
-/// holds them) into the operand tiles: K's rows into B128 tile kt, V's transposed into B64 tile
-/// vt (in the key order above); rows outside [lo, hi) as zeros (staging rows there may hold
-/// anything, NaN codes included). Thread pt of NP.
+/// holds them, run r of a side `run` bytes after its run 0) into the operand tiles: K's rows
+/// into B128 tile kt, V's transposed into B64 tile vt (in the key order above); rows outside
+/// [lo, hi) as zeros (staging rows there may hold anything, NaN codes included). Thread pt of
+/// NP.
 template <int NP>
-__device__ __forceinline__ void stage_e4m3(const uint8_t *rk, const uint8_t *rv, uint8_t *kt,
-                                           uint8_t *vt, int lo, int hi, unsigned pt) {
+__device__ __forceinline__ void stage_e4m3(const uint8_t *rk, const uint8_t *rv, int run,
+                                           uint8_t *kt, uint8_t *vt, int lo, int hi,
+                                           unsigned pt) {
   static_assert(kWsD == 128 && kTokens == 64, "128 codes a row, 64 keys a step");
-  if (lo <= 0 && hi >= kTokens) stage_e4m3_rows<NP, true>(rk, rv, kt, vt, lo, hi, pt);
-  else stage_e4m3_rows<NP, false>(rk, rv, kt, vt, lo, hi, pt);
+  if (lo <= 0 && hi >= kTokens) stage_e4m3_rows<NP, true>(rk, rv, run, kt, vt, lo, hi, pt);
+  else stage_e4m3_rows<NP, false>(rk, rv, run, kt, vt, lo, hi, pt);
 }
 
 /// This thread's Q fragments for S's k32 steps (rows ra = 16 cw + lane / 4 and rb = ra + 8 of
@@ -1189,13 +1233,13 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
         decode_kc<D, WG, kThreads>(raw, p.k, head, pages[s & 3], k_op(s), lo, hi,
                                    kc_sealed_end(len, p.block_size) - tok0);
       else
-        decode_any<KB, D, WG, kThreads, false>(raw, raw + kTokens * p.k.codes_row, nullptr, p.k,
-                                               k_op(s), lo, hi);
+        decode_any<KB, D, WG, kThreads, false>(side_major(raw, p.k), nullptr, p.k, k_op(s), lo,
+                                               hi);
     }
     if (!v_direct) {
       const uint8_t *raw = v_stage(s);
-      decode_any<VB, D, WG, kThreads, false>(raw, raw + kTokens * p.v.codes_row, nullptr, p.v,
-                                             v_op(s), lo, hi);
+      decode_any<VB, D, WG, kThreads, false>(side_major(raw, p.v), nullptr, p.v, v_op(s), lo,
+                                             hi);
     }
   };
   find_pages(0);
@@ -1431,7 +1475,8 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   // until the producers' decrease covers it, so the two must fit in it.
   constexpr int NP = ws_producers(QUANT, R), NC = 2 * R, kThreads = ws_threads(QUANT, R);
   constexpr int kLaunchRegs = 65536 / (kThreads * ws_blocks_per_sm(R)) / 8 * 8;
-  constexpr int kProducerRegs = QUANT ? (R == kRows ? 80 : 64) : 56;
+  // (Narrow quantized producers: 80 spilled in the decode of run-major staging.)
+  constexpr int kProducerRegs = QUANT ? (R == kRows ? 88 : 64) : 56;
   constexpr int kPoolLeft = (kThreads * kLaunchRegs - NP * kProducerRegs) / NC / 8 * 8;
   constexpr int kConsumerRegs = kPoolLeft < 224 ? kPoolLeft : 224;
   static_assert(NP * kProducerRegs + NC * kConsumerRegs <= kThreads * kLaunchRegs,
@@ -1562,13 +1607,21 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       for (int j = max(nsteps - (kInFlight - 1), 0); j < nsteps; ++j) hand_over(j);
     } else {
       // Quantized sides: the looking-up thread of run r of step j copies its raw rows (codes,
-      // metadata; both sides) by bulk copies, A steps ahead, into staging area j % (A + 1),
+      // metadata; both sides) by bulk copies (one, of the page's head section, where
+      // p.ws_whole_runs), A steps ahead, into run r of staging area j % (A + 1) (run-major,
+      // p.ws_run: the area holds kTokens / kRun of them, stage_bytes(k) + stage_bytes(v)),
       // and arrives on its raw_full barrier expecting their bytes; every producer thread waits
       // there, decodes (or stages) the step into the stage's operand tiles, and gives the
       // staging area back (raw_free).
-      const int ks = stage_bytes(p.k);
+      const RunLayout &rl = p.ws_run;
       uint8_t *const raw0 = smem + L.raw;
       auto raw_k = [&](int j) { return raw0 + (j % kRawSlots) * L.slot; };
+      auto staged_k = [&](const uint8_t *area) {
+        return Staged{area + rl.k_codes, area + rl.k_meta, rl.bytes, rl.bytes};
+      };
+      auto staged_v = [&](const uint8_t *area) {
+        return Staged{area + rl.v_codes, area + rl.v_meta, rl.bytes, rl.bytes};
+      };
       auto issue_step = [&](int j) {
         if (!looks_up || j >= nsteps || (turns && j % kPW != pw)) return;
         // The Q tile lies over staging areas 1 on (as many as it spans): each one's first copy
@@ -1580,43 +1633,31 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         const int run_off = off;
         const int64_t at = run_offset();
         load_entry(j + issue_apart);  // this thread's next step
-        uint8_t *const st = raw_k(j);
-        const Side *sides[2] = {&p.k, &p.v};
-        uint8_t *const dst[2] = {st, st + ks};
-        // Where side i's codes and metadata of this run go in the staging area.
-        auto codes_at = [&](int i) { return dst[i] + my_run * kRun * sides[i]->codes_row; };
-        auto meta_at = [&](int i) {
-          return dst[i] + kTokens * sides[i]->codes_row + my_run * kRun * sides[i]->meta_row;
-        };
+        uint8_t *const run_at = raw_k(j) + my_run * rl.bytes;  // this run's raw rows
         if (run_live && at < 0) {
           // A block outside the pool (counted): its rows read as zeros, stored before this
           // lane's arrival releases them, and ordered before the bulk copies that later refill
           // the staging area.
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            for (int x = 0; x < kRun * sides[i]->codes_row; x += 16)
-              *reinterpret_cast<uint4 *>(codes_at(i) + x) = make_uint4(0, 0, 0, 0);
-            for (int x = 0; x < kRun * sides[i]->meta_row; x += 16)
-              *reinterpret_cast<uint4 *>(meta_at(i) + x) = make_uint4(0, 0, 0, 0);
-          }
+          for (int x = 0; x < rl.bytes; x += 16)
+            *reinterpret_cast<uint4 *>(run_at + x) = make_uint4(0, 0, 0, 0);
           fence_proxy_async();
         }
-        uint32_t bytes = 0;
-        if (run_live && at >= 0) {
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-            bytes += kRun * (sides[i]->codes_row + sides[i]->meta_row);
-        }
-        mbar_arrive_expect_tx(&raw_full[slot], bytes);
+        mbar_arrive_expect_tx(&raw_full[slot], run_live && at >= 0 ? rl.bytes : 0);
         if (!run_live || at < 0) return;  // past the keys (never decoded), or zeros stored
         const uint8_t *sec = head + at;
+        if (p.ws_whole_runs) {  // (the run is its whole page: run_off is 0)
+          bulk_to_shared(run_at, sec, rl.bytes, &raw_full[slot]);
+          return;
+        }
+        const Side *sides[2] = {&p.k, &p.v};
+        const int to[2][2] = {{rl.k_codes, rl.k_meta}, {rl.v_codes, rl.v_meta}};
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const Side &sd = *sides[i];
-          bulk_to_shared(codes_at(i), sec + sd.codes_off + run_off * sd.codes_row,
+          bulk_to_shared(run_at + to[i][0], sec + sd.codes_off + run_off * sd.codes_row,
                          kRun * sd.codes_row, &raw_full[slot]);
           if (sd.meta_row > 0)
-            bulk_to_shared(meta_at(i), sec + sd.meta_off + run_off * sd.meta_row,
+            bulk_to_shared(run_at + to[i][1], sec + sd.meta_off + run_off * sd.meta_row,
                            kRun * sd.meta_row, &raw_full[slot]);
         }
       };
@@ -1631,14 +1672,13 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
         if (st >= S) mbar_wait(&empty[s], (st / S + 1) & 1);  // step st - S consumed
         const int tok0 = base + st * kTokens;
         const int lo = max(kv_lo, tok0) - tok0, hi = min(kv_hi, tok0 + kTokens) - tok0;
-        const uint8_t *rk = raw_k(st), *rv = rk + ks;
+        const uint8_t *area = raw_k(st);
         if constexpr (E4M3) {
-          stage_e4m3<NP>(rk, rv, k_op(s), v_op(s), lo, hi, (unsigned)(tid - NC));
+          stage_e4m3<NP>(area + rl.k_codes, area + rl.v_codes, rl.bytes, k_op(s), v_op(s), lo,
+                         hi, (unsigned)(tid - NC));
         } else {
-          decode_any<KB, D, true, NP, true>(rk, rk + kTokens * p.k.codes_row, zero_row, p.k,
-                                            k_op(s), lo, hi);
-          decode_any<VB, D, true, NP, true>(rv, rv + kTokens * p.v.codes_row, zero_row, p.v,
-                                            v_op(s), lo, hi);
+          decode_any<KB, D, true, NP, true>(staged_k(area), zero_row, p.k, k_op(s), lo, hi);
+          decode_any<VB, D, true, NP, true>(staged_v(area), zero_row, p.v, v_op(s), lo, hi);
         }
         hand_over(st);
         mbar_arrive(&raw_free[slot]);  // this thread is done reading the staging area
