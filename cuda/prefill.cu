@@ -215,21 +215,6 @@ int ws_instance(const Side &k, const Side &v, bool e4m3, bool *usable, int *ahea
   return KVQ_ERR_LAUNCH;
 }
 
-/// Whether the quantized producer warps of the warp-specialized kernel take turns at a step's
-/// copies (Params::ws_turns). One warp issuing all four runs' copies every kPW steps measured
-/// faster where a run is two copies and the producers' decode leaves room for the turn: E4M3
-/// operands (-4 % on the 4k prompt) and narrow tiles of sides without metadata (decoded FP8
-/// extends -8 to -9 %); slower where a run is four copies (INT4 +3 to +9 %) and where wide tiles
-/// decode to f16 (FP8 +3 to +4 %; H100, session 32). KVQ_PREFILL_TURNS=0 or 1 forces it (A/B).
-bool ws_turns(const Params &p, int r, bool e4m3) {
-  static const int forced = [] {
-    const char *e = std::getenv("KVQ_PREFILL_TURNS");
-    return e == nullptr ? -1 : e[0] == '1' ? 1 : e[0] == '0' ? 0 : -1;
-  }();
-  if (forced >= 0) return forced == 1;
-  return e4m3 || (r == kRows && p.k.meta_row == 0 && p.v.meta_row == 0);
-}
-
 /// Whether a quantized warp-specialized launch copies each run as its page's head section
 /// (Params::ws_whole_runs): pages of one run whose section is laid out as the staging run
 /// (ws_run_layout). KVQ_PREFILL_WHOLE_RUNS=0 forces a copy a side and a region (A/B).
@@ -242,6 +227,24 @@ bool ws_whole_runs(const Params &p) {
   return !off && p.block_size == kRun && p.k.codes_off == l.k_codes &&
          (p.k.meta_row == 0 || p.k.meta_off == l.k_meta) && p.v.codes_off == l.v_codes &&
          (p.v.meta_row == 0 || p.v.meta_off == l.v_meta);
+}
+
+/// Whether the quantized producer warps of the warp-specialized kernel take turns at a step's
+/// copies (Params::ws_turns), where `whole` runs are one copy each (ws_whole_runs). One warp
+/// issuing all four runs' copies every kPW steps measured faster (H100): with E4M3 operands
+/// (-4 % on the 4k prompt); with whole runs at narrow tiles (INT4 extends -4 to -8 %) and, for
+/// sides without metadata, at wide ones (decoded FP8 -1 to -2 %); with a copy a side and a
+/// region, only at narrow tiles without metadata (decoded FP8 extends -8 to -9 %). Slower: whole
+/// runs with metadata at wide tiles (INT4 +1 to +3 %); a copy a side and a region for INT4 (+3
+/// to +9 %) and wide FP8 tiles (+3 to +4 %). KVQ_PREFILL_TURNS=0 or 1 forces it (A/B).
+bool ws_turns(const Params &p, int r, bool e4m3, bool whole) {
+  static const int forced = [] {
+    const char *e = std::getenv("KVQ_PREFILL_TURNS");
+    return e == nullptr ? -1 : e[0] == '1' ? 1 : e[0] == '0' ? 0 : -1;
+  }();
+  if (forced >= 0) return forced == 1;
+  const bool narrow = r == kRows, no_meta = p.k.meta_row == 0 && p.v.meta_row == 0;
+  return e4m3 || (whole ? narrow || no_meta : narrow && no_meta);
 }
 
 /// Prepare an instance (its shared-memory limit) and check that its layout fits; *smem gets
@@ -293,9 +296,9 @@ struct Launch {
         constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
         const int bytes = ws_layout(p.k, p.v, R, ahead, E).bytes;
         Params ws_params = p;
-        ws_params.ws_turns = Q && ws_turns(p, R, E);
         ws_params.ws_run = ws_run_layout(p.k, p.v);
         ws_params.ws_whole_runs = Q && ws_whole_runs(p);
+        ws_params.ws_turns = Q && ws_turns(p, R, E, ws_params.ws_whole_runs);
         return with_ahead<Q, R, E>(ahead, [&](auto a) {
           constexpr int A = decltype(a)::value;
           prefill_ws_kernel<KB, KB, Q, R, A, E>
