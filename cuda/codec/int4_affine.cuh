@@ -118,15 +118,23 @@ template <> struct Codec<kInt4Affine64> {
       v[i] = __fmaf_rn(small_uint_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf, zf);
   }
 
+  /// A chunk's bytes for decode_f16: its codes and its group's scale and zero, loaded first (a
+  /// thread's loads of all its chunks in flight before decode_f16's branch).
+  struct F16Raw {
+    uint4 codes;
+    uint16_t scale, zero;
+  };
+  static __device__ __forceinline__ F16Raw load_f16(const RowRef &r, int chunk) {
+    const int g = (chunk * kEpt / kGroup) * r.meta_step;
+    return {reinterpret_cast<const uint4 *>(r.codes)[chunk], r.scales[g], r.zeros[g]};
+  }
+
   /// The chunk's values as f16 pairs (element 2i low in h[i]): code * scale + zero rounded once
   /// to f16 (decode's f32 fma then rounds twice: the two may differ by one f16 ulp), clamped to
   /// +-65504. For operand tiles (the prefill kernel).
-  static __device__ __forceinline__ void decode_f16(const RowRef &r, int chunk,
-                                                    uint32_t (&h)[kEpt / 2]) {
-    const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
-    const int g = (chunk * kEpt / kGroup) * r.meta_step;
-    const __half s1 = __ushort_as_half(r.scales[g]), z1 = __ushort_as_half(r.zeros[g]);
+  static __device__ __forceinline__ void decode_f16(const F16Raw &raw, uint32_t (&h)[kEpt / 2]) {
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw.codes);
+    const __half s1 = __ushort_as_half(raw.scale), z1 = __ushort_as_half(raw.zero);
     const __half2 s = __half2half2(s1), z = __half2half2(z1), bias = __float2half2_rn(1024.0f);
     // Each byte becomes 1024 + n per nibble, exact f16s; minus 1024, n * s + z rounded once.
     auto unpack = [&](auto clamp) {

@@ -112,14 +112,22 @@ template <> struct Codec<kInt4Sym32> {
       v[i] = __fmul_rn(nibble_s_to_f32((w[i / 8] >> (4 * (i % 8))) & 0xF), sf);
   }
 
+  /// A chunk's bytes for decode_f16: its codes and its group's scale, loaded first (a thread's
+  /// loads of all its chunks in flight before decode_f16's branch).
+  struct F16Raw {
+    uint4 codes;
+    uint16_t scale;
+  };
+  static __device__ __forceinline__ F16Raw load_f16(const RowRef &r, int chunk) {
+    return {reinterpret_cast<const uint4 *>(r.codes)[chunk], r.scales[chunk * r.meta_step]};
+  }
+
   /// The chunk's values as f16 pairs (element 2i low in h[i]): code * scale rounded once, as
   /// decode's exact f32 product rounds to f16, clamped to +-65504 (a product of the largest
   /// code and a scale rounded up can pass it). For operand tiles (the prefill kernel).
-  static __device__ __forceinline__ void decode_f16(const RowRef &r, int chunk,
-                                                    uint32_t (&h)[kEpt / 2]) {
-    const uint4 raw = reinterpret_cast<const uint4 *>(r.codes)[chunk];
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw);
-    const __half s1 = __ushort_as_half(r.scales[chunk * r.meta_step]);
+  static __device__ __forceinline__ void decode_f16(const F16Raw &raw, uint32_t (&h)[kEpt / 2]) {
+    const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw.codes);
+    const __half s1 = __ushort_as_half(raw.scale);
     const __half2 s = __half2half2(s1), bias = __float2half2_rn(1032.0f);
     // Each byte becomes 1024 + (n ^ 8) per nibble, exact f16s, then minus 1032 the signed code.
     auto unpack = [&](auto clamp) {
