@@ -190,29 +190,40 @@ cudaError_t prepare_ws(const Side &k, const Side &v, bool *usable) {
   return e;
 }
 
+/// The warp-specialized kernel's instance for a launch: whether it serves it, its raw steps
+/// ahead (kWsRawDeep where that layout fits, else 1) and its dynamic shared memory.
+struct WsChoice {
+  bool usable = false;
+  int ahead = 1;
+  int bytes = 0;
+};
+
 /// Prepare the warp-specialized kernel for an instance (E4M3 operands where `e4m3` asks for them
-/// and the sides are fp8-e4m3): KVQ_OK with *usable (false where it does not serve the instance)
-/// and *ahead (its raw steps ahead: kWsRawDeep where that layout fits, else 1), or
-/// KVQ_ERR_LAUNCH (the error recorded).
+/// and the sides are fp8-e4m3): KVQ_OK with *choice (usable false where it does not serve the
+/// instance), or KVQ_ERR_LAUNCH (the error recorded).
 template <int D, bool KB, bool VB, int R, bool KC>
-int ws_instance(const Side &k, const Side &v, bool e4m3, bool *usable, int *ahead) {
-  *usable = false;
-  *ahead = 1;
+int ws_instance(const Side &k, const Side &v, bool e4m3, WsChoice *choice) {
+  *choice = WsChoice{};
   if (!ws_serves<D, KB, VB, R, KC>(k, v)) return KVQ_OK;
-  const cudaError_t e = with_ws<KB>(k, v, e4m3, [&](auto q, auto e8) {
-    constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
+  bool e8 = false;  // the E4M3 instance was the one prepared
+  const cudaError_t e = with_ws<KB>(k, v, e4m3, [&](auto q, auto e8_) {
+    constexpr bool Q = decltype(q)::value, E = decltype(e8_)::value;
+    e8 = E;
     if constexpr (may_go_deep<Q, R, E>()) {
-      const cudaError_t deep = prepare_ws<KB, Q, R, kWsRawDeep, E>(k, v, usable);
-      if (deep != cudaSuccess || *usable) {
-        *ahead = kWsRawDeep;
+      const cudaError_t deep = prepare_ws<KB, Q, R, kWsRawDeep, E>(k, v, &choice->usable);
+      if (deep != cudaSuccess || choice->usable) {
+        choice->ahead = kWsRawDeep;
         return deep;
       }
     }
-    return prepare_ws<KB, Q, R, 1, E>(k, v, usable);
+    return prepare_ws<KB, Q, R, 1, E>(k, v, &choice->usable);
   });
-  if (e == cudaSuccess) return KVQ_OK;
-  set_last_error(e);
-  return KVQ_ERR_LAUNCH;
+  if (e != cudaSuccess) {
+    set_last_error(e);
+    return KVQ_ERR_LAUNCH;
+  }
+  choice->bytes = ws_layout(k, v, R, choice->ahead, e8).bytes;
+  return KVQ_OK;
 }
 
 /// Whether a quantized warp-specialized launch copies each run as its page's head section
@@ -264,12 +275,10 @@ struct Prepare {
     // Both the decoded and (fp8-e4m3 sides) the E4M3 instances: a launch may ask for either.
     for (const bool e4m3 : {false, true}) {
       if (e4m3 && !e4m3_sides(k, v)) continue;
-      bool usable = false;
-      int ahead = 1;
-      const int status = ws_instance<D, KB, VB, R, KC>(k, v, e4m3, &usable, &ahead);
+      WsChoice ws;
+      const int status = ws_instance<D, KB, VB, R, KC>(k, v, e4m3, &ws);
       if (status != KVQ_OK) return status;
-      const int ws_bytes = ws_layout(k, v, R, ahead, e4m3).bytes;
-      if (usable) bytes = bytes > ws_bytes ? bytes : ws_bytes;
+      if (ws.usable) bytes = bytes > ws.bytes ? bytes : ws.bytes;
     }
     *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
@@ -286,23 +295,21 @@ struct Launch {
     const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
     if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
     const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
-    bool usable = false;
-    int ahead = 1;
+    WsChoice ws_choice;
     const bool e4m3 = p.e4m3_operands != 0;
-    const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, e4m3, &usable, &ahead);
+    const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, e4m3, &ws_choice);
     if (status != KVQ_OK) return status;
-    if (usable) {
+    if (ws_choice.usable) {
       with_ws<KB>(p.k, p.v, e4m3, [&](auto q, auto e8) {
         constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
-        const int bytes = ws_layout(p.k, p.v, R, ahead, E).bytes;
         Params ws_params = p;
         ws_params.ws_run = ws_run_layout(p.k, p.v);
         ws_params.ws_whole_runs = Q && ws_whole_runs(p);
         ws_params.ws_turns = Q && ws_turns(p, R, E, ws_params.ws_whole_runs);
-        return with_ahead<Q, R, E>(ahead, [&](auto a) {
+        return with_ahead<Q, R, E>(ws_choice.ahead, [&](auto a) {
           constexpr int A = decltype(a)::value;
           prefill_ws_kernel<KB, KB, Q, R, A, E>
-              <<<grid, ws_threads(Q, R), bytes, stream>>>(ws_params);
+              <<<grid, ws_threads(Q, R), ws_choice.bytes, stream>>>(ws_params);
           return cudaSuccess;
         });
       });
