@@ -205,10 +205,10 @@ template <int D, bool KB, bool VB, int R, bool KC>
 int ws_instance(const Side &k, const Side &v, bool e4m3, WsChoice *choice) {
   *choice = WsChoice{};
   if (!ws_serves<D, KB, VB, R, KC>(k, v)) return KVQ_OK;
-  bool e8 = false;  // the E4M3 instance was the one prepared
-  const cudaError_t e = with_ws<KB>(k, v, e4m3, [&](auto q, auto e8_) {
-    constexpr bool Q = decltype(q)::value, E = decltype(e8_)::value;
-    e8 = E;
+  bool e4m3_instance = false;  // the instance prepared takes E4M3 operands
+  const cudaError_t e = with_ws<KB>(k, v, e4m3, [&](auto q, auto e8) {
+    constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
+    e4m3_instance = E;
     if constexpr (may_go_deep<Q, R, E>()) {
       const cudaError_t deep = prepare_ws<KB, Q, R, kWsRawDeep, E>(k, v, &choice->usable);
       if (deep != cudaSuccess || choice->usable) {
@@ -222,7 +222,7 @@ int ws_instance(const Side &k, const Side &v, bool e4m3, WsChoice *choice) {
     set_last_error(e);
     return KVQ_ERR_LAUNCH;
   }
-  choice->bytes = ws_layout(k, v, R, choice->ahead, e8).bytes;
+  choice->bytes = ws_layout(k, v, R, choice->ahead, e4m3_instance).bytes;
   return KVQ_OK;
 }
 
