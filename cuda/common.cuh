@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <cstdlib>
+
 #include "kvq.h"
 #include "prim/fast_div.cuh"
 #include "prim/vec_io.cuh"
@@ -36,5 +38,12 @@ inline int launch_status() {
 }
 
 inline bool aligned16(const void *p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+// An A/B switch of the environment: 0 or 1 where `name` starts with that digit, else -1 (unset
+// or anything else). Callers read it once (a function-local static).
+inline int env_switch(const char *name) {
+  const char *e = std::getenv(name);
+  return e == nullptr ? -1 : e[0] == '1' ? 1 : e[0] == '0' ? 0 : -1;
+}
 
 }  // namespace kvq

@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
 
 #include "common.cuh"
 #include "decode/kernel.cuh"
@@ -88,10 +87,7 @@ int dispatch(int32_t k_format, int32_t v_format, int d, Fn &fn) {
 /// Whether launches may be early (programmatic dependent launch): KVQ_DECODE_PDL=0 turns it
 /// off, for A/B runs.
 bool early_launch_allowed() {
-  static const bool off = [] {
-    const char *e = std::getenv("KVQ_DECODE_PDL");
-    return e != nullptr && e[0] == '0';
-  }();
+  static const bool off = kvq::env_switch("KVQ_DECODE_PDL") == 0;
   return !off;
 }
 

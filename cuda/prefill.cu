@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdlib>
 #include <type_traits>
 
 #include "common.cuh"
@@ -167,10 +166,7 @@ template <bool QUANT, int R, bool E4M3, class Fn> cudaError_t with_ahead(int ahe
 /// block-synchronous kernel.
 template <int D, bool KB, bool VB, int R, bool KC>
 bool ws_serves(const Side &k, const Side &v) {
-  static const bool off = [] {
-    const char *e = std::getenv("KVQ_PREFILL_WS");
-    return e != nullptr && e[0] == '0';
-  }();
+  static const bool off = kvq::env_switch("KVQ_PREFILL_WS") == 0;
   return D == kWsD && !KC && ws_sides(k, v, KB, VB) && !off;
 }
 
@@ -227,14 +223,10 @@ int ws_instance(const Side &k, const Side &v, bool e4m3, WsChoice *choice) {
 }
 
 /// Whether a quantized warp-specialized launch copies each run as its page's head section
-/// (Params::ws_whole_runs): pages of one run whose section is laid out as the staging run
+/// (Params::ws_whole_runs): pages of one run whose section is laid out as the staging run `l`
 /// (ws_run_layout). KVQ_PREFILL_WHOLE_RUNS=0 forces a copy a side and a region (A/B).
-bool ws_whole_runs(const Params &p) {
-  static const bool off = [] {
-    const char *e = std::getenv("KVQ_PREFILL_WHOLE_RUNS");
-    return e != nullptr && e[0] == '0';
-  }();
-  const RunLayout l = ws_run_layout(p.k, p.v);
+bool ws_whole_runs(const Params &p, const RunLayout &l) {
+  static const bool off = kvq::env_switch("KVQ_PREFILL_WHOLE_RUNS") == 0;
   return !off && p.block_size == kRun && p.k.codes_off == l.k_codes &&
          (p.k.meta_row == 0 || p.k.meta_off == l.k_meta) && p.v.codes_off == l.v_codes &&
          (p.v.meta_row == 0 || p.v.meta_off == l.v_meta);
@@ -249,10 +241,7 @@ bool ws_whole_runs(const Params &p) {
 /// runs with metadata at wide tiles (INT4 +1 to +3 %); a copy a side and a region for INT4 (+3
 /// to +9 %) and wide FP8 tiles (+3 to +4 %). KVQ_PREFILL_TURNS=0 or 1 forces it (A/B).
 bool ws_turns(const Params &p, int r, bool e4m3, bool whole) {
-  static const int forced = [] {
-    const char *e = std::getenv("KVQ_PREFILL_TURNS");
-    return e == nullptr ? -1 : e[0] == '1' ? 1 : e[0] == '0' ? 0 : -1;
-  }();
+  static const int forced = kvq::env_switch("KVQ_PREFILL_TURNS");
   if (forced >= 0) return forced == 1;
   const bool narrow = r == kRows, no_meta = p.k.meta_row == 0 && p.v.meta_row == 0;
   return e4m3 || (whole ? narrow || no_meta : narrow && no_meta);
@@ -304,7 +293,7 @@ struct Launch {
         constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
         Params ws_params = p;
         ws_params.ws_run = ws_run_layout(p.k, p.v);
-        ws_params.ws_whole_runs = Q && ws_whole_runs(p);
+        ws_params.ws_whole_runs = Q && ws_whole_runs(p, ws_params.ws_run);
         ws_params.ws_turns = Q && ws_turns(p, R, E, ws_params.ws_whole_runs);
         return with_ahead<Q, R, E>(ws_choice.ahead, [&](auto a) {
           constexpr int A = decltype(a)::value;
