@@ -83,7 +83,9 @@ static_assert(ids_in_order(AttentionFormats{}), "AttentionFormats lists the ids 
 //              (which fragment kind), unit() with kHeadScale, q_scale, then per kind either
 //              k_pair_elem, k_unpack / v_unpack (codes unpacked word by word into operands;
 //              with kRowScale, an f32 row scale per token applied to S / P; with
-//              kScaledWords, each word's group scale passed to the unpack) or
+//              kCodeBias and kCodeUnit, codes unpacked biased and in units, the bias taken
+//              off the MMAs' sums; with kScaledWords, each word's group scale passed to the
+//              unpack) or
 //              k_dim, k_codes, kScoreUnit, k_zero_term / v_dim, v_codes, v_col_unit_inv
 //              (grouped codes that enter the MMAs raw, their metadata applied around them);
 //   decode     kDecodeK, kDecodeV (the decode kernel takes the format as keys / values) and,
@@ -112,6 +114,13 @@ struct RowMetaOf<C, std::void_t<decltype(C::kRowMeta)>>
 template <class C, class = void> struct RowScaleOf : std::false_type {};
 template <class C>
 struct RowScaleOf<C, std::void_t<decltype(C::kRowScale)>> : std::bool_constant<C::kRowScale> {};
+
+// Whether codec C's unpacks (k_unpack, v_unpack) leave a bias on every code (kCodeBias: its f16x2
+// bits, a constant) for the decode kernel to take off the MMAs' sums (one MMA per chunk against
+// the same operands) instead of subtracting it from every code: INT8's codes + 128.
+template <class C, class = void> struct CodeBiasOf : std::false_type {};
+template <class C>
+struct CodeBiasOf<C, std::void_t<decltype(C::kCodeBias)>> : std::true_type {};
 
 // Whether codec C's unpacks (k_unpack, v_unpack) take the group scale of the code words they
 // unpack (kScaledWords, default false): FP4's E4M3 byte per 16 codes.

@@ -178,14 +178,20 @@ template <> struct Codec<kInt8Pth> {
     for (int i = 0; i < kEpt; ++i) v[i] = __fmul_rn((float)b[i], s);
   }
 
-  // ---- decode-kernel fragment roles (decode/frag.cuh): codes become f16, exactly; the row's
-  // scale multiplies the scores of its token (K) or rides on P (V: kRowScale) ----
+  // ---- decode-kernel fragment roles (decode/frag.cuh): codes become f16, exactly, as code +
+  // 128 in units of 2^-24 (subnormals: no arithmetic on them); the kernel takes the 128 off the
+  // MMAs' sums (kCodeBias) and the row's scale times 2^24 (kCodeUnit) multiplies the scores of
+  // its token (K) or rides on P (V: kRowScale) ----
 
   static constexpr bool kDecodeK = true, kDecodeV = true, kDecodeMixed = true;
   static constexpr kvq_decode::Fmt kDecodeFmt = kvq_decode::Fmt::I8;
   static constexpr bool kBf16Operands = false;
   static constexpr bool kGroupFrags = false;
   static constexpr bool kRowScale = true;
+  /// What every unpacked code carries besides its code, as f16x2 bits (both halves), and what a
+  /// unit of the unpacked codes is worth.
+  static constexpr uint32_t kCodeBias = 0x00800080u;
+  static constexpr float kCodeUnit = 16777216.0f;
 
   /// Factor on the query of k-step j: none.
   static __device__ __forceinline__ float q_scale(int) { return 1.f; }
@@ -193,11 +199,10 @@ template <> struct Codec<kInt8Pth> {
   /// Element (0..) of a load that half `e` of K fragment register `p` holds.
   static __device__ __forceinline__ int k_pair_elem(int p, int e) { return 2 * p + e; }
 
-  /// Bytes (x.b[i], x.b[j]) of a word of biased codes (code ^ 0x80 = code + 128) as f16x2:
-  /// placed under the exponent of 1024 they read 1152 + code, exact, and 1152 comes off.
+  /// Bytes (x.b[i], x.b[j]) of a word of biased codes (code ^ 0x80 = code + 128) as f16x2
+  /// subnormals: (code + 128) 2^-24 each, exact.
   static __device__ __forceinline__ uint32_t biased_pair(uint32_t x, uint32_t sel) {
-    const __half2 v = bits_h2(prmt(x, 0x64646464u, sel));
-    return h2_bits(__hsub2(v, bits_h2(0x64806480u)));
+    return prmt(x, 0u, sel);
   }
 
   /// K role: code word `w` (4 codes) → two fragment registers, elements (0, 1) and (2, 3).

@@ -33,9 +33,11 @@
 // are used as stored. INT4 codes of either side go in raw (f16 subnormals, exact), their group
 // scales applied in f32 to the K MMA's result and on P for V.
 // FP8's per-head scale is uniform over a head, so it is applied to S and to O in f32 instead of
-// to every element. INT8 codes become f16 (exact); each token's f32 row scale (kRowScale)
-// multiplies its scores (K) or its P (V, relative to the largest scale the warp has seen, so
-// that P * s stays inside f16's range whatever the scales are).
+// to every element. INT8 codes become f16 subnormals, code + 128 (exact, no arithmetic); the
+// 128 comes off the scores and O as one more MMA against the same operands (kCodeBias); each
+// token's f32 row scale (kRowScale) multiplies its scores (K) or its P (V, relative to the
+// largest scale the warp has seen, so that P * s stays inside f16's range whatever the scales
+// are).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -176,6 +176,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
   float k_factor = 1.f;
   if constexpr (F::KC::kHeadScale) k_factor = p.k_scales[kvh] * F::KC::unit();
   if constexpr (F::KC::kGroupFrags) k_factor = F::KC::kScoreUnit;
+  if constexpr (CodeBiasOf<typename F::KC>::value) k_factor = F::KC::kCodeUnit;
   for (int r = warp; r < kRows; r += nw) {
     const bool valid = row0 + r < rows;
     float mx = 0.f;
@@ -252,6 +253,17 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
       if (2 * m + 1 < D / 16) qb[2 * m + 1][0] = x.z, qb[2 * m + 1][1] = x.w;
     }
   }
+  // Keys unpacked with a bias on every code (CodeBiasOf): each score starts at minus the bias
+  // times its row's query, the same sum of products the MMAs add to it.
+  float kb_r0 = 0.f, kb_r1 = 0.f;
+  if constexpr (CodeBiasOf<typename F::KC>::value) {
+    constexpr uint32_t kb_w = F::KC::kCodeBias;
+    float kb[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j)
+      mma16816<F::K_BF16>(kb, make_uint4(kb_w, kb_w, kb_w, kb_w), qb[j][0], qb[j][1]);
+    kb_r0 = -kb[0], kb_r1 = -kb[1];
+  }
   // This lane's output rows: r0 = 2t and r1 = 2t + 1 (C-fragment columns).
   const int lim_r0 = row_lim[2 * t], lim_r1 = row_lim[2 * t + 1];
   const float c_r0 = row_c[2 * t], c_r1 = row_c[2 * t + 1];
@@ -288,7 +300,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m_r0 = -INFINITY, m_r1 = -INFINITY, l_r0 = 0.f, l_r1 = 0.f;
-  // INT4 V: sum_n P_n z_{n,G} (Z^T P^T): group g, rows r0 / r1 in [0] / [1]; unused otherwise.
+  // INT4 V: sum_n P_n z_{n,G} (Z^T P^T): group g, rows r0 / r1 in [0] / [1]; V unpacked with a
+  // bias (CodeBiasOf): sum_n P_n bias, rows r0 / r1 in [0] / [1]; unused otherwise.
   float zsum[4] = {0.f, 0.f, 0.f, 0.f};
   // V row scales: the largest this warp has seen (O's unit) and its reciprocal; unused otherwise.
   float v_ref = 0.f, v_inv = 0.f;
@@ -313,7 +326,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
 #pragma unroll
     for (int ch = 0; ch < CH; ++ch)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[ch][e] = s2nd[ch][e] = 0.f;
+      for (int e = 0; e < 4; ++e) s[ch][e] = e % 2 ? kb_r1 : kb_r0, s2nd[ch][e] = 0.f;
     if constexpr (F::KBLK) {
       // int4-kc keys (codec/int4_kc.cuh). A sealed chunk: raw codes (INT4 K's geometry) times
       // the query fragments scaled by its block's s, set up when a block starts (each step's
@@ -576,7 +589,8 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         o[i][0] *= al_r0, o[i][1] *= al_r1;
         o[i][2] *= al_r0, o[i][3] *= al_r1;
       }
-      if constexpr (F::VC::kGroupFrags) zsum[0] *= al_r0, zsum[1] *= al_r1;
+      if constexpr (F::VC::kGroupFrags || CodeBiasOf<typename F::VC>::value)
+        zsum[0] *= al_r0, zsum[1] *= al_r1;
     }
     // A row that has seen nothing yet keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
     const float sub_r0 = m_r0 == -INFINITY ? 0.f : m_r0;
@@ -614,6 +628,7 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         const float f = v_ref / vmx;  // vmx > v_ref >= 0
 #pragma unroll
         for (int i = 0; i < D / 16; ++i) o[i][0] *= f, o[i][1] *= f, o[i][2] *= f, o[i][3] *= f;
+        if constexpr (CodeBiasOf<typename F::VC>::value) zsum[0] *= f, zsum[1] *= f;
         v_ref = vmx;
         v_inv = 1.f / vmx;
       }
@@ -715,6 +730,11 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
                                   make_uint4(b01[c], b01[c + 1], b89[c], b89[c + 1]), pb0, pb1);
           }
         }
+        if constexpr (CodeBiasOf<typename F::VC>::value) {
+          // Every code of the chunk carried the bias: its sum against the same P.
+          constexpr uint32_t vb = F::VC::kCodeBias;
+          mma16816<F::V_BF16>(zsum, make_uint4(vb, vb, vb, vb), pb0, pb1);
+        }
       }
     }
   }
@@ -751,6 +771,13 @@ __global__ void __maxnreg__((Cfg<KF, VF, D>::MAX_REGS)) decode_kernel(const Para
         o_r1[da] = fmaf(o[i][1], ua, z1);
         o_r0[db] = fmaf(o[i][2], ub, z0);
         o_r1[db] = fmaf(o[i][3], ub, z1);
+      } else if constexpr (CodeBiasOf<typename F::VC>::value) {
+        // O less the codes' bias, in units of the codes (and of v_ref: kRowScale).
+        const float u = F::VC::kCodeUnit * (RowScaleOf<typename F::VC>::value ? v_ref : 1.f);
+        o_r0[da] = (o[i][0] - zsum[0]) * u;
+        o_r1[da] = (o[i][1] - zsum[1]) * u;
+        o_r0[db] = (o[i][2] - zsum[0]) * u;
+        o_r1[db] = (o[i][3] - zsum[1]) * u;
       } else if constexpr (RowScaleOf<typename F::VC>::value) {
         o_r0[da] = o[i][0] * v_ref;
         o_r1[da] = o[i][1] * v_ref;
