@@ -21,8 +21,8 @@
 // one or a lambda, changes the generated code (a callee is optimized on its own before it is
 // inlined), and the kernel's PTX must not change with its layout (scripts/ptx-diff.sh). What
 // differs by format goes through the codecs and branches only on the fragment kind
-// (KC::kGroupFrags, VC::kGroupFrags, a row scale: RowScaleOf, per-block channel metadata:
-// BlockChannelsOf), not on a format.
+// (KC::kGroupFrags, VC::kGroupFrags, a row scale: RowScaleOf, a bias left on the codes:
+// CodeBiasOf, per-block channel metadata: BlockChannelsOf), not on a format.
 #pragma once
 
 #include <stdint.h>
