@@ -415,9 +415,9 @@ typedef struct kvq_prefill_args {
  * host function. */
 int kvq_prefill_supported(int32_t k_format, int32_t v_format, int32_t head_dim, int32_t q_dtype);
 
-/* Dynamic shared memory one prefill thread block of this layout and q_dtype uses (the larger
- * of the narrow and wide tiles'; 0 when unsupported); also raises the kernels' limits, so call
- * it once outside graph capture. */
+/* Dynamic shared memory one prefill thread block of this layout and q_dtype uses (the largest
+ * of its tile widths'; 0 when unsupported); also raises the kernels' limits, so call it once
+ * outside graph capture. */
 int kvq_prefill_prepare(const kvq_layout *layout, int32_t q_dtype, int32_t *smem_bytes);
 
 /* Enqueue the prefill kernel (and the split merge when num_splits > 1) on `stream`. */

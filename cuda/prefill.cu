@@ -247,6 +247,52 @@ bool ws_turns(const Params &p, int r, bool e4m3, bool whole) {
   return e4m3 || (whole ? narrow || no_meta : narrow && no_meta);
 }
 
+/// Triple tiles' time a row against wide tiles' where the grid runs many waves (4k prompts on an
+/// H100, session 35: 0.88).
+constexpr double kTripleRowCost = 0.88;
+
+/// Whether a launch of wide tiles takes triple ones where they serve (triple_instance). A
+/// tile's rows past its sequence cost as much as the others, and a grid's last wave can leave
+/// SMs idle, so the launch's time is estimated as its waves (blocks over SMs, rounded up) times
+/// the rows of a tile, at kTripleRowCost for triple tiles, its sequences taken as of even rows.
+/// KVQ_PREFILL_TRIPLE=0 or 1 forces the choice (A/B).
+bool triple_tiles(const Params &p, unsigned kv_heads) {
+  static const int forced = kvq::env_switch("KVQ_PREFILL_TRIPLE");
+  if (forced >= 0) return forced == 1;
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      sms <= 0) {
+    cudaGetLastError();  // (an error here only costs the choice)
+    return false;
+  }
+  const int64_t seq_rows = ((int64_t)p.max_tokens * p.group + p.batch - 1) / p.batch;
+  auto cost = [&](int r) {
+    const int64_t blocks = (seq_rows + r - 1) / r * p.batch * kv_heads * p.num_splits;
+    return (double)((blocks + sms - 1) / sms) * r;
+  };
+  return cost(kTripleRows) * kTripleRowCost <= cost(kWideRows);
+}
+
+/// Prepare the triple-tile instance where wide tiles of 16-bit sides on the warp-specialized
+/// kernel could take it: KVQ_OK with *bytes its layout (0 where it does not serve), or
+/// KVQ_ERR_LAUNCH.
+template <int D, bool KB, bool VB, int R, bool KC>
+int triple_instance(const Side &k, const Side &v, int *bytes) {
+  *bytes = 0;
+  if constexpr (R == kWideRows && D == kWsD && !KC && KB == VB) {
+    if (!k.direct || !v.direct || !ws_serves<D, KB, VB, R, KC>(k, v)) return KVQ_OK;
+    bool usable = false;
+    const cudaError_t e = prepare_ws<KB, false, kTripleRows, 1, false>(k, v, &usable);
+    if (e != cudaSuccess) {
+      set_last_error(e);
+      return KVQ_ERR_LAUNCH;
+    }
+    if (usable) *bytes = ws_layout(k, v, kTripleRows, 1).bytes;
+  }
+  return KVQ_OK;
+}
+
 /// Prepare an instance (its shared-memory limit) and check that its layout fits; *smem gets
 /// the largest layout prepared.
 struct Prepare {
@@ -269,6 +315,10 @@ struct Prepare {
       if (status != KVQ_OK) return status;
       if (ws.usable) bytes = bytes > ws.bytes ? bytes : ws.bytes;
     }
+    int triple = 0;
+    const int status = triple_instance<D, KB, VB, R, KC>(k, v, &triple);
+    if (status != KVQ_OK) return status;
+    bytes = bytes > triple ? bytes : triple;
     *smem = bytes > *smem ? bytes : *smem;
     return KVQ_OK;
   }
@@ -280,6 +330,23 @@ struct Launch {
   cudaStream_t stream;
   bool ws = false;  // out: the warp-specialized kernel ran
   template <int D, bool KB, bool VB, int R, bool KC> int run() {
+    if constexpr (R == kWideRows && D == kWsD && !KC && KB == VB) {
+      int triple = 0;
+      if (triple_tiles(p, kv_heads)) {
+        const int status = triple_instance<D, KB, VB, R, KC>(p.k, p.v, &triple);
+        if (status != KVQ_OK) return status;
+      }
+      if (triple > 0) {
+        constexpr int R3 = kTripleRows;
+        const int64_t tiles = ((int64_t)p.max_tokens * p.group + R3 - 1) / R3 + p.batch;
+        if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
+        const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
+        prefill_ws_kernel<KB, KB, false, R3, 1, false>
+            <<<grid, ws_threads(false, R3), triple, stream>>>(p);
+        ws = true;
+        return launch_status();
+      }
+    }
     // Tiles of the capacity: sum over sequences of ceil(n_b G / R) <= ceil(total G / R) + batch.
     const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
     if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;

@@ -5,7 +5,9 @@
 // new tokens x the G query heads of one KV head, token-major (row r = token r / G, head r % G),
 // so the G heads share every KV byte read; a CTA serves R of them (16 a warp) over one split of
 // the keys: R = 64, or 128 (wide tiles, two warpgroups sharing every KV tile and its decode)
-// when the launch's sequences average that many rows. Tiles are numbered over the batch in the CTA itself (a scan of qo_indptr), each
+// when the launch's sequences average that many rows, or for 16-bit sides on the warp-
+// specialized kernel 192 (triple tiles, three warpgroups) where the launcher's estimate says
+// so. Tiles are numbered over the batch in the CTA itself (a scan of qo_indptr), each
 // sequence's last (longest, under the causal mask) tile first.
 //
 // Per step of 64 KV tokens each warp computes S = Q K^T and O += P V for its 16 rows on tensor
@@ -57,6 +59,7 @@ using namespace kvq;
 
 constexpr int kRows = KVQ_PREFILL_TILE_ROWS;      // query rows per CTA (narrow tiles)
 constexpr int kWideRows = 2 * kRows;                // query rows per CTA (wide tiles)
+constexpr int kTripleRows = 3 * kRows;  // (triple tiles: 16-bit sides, warp-specialized)
 constexpr int kTokens = KVQ_PREFILL_TILE_TOKENS;  // KV tokens per step
 /// Threads of a CTA serving R rows: a warp per 16.
 template <int R> __host__ __device__ constexpr int threads_of() { return R * 2; }
@@ -968,6 +971,20 @@ __device__ __forceinline__ void wg_qk(float (&s)[8][4], const uint32_t (&qf)[D /
   }
   wg_wait_scores(s);
 }
+
+/// The same with Q read from the Q tile (R rows, B128) by descriptor: q_lo is the low word of
+/// the descriptor of this warpgroup's 64 rows (column blocks R * 128 bytes apart).
+template <bool KB, int D, int R>
+__device__ __forceinline__ void wg_qk_ss(float (&s)[8][4], uint32_t q_lo, uint32_t k_lo) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t kd = b128_desc_at(k_lo, (kk / 4) * (kTokens * 128) + (kk % 4) * 32);
+    const uint64_t qd = b128_desc_at(q_lo, (kk / 4) * (R * 128) + (kk % 4) * 32);
+    wgmma_m64n64k16_ss<KB>(s, qd, kd, kk > 0);
+  }
+  wg_wait_scores(s);
+}
 #endif
 
 // ---- E4M3 operands (the E4M3 instances: an fp8-e4m3 cache on FP8 tensor cores, opt-in). The
@@ -1413,10 +1430,12 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 }
 
 // ---- Warp-specialized tiles (sm_90a, head_dim 128; sides both stored as their 16-bit operands
-// or both quantized, wide and narrow tiles). Producer warps fill a ring of stages with each
+// or both quantized, wide and narrow tiles; triple tiles for 16-bit sides). Producer warps fill
+// a ring of stages with each
 // step's K and V operand tiles — copied, or for quantized sides copied raw into a staging area
 // steps ahead and decoded by the producers — and hand every stage over
-// through an mbarrier; a consumer warpgroup per 64 rows (Q fragments held in registers) runs
+// through an mbarrier; a consumer warpgroup per 64 rows (Q fragments held in registers, or at
+// triple tiles, whose consumers have 152 registers, read from the Q tile by descriptor) runs
 // S = Q K^T, the softmax and O += P V from the ring and gives each stage back through a second
 // mbarrier. No block-wide barrier is left in the loop, so one consumer warpgroup's softmax
 // runs beside another's MMAs (of the block, or of the SM's other block at narrow tiles), and
@@ -1433,11 +1452,11 @@ __host__ __device__ constexpr int ws_producers(bool quant, int r) {
 __host__ __device__ constexpr int ws_threads(bool quant, int r) {
   return ws_producers(quant, r) + 2 * r;
 }
-/// Blocks an SM holds: wide tiles one (two consumer warpgroups), narrow tiles two, so that an
-/// SM still has two consumer warpgroups.
-__host__ __device__ constexpr int ws_blocks_per_sm(int r) { return r == kWideRows ? 1 : 2; }
+/// Blocks an SM holds: wide and triple tiles one (two or three consumer warpgroups), narrow
+/// tiles two, so that an SM still has two consumer warpgroups.
+__host__ __device__ constexpr int ws_blocks_per_sm(int r) { return r == kRows ? 2 : 1; }
 /// Stages of the ring: what fits the blocks an SM holds.
-__host__ __device__ constexpr int ws_stages(int r) { return r == kWideRows ? 4 : 2; }
+__host__ __device__ constexpr int ws_stages(int r) { return r == kRows ? 2 : 4; }
 /// Steps whose copies a producer thread keeps in flight before handing the oldest over (16-bit
 /// sides): at most three, at most the stages.
 __host__ __device__ constexpr int ws_in_flight(int r) {
@@ -1496,7 +1515,8 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     prefill_ws_kernel(const Params p) {
   static_assert(!QUANT || (!KB && !VB), "quantized sides decode to f16 operands");
   static_assert(!E4M3 || QUANT, "E4M3 operands are a quantized cache's");
-  static_assert(R == kWideRows || R == kRows, "wide or narrow tiles");
+  static_assert(R == kWideRows || R == kRows || (R == kTripleRows && !QUANT),
+                "wide or narrow tiles, or triple tiles of 16-bit sides");
 #if KVQ_HAS_WGMMA
   // Registers of a producer and a consumer thread (setmaxnreg). The block's pool is what it
   // launched with (kLaunchRegs a thread, from the launch bound): a consumer's increase waits
@@ -1532,6 +1552,8 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const WsLayout L = ws_layout(p.k, p.v, R, A, E4M3);
   constexpr bool kQOverRaw = QUANT && R == kRows;
+  // Triple tiles' consumers have 152 registers: Q stays in its tile, read by descriptor.
+  constexpr bool kQHeld = R != kTripleRows;
   uint8_t *const qs = smem + L.q;
   auto k_op = [&](int s) { return smem + L.ring + s * 2 * TILE; };
   auto v_op = [&](int s) { return k_op(s) + TILE; };
@@ -1723,12 +1745,12 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
     // The warp's Q fragments (A of S): 16-bit, chunk 2 kk + lane / 16; or E4M3 (k32 steps).
-    uint32_t qf[E4M3 ? 1 : D / 16][4], q8[E4M3 ? D / 32 : 1][4];
+    uint32_t qf[E4M3 || !kQHeld ? 1 : D / 16][4], q8[E4M3 ? D / 32 : 1][4];
     if constexpr (E4M3) {
       float scale_a, scale_b;
       e4m3_q_fragments<R>(qs, cw, p.q_bf16 != 0, q8, &scale_a, &scale_b);
       sm.mul_a *= scale_a, sm.mul_b *= scale_b;  // the rows' scales multiply their scores
-    } else {
+    } else if constexpr (kQHeld) {
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk)
         ldmatrix_x4(smem_u32(qs) + tile_at<D, true, R>(cw * 16 + lane % 16, 2 * kk + lane / 16),
@@ -1740,6 +1762,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     // past its K tile's.
     const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
     const uint32_t k_op0 = smem_u32(k_op(0)), k_lo0 = b128_desc_lo(k_op0, 8192);
+    const uint32_t q_lo = b128_desc_lo(smem_u32(qs) + (cw / 4) * 64 * 128, R * 128);
 #pragma unroll 1
     for (int st = 0; st < nsteps; ++st) {
       const int s = st % S;
@@ -1747,7 +1770,8 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       mbar_wait(full0 + 8 * s, (st / S) & 1);
       float sc[8][4];
       if constexpr (E4M3) wg_qk_e4m3(sc, q8, k_lo);
-      else wg_qk<KB, D>(sc, qf, k_lo);
+      else if constexpr (kQHeld) wg_qk<KB, D>(sc, qf, k_lo);
+      else wg_qk_ss<KB, D, R>(sc, q_lo, k_lo);
 
       uint32_t pa[8][2];
       sm.template step<VB, D, E4M3>(sc, base + st * kTokens, o, pa);

@@ -503,8 +503,8 @@ pub(crate) fn prefill_supported(k_format: i32, v_format: i32, head_dim: i32, q_d
 }
 
 /// `kvq_prefill_prepare`: the dynamic shared memory of one thread block of the prefill kernel
-/// for `layout` and `q_dtype`, the larger of its narrow and wide tiles' (and the kernels' limits
-/// raised to it on the current device).
+/// for `layout` and `q_dtype`, the largest of its tile widths' (and the kernels' limits raised
+/// to it on the current device).
 pub(crate) fn prefill_prepare(layout: &sys::kvq_layout, q_dtype: i32) -> Result<usize> {
     let mut smem = 0i32;
     // SAFETY: a host call that reads the layout and writes one int.

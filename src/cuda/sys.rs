@@ -562,7 +562,7 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
-    #[doc = " Dynamic shared memory one prefill thread block of this layout and q_dtype uses (the larger\n of the narrow and wide tiles'; 0 when unsupported); also raises the kernels' limits, so call\n it once outside graph capture."]
+    #[doc = " Dynamic shared memory one prefill thread block of this layout and q_dtype uses (the largest\n of its tile widths'; 0 when unsupported); also raises the kernels' limits, so call it once\n outside graph capture."]
     pub fn kvq_prefill_prepare(
         layout: *const kvq_layout,
         q_dtype: i32,
