@@ -666,6 +666,8 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   p.soft_cap = a->logits_soft_cap > 0.f ? a->logits_soft_cap : 0.f;
   p.alibi_slopes = a->alibi_slopes;
   p.e4m3_operands = a->e4m3_operands != 0;
+  static const bool heads_later = kvq::env_switch("KVQ_PREFILL_HEADS_FIRST") == 0;
+  p.heads_first = !heads_later;
 
   if (l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
   const bool kb = rk.bf16, vb = rv.bf16;

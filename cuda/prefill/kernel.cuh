@@ -8,7 +8,8 @@
 // when the launch's sequences average that many rows, or for 16-bit sides on the warp-
 // specialized kernel 192 (triple tiles, three warpgroups) where the launcher's estimate says
 // so. Tiles are numbered over the batch in the CTA itself (a scan of qo_indptr), each
-// sequence's last (longest, under the causal mask) tile first.
+// sequence's last (longest, under the causal mask) tile first, and the CTAs with the KV head
+// and the split fastest, so that the longest tiles of every head start first.
 //
 // Per step of 64 KV tokens each warp computes S = Q K^T and O += P V for its 16 rows on tensor
 // cores (f32 accumulate; on sm_90a at head_dim 64 / 128 as one warpgroup's wgmma, else mma.sync
@@ -126,6 +127,7 @@ struct Params {
   // head section as it stands, copied as one instead of a side and a region at a time.
   RunLayout ws_run;
   int32_t ws_whole_runs;
+  int32_t heads_first;  // blocks numbered KV head and split fastest (begin_tile)
 };
 
 /// Bytes of one row of operand tiles in shared memory: 16 bytes of padding put the 8 rows that
@@ -620,9 +622,18 @@ struct TileJob {
 /// Find the CTA's tile (false: past the batch's last) and fill the rows' bounds (threads < R).
 template <int R, int kThreads>
 __device__ __forceinline__ bool begin_tile(const Params &p, RowInfo<R> &rw, TileJob &j) {
-  int index, count;
-  if (!find_tile<R, kThreads>(p, blockIdx.x, &j.b, &index, &count)) return false;
+  int index, count, tile = blockIdx.x;
   j.kvh = blockIdx.y, j.split = blockIdx.z;
+  if (p.heads_first) {
+    // Blocks start in the order of their linear index (x fastest). Read with the KV head and
+    // the split fastest and the tile slowest, every head's longest tiles start first: longest
+    // first over the grid, not one head after another.
+    const unsigned heads = gridDim.y, splits = gridDim.z;
+    const unsigned lin = blockIdx.x + gridDim.x * (blockIdx.y + heads * blockIdx.z);
+    tile = (int)(lin / (heads * splits));
+    j.kvh = (int)(lin / splits % heads), j.split = (int)(lin % splits);
+  }
+  if (!find_tile<R, kThreads>(p, tile, &j.b, &index, &count)) return false;
   const int G = p.group;
   bool bad_q;
   j.n = seq_tokens(p, j.b, &j.q0, &bad_q);
