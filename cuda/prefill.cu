@@ -247,14 +247,21 @@ bool ws_turns(const Params &p, int r, bool e4m3, bool whole) {
   return e4m3 || (whole ? narrow || no_meta : narrow && no_meta);
 }
 
-/// Triple tiles' time a row against wide tiles' where the grid runs many waves (4k prompts on an
-/// H100, session 35: 0.88).
-constexpr double kTripleRowCost = 0.88;
+/// Triple tiles' time a row against wide tiles' where the grid runs many waves, by the sides'
+/// code width (4k prompts at B=4 on an H100, session 35): 16-bit sides 0.88, decoded 8-bit
+/// codes 0.84 (their producers' decode serves 1.5 times the rows a step), narrower codes 0.93.
+double triple_row_cost(const Side &k, const Side &v) {
+  if (k.direct && v.direct) return 0.88;
+  kvq::FormatInfo fk{}, fv{};
+  kvq::format_info(k.format, fk);
+  kvq::format_info(v.format, fv);
+  return fk.bits == 8 && fv.bits == 8 ? 0.84 : 0.93;
+}
 
 /// Whether a launch of wide tiles takes triple ones where they serve (triple_instance). A
 /// tile's rows past its sequence cost as much as the others, and a grid's last wave can leave
 /// SMs idle, so the launch's time is estimated as its waves (blocks over SMs, rounded up) times
-/// the rows of a tile, at kTripleRowCost for triple tiles, its sequences taken as of even rows.
+/// the rows of a tile, at triple_row_cost for triple tiles, its sequences taken as of even rows.
 /// KVQ_PREFILL_TRIPLE=0 or 1 forces the choice (A/B).
 bool triple_tiles(const Params &p, unsigned kv_heads) {
   static const int forced = kvq::env_switch("KVQ_PREFILL_TRIPLE");
@@ -271,19 +278,22 @@ bool triple_tiles(const Params &p, unsigned kv_heads) {
     const int64_t blocks = (seq_rows + r - 1) / r * p.batch * kv_heads * p.num_splits;
     return (double)((blocks + sms - 1) / sms) * r;
   };
-  return cost(kTripleRows) * kTripleRowCost <= cost(kWideRows);
+  return cost(kTripleRows) * triple_row_cost(p.k, p.v) <= cost(kWideRows);
 }
 
-/// Prepare the triple-tile instance where wide tiles of 16-bit sides on the warp-specialized
-/// kernel could take it: KVQ_OK with *bytes its layout (0 where it does not serve), or
-/// KVQ_ERR_LAUNCH.
+/// Prepare the triple-tile instance where wide tiles on the warp-specialized kernel could take
+/// it (16-bit or decoded sides; E4M3 operands, where `e4m3` asks for them, keep wide tiles):
+/// KVQ_OK with *bytes its layout (0 where it does not serve or fit), or KVQ_ERR_LAUNCH.
 template <int D, bool KB, bool VB, int R, bool KC>
-int triple_instance(const Side &k, const Side &v, int *bytes) {
+int triple_instance(const Side &k, const Side &v, bool e4m3, int *bytes) {
   *bytes = 0;
   if constexpr (R == kWideRows && D == kWsD && !KC && KB == VB) {
-    if (!k.direct || !v.direct || !ws_serves<D, KB, VB, R, KC>(k, v)) return KVQ_OK;
+    if (!ws_serves<D, KB, VB, R, KC>(k, v) || (e4m3 && e4m3_sides(k, v))) return KVQ_OK;
     bool usable = false;
-    const cudaError_t e = prepare_ws<KB, false, kTripleRows, 1, false>(k, v, &usable);
+    cudaError_t e;
+    if constexpr (KB) e = prepare_ws<KB, false, kTripleRows, 1, false>(k, v, &usable);
+    else if (k.direct) e = prepare_ws<KB, false, kTripleRows, 1, false>(k, v, &usable);
+    else e = prepare_ws<KB, true, kTripleRows, 1, false>(k, v, &usable);
     if (e != cudaSuccess) {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
@@ -316,7 +326,7 @@ struct Prepare {
       if (ws.usable) bytes = bytes > ws.bytes ? bytes : ws.bytes;
     }
     int triple = 0;
-    const int status = triple_instance<D, KB, VB, R, KC>(k, v, &triple);
+    const int status = triple_instance<D, KB, VB, R, KC>(k, v, false, &triple);
     if (status != KVQ_OK) return status;
     bytes = bytes > triple ? bytes : triple;
     *smem = bytes > *smem ? bytes : *smem;
@@ -333,7 +343,8 @@ struct Launch {
     if constexpr (R == kWideRows && D == kWsD && !KC && KB == VB) {
       int triple = 0;
       if (triple_tiles(p, kv_heads)) {
-        const int status = triple_instance<D, KB, VB, R, KC>(p.k, p.v, &triple);
+        const int status =
+            triple_instance<D, KB, VB, R, KC>(p.k, p.v, p.e4m3_operands != 0, &triple);
         if (status != KVQ_OK) return status;
       }
       if (triple > 0) {
@@ -341,6 +352,18 @@ struct Launch {
         const int64_t tiles = ((int64_t)p.max_tokens * p.group + R3 - 1) / R3 + p.batch;
         if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
         const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
+        if constexpr (!KB) {
+          if (!p.k.direct) {
+            Params ws_params = p;
+            ws_params.ws_run = ws_run_layout(p.k, p.v);
+            ws_params.ws_whole_runs = ws_whole_runs(p, ws_params.ws_run);
+            ws_params.ws_turns = ws_turns(p, R3, false, ws_params.ws_whole_runs);
+            prefill_ws_kernel<KB, KB, true, R3, 1, false>
+                <<<grid, ws_threads(true, R3), triple, stream>>>(ws_params);
+            ws = true;
+            return launch_status();
+          }
+        }
         prefill_ws_kernel<KB, KB, false, R3, 1, false>
             <<<grid, ws_threads(false, R3), triple, stream>>>(p);
         ws = true;

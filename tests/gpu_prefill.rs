@@ -596,7 +596,8 @@ fn check_pairs_with_options(
 /// pages of 32 tokens.
 #[test]
 fn wide_tiles_warp_specialized() {
-    // 4 x (70 + 30 + 20) rows over 3 sequences: wide tiles (128 to 191 rows a sequence).
+    // 4 x (130 + 64 + 40) rows over 3 sequences: wide tiles (>= 128 rows a sequence; triple
+    // tiles only for grids of several waves).
     check_pairs_with_options(
         "wide_tiles_warp_specialized",
         &[
@@ -607,29 +608,80 @@ fn wide_tiles_warp_specialized() {
             (KvFormat::Fp8E5m2, KvFormat::Int4Affine64, false),
             (KvFormat::Int4Sym32, KvFormat::Int4Affine64, true),
         ],
-        &[(70, 70), (30, 600), (20, 21)],
+        &[(130, 130), (64, 600), (40, 41)],
     );
 }
 
-/// Triple tiles at head_dim 128 (on sm_90a, 16-bit sides: the warp-specialized kernel with
-/// three consumer warpgroups, Q read from its tile by descriptor; quantized sides keep wide
-/// tiles), with every option of check_options, in quick mode too: f16 and bf16 caches, bf16
-/// queries over f16 keys, and FP8 / INT4 beside them at the same rows.
+/// Triple tiles at head_dim 128 (on sm_90a the warp-specialized kernel with three consumer
+/// warpgroups, Q read from its tile by descriptor). The launcher takes them for grids of
+/// several waves, larger than a test's, so this test runs `triple_tiles_forced` in a child
+/// process of this binary with `KVQ_PREFILL_TRIPLE=1` (read once a process), which forces them
+/// wherever wide tiles would run, and checks that it passed.
 #[test]
 fn triple_tiles_warp_specialized() {
-    // 4 x (130 + 64 + 40) rows over 3 sequences: triple tiles (>= 192 rows a sequence), a
-    // sequence with fewer rows than a tile, and one whose last tile is partly past its rows.
+    if require_gpu_or_skip("triple_tiles_warp_specialized").is_none() {
+        return;
+    }
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args([
+            "triple_tiles_forced",
+            "--exact",
+            "--ignored",
+            "--test-threads",
+            "1",
+        ])
+        .env("KVQ_PREFILL_TRIPLE", "1")
+        .output()
+        .expect("run triple_tiles_forced");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "triple_tiles_forced:\n{text}"
+    );
+}
+
+/// triple_tiles_warp_specialized's child: every option of check_options at triple tiles, in
+/// quick mode too, for f16 and bf16 caches, bf16 queries over f16 keys, FP8, INT4, INT8 and FP4,
+/// and the fault test's cases.
+#[test]
+#[ignore = "run by triple_tiles_warp_specialized, with KVQ_PREFILL_TRIPLE=1"]
+fn triple_tiles_forced() {
+    assert_eq!(
+        std::env::var("KVQ_PREFILL_TRIPLE").as_deref(),
+        Ok("1"),
+        "run with KVQ_PREFILL_TRIPLE=1 (triple_tiles_warp_specialized does)"
+    );
+    // 4 x (130 + 64 + 40) rows over 3 sequences: a sequence of fewer rows than a tile, and one
+    // whose last tile is partly past its rows.
     check_pairs_with_options(
-        "triple_tiles_warp_specialized",
+        "triple_tiles_forced",
         &[
             (KvFormat::F16, KvFormat::F16, false),
             (KvFormat::F16, KvFormat::F16, true),
             (KvFormat::Bf16, KvFormat::Bf16, true),
             (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, true),
             (KvFormat::Int4Sym32, KvFormat::Int4Affine64, true),
+            (KvFormat::Int8Pth, KvFormat::Fp4E2m1, true),
         ],
         &[(130, 130), (64, 600), (40, 41)],
     );
+    let Some(gpu) = require_gpu_or_skip("triple_tiles_forced") else {
+        return;
+    };
+    let mut rng = rng("triple_tiles_forced faults");
+    fault_case::<bf16>(&gpu, &mut rng, KvFormat::Bf16, KvFormat::Bf16, 130, false);
+    for (k, v) in [
+        (KvFormat::F16, KvFormat::F16),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+    ] {
+        fault_case::<f16>(&gpu, &mut rng, k, v, 130, false);
+    }
 }
 
 /// Narrow tiles at head_dim 128 (on sm_90a the warp-specialized kernel at 64 rows a block, two
@@ -682,9 +734,9 @@ fn e4m3_operands_warp_specialized() {
 /// A block-table entry outside the pool (which only a raw caller can pass: the safe tables refuse
 /// it) is counted and its tokens read as zeros: the launch matches the CPU reference over a table
 /// that names a spare block of zero bytes there (zeros in every format: INT4's scales and zeros
-/// too). 16-bit, FP8 and INT4 caches at triple (16-bit sides), wide and narrow tiles: on sm_90a
-/// the warp-specialized kernel's 16-bit copies (zero-filled) and its quantized producers (which
-/// store the zeros themselves), at every tile width.
+/// too). 16-bit, FP8 and INT4 caches at wide and narrow tiles (triple tiles: triple_tiles_forced):
+/// on sm_90a the warp-specialized kernel's 16-bit copies (zero-filled) and its quantized
+/// producers (which store the zeros themselves), at both tile widths.
 #[test]
 fn block_outside_the_pool_reads_as_zeros() {
     let Some(gpu) = require_gpu_or_skip("block_outside_the_pool_reads_as_zeros") else {
@@ -697,7 +749,7 @@ fn block_outside_the_pool_reads_as_zeros() {
         (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
         (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
     ] {
-        for new_tokens in [130, 40, 16] {
+        for new_tokens in [130, 16] {
             if k == KvFormat::Bf16 {
                 fault_case::<bf16>(&gpu, &mut rng, k, v, new_tokens, false);
             } else {

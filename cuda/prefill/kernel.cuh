@@ -5,8 +5,8 @@
 // new tokens x the G query heads of one KV head, token-major (row r = token r / G, head r % G),
 // so the G heads share every KV byte read; a CTA serves R of them (16 a warp) over one split of
 // the keys: R = 64, or 128 (wide tiles, two warpgroups sharing every KV tile and its decode)
-// when the launch's sequences average that many rows, or for 16-bit sides on the warp-
-// specialized kernel 192 (triple tiles, three warpgroups) where the launcher's estimate says
+// when the launch's sequences average that many rows, or on the warp-specialized kernel 192
+// (triple tiles, three warpgroups; 16-bit or decoded sides) where the launcher's estimate says
 // so. Tiles are numbered over the batch in the CTA itself (a scan of qo_indptr), each
 // sequence's last (longest, under the causal mask) tile first, and the CTAs with the KV head
 // and the split fastest, so that the longest tiles of every head start first.
@@ -1441,12 +1441,12 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 }
 
 // ---- Warp-specialized tiles (sm_90a, head_dim 128; sides both stored as their 16-bit operands
-// or both quantized, wide and narrow tiles; triple tiles for 16-bit sides). Producer warps fill
-// a ring of stages with each
+// or both quantized, wide and narrow tiles; triple tiles but for E4M3 operands). Producer warps
+// fill a ring of stages with each
 // step's K and V operand tiles — copied, or for quantized sides copied raw into a staging area
 // steps ahead and decoded by the producers — and hand every stage over
 // through an mbarrier; a consumer warpgroup per 64 rows (Q fragments held in registers, or at
-// triple tiles, whose consumers have 152 registers, read from the Q tile by descriptor) runs
+// triple tiles, whose consumers have 144-152 registers, read from the Q tile by descriptor) runs
 // S = Q K^T, the softmax and O += P V from the ring and gives each stage back through a second
 // mbarrier. No block-wide barrier is left in the loop, so one consumer warpgroup's softmax
 // runs beside another's MMAs (of the block, or of the SM's other block at narrow tiles), and
@@ -1526,8 +1526,8 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     prefill_ws_kernel(const Params p) {
   static_assert(!QUANT || (!KB && !VB), "quantized sides decode to f16 operands");
   static_assert(!E4M3 || QUANT, "E4M3 operands are a quantized cache's");
-  static_assert(R == kWideRows || R == kRows || (R == kTripleRows && !QUANT),
-                "wide or narrow tiles, or triple tiles of 16-bit sides");
+  static_assert(R == kWideRows || R == kRows || (R == kTripleRows && !E4M3 && A == 1),
+                "wide or narrow tiles, or triple tiles of decoded sides");
 #if KVQ_HAS_WGMMA
   // Registers of a producer and a consumer thread (setmaxnreg). The block's pool is what it
   // launched with (kLaunchRegs a thread, from the launch bound): a consumer's increase waits
@@ -1563,7 +1563,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const WsLayout L = ws_layout(p.k, p.v, R, A, E4M3);
   constexpr bool kQOverRaw = QUANT && R == kRows;
-  // Triple tiles' consumers have 152 registers: Q stays in its tile, read by descriptor.
+  // Triple tiles' consumers have 144-152 registers: Q stays in its tile, read by descriptor.
   constexpr bool kQHeld = R != kTripleRows;
   uint8_t *const qs = smem + L.q;
   auto k_op = [&](int s) { return smem + L.ring + s * 2 * TILE; };
