@@ -261,8 +261,9 @@ double triple_row_cost(const Side &k, const Side &v) {
 /// Whether a launch of wide tiles takes triple ones where they serve (triple_instance). A
 /// tile's rows past its sequence cost as much as the others, and a grid's last wave can leave
 /// SMs idle, so the launch's time is estimated as its waves (blocks over SMs, rounded up) times
-/// the rows of a tile, at triple_row_cost for triple tiles, its sequences taken as of even rows.
-/// KVQ_PREFILL_TRIPLE=0 or 1 forces the choice (A/B).
+/// the rows of a tile, at triple_row_cost for triple tiles, its sequences taken as of even rows;
+/// and triple tiles need two waves of blocks at least (a 1k chunk's 1.3 waves measured 1-7 %
+/// slower than wide tiles' 1.9). KVQ_PREFILL_TRIPLE=0 or 1 forces the choice (A/B).
 bool triple_tiles(const Params &p, unsigned kv_heads) {
   static const int forced = kvq::env_switch("KVQ_PREFILL_TRIPLE");
   if (forced >= 0) return forced == 1;
@@ -274,11 +275,10 @@ bool triple_tiles(const Params &p, unsigned kv_heads) {
     return false;
   }
   const int64_t seq_rows = ((int64_t)p.max_tokens * p.group + p.batch - 1) / p.batch;
-  auto cost = [&](int r) {
-    const int64_t blocks = (seq_rows + r - 1) / r * p.batch * kv_heads * p.num_splits;
-    return (double)((blocks + sms - 1) / sms) * r;
-  };
-  return cost(kTripleRows) * triple_row_cost(p.k, p.v) <= cost(kWideRows);
+  auto blocks = [&](int r) { return (seq_rows + r - 1) / r * p.batch * kv_heads * p.num_splits; };
+  auto cost = [&](int r) { return (double)((blocks(r) + sms - 1) / sms) * r; };
+  return blocks(kTripleRows) >= 2 * sms &&
+         cost(kTripleRows) * triple_row_cost(p.k, p.v) <= cost(kWideRows);
 }
 
 /// Prepare the triple-tile instance where wide tiles on the warp-specialized kernel could take

@@ -60,7 +60,7 @@ using namespace kvq;
 
 constexpr int kRows = KVQ_PREFILL_TILE_ROWS;      // query rows per CTA (narrow tiles)
 constexpr int kWideRows = 2 * kRows;                // query rows per CTA (wide tiles)
-constexpr int kTripleRows = 3 * kRows;  // (triple tiles: 16-bit sides, warp-specialized)
+constexpr int kTripleRows = 3 * kRows;  // (triple tiles: the warp-specialized kernel)
 constexpr int kTokens = KVQ_PREFILL_TILE_TOKENS;  // KV tokens per step
 /// Threads of a CTA serving R rows: a warp per 16.
 template <int R> __host__ __device__ constexpr int threads_of() { return R * 2; }
@@ -1441,16 +1441,15 @@ __global__ void __launch_bounds__(threads_of<R>()) prefill_kernel(const Params p
 }
 
 // ---- Warp-specialized tiles (sm_90a, head_dim 128; sides both stored as their 16-bit operands
-// or both quantized, wide and narrow tiles; triple tiles but for E4M3 operands). Producer warps
-// fill a ring of stages with each
-// step's K and V operand tiles — copied, or for quantized sides copied raw into a staging area
-// steps ahead and decoded by the producers — and hand every stage over
-// through an mbarrier; a consumer warpgroup per 64 rows (Q fragments held in registers, or at
-// triple tiles, whose consumers have 144-152 registers, read from the Q tile by descriptor) runs
-// S = Q K^T, the softmax and O += P V from the ring and gives each stage back through a second
-// mbarrier. No block-wide barrier is left in the loop, so one consumer warpgroup's softmax
-// runs beside another's MMAs (of the block, or of the SM's other block at narrow tiles), and
-// the copies and the decode run ahead of them.
+// or both quantized; wide and narrow tiles, and triple ones but for E4M3 operands). Producer
+// warps fill a ring of stages with each step's K and V operand tiles — copied, or for quantized
+// sides copied raw into a staging area steps ahead and decoded by the producers — and hand every
+// stage over through an mbarrier; a consumer warpgroup per 64 rows (Q fragments held in
+// registers, or at triple tiles, whose consumers have 144-152 registers, read from the Q tile
+// by descriptor) runs S = Q K^T, the softmax and O += P V from the ring and gives each stage
+// back through a second mbarrier. No block-wide barrier is left in the loop, so one consumer
+// warpgroup's softmax runs beside another's MMAs (of the block, or of the SM's other block at
+// narrow tiles), and the copies and the decode run ahead of them.
 
 /// Threads of a warp-specialized block: a consumer warpgroup per 64 of its R rows, then its
 /// producer threads: one warpgroup, or for quantized sides at wide tiles kWsQuantProducers (the
