@@ -290,10 +290,9 @@ int triple_instance(const Side &k, const Side &v, bool e4m3, int *bytes) {
   if constexpr (R == kWideRows && D == kWsD && !KC && KB == VB) {
     if (!ws_serves<D, KB, VB, R, KC>(k, v) || (e4m3 && e4m3_sides(k, v))) return KVQ_OK;
     bool usable = false;
-    cudaError_t e;
-    if constexpr (KB) e = prepare_ws<KB, false, kTripleRows, 1, false>(k, v, &usable);
-    else if (k.direct) e = prepare_ws<KB, false, kTripleRows, 1, false>(k, v, &usable);
-    else e = prepare_ws<KB, true, kTripleRows, 1, false>(k, v, &usable);
+    const cudaError_t e = with_ws<KB>(k, v, false, [&](auto q, auto) {
+      return prepare_ws<KB, decltype(q)::value, kTripleRows, 1, false>(k, v, &usable);
+    });
     if (e != cudaSuccess) {
       set_last_error(e);
       return KVQ_ERR_LAUNCH;
@@ -334,11 +333,28 @@ struct Prepare {
   }
 };
 
+/// The warp-specialized kernel's Params for a launch at tiles of r rows: for quantized sides
+/// the staging of a run and how its copies are issued.
+Params ws_params_of(const Params &p, bool quant, int r, bool e4m3) {
+  Params w = p;
+  w.ws_run = ws_run_layout(p.k, p.v);
+  w.ws_whole_runs = quant && ws_whole_runs(p, w.ws_run);
+  w.ws_turns = quant && ws_turns(p, r, e4m3, w.ws_whole_runs);
+  return w;
+}
+
 struct Launch {
   const Params &p;
   unsigned kv_heads;
   cudaStream_t stream;
   bool ws = false;  // out: the warp-specialized kernel ran
+  /// The grid of tiles of R rows for the capacity (sum over sequences of ceil(n_b G / R) <=
+  /// ceil(total G / R) + batch); false where it is too large.
+  template <int R> bool grid_of(dim3 *grid) const {
+    const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
+    *grid = dim3((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
+    return tiles <= INT32_MAX;
+  }
   template <int D, bool KB, bool VB, int R, bool KC> int run() {
     if constexpr (R == kWideRows && D == kWsD && !KC && KB == VB) {
       int triple = 0;
@@ -349,31 +365,20 @@ struct Launch {
       }
       if (triple > 0) {
         constexpr int R3 = kTripleRows;
-        const int64_t tiles = ((int64_t)p.max_tokens * p.group + R3 - 1) / R3 + p.batch;
-        if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
-        const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
-        if constexpr (!KB) {
-          if (!p.k.direct) {
-            Params ws_params = p;
-            ws_params.ws_run = ws_run_layout(p.k, p.v);
-            ws_params.ws_whole_runs = ws_whole_runs(p, ws_params.ws_run);
-            ws_params.ws_turns = ws_turns(p, R3, false, ws_params.ws_whole_runs);
-            prefill_ws_kernel<KB, KB, true, R3, 1, false>
-                <<<grid, ws_threads(true, R3), triple, stream>>>(ws_params);
-            ws = true;
-            return launch_status();
-          }
-        }
-        prefill_ws_kernel<KB, KB, false, R3, 1, false>
-            <<<grid, ws_threads(false, R3), triple, stream>>>(p);
+        dim3 grid;
+        if (!grid_of<R3>(&grid)) return KVQ_ERR_UNSUPPORTED;
+        with_ws<KB>(p.k, p.v, false, [&](auto q, auto) {
+          constexpr bool Q = decltype(q)::value;
+          prefill_ws_kernel<KB, KB, Q, R3, 1, false>
+              <<<grid, ws_threads(Q, R3), triple, stream>>>(ws_params_of(p, Q, R3, false));
+          return cudaSuccess;
+        });
         ws = true;
         return launch_status();
       }
     }
-    // Tiles of the capacity: sum over sequences of ceil(n_b G / R) <= ceil(total G / R) + batch.
-    const int64_t tiles = ((int64_t)p.max_tokens * p.group + R - 1) / R + p.batch;
-    if (tiles > INT32_MAX) return KVQ_ERR_UNSUPPORTED;
-    const dim3 grid((unsigned)tiles, kv_heads, (unsigned)p.num_splits);
+    dim3 grid;
+    if (!grid_of<R>(&grid)) return KVQ_ERR_UNSUPPORTED;
     WsChoice ws_choice;
     const bool e4m3 = p.e4m3_operands != 0;
     const int status = ws_instance<D, KB, VB, R, KC>(p.k, p.v, e4m3, &ws_choice);
@@ -381,10 +386,7 @@ struct Launch {
     if (ws_choice.usable) {
       with_ws<KB>(p.k, p.v, e4m3, [&](auto q, auto e8) {
         constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
-        Params ws_params = p;
-        ws_params.ws_run = ws_run_layout(p.k, p.v);
-        ws_params.ws_whole_runs = Q && ws_whole_runs(p, ws_params.ws_run);
-        ws_params.ws_turns = Q && ws_turns(p, R, E, ws_params.ws_whole_runs);
+        const Params ws_params = ws_params_of(p, Q, R, E);
         return with_ahead<Q, R, E>(ws_choice.ahead, [&](auto a) {
           constexpr int A = decltype(a)::value;
           prefill_ws_kernel<KB, KB, Q, R, A, E>
