@@ -135,8 +135,28 @@ template <> struct Codec<kInt4Affine64> {
   static __device__ __forceinline__ void decode_f16(const F16Raw &raw, uint32_t (&h)[kEpt / 2]) {
     const uint32_t *w = reinterpret_cast<const uint32_t *>(&raw.codes);
     const __half s1 = __ushort_as_half(raw.scale), z1 = __ushort_as_half(raw.zero);
-    const __half2 s = __half2half2(s1), z = __half2half2(z1), bias = __float2half2_rn(1024.0f);
-    // Each byte becomes 1024 + n per nibble, exact f16s; minus 1024, n * s + z rounded once.
+    const __half2 s = __half2half2(s1), z = __half2half2(z1);
+    // 0 <= n <= 15: below this bound no value leaves f16's range, and none needs the clamp.
+    const bool in_range = 15.f * fabsf(__half2float(s1)) + fabsf(__half2float(z1)) <= 65000.f;
+    if (in_range && fabsf(__half2float(s1)) <= kSubnormalScaleMax) {
+      // Each nibble an f16 subnormal n 2^-24, times 2^15 (n 2^-9), then times the scale times
+      // 2^9 plus the zero: exact but the last step, which rounds n * s + z once. 3 instructions
+      // a pair (the one below: 4).
+      const __half2 s9 = __hmul2(s, __float2half2_rn(512.0f)), up = __float2half2_rn(32768.0f);
+#pragma unroll
+      for (int k = 0; k < kEpt / 8; ++k) {
+        const uint32_t lo = w[k] & 0x0F0F0F0Fu, hi = (w[k] >> 4) & 0x0F0F0F0Fu;
+        const uint32_t x[4] = {nibble_pair_subnormal<0>(lo, hi), nibble_pair_subnormal<1>(lo, hi),
+                               nibble_pair_subnormal<2>(lo, hi), nibble_pair_subnormal<3>(lo, hi)};
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          h[4 * k + i] = h2_bits(__hfma2(__hmul2(bits_h2(x[i]), up), s9, z));
+      }
+      return;
+    }
+    // Larger scales: each byte becomes 1024 + n per nibble, exact f16s; minus 1024, n * s + z
+    // rounded once, clamped where the bound above does not hold.
+    const __half2 bias = __float2half2_rn(1024.0f);
     auto unpack = [&](auto clamp) {
 #pragma unroll
       for (int k = 0; k < kEpt / 8; ++k) {
@@ -148,9 +168,7 @@ template <> struct Codec<kInt4Affine64> {
           h[4 * k + i] = clamp(__hfma2(__hsub2(bits_h2(x[i]), bias), s, z));
       }
     };
-    // 0 <= n <= 15: below this bound no value leaves f16's range, and none needs the clamp.
-    unpack_f16_clamped_unless(15.f * fabsf(__half2float(s1)) + fabsf(__half2float(z1)) <= 65000.f,
-                              unpack);
+    unpack_f16_clamped_unless(in_range, unpack);
   }
 
   // ---- decode-kernel V role (decode/frag.cuh): raw codes, scale and zero on the P side ----

@@ -29,6 +29,25 @@ __device__ __forceinline__ uint32_t nibble_pair_f16(uint32_t w, uint32_t w4) {
   return and_xor<0x000F000Fu>(t, 0x64006400u | (FLIP * 0x00010001u));
 }
 
+/// Byte I of `lo` and of `hi` as an f16 pair of subnormals n * 2^-24 (exact: a subnormal's bits
+/// are its integer), `lo`'s low. The bytes must be below 0x80: the zero high bytes are the sign of
+/// a byte replicated (PRMT's sign mode). `lo` and `hi` are a word's low and high nibbles as bytes
+/// (x & 0x0F0F0F0F and (x >> 4) & 0x0F0F0F0F, each optionally flipped), so that byte I's pair is
+/// element 2 I and 2 I + 1. One PRMT.
+template <int I>
+__device__ __forceinline__ uint32_t nibble_pair_subnormal(uint32_t lo, uint32_t hi) {
+  static_assert(I >= 0 && I < 4, "a byte of the word");
+  constexpr uint32_t kSel = I | ((8 | I) << 4) | ((4 + I) << 8) | ((12 + I) << 12);
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "n"(kSel));
+  return d;
+}
+
+/// The largest |s| whose s * 2^9 is a finite f16 (65504 / 512): the INT4 codecs' operand decode
+/// takes the subnormal pairs above for scales up to it, as n * 2^-9 (times 2^15, exact) times
+/// s * 2^9 (exact).
+constexpr float kSubnormalScaleMax = 127.9375f;
+
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) {
   return *reinterpret_cast<uint32_t *>(&h);
 }
