@@ -147,10 +147,11 @@ cudaError_t with_ws(const Side &k, const Side &v, bool e4m3, Fn &&fn) {
   else return e4m3 && e4m3_sides(k, v) ? fn(T{}, T{}) : fn(T{}, F{});
 }
 
-/// Whether an instance may take its raw rows kWsRawDeep steps ahead: quantized sides at wide
-/// tiles, and the E4M3 instances at narrow ones too (their operand tiles leave the room).
+/// Whether an instance may take its raw rows kWsRawDeep steps ahead: decoded sides at wide
+/// tiles. (E4M3 operands measured 1-3 % faster one step ahead, at wide and narrow tiles; decoded
+/// narrow tiles, which two blocks an SM leave room for only with INT4 and FP4, level.)
 template <bool QUANT, int R, bool E4M3> constexpr bool may_go_deep() {
-  return QUANT && (R == kWideRows || E4M3);
+  return QUANT && R == kWideRows && !E4M3;
 }
 
 /// Call fn(std::integral_constant<int, A>) for the instance's raw steps ahead: kWsRawDeep where
@@ -187,7 +188,8 @@ cudaError_t prepare_ws(const Side &k, const Side &v, bool *usable) {
 }
 
 /// The warp-specialized kernel's instance for a launch: whether it serves it, its raw steps
-/// ahead (kWsRawDeep where that layout fits, else 1) and its dynamic shared memory.
+/// ahead (kWsRawDeep where that layout fits, else 1; KVQ_PREFILL_RAW_DEEP=0 forces 1, for A/B)
+/// and its dynamic shared memory.
 struct WsChoice {
   bool usable = false;
   int ahead = 1;
@@ -205,9 +207,11 @@ int ws_instance(const Side &k, const Side &v, bool e4m3, WsChoice *choice) {
   const cudaError_t e = with_ws<KB>(k, v, e4m3, [&](auto q, auto e8) {
     constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
     e4m3_instance = E;
+    static const bool shallow = kvq::env_switch("KVQ_PREFILL_RAW_DEEP") == 0;
     if constexpr (may_go_deep<Q, R, E>()) {
-      const cudaError_t deep = prepare_ws<KB, Q, R, kWsRawDeep, E>(k, v, &choice->usable);
-      if (deep != cudaSuccess || choice->usable) {
+      const cudaError_t deep = shallow ? cudaSuccess
+                                       : prepare_ws<KB, Q, R, kWsRawDeep, E>(k, v, &choice->usable);
+      if (!shallow && (deep != cudaSuccess || choice->usable)) {
         choice->ahead = kWsRawDeep;
         return deep;
       }

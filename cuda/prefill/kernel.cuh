@@ -1473,10 +1473,10 @@ __host__ __device__ constexpr int ws_in_flight(int r) {
   return ws_stages(r) < 3 ? ws_stages(r) : 3;
 }
 /// Quantized sides: steps whose raw rows are in flight ahead of the one being decoded (the
-/// kernel's A), in a ring of A + 1 staging areas (the step being decoded holds one). Wide tiles
-/// take kWsRawDeep where the layout fits the block (INT4: 4-6 % faster than one step ahead on an
-/// H100; FP8's does not fit, and was level at two), else one; narrow tiles (two blocks an SM)
-/// one.
+/// kernel's A), in a ring of A + 1 staging areas (the step being decoded holds one). Decoded
+/// sides at wide tiles take kWsRawDeep where the layout fits the block (INT4: 3-4 % faster than
+/// one step ahead on an H100; FP8's does not fit, and was level at two), else one; narrow tiles
+/// (two blocks an SM) and E4M3 operands one.
 constexpr int kWsRawDeep = 3;
 
 /// Bytes of one operand tile of the ring: kTokens rows of kWsD 16-bit operands, or of E4M3 codes
