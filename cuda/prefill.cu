@@ -207,13 +207,14 @@ int ws_instance(const Side &k, const Side &v, bool e4m3, WsChoice *choice) {
   const cudaError_t e = with_ws<KB>(k, v, e4m3, [&](auto q, auto e8) {
     constexpr bool Q = decltype(q)::value, E = decltype(e8)::value;
     e4m3_instance = E;
-    static const bool shallow = kvq::env_switch("KVQ_PREFILL_RAW_DEEP") == 0;
     if constexpr (may_go_deep<Q, R, E>()) {
-      const cudaError_t deep = shallow ? cudaSuccess
-                                       : prepare_ws<KB, Q, R, kWsRawDeep, E>(k, v, &choice->usable);
-      if (!shallow && (deep != cudaSuccess || choice->usable)) {
-        choice->ahead = kWsRawDeep;
-        return deep;
+      static const bool shallow = kvq::env_switch("KVQ_PREFILL_RAW_DEEP") == 0;
+      if (!shallow) {
+        const cudaError_t deep = prepare_ws<KB, Q, R, kWsRawDeep, E>(k, v, &choice->usable);
+        if (deep != cudaSuccess || choice->usable) {
+          choice->ahead = kWsRawDeep;
+          return deep;
+        }
       }
     }
     return prepare_ws<KB, Q, R, 1, E>(k, v, &choice->usable);

@@ -35,13 +35,19 @@ __device__ uint16_t clamped(__half v) {
   return __half_as_ushort(v);
 }
 
-__device__ void report(int what, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+// Counts a difference; keeps the first 8: format (1 = k32, 2 = v64) | code << 8, the scale's
+// bits, the bits decoded, the bits wanted | the zero's << 16.
+__device__ void report(int what, uint32_t code, uint32_t scale, uint32_t got, uint32_t want) {
   const unsigned long long k = atomicAdd(&g_bad, 1ull);
-  if (k < 8) g_first[k][0] = what | (a << 8), g_first[k][1] = b, g_first[k][2] = c, g_first[k][3] = d;
+  if (k >= 8) return;
+  g_first[k][0] = what | (code << 8);
+  g_first[k][1] = scale, g_first[k][2] = got, g_first[k][3] = want;
 }
 
 // Words holding every nibble 0..15 (element 2i low in byte i).
-__device__ uint4 all_nibbles() { return make_uint4(0x67452301u, 0xEFCDAB89u, 0x67452301u, 0xEFCDAB89u); }
+__device__ uint4 all_nibbles() {
+  return make_uint4(0x67452301u, 0xEFCDAB89u, 0x67452301u, 0xEFCDAB89u);
+}
 __device__ int nibble_of(const uint4 &c, int e) {
   const uint32_t w[4] = {c.x, c.y, c.z, c.w};
   return (w[e / 8] >> (4 * (e % 8))) & 0xF;
