@@ -11,12 +11,15 @@
 //! ```sh
 //! cargo run --release --features cuda,bench --example prefill_bench -- [--iters N] \
 //!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4|int4-k32|int4-kc] [--json FILE] \
-//!     [--splits N] [--route-q-len N]
+//!     [--splits N] [--route-q-len N] [--seqs SHAPES]
 //! ```
 //!
 //! `--splits N` forces the key splits of every shape; `--route-q-len N` sends, in every shape,
 //! the leading sequences with the same 1 to N new tokens to the decode kernel
-//! (`PrefillPlan::with_decode_rows` with a decode plan of `q_len` N).
+//! (`PrefillPlan::with_decode_rows` with a decode plan of `q_len` N). `--seqs` replaces the grid
+//! by the shapes given, `;` between shapes, `+` between groups of sequences, a group
+//! `NEW:CONTEXTxB` (B sequences of NEW tokens after CONTEXT - NEW cached ones): e.g.
+//! `--seqs "1536:1536x1;1024:4096x2+1:16384x8"`.
 
 use kvq::cuda::bench::{self, EventTimer};
 use kvq::cuda::decode::{DeviceBlockTables, TablesCapacity};
@@ -32,7 +35,7 @@ const BLOCK: usize = 16;
 /// A step: per sequence (new tokens, context); `route`: its leading one-token rows through
 /// the decode kernel (`PrefillPlan::with_decode_rows`).
 struct Shape {
-    name: &'static str,
+    name: String,
     seqs: Vec<(usize, usize)>,
     route: bool,
 }
@@ -44,45 +47,71 @@ fn mixed() -> Vec<(usize, usize)> {
     seqs
 }
 
+/// The shapes of `--seqs` (see the module docs), or None where one does not parse.
+fn parse_shapes(spec: &str) -> Option<Vec<Shape>> {
+    let group = |g: &str| -> Option<Vec<(usize, usize)>> {
+        let (n, rest) = g.trim().split_once(':')?;
+        let (ctx, b) = rest.split_once('x').unwrap_or((rest, "1"));
+        let (n, ctx, b): (usize, usize, usize) =
+            (n.parse().ok()?, ctx.parse().ok()?, b.parse().ok()?);
+        (n >= 1 && n <= ctx && b >= 1).then(|| vec![(n, ctx); b])
+    };
+    spec.split(';')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            let seqs = s
+                .split('+')
+                .map(group)
+                .collect::<Option<Vec<_>>>()?
+                .concat();
+            Some(Shape {
+                name: s.trim().to_string(),
+                seqs,
+                route: false,
+            })
+        })
+        .collect()
+}
+
 fn shapes() -> Vec<Shape> {
     vec![
         Shape {
-            name: "prompt 4k, B=1",
+            name: "prompt 4k, B=1".into(),
             seqs: vec![(4096, 4096)],
             route: false,
         },
         Shape {
-            name: "prompt 4k, B=4",
+            name: "prompt 4k, B=4".into(),
             seqs: vec![(4096, 4096); 4],
             route: false,
         },
         Shape {
-            name: "2k chunk after 30k, B=1",
+            name: "2k chunk after 30k, B=1".into(),
             seqs: vec![(2048, 32768)],
             route: false,
         },
         Shape {
-            name: "extend 16 after 16k, B=32",
+            name: "extend 16 after 16k, B=32".into(),
             seqs: vec![(16, 16384); 32],
             route: false,
         },
         Shape {
-            name: "extend 64 after 16k, B=8",
+            name: "extend 64 after 16k, B=8".into(),
             seqs: vec![(64, 16384); 8],
             route: false,
         },
         Shape {
-            name: "extend 16 after 128k, B=1",
+            name: "extend 16 after 128k, B=1".into(),
             seqs: vec![(16, 131072)],
             route: false,
         },
         Shape {
-            name: "mixed: 63 decodes after 16k + 1k chunk",
+            name: "mixed: 63 decodes after 16k + 1k chunk".into(),
             seqs: mixed(),
             route: false,
         },
         Shape {
-            name: "mixed, decode rows routed",
+            name: "mixed, decode rows routed".into(),
             seqs: mixed(),
             route: true,
         },
@@ -100,7 +129,7 @@ fn pairs(seqs: &[(usize, usize)]) -> f64 {
 }
 
 struct Row {
-    shape: &'static str,
+    shape: String,
     format: String,
     us: f64,
     tflops: f64,
@@ -247,7 +276,7 @@ fn measure(
     let bytes = kv_bytes + (total * Q_HEADS * D * 2) as f64 + (num_blocks * 4) as f64;
     let gbps = bytes / (us * 1e-6) / 1e9;
     Ok(Row {
-        shape: shape.name,
+        shape: shape.name.clone(),
         format: match (k == v, e4m3) {
             (true, false) => k.name().to_string(),
             (true, true) => format!("{} (e4m3 MMAs)", k.name()),
@@ -296,7 +325,13 @@ fn main() -> Result<()> {
     );
     println!("| shape | KV format | µs | TFLOP/s | GB/s | % of ceiling |");
     println!("|---|---|---:|---:|---:|---:|");
-    for shape in shapes() {
+    let shapes = match arg("--seqs") {
+        Some(spec) => parse_shapes(&spec).ok_or_else(|| {
+            kvq::Error::InvalidArgument(format!("--seqs {spec:?}: want NEW:CONTEXTxB groups"))
+        })?,
+        None => shapes(),
+    };
+    for shape in shapes {
         if only_shape
             .as_ref()
             .is_some_and(|x| !shape.name.contains(x.as_str()))
