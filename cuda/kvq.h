@@ -406,6 +406,12 @@ typedef struct kvq_prefill_args {
   const float *alibi_slopes; /* may be null */
   int32_t e4m3_operands; /* 1: an fp8-e4m3 cache's codes feed FP8 tensor cores (sm_90a, head_dim
                           * 128), q and P rounded to E4M3 (docs/ACCURACY.md); else ignored */
+  int32_t wide_tile_rows; /* the rows of a thread block's tile when the launch takes wide tiles
+                           * (its sequences average 2 * KVQ_PREFILL_TILE_ROWS query rows or more):
+                           * 3 * KVQ_PREFILL_TILE_ROWS asks for triple tiles (where they serve:
+                           * sm_90a, head_dim 128, sides both 16-bit or both quantized), 2 * for
+                           * wide ones; 0 lets the launcher choose by max_tokens over batch, as if
+                           * every sequence had as many new tokens */
 } kvq_prefill_args;
 
 /* 1 when this build has a prefill kernel for (k_format, v_format, head_dim, q_dtype): every

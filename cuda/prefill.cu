@@ -263,15 +263,19 @@ double triple_row_cost(const Side &k, const Side &v) {
   return fk.bits == 8 && fv.bits == 8 ? 0.84 : 0.93;
 }
 
-/// Whether a launch of wide tiles takes triple ones where they serve (triple_instance). A
-/// tile's rows past its sequence cost as much as the others, and a grid's last wave can leave
-/// SMs idle, so the launch's time is estimated as its waves (blocks over SMs, rounded up) times
-/// the rows of a tile, at triple_row_cost for triple tiles, its sequences taken as of even rows;
-/// and triple tiles need two waves of blocks at least (a 1k chunk's 1.3 waves measured 1-7 %
-/// slower than wide tiles' 1.9). KVQ_PREFILL_TRIPLE=0 or 1 forces the choice (A/B).
-bool triple_tiles(const Params &p, unsigned kv_heads) {
+/// Whether a launch of wide tiles takes triple ones where they serve (triple_instance): as
+/// `wide_tile_rows` asks (the caller's choice from its sequences: the Rust plan's model of
+/// src/cuda/prefill/tiles.rs), or where it is 0 by this estimate of the launch from the
+/// capacity alone. A tile's rows past its sequence cost as much as the others, and a grid's last
+/// wave can leave SMs idle, so the launch's time is estimated as its waves (blocks over SMs,
+/// rounded up) times the rows of a tile, at triple_row_cost for triple tiles, its sequences
+/// taken as of even rows; and triple tiles need two waves of blocks at least (a 1k chunk's 1.3
+/// waves measured 1-7 % slower than wide tiles' 1.9). KVQ_PREFILL_TRIPLE=0 or 1 forces the
+/// choice (A/B).
+bool triple_tiles(const Params &p, unsigned kv_heads, int wide_tile_rows) {
   static const int forced = kvq::env_switch("KVQ_PREFILL_TRIPLE");
   if (forced >= 0) return forced == 1;
+  if (wide_tile_rows != 0) return wide_tile_rows == kTripleRows;
   int dev = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
@@ -351,6 +355,7 @@ Params ws_params_of(const Params &p, bool quant, int r, bool e4m3) {
 struct Launch {
   const Params &p;
   unsigned kv_heads;
+  int wide_tile_rows;  // kvq_prefill_args::wide_tile_rows
   cudaStream_t stream;
   bool ws = false;  // out: the warp-specialized kernel ran
   /// The grid of tiles of R rows for the capacity (sum over sequences of ceil(n_b G / R) <=
@@ -363,7 +368,7 @@ struct Launch {
   template <int D, bool KB, bool VB, int R, bool KC> int run() {
     if constexpr (R == kWideRows && D == kWsD && !KC && KB == VB) {
       int triple = 0;
-      if (triple_tiles(p, kv_heads)) {
+      if (triple_tiles(p, kv_heads, wide_tile_rows)) {
         const int status =
             triple_instance<D, KB, VB, R, KC>(p.k, p.v, p.e4m3_operands != 0, &triple);
         if (status != KVQ_OK) return status;
@@ -642,7 +647,9 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
   if (a->batch <= 0 || a->num_q_heads <= 0 || l.num_kv_heads <= 0 ||
       a->num_q_heads % l.num_kv_heads != 0 || a->max_blocks <= 0 || a->max_tokens <= 0 ||
       a->num_splits <= 0 || a->num_splits > KVQ_PREFILL_MAX_SPLITS || a->split_tokens <= 0 ||
-      a->split_tokens % kTokens != 0 || a->num_blocks <= 0)
+      a->split_tokens % kTokens != 0 || a->num_blocks <= 0 ||
+      (a->wide_tile_rows != 0 && a->wide_tile_rows != kWideRows &&
+       a->wide_tile_rows != kTripleRows))
     return KVQ_ERR_INVALID;
   if (a->cache.pool == nullptr || a->q == nullptr || a->out == nullptr ||
       a->qo_indptr == nullptr || a->block_tables == nullptr || a->context_lens == nullptr)
@@ -701,7 +708,7 @@ extern "C" int kvq_prefill_attention(const kvq_prefill_args *a, void *stream) {
 
   if (l.num_kv_heads > 65535) return KVQ_ERR_UNSUPPORTED;
   const bool kb = rk.bf16, vb = rv.bf16;
-  Launch fn{p, (unsigned)l.num_kv_heads, (cudaStream_t)stream};
+  Launch fn{p, (unsigned)l.num_kv_heads, a->wide_tile_rows, (cudaStream_t)stream};
   const int status = dispatch(l.head_dim, kb, vb, l.k_format == KVQ_INT4_KC, wide_tiles(p), fn);
   if (status != KVQ_OK || a->num_splits == 1) return status;
   MergeSplits merge{p, (cudaStream_t)stream, fn.ws};

@@ -867,6 +867,7 @@ fn fault_case<Q: Elem>(gpu: &Gpu, rng: &mut Rng, k: KvFormat, v: KvFormat, n: us
         logits_soft_cap: 0.0,
         alibi_slopes: std::ptr::null(),
         e4m3_operands: i32::from(e4m3),
+        wide_tile_rows: 0,
     };
     // SAFETY: every buffer holds what the strides and lengths address; the one table entry
     // outside the pool is the point (the kernel reads no memory for it and counts it).

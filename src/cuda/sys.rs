@@ -473,6 +473,8 @@ pub struct kvq_prefill_args {
     pub alibi_slopes: *const f32,
     #[doc = " 1: an fp8-e4m3 cache's codes feed FP8 tensor cores (sm_90a, head_dim\n 128), q and P rounded to E4M3 (docs/ACCURACY.md); else ignored"]
     pub e4m3_operands: i32,
+    #[doc = " the rows of a thread block's tile when the launch takes wide tiles\n (its sequences average 2 \\* KVQ_PREFILL_TILE_ROWS query rows or more):\n 3 \\* KVQ_PREFILL_TILE_ROWS asks for triple tiles (where they serve:\n sm_90a, head_dim 128, sides both 16-bit or both quantized), 2 \\* for\n wide ones; 0 lets the launcher choose by max_tokens over batch, as if\n every sequence had as many new tokens"]
+    pub wide_tile_rows: i32,
 }
 #[allow(clippy::unnecessary_operation, clippy::identity_op)]
 const _: () = {
@@ -540,6 +542,8 @@ const _: () = {
         [::std::mem::offset_of!(kvq_prefill_args, alibi_slopes) - 280usize];
     ["Offset of field: kvq_prefill_args::e4m3_operands"]
         [::std::mem::offset_of!(kvq_prefill_args, e4m3_operands) - 288usize];
+    ["Offset of field: kvq_prefill_args::wide_tile_rows"]
+        [::std::mem::offset_of!(kvq_prefill_args, wide_tile_rows) - 292usize];
 };
 impl Default for kvq_prefill_args {
     fn default() -> Self {

@@ -24,6 +24,8 @@
 //! the keys that run side by side and are merged by a second kernel; [`merge_states`] is the
 //! same merge for an engine's own partial attentions (cascade / shared-prefix attention).
 
+mod tiles;
+
 use super::decode::{DecodePlan, DecodeWorkspace, RawDecodeArgs, RowStrides};
 use super::device::{DeviceCache, raw_layout};
 use super::ops::{DeviceElement, Dtype, need_len, to_i32};
@@ -673,6 +675,30 @@ impl PrefillPlan {
         }
         let splits = self.splits_for(total, tiles * c.num_kv_heads, max_len);
         let split_tokens = max_len.div_ceil(splits).div_ceil(TILE_TOKENS).max(1) * TILE_TOKENS;
+        // Where the launch takes wide tiles (as the launcher decides), their width from the
+        // step's sequences; the graph's grid, sized by the capacity, leaves it to the launcher.
+        let wide_tile_rows = if self.graph_grid || total * group < tiles::WIDE_ROWS * (batch - lead)
+        {
+            0
+        } else {
+            let seqs = (lead..batch).map(|b| {
+                let n = (qo[b + 1] - qo[b]) as usize;
+                (n, tables.context_len(b).unwrap_or(0))
+            });
+            let grid = tiles::Grid {
+                group,
+                kv_heads: c.num_kv_heads,
+                splits,
+                split_tokens,
+                window_left: self.window_left,
+                sms: self.gpu.props().sm_count as usize,
+            };
+            if tiles::prefer_triple(seqs, &grid, c.k_format, c.v_format) {
+                tiles::TRIPLE_ROWS
+            } else {
+                tiles::WIDE_ROWS
+            }
+        };
         let launch_tokens = if self.graph_grid {
             self.cap.max_tokens
         } else {
@@ -795,6 +821,7 @@ impl PrefillPlan {
                     logits_soft_cap: self.soft_cap.unwrap_or(0.0),
                     alibi_slopes: slopes_p as *const f32,
                     e4m3_operands: i32::from(self.e4m3_operands),
+                    wide_tile_rows: wide_tile_rows as i32,
                 };
                 // SAFETY: the cache comes from a live DeviceCache of this plan's layout; the tables
                 // were checked against its pool, cover `batch` rows and their (uploaded) lengths
