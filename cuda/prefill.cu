@@ -265,7 +265,7 @@ double triple_row_cost(const Side &k, const Side &v) {
 
 /// Whether a launch of wide tiles takes triple ones where they serve (triple_instance): as
 /// `wide_tile_rows` asks (the caller's choice from its sequences: the Rust plan's model of
-/// src/cuda/prefill/tiles.rs), or where it is 0 by this estimate of the launch from the
+/// src/cuda/prefill/heuristic.rs), or where it is 0 by this estimate of the launch from the
 /// capacity alone. A tile's rows past its sequence cost as much as the others, and a grid's last
 /// wave can leave SMs idle, so the launch's time is estimated as its waves (blocks over SMs,
 /// rounded up) times the rows of a tile, at triple_row_cost for triple tiles, its sequences

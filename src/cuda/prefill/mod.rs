@@ -24,7 +24,7 @@
 //! the keys that run side by side and are merged by a second kernel; [`merge_states`] is the
 //! same merge for an engine's own partial attentions (cascade / shared-prefix attention).
 
-mod tiles;
+mod heuristic;
 
 use super::decode::{DecodePlan, DecodeWorkspace, RawDecodeArgs, RowStrides};
 use super::device::{DeviceCache, raw_layout};
@@ -516,10 +516,10 @@ impl PrefillPlan {
         (rows * self.layout.config.head_dim, rows)
     }
 
-    /// Key splits for a step of `total` tokens whose tiles give `ctas` thread blocks and whose
-    /// longest context is `max_len`: enough blocks for two per SM, at least 256 keys a split,
-    /// within the workspace.
-    fn splits_for(&self, total: usize, ctas: usize, max_len: usize) -> usize {
+    /// Key splits for a step of `total` tokens whose tiles give `ctas` thread blocks (`wide`
+    /// tiles or narrow ones) and whose longest context is `max_len`: at least 256 keys a split,
+    /// within the workspace, as many as [`heuristic::key_splits`] finds fastest.
+    fn splits_for(&self, total: usize, ctas: usize, max_len: usize, wide: bool) -> usize {
         if self.graph_grid || total == 0 || self.split_budget < total {
             return 1;
         }
@@ -527,8 +527,11 @@ impl PrefillPlan {
         if let Some(s) = self.forced_splits {
             return s.clamp(1, fit.max(1));
         }
-        let want = (2 * self.gpu.props().sm_count as usize).div_ceil(ctas.max(1));
-        want.min(max_len / 256).min(fit).max(1)
+        let c = &self.layout.config;
+        let quantized = c.k_format.bits() < 16 || c.v_format.bits() < 16;
+        let per_sm = heuristic::blocks_per_sm(quantized, wide);
+        let slots = per_sm * self.gpu.props().sm_count as usize;
+        heuristic::key_splits(ctas, max_len, slots, (max_len / 256).min(fit).max(1))
     }
 
     /// One step (see the module docs). `tables.batch()` sequences; row `b`'s length counts its
@@ -596,7 +599,8 @@ impl PrefillPlan {
                 .count(),
             _ => 0,
         };
-        let (mut tiles, mut max_len) = (0usize, 0usize);
+        // Tiles of the kernel's narrow and wide rows (wide_tiles in cuda/prefill.cu).
+        let (mut tiles, mut wide_tiles, mut max_len) = (0usize, 0usize, 0usize);
         for b in 0..batch {
             let n = (qo[b + 1] - qo[b]) as usize;
             let len = tables.context_len(b).unwrap_or(0);
@@ -613,6 +617,7 @@ impl PrefillPlan {
             }
             if n > 0 && b >= lead {
                 tiles += (n * group).div_ceil(TILE_ROWS);
+                wide_tiles += (n * group).div_ceil(heuristic::WIDE_ROWS);
                 max_len = max_len.max(len);
             }
         }
@@ -673,19 +678,21 @@ impl PrefillPlan {
         if total == 0 {
             return Ok(());
         }
-        let splits = self.splits_for(total, tiles * c.num_kv_heads, max_len);
+        // Wide tiles where the sequences average at least their rows, as the launcher decides.
+        let wide = total * group >= heuristic::WIDE_ROWS * (batch - lead);
+        let ctas = if wide { wide_tiles } else { tiles } * c.num_kv_heads;
+        let splits = self.splits_for(total, ctas, max_len, wide);
         let split_tokens = max_len.div_ceil(splits).div_ceil(TILE_TOKENS).max(1) * TILE_TOKENS;
-        // Where the launch takes wide tiles (as the launcher decides), their width from the
-        // step's sequences; the graph's grid, sized by the capacity, leaves it to the launcher.
-        let wide_tile_rows = if self.graph_grid || total * group < tiles::WIDE_ROWS * (batch - lead)
-        {
+        // A wide launch's tile width from the step's sequences; the graph's grid, sized by the
+        // capacity, leaves it to the launcher.
+        let wide_tile_rows = if self.graph_grid || !wide {
             0
         } else {
             let seqs = (lead..batch).map(|b| {
                 let n = (qo[b + 1] - qo[b]) as usize;
                 (n, tables.context_len(b).unwrap_or(0))
             });
-            let grid = tiles::Grid {
+            let grid = heuristic::Grid {
                 group,
                 kv_heads: c.num_kv_heads,
                 splits,
@@ -693,10 +700,10 @@ impl PrefillPlan {
                 window_left: self.window_left,
                 sms: self.gpu.props().sm_count as usize,
             };
-            if tiles::prefer_triple(seqs, &grid, c.k_format, c.v_format) {
-                tiles::TRIPLE_ROWS
+            if heuristic::prefer_triple(seqs, &grid, c.k_format, c.v_format) {
+                heuristic::TRIPLE_ROWS
             } else {
-                tiles::WIDE_ROWS
+                heuristic::WIDE_ROWS
             }
         };
         let launch_tokens = if self.graph_grid {

@@ -1,17 +1,47 @@
-//! Which tiles a prefill launch of wide tiles takes: wide ([`WIDE_ROWS`] query rows a thread
-//! block) or triple ([`TRIPLE_ROWS`], three consumer warpgroups where the warp-specialized
-//! kernel serves them), by a model of the launch's time over the step's own sequences.
+//! How a prefill launch is cut: its key splits, and the tiles of a launch of wide tiles: wide
+//! ([`WIDE_ROWS`] query rows a thread block) or triple ([`TRIPLE_ROWS`], three consumer
+//! warpgroups where the warp-specialized kernel serves them), each by a model of the launch's
+//! time over the step's own sequences.
 //!
-//! A block's time is its steps of [`TILE_TOKENS`] keys plus one for its fixed costs, times its
-//! rows, times a per-row cost of its width (triple tiles' decode and softmax serve 1.5 times the
-//! rows of a step). Blocks run one an SM, longest first (the kernel orders each head's tiles
-//! so), so a launch takes about the longest SM's sum when they are dealt out longest first.
-//! Causal tiles differ in length: the top of a prompt's triangle is short, so a grid's last
-//! wave is partly filled by short tiles, which a count of whole waves cannot see (session 37:
-//! it kept wide tiles for prompts of 768-1,536 tokens that triple tiles run 11-17 % faster).
+//! Splits: blocks run in waves of as many as fit the GPU at once, so a launch takes about its
+//! waves times a block's steps (its split's keys, plus fixed costs); one split more shortens
+//! every block but can add a wave. Splitting until there are blocks for every slot, rounded up,
+//! added a wave of short blocks: extends of 16-64 tokens after 16k-64k took 1.2-1.6 times the
+//! best split's time (session 37, H100).
+//!
+//! Tiles: a block's time is its steps of [`TILE_TOKENS`] keys plus one for its fixed costs,
+//! times its rows, times a per-row cost of its width (triple tiles' decode and softmax serve 1.5
+//! times the rows of a step). Blocks run one an SM, longest first (the kernel orders each head's
+//! tiles so), so a launch takes about the longest SM's sum when they are dealt out longest
+//! first. Causal tiles differ in length: the top of a prompt's triangle is short, so a grid's
+//! last wave is partly filled by short tiles, which a count of whole waves cannot see (session
+//! 37: it kept wide tiles for prompts of 768-1,536 tokens that triple tiles run 11-17 % faster).
 
 use super::TILE_TOKENS;
 use crate::format::KvFormat;
+
+/// A split block's fixed costs (its Q tile, the pipeline's fill, its partial's store and share
+/// of the merge), in steps: fitted on extends of 16 and 64 tokens after 16k-64k at B = 2-32
+/// (H100, session 37: within 1 % of the best measured split's total time over 48 shapes).
+const SPLIT_FIXED_STEPS: usize = 8;
+
+/// Blocks of a launch that one SM runs at once: two narrow tiles of a quantized side (their
+/// decode, not the memory, binds a block); one otherwise (16-bit sides' reads saturate the
+/// memory at one block an SM; wide tiles).
+pub(super) fn blocks_per_sm(quantized: bool, wide: bool) -> usize {
+    if quantized && !wide { 2 } else { 1 }
+}
+
+/// Key splits of a launch of `ctas` blocks (tiles times KV heads) over contexts of up to
+/// `max_len` tokens, `slots` of which run at once, at most `most`: the fewest whose blocks take
+/// the least waves times steps.
+pub(super) fn key_splits(ctas: usize, max_len: usize, slots: usize, most: usize) -> usize {
+    let cost = |s: usize| {
+        let steps = max_len.div_ceil(s).div_ceil(TILE_TOKENS) + SPLIT_FIXED_STEPS;
+        (ctas.max(1) * s).div_ceil(slots.max(1)) * steps
+    };
+    (1..=most.max(1)).min_by_key(|&s| (cost(s), s)).unwrap_or(1)
+}
 
 /// Query rows of a wide tile.
 pub(super) const WIDE_ROWS: usize = 2 * super::TILE_ROWS;
@@ -210,6 +240,47 @@ mod tests {
                     triple(&seqs, fmt),
                     want,
                     "{n} after {} x{b}, {fmt:?}",
+                    len - n
+                );
+            }
+        }
+    }
+
+    /// The splits picked for shapes session 37 timed at every split on an H100 (132 SMs;
+    /// Llama-3-8B heads, 8 KV heads): `(new tokens, context, batch)`, then for 16-bit and for
+    /// quantized sides. Each was the fastest measured but two within 4 % of it (16-bit at B=20
+    /// and 24, whose fastest were 3 and 4 splits).
+    #[test]
+    fn splits_near_the_h100_fastest() {
+        let measured = [
+            ((16, 16384, 4), [4, 8]),
+            ((16, 16384, 8), [2, 4]),
+            ((16, 16384, 16), [1, 2]),
+            ((16, 16384, 20), [4, 3]),
+            ((16, 16384, 24), [2, 4]),
+            ((16, 16384, 32), [1, 1]),
+            ((16, 32768, 8), [2, 4]),
+            ((16, 65536, 2), [8, 16]),
+            ((16, 131072, 1), [16, 33]),
+            ((64, 16384, 2), [4, 4]),
+            ((64, 16384, 4), [2, 2]),
+            ((64, 16384, 6), [4, 4]),
+        ];
+        for ((n, len, b), want) in measured {
+            let wide = n * 4 >= WIDE_ROWS;
+            let tiles = (n * 4).div_ceil(if wide {
+                WIDE_ROWS
+            } else {
+                super::super::TILE_ROWS
+            });
+            let most = (len / 256).min(2048 / (n * b)).min(64);
+            for (quantized, want) in [false, true].into_iter().zip(want) {
+                let slots = blocks_per_sm(quantized, wide) * 132;
+                let got = key_splits(tiles * b * 8, len, slots, most);
+                assert_eq!(
+                    got,
+                    want,
+                    "{n} after {} x{b}, quantized {quantized}",
                     len - n
                 );
             }
