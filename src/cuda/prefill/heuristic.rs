@@ -6,7 +6,7 @@
 //! Splits: blocks run in waves of as many as fit the GPU at once, so a launch takes about its
 //! waves times a block's steps (its split's keys, plus fixed costs); one split more shortens
 //! every block but can add a wave. Splitting until there are blocks for every slot, rounded up,
-//! added a wave of short blocks: extends of 16-64 tokens after 16k-64k took 1.2-1.6 times the
+//! added a wave of short blocks: extends of 16-64 tokens after 16k-64k took up to 1.6 times the
 //! best split's time (session 37, H100).
 //!
 //! Tiles: a block's time is its steps of [`TILE_TOKENS`] keys plus one for its fixed costs,
@@ -52,18 +52,20 @@ pub(super) const TRIPLE_ROWS: usize = 3 * super::TILE_ROWS;
 const RUN: usize = 16;
 /// A block's fixed costs (its Q tile, the pipeline's fill, the epilogue), in steps.
 const FIXED_STEPS: u64 = 1;
-/// Above this many blocks the longest-first deal is estimated (mean load plus the last wave's
-/// share) instead of played out: its error there is under 1 % of the launch (session 37).
+/// Above this many blocks an SM the longest-first deal is estimated (mean load plus the last
+/// wave's share) instead of played out: on a scan of prompt and chunk shapes the estimate chose
+/// as the deal did there but twice, each within 0.1 % (session 37).
 const PLAYED_BLOCKS_PER_SM: usize = 4;
 /// The most tiles (times splits) whose deal is played out, and SMs it is played on (stack
 /// buffers; past them the estimate).
 const MAX_PLAYED: usize = 1024;
 const MAX_SMS: usize = 1024;
 
-/// A triple tile's time a row against a wide tile's, by the sides' code width: fitted on 4k
-/// prompts at B=1 and 4 and a 2k chunk after 30k (H100, session 37, within 2 % of twelve more
-/// prompt and chunk shapes): 16-bit sides 0.855; decoded 8-bit codes 0.81 (their producers'
-/// decode serves 1.5 times the rows a step); narrower codes 0.895.
+/// A triple tile's time a row against a wide tile's, by the sides' code width, fitted on 4k
+/// prompts at B=1 and 4 and a 2k chunk after 30k (H100, session 37; on twelve more prompt and
+/// chunk shapes the model then chose the faster width wherever the two differ by over 1 %):
+/// 16-bit sides 0.855; decoded 8-bit codes 0.81 (their producers' decode serves 1.5 times the
+/// rows a step); narrower codes 0.895.
 pub(super) fn triple_row_cost(k: KvFormat, v: KvFormat) -> f64 {
     match (k.bits(), v.bits()) {
         (16, 16) => 0.855,
