@@ -17,7 +17,7 @@
 //! last wave is partly filled by short tiles, which a count of whole waves cannot see (session
 //! 37: it kept wide tiles for prompts of 768-1,536 tokens that triple tiles run 11-17 % faster).
 
-use super::TILE_TOKENS;
+use super::{TILE_ROWS, TILE_TOKENS};
 use crate::format::KvFormat;
 
 /// A split block's fixed costs (its Q tile, the pipeline's fill, its partial's store and share
@@ -44,9 +44,9 @@ pub(super) fn key_splits(ctas: usize, max_len: usize, slots: usize, most: usize)
 }
 
 /// Query rows of a wide tile.
-pub(super) const WIDE_ROWS: usize = 2 * super::TILE_ROWS;
+pub(super) const WIDE_ROWS: usize = 2 * TILE_ROWS;
 /// Query rows of a triple tile.
-pub(super) const TRIPLE_ROWS: usize = 3 * super::TILE_ROWS;
+pub(super) const TRIPLE_ROWS: usize = 3 * TILE_ROWS;
 /// Rows a copied run of keys starts at: a tile's first step starts at its first key rounded
 /// down to this (the kernel's copies are runs of 16 tokens).
 const RUN: usize = 16;
@@ -269,16 +269,13 @@ mod tests {
             ((64, 16384, 6), [4, 4]),
         ];
         for ((n, len, b), want) in measured {
-            let wide = n * 4 >= WIDE_ROWS;
-            let tiles = (n * 4).div_ceil(if wide {
-                WIDE_ROWS
-            } else {
-                super::super::TILE_ROWS
-            });
+            let rows = n * H100.group;
+            let wide = rows >= WIDE_ROWS;
+            let tiles = rows.div_ceil(if wide { WIDE_ROWS } else { TILE_ROWS });
             let most = (len / 256).min(2048 / (n * b)).min(64);
             for (quantized, want) in [false, true].into_iter().zip(want) {
-                let slots = blocks_per_sm(quantized, wide) * 132;
-                let got = key_splits(tiles * b * 8, len, slots, most);
+                let slots = blocks_per_sm(quantized, wide) * H100.sms;
+                let got = key_splits(tiles * b * H100.kv_heads, len, slots, most);
                 assert_eq!(
                     got,
                     want,
