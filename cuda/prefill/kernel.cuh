@@ -1020,13 +1020,17 @@ __device__ __forceinline__ float head_factor(const float *scales, int kvh) {
 }
 
 #if KVQ_HAS_WGMMA
-/// Commit and wait for a warpgroup's S MMAs; the fences keep every use of s after the wait.
-__device__ __forceinline__ void wg_wait_scores(float (&s)[8][4]) {
-  wgmma_commit();
+/// Wait for every committed MMA group; the fences keep every use of s after the wait.
+__device__ __forceinline__ void wg_wait_committed(float (&s)[8][4]) {
   wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < 8; ++j)
     for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
+}
+/// Commit and wait for a warpgroup's S MMAs.
+__device__ __forceinline__ void wg_wait_scores(float (&s)[8][4]) {
+  wgmma_commit();
+  wg_wait_committed(s);
 }
 
 /// S = Q K^T on a warpgroup, waited (kWait false: committed, not waited; the caller waits,
@@ -1044,14 +1048,6 @@ __device__ __forceinline__ void wg_qk(float (&s)[8][4], const uint32_t (&qf)[D /
   }
   if constexpr (kWait) wg_wait_scores(s);
   else wgmma_commit();
-}
-
-/// Wait for every committed MMA group; the fences keep every use of s after the wait.
-__device__ __forceinline__ void wg_wait_committed(float (&s)[8][4]) {
-  wgmma_wait<0>();
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-    for (int e = 0; e < 4; ++e) fence_operand(s[j][e]);
 }
 
 /// The same with Q read from the Q tile (R rows, B128) by descriptor: q_lo is the low word of
@@ -1868,7 +1864,6 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     constexpr bool kPvInFlight = (!QUANT && R == kTripleRows) ||
                                  (QUANT && !E4M3 && R == kWideRows && A == 1);
     if constexpr (kPvInFlight) {
-      static_assert(!E4M3, "E4M3 operands wait for each P V");
       uint32_t pa[8][2];
       float sc[8][4];
       auto issue_scores = [&](int st) {  // S of step st, committed once the step has landed
