@@ -71,6 +71,9 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kWsD = 128;  // the head_dim of the warp-specialized instances
 /// E4M3 operands: log2 of the factor on a probability before its E4M3 rounding.
 constexpr float kE4m3POffset = 8.f;
+/// Log2 of how far a row's logits may exceed its reference max before O and l are rescaled to a
+/// new one (16-bit P): most steps then skip the rescale.
+constexpr float kRescaleSlack = 8.f;
 
 /// One side (K or V) of the cache as the kernel reads it.
 struct Side {
@@ -875,10 +878,16 @@ template <int R> struct WarpSoftmax {
       mx_b = fmaxf(mx_b, __shfl_xor_sync(kFull, mx_b, x));
     }
     mx_a *= e_a, mx_b *= e_b;
-    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-    // A row that has seen nothing keeps m = -inf: alpha 1 (O and l are 0), subtract 0.
-    const float al_a = mn_a == -INFINITY ? 1.f : fast_exp2(m_a - mn_a);
-    const float al_b = mn_b == -INFINITY ? 1.f : fast_exp2(m_b - mn_b);
+    // A row's reference m moves to the step's max only when that exceeds it by more than
+    // kSlack: until then its exponentials stay below 2^kSlack (f32 l and 16-bit P hold them as
+    // well as below 1) and O and l keep their scale, since O / l is the same quotient under
+    // any reference. A row that has seen nothing keeps m = -inf (-inf - -inf is NaN: no move;
+    // O and l are 0). E4M3 P, which already carries 2^kE4m3POffset, moves at any growth.
+    constexpr float kSlack = E4M3 ? 0.f : kRescaleSlack;
+    const bool mv_a = mx_a - m_a > kSlack, mv_b = mx_b - m_b > kSlack;
+    const float mn_a = mv_a ? mx_a : m_a, mn_b = mv_b ? mx_b : m_b;
+    const float al_a = mv_a ? fast_exp2(m_a - mn_a) : 1.f;
+    const float al_b = mv_b ? fast_exp2(m_b - mn_b) : 1.f;
     m_a = mn_a, m_b = mn_b;
     // E4M3 P: the exponentials carry the factor 2^kE4m3POffset (so does l; the caller takes it
     // out of both before finish).
@@ -886,9 +895,9 @@ template <int R> struct WarpSoftmax {
     const float sub_a = (mn_a == -INFINITY ? 0.f : mn_a) - kOff;
     const float sub_b = (mn_b == -INFINITY ? 0.f : mn_b) - kOff;
     l_a *= al_a, l_b *= al_b;
-    // O keeps its scale when no row of the warp found a larger logit (alpha exactly 1: skipping
-    // changes no bit), most steps once the rows have seen their largest keys.
-    if (__any_sync(kFull, al_a != 1.f || al_b != 1.f)) {
+    // O keeps its scale when no row of the warp moved its reference, most steps once the
+    // rows' first keys are seen.
+    if (__any_sync(kFull, mv_a || mv_b)) {
 #pragma unroll
       for (int i = 0; i < D / 8; ++i)
         o[i][0] *= al_a, o[i][1] *= al_a, o[i][2] *= al_b, o[i][3] *= al_b;
