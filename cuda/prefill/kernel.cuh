@@ -1859,6 +1859,8 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
     const uint32_t full0 = smem_u32(full), empty0 = smem_u32(empty);
     const uint32_t k_op0 = smem_u32(k_op(0)), k_lo0 = b128_desc_lo(k_op0, 8192);
     const uint32_t q_lo = b128_desc_lo(smem_u32(qs) + (cw / 4) * 64 * 128, R * 128);
+    // The low descriptor word of step st's K tile (its V tile's is TILE >> 4 past it).
+    auto k_lo_of = [&](int st) { return k_lo0 + (st % S) * (2 * TILE >> 4); };
     // 16-bit sides at triple tiles and decoded sides at wide tiles one raw step ahead (FP8 and
     // the other byte-wide formats): step st's P V stays in flight while step st + 1's S is
     // issued, so that the tensor cores run the two back to back; step st's stage is released
@@ -1877,13 +1879,10 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
       float sc[8][4];
       auto issue_scores = [&](int st) {  // S of step st, committed once the step has landed
         mbar_wait(full0 + 8 * (st % S), (st / S) & 1);
-        const uint32_t k_lo = k_lo0 + (st % S) * (2 * TILE >> 4);
-        if constexpr (kQHeld) wg_qk<KB, D, false>(sc, qf, k_lo);
-        else wg_qk_ss<KB, D, R, false>(sc, q_lo, k_lo);
+        if constexpr (kQHeld) wg_qk<KB, D, false>(sc, qf, k_lo_of(st));
+        else wg_qk_ss<KB, D, R, false>(sc, q_lo, k_lo_of(st));
       };
-      auto issue_pv = [&](int st) {
-        wg_pv_issue<VB, D>(o, pa, k_lo0 + (st % S) * (2 * TILE >> 4) + (TILE >> 4));
-      };
+      auto issue_pv = [&](int st) { wg_pv_issue<VB, D>(o, pa, k_lo_of(st) + (TILE >> 4)); };
       if (nsteps > 0) {
         issue_scores(0);
         wg_wait_committed(sc);
@@ -1904,7 +1903,7 @@ __global__ void __launch_bounds__(ws_threads(QUANT, R), ws_blocks_per_sm(R))
 #pragma unroll 1
       for (int st = 0; st < nsteps; ++st) {
         const int s = st % S;
-        const uint32_t k_lo = k_lo0 + s * (2 * TILE >> 4);
+        const uint32_t k_lo = k_lo_of(st);
         mbar_wait(full0 + 8 * s, (st / S) & 1);
         float sc[8][4];
         if constexpr (E4M3) wg_qk_e4m3(sc, q8, k_lo);
