@@ -1,7 +1,7 @@
 // prefill.cu: the C launchers of attention over the paged cache for any query length (kvq.h):
 // the kernel instances (head_dim x operand type; the cache formats are decoded by run-time
-// codec choice inside the kernel, prefill/kernel.cuh; int4-kc keys, which have no row codec,
-// by instances of their own), the split merge, and merge_states.
+// codec choice inside the kernels, prefill/decode_rows.cuh; int4-kc keys, which have no row
+// codec, by instances of their own), the split merge, and merge_states.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -10,6 +10,7 @@
 #include "common.cuh"
 #include "kvq.h"
 #include "prefill/kernel.cuh"
+#include "prefill/ws_kernel.cuh"
 #include "prim/pdl.cuh"
 #include "prim/warp.cuh"
 
@@ -162,7 +163,7 @@ template <bool QUANT, int R, bool E4M3, class Fn> cudaError_t with_ahead(int ahe
   return fn(std::integral_constant<int, 1>{});
 }
 
-/// Whether the warp-specialized kernel (prefill/kernel.cuh) may serve an instance: head_dim
+/// Whether the warp-specialized kernel (prefill/ws_kernel.cuh) may serve an instance: head_dim
 /// 128 and sides it takes (ws_sides). KVQ_PREFILL_WS=0 turns it off, for A/B runs against the
 /// block-synchronous kernel.
 template <int D, bool KB, bool VB, int R, bool KC>
@@ -610,7 +611,7 @@ namespace {
 kvq_prefill::Side side_of(int32_t format, int32_t codes_off, int32_t codes_row, int32_t meta_off,
                           int32_t meta_row) {
   // int4-kc keys: meta_row is not the layout's (0: s and z are per block) but a staged step's
-  // slots of s and z per kTokens rows (prefill/kernel.cuh), so that stage_bytes counts them.
+  // slots of s and z per kTokens rows (prefill/int4_kc.cuh), so that stage_bytes counts them.
   if (format == KVQ_INT4_KC) return {format, codes_off, codes_row, meta_off, codes_row / 2, 1, 0};
   kvq::FormatInfo f{};
   kvq::format_info(format, f);

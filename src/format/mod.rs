@@ -615,7 +615,7 @@ mod tests {
     }
 
     /// Zero codes and metadata are zeros in every row format: the prefill kernel decodes the
-    /// rows a step does not see from a row of zero bytes (cuda/prefill/kernel.cuh, kZeroRow).
+    /// rows a step does not see from a row of zero bytes (cuda/prefill/layout.cuh, kZeroRow).
     #[test]
     fn zero_bytes_decode_to_zeros() {
         for d in [64, 128, 256] {
