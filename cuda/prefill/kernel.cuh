@@ -37,11 +37,8 @@
 // A split that is not the only one writes its normalized partial O and its lse to the
 // workspace; merge_splits (prefill.cu) combines them and applies the sinks.
 //
-// The pieces both kernels share, one header each: params.cuh (a launch's Params, the tile
-// shape), layout.cuh (operand tiles in shared memory), tiles.cuh (the tile scan, the rows'
-// bounds, the Q tile), copies.cuh (a step's copies from the pool), decode_rows.cuh (staged raw
-// rows through each codec into operand tiles), int4_kc.cuh (int4-kc keys), softmax.cuh (the
-// online softmax and the rows' output), wg_mma.cuh (a step's wgmma), e4m3.cuh (E4M3 operands).
+// The pieces both kernels share are the other headers of prefill/, one concept each
+// (docs/ARCHITECTURE.md says what each holds).
 #pragma once
 
 #include "prefill/copies.cuh"
