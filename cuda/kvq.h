@@ -32,6 +32,9 @@ typedef enum kvq_format {
   KVQ_FP4_E2M1 = 7,  /* FP4 E2M1, an E4M3 scale per 16 elements, an f32 scale per KV head */
   KVQ_INT4_KC = 8    /* keys only: INT4 per channel over a block's tokens (below) */
 } kvq_format;
+/* The number of kvq_format ids: they are 0 to KVQ_NUM_FORMATS - 1, each with a codec
+ * (cuda/codec/), and the kernels' format dispatch covers exactly these. */
+#define KVQ_NUM_FORMATS 9
 
 /* Byte layout of a paged cache block: kvq::layout::BlockLayout, field for field. Offsets are
  * relative to a head section; a head section of (block, head) starts at

@@ -1,5 +1,5 @@
-// codec/codec.cuh: every stored format's codec, and the one switch from a runtime kvq_format to
-// its row codec.
+// codec/codec.cuh: every stored format's codec, the lists of formats the kernels fold over, and
+// the one switch from a runtime kvq_format to its row codec.
 #pragma once
 
 #include <stdint.h>
@@ -20,6 +20,35 @@
 namespace kvq {
 
 template <int F> using FormatTag = std::integral_constant<int, F>;
+
+namespace detail {
+template <int N, int... F> struct IdsBelow : IdsBelow<N - 1, N - 1, F...> {};
+template <int... F> struct IdsBelow<0, F...> {
+  using type = FormatList<F...>;
+};
+// The ids of F... whose codec has a row role, in their order: all but those whose groups cross
+// rows (BlockChannelsOf: int4-kc, which append.cu serves apart).
+template <class Kept, int... F> struct RowCodecs {
+  using type = Kept;
+};
+template <int... K, int F, int... Rest>
+struct RowCodecs<FormatList<K...>, F, Rest...>
+    : std::conditional_t<BlockChannelsOf<Codec<F>>::value, RowCodecs<FormatList<K...>, Rest...>,
+                         RowCodecs<FormatList<K..., F>, Rest...>> {};
+template <int... F> typename RowCodecs<FormatList<>, F...>::type row_codecs(FormatList<F...>);
+template <int... F> constexpr bool all_defined(FormatList<F...>) {
+  return ((sizeof(Codec<F>) > 0) && ...);
+}
+}  // namespace detail
+
+// Every format an attention kernel may take: kvq.h's ids 0 to KVQ_NUM_FORMATS - 1, in order.
+// decode.cu's dispatch folds over it. A new format is one here once kvq.h counts its id and its
+// codec is included above.
+using AttentionFormats = detail::IdsBelow<KVQ_NUM_FORMATS>::type;
+static_assert(detail::all_defined(AttentionFormats{}), "every kvq_format id has a codec");
+// Every format with a row codec, in id order: the cases of the run-time format switch
+// (with_format below) and of the prefill kernel's decode.
+using AllFormats = decltype(detail::row_codecs(AttentionFormats{}));
 
 // Call fn(FormatTag<F>) for the F of List equal to `format`; KVQ_ERR_INVALID when none is.
 template <bool Dense, typename Fn, int... F>

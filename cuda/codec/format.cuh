@@ -12,56 +12,25 @@
 
 namespace kvq {
 
-// Discriminants of kvq_format (cuda/kvq.h) and kvq::KvFormat, usable as template arguments.
+// kvq_format's ids (cuda/kvq.h; Rust's side: src/format/spec.rs checks its table against kvq.h)
+// under short names, usable as template arguments.
 enum Format : int {
-  kF16 = 0,
-  kBf16 = 1,
-  kFp8E4m3 = 2,
-  kFp8E5m2 = 3,
-  kInt4Sym32 = 4,
-  kInt4Affine64 = 5,
-  kInt8Pth = 6,
-  kFp4E2m1 = 7,
+  kF16 = KVQ_F16,
+  kBf16 = KVQ_BF16,
+  kFp8E4m3 = KVQ_FP8_E4M3,
+  kFp8E5m2 = KVQ_FP8_E5M2,
+  kInt4Sym32 = KVQ_INT4_SYM32,
+  kInt4Affine64 = KVQ_INT4_AFFINE64,
+  kInt8Pth = KVQ_INT8_PTH,
+  kFp4E2m1 = KVQ_FP4_E2M1,
   // Keys only, and no row codec: a block is quantized per channel once it is full (kvq.h's
-  // layout note); append.cu serves it apart from the row formats below.
-  kInt4Kc = 8,
+  // layout note); append.cu serves it apart from the row formats.
+  kInt4Kc = KVQ_INT4_KC,
 };
-// The ids are kvq.h's (Rust's side: src/format/spec.rs checks its table against kvq.h).
-static_assert(int(kF16) == int(KVQ_F16), "kF16 must be kvq.h's KVQ_F16");
-static_assert(int(kBf16) == int(KVQ_BF16), "kBf16 must be kvq.h's KVQ_BF16");
-static_assert(int(kFp8E4m3) == int(KVQ_FP8_E4M3), "kFp8E4m3 must be kvq.h's KVQ_FP8_E4M3");
-static_assert(int(kFp8E5m2) == int(KVQ_FP8_E5M2), "kFp8E5m2 must be kvq.h's KVQ_FP8_E5M2");
-static_assert(int(kInt4Sym32) == int(KVQ_INT4_SYM32), "kInt4Sym32 must be kvq.h's KVQ_INT4_SYM32");
-static_assert(int(kInt4Affine64) == int(KVQ_INT4_AFFINE64),
-              "kInt4Affine64 must be kvq.h's KVQ_INT4_AFFINE64");
-static_assert(int(kInt8Pth) == int(KVQ_INT8_PTH), "kInt8Pth must be kvq.h's KVQ_INT8_PTH");
-static_assert(int(kFp4E2m1) == int(KVQ_FP4_E2M1), "kFp4E2m1 must be kvq.h's KVQ_FP4_E2M1");
-static_assert(int(kInt4Kc) == int(KVQ_INT4_KC), "kInt4Kc must be kvq.h's KVQ_INT4_KC");
 
-// Every format with a row codec: the cases of the run-time format switch (with_format,
-// codec/codec.cuh). kInt4Kc, the one format without, follows them.
+// A list of format ids, for folds over formats. codec/codec.cuh makes the two lists the kernels
+// dispatch over from kvq.h's id count and the codecs: AttentionFormats and AllFormats.
 template <int... F> struct FormatList {};
-using AllFormats =
-    FormatList<kF16, kBf16, kFp8E4m3, kFp8E5m2, kInt4Sym32, kInt4Affine64, kInt8Pth, kFp4E2m1>;
-
-// Whether a list holds the ids 0, 1, ... in order: none missing, none twice.
-template <int... F> constexpr bool ids_in_order(FormatList<F...>) {
-  int next = 0;
-  return ((F == next++) && ...);
-}
-// Whether a list holds ids in increasing order: none twice, some may be missing (AllFormats
-// skips kInt4Kc, so a format added after it has an id past the gap).
-template <int... F> constexpr bool ids_increasing(FormatList<F...>) {
-  int last = -1;
-  return ((F > last && (last = F, true)) && ...);
-}
-static_assert(ids_increasing(AllFormats{}), "AllFormats lists its ids in increasing order");
-
-// Every format an attention kernel may take: the row codecs, then int4-kc, whose codec has the
-// decode kernel's K role only (codec/int4_kc.cuh). decode.cu's dispatch folds over it.
-using AttentionFormats = FormatList<kF16, kBf16, kFp8E4m3, kFp8E5m2, kInt4Sym32, kInt4Affine64,
-                                    kInt8Pth, kFp4E2m1, kInt4Kc>;
-static_assert(ids_in_order(AttentionFormats{}), "AttentionFormats lists the ids 0 to N-1 in order");
 
 // One stored format's device math, the counterpart of its src/format/ module. A codec holds:
 //   constants  kBits (per code), kGroup (elements per group along head_dim, 0: none),

@@ -285,8 +285,9 @@ mod tests {
         }
     }
 
-    /// The table's ids and names are `cuda/kvq.h`'s `kvq_format`, enumerator for enumerator
-    /// (`cuda/codec/format.cuh` checks its own ids against the same header).
+    /// The table's ids and names are `cuda/kvq.h`'s `kvq_format`, enumerator for enumerator, and
+    /// its `KVQ_NUM_FORMATS` is the table's length (the device code takes its ids from the same
+    /// header: `cuda/codec/format.cuh`, `codec.cuh`).
     #[test]
     fn table_matches_kvq_h() {
         let header = include_str!("../../cuda/kvq.h");
@@ -313,5 +314,11 @@ mod tests {
             .map(|s| (s.c_name.to_string(), s.format as usize))
             .collect();
         assert_eq!(ids, table);
+        // The device code's format lists are the ids below this count (codec/codec.cuh).
+        let count = header
+            .lines()
+            .find_map(|l| l.strip_prefix("#define KVQ_NUM_FORMATS "))
+            .expect("kvq.h defines KVQ_NUM_FORMATS");
+        assert_eq!(count.trim().parse::<usize>().unwrap(), SPECS.len());
     }
 }
