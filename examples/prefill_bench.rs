@@ -11,9 +11,12 @@
 //! ```sh
 //! cargo run --release --features cuda,bench --example prefill_bench -- [--iters N] \
 //!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4|int4-k32|int4-kc] [--json FILE] \
-//!     [--splits N] [--route-q-len N] [--seqs SHAPES]
+//!     [--splits N] [--route-q-len N] [--seqs SHAPES] [--f16]
 //! ```
 //!
+//! `--f16` adds an f16 cache (bf16 queries, f16 operands) to the formats: the 16-bit kernel on
+//! the operands the quantized sides decode to, i.e. the second pass of a step that decodes its
+//! quantized context into an f16 scratch first (docs/PERFORMANCE.md, session 48).
 //! `--splits N` forces the key splits of every shape; `--route-q-len N` sends, in every shape,
 //! the leading sequences with the same 1 to N new tokens to the decode kernel
 //! (`PrefillPlan::with_decode_rows` with a decode plan of `q_len` N). `--seqs` replaces the grid
@@ -304,6 +307,7 @@ fn main() -> Result<()> {
             .cloned()
     };
     let (only_shape, only_format, json) = (arg("--shape"), arg("--format"), arg("--json"));
+    let with_f16 = args.iter().any(|a| a == "--f16");
     let mut rows = Vec::new();
     let gpu = Gpu::new(0)?;
     eprintln!("{}", gpu.summary());
@@ -338,13 +342,17 @@ fn main() -> Result<()> {
         {
             continue;
         }
+        let f16 = [(KvFormat::F16, KvFormat::F16, false)];
         for (k, v, e4m3) in [
             (KvFormat::Bf16, KvFormat::Bf16, false),
             (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, false),
             (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, true),
             (KvFormat::Int4Sym32, KvFormat::Int4Affine64, false),
             (KvFormat::Int4Kc, KvFormat::Int4Affine64, false),
-        ] {
+        ]
+        .into_iter()
+        .chain(f16.into_iter().filter(|_| with_f16))
+        {
             if only_format
                 .as_ref()
                 .is_some_and(|x| !k.name().starts_with(x.as_str()))
