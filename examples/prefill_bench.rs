@@ -16,7 +16,10 @@
 //!
 //! `--f16` adds an f16 cache (bf16 queries, f16 operands) to the formats: the 16-bit kernel on
 //! the operands the quantized sides decode to, i.e. the second pass of a step that decodes its
-//! quantized context into an f16 scratch first (docs/PERFORMANCE.md, session 48).
+//! quantized context into an f16 scratch first (docs/PERFORMANCE.md, session 48). It also times,
+//! per quantized format, the decode of the step's context to f16 by `ops::gather_dequantize`
+//! (the first pass, over-counted by its allocations and table uploads): rows `... gathered to
+//! f16`.
 //! `--splits N` forces the key splits of every shape; `--route-q-len N` sends, in every shape,
 //! the leading sequences with the same 1 to N new tokens to the decode kernel
 //! (`PrefillPlan::with_decode_rows` with a decode plan of `q_len` N). `--seqs` replaces the grid
@@ -138,6 +141,10 @@ struct Row {
     tflops: f64,
     gbps: f64,
     pct: f64,
+    /// With `--f16`, a quantized cache: the median time of decoding every sequence's context to
+    /// f16 (`ops::gather_dequantize`, one call a sequence, its output allocation and table
+    /// upload included: the first pass of a two-pass step, over-counted).
+    gather_us: Option<f64>,
 }
 
 /// What every measurement shares: the read ceiling (GB/s), timed runs, forced key splits, and
@@ -148,6 +155,7 @@ struct Opts {
     iters: usize,
     splits: Option<usize>,
     route_q_len: Option<usize>,
+    gather: bool,
 }
 
 fn measure(
@@ -164,6 +172,7 @@ fn measure(
         iters,
         splits,
         route_q_len,
+        gather,
     } = *opts;
     let s = gpu.stream().clone();
     let config = CacheConfig::new(KV_HEADS, D, BLOCK, k, v)?;
@@ -201,10 +210,12 @@ fn measure(
         },
     )?;
     let mut next = 0i32;
+    let mut table_rows = Vec::new();
     for (b, (&(_, l), &nb)) in shape.seqs.iter().zip(&blocks).enumerate() {
         let row: Vec<i32> = (next..next + nb as i32).collect();
         next += nb as i32;
         tables.set_row(b, &row, l)?;
+        table_rows.push(row);
     }
     tables.set_batch(shape.seqs.len())?;
     tables.upload()?;
@@ -270,6 +281,16 @@ fn measure(
             },
         )
     })?;
+    let gather_us = if gather && k.bits() < 16 && k != KvFormat::Int4Kc {
+        Some(timer.median_us(3, iters, true, || {
+            for (row, &(_, l)) in table_rows.iter().zip(&shape.seqs) {
+                ops::gather_dequantize::<half::f16>(&cache, row, l)?;
+            }
+            Ok(())
+        })?)
+    } else {
+        None
+    };
     cache.check_appends()?;
     let flops = 4.0 * D as f64 * Q_HEADS as f64 * pairs(&shape.seqs);
     // Codes and metadata per token (int4-kc: a block's s and z shared by its tokens).
@@ -289,6 +310,7 @@ fn measure(
         tflops: flops / (us * 1e-6) / 1e12,
         gbps,
         pct: 100.0 * gbps / ceiling,
+        gather_us,
     })
 }
 
@@ -320,6 +342,7 @@ fn main() -> Result<()> {
         iters,
         splits: arg("--splits").and_then(|x| x.parse().ok()),
         route_q_len: arg("--route-q-len").and_then(|x| x.parse().ok()),
+        gather: with_f16,
     };
     println!(
         "prefill, Llama-3-8B heads (32 q / 8 KV, d=128, pages of 16, bf16 q and out) on {}; \
@@ -369,6 +392,12 @@ fn main() -> Result<()> {
                         "| {} | {} | {:.1} | {:.1} | {:.0} | {:.1} |",
                         r.shape, r.format, r.us, r.tflops, r.gbps, r.pct
                     );
+                    if let Some(g) = r.gather_us {
+                        println!(
+                            "| {} | {} gathered to f16 | {g:.1} | | | |",
+                            r.shape, r.format
+                        );
+                    }
                     rows.push(serde_json::json!({
                         "shape": r.shape, "format": r.format, "median_us": r.us,
                         "tflops": r.tflops, "gbps": r.gbps, "pct_of_ceiling": r.pct,
