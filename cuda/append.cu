@@ -554,6 +554,22 @@ __global__ void __launch_bounds__(kSealThreads)
   }
 }
 
+// Chunk `chunk` (kChunk elements) of an INT4-KC key row: from the sealed codes, or from the f16
+// window of a block the sequence has not filled. `side` is the window's (paged_side).
+__device__ __forceinline__ void kc_decode_chunk(const PagedSide &side, int head_dim,
+                                                uint32_t block, uint32_t offset, uint32_t head,
+                                                int chunk, bool sealed, float (&v)[kChunk]) {
+  if (sealed) {
+    const uint8_t *section = side.section(block, head);
+    const uint32_t codes = reinterpret_cast<const uint32_t *>(
+        section + side.codes_offset + offset * (head_dim / 2))[chunk];
+    const uint4 *meta = reinterpret_cast<const uint4 *>(section + side.meta_offset);
+    int4_kc_decode8(codes, meta[chunk], meta[head_dim / kChunk + chunk], v);
+  } else {
+    Codec<kF16>::decode(side.row(block, offset, head), chunk, v);
+  }
+}
+
 // Gather of INT4-KC keys, kChunk elements a thread: a token of a full block of the sequence (of
 // num_tokens tokens) decodes from the sealed codes, one of its last, unfilled block is its f16
 // window row. `side` is the window's (paged_side).
@@ -571,20 +587,88 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   const int64_t block = block_table[page];
   float v[kChunk] = {};
   if (block >= 0 && block < num_blocks) {
-    if ((page + 1) * (uint32_t)side.block_size <= num_tokens) {  // sealed
-      const uint8_t *section = side.section((uint32_t)block, head);
-      const int code_row = shape.head_dim / 2;
-      const uint32_t codes = reinterpret_cast<const uint32_t *>(
-          section + side.codes_offset + offset * code_row)[g.chunk];
-      const uint4 *meta = reinterpret_cast<const uint4 *>(section + side.meta_offset);
-      int4_kc_decode8(codes, meta[g.chunk], meta[shape.head_dim / kChunk + g.chunk], v);
-    } else {
-      Codec<kF16>::decode(side.row((uint32_t)block, offset, head), g.chunk, v);
-    }
+    const bool sealed = (page + 1) * (uint32_t)side.block_size <= num_tokens;
+    kc_decode_chunk(side, shape.head_dim, (uint32_t)block, offset, head, g.chunk, sealed, v);
   } else if (counters != nullptr && head == 0 && g.chunk == 0) {
     atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
   }
   store8(out + (int64_t)g.row * shape.head_dim + g.chunk * kChunk, v);
+}
+
+// ---- a step's context decoded for a 16-bit attention pass -----------------------------------
+
+// How many scratch blocks the sequences before b take (each its length's blocks, lengths
+// clamped to [0, cap] as the attention kernels clamp them), summed by the whole thread block:
+// each thread block finds its sequence's first scratch block itself, so the pass needs no
+// launch of its own for the offsets. Every thread of the block must call it.
+__device__ uint32_t blocks_before(const int32_t *__restrict__ context_lens, uint32_t b, int cap,
+                                  int block_size) {
+  __shared__ uint32_t warp_sums[kThreadsPerBlock / 32];
+  uint32_t sum = 0;
+  for (uint32_t i = threadIdx.x; i < b; i += kThreadsPerBlock) {
+    const int len = min(max(context_lens[i], 0), cap);
+    sum += (uint32_t)((len + block_size - 1) / block_size);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(kFullMask, sum, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum;
+  __syncthreads();
+  uint32_t total = 0;
+#pragma unroll
+  for (int w = 0; w < kThreadsPerBlock / 32; ++w) total += warp_sums[w];
+  return total;
+}
+
+// Elements a thread decodes of format F's rows (INT4-KC keys: kc_decode_chunk's).
+template <int F> __host__ __device__ constexpr int context_ept() {
+  if constexpr (F == kInt4Kc) return kChunk;
+  else return Codec<F>::kEpt;
+}
+
+// Thread block (x, b) decodes rows [x * rows_per_block, ...) (token-major over the KV heads) of
+// sequence b's context into the 16-bit pool `dst`: its page p goes to scratch block
+// blocks_before(b) + p, which row b of dst_tables names (when not null: one side writes it). F is the side's format (kInt4Kc: keys
+// read sealed or from the window, as gather_kc_kernel). A block id outside the pool decodes to
+// zeros and is counted once a token.
+template <typename Out, int F>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    decode_context_kernel(RowShape shape, PagedSide side, PagedSide dst,
+                          const int32_t *__restrict__ block_tables, int max_blocks,
+                          const int32_t *__restrict__ context_lens, int64_t num_blocks,
+                          int64_t dst_blocks, int32_t *__restrict__ dst_tables,
+                          int dst_max_blocks, unsigned long long *counters) {
+  constexpr int E = context_ept<F>();
+  const uint32_t b = blockIdx.y;
+  const int cap = max_blocks * side.block_size;
+  const uint32_t len = (uint32_t)min(max(context_lens[b], 0), cap);
+  if (side.by_heads.div(blockIdx.x * (uint32_t)shape.rows_per_block) >= len) return;  // uniform
+  const uint32_t first = blocks_before(context_lens, b, cap, side.block_size);
+  const RowGrid g = row_grid(shape, blockIdx.x);
+  const uint32_t token = side.by_heads.div(g.row);
+  const uint32_t head = g.row - token * side.num_heads;
+  if (!g.in_block || token >= len) return;  // no barriers below
+  const uint32_t page = side.by_block_size.div(token);
+  const uint32_t offset = token - page * side.block_size;
+  const uint32_t to = first + page;
+  if (page >= (uint32_t)dst_max_blocks) return;  // a length the host did not check
+  if (dst_tables != nullptr && head == 0 && g.chunk == 0 && offset == 0)
+    dst_tables[(int64_t)b * dst_max_blocks + page] = (int32_t)to;
+  if (to >= dst_blocks) return;  // the attention pass counts the table's id as out of range
+  const int64_t block = block_tables[(int64_t)b * max_blocks + page];
+  float v[E] = {};
+  if (block >= 0 && block < num_blocks) {
+    if constexpr (F == kInt4Kc)
+      kc_decode_chunk(side, shape.head_dim, (uint32_t)block, offset, head, g.chunk,
+                      (page + 1) * (uint32_t)side.block_size <= len, v);
+    else
+      Codec<F>::decode(side.row((uint32_t)block, offset, head), g.chunk, v);
+  } else if (counters != nullptr && head == 0 && g.chunk == 0) {
+    atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
+  }
+  Out *o = reinterpret_cast<Out *>(dst.row(to, offset, head).codes) + g.chunk * E;
+#pragma unroll
+  for (int j = 0; j < E / kChunk; ++j)
+    store8(o + j * kChunk, *reinterpret_cast<const float(*)[8]>(v + j * kChunk));
 }
 
 // ---- INT4-KC dense tensors -----------------------------------------------------------------
@@ -1044,6 +1128,58 @@ extern "C" int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks,
   const int rk = launch_side(k_out, ks, cache->layout.k_format);
   if (rk != KVQ_OK) return rk;
   return launch_side(v_out, vs, cache->layout.v_format);
+}
+
+extern "C" int kvq_decode_context(const kvq_cache *cache, int64_t num_blocks,
+                                  const int32_t *block_tables, int32_t max_blocks,
+                                  const int32_t *context_lens, int32_t batch,
+                                  int32_t max_context_len, const kvq_cache *dst,
+                                  int64_t dst_blocks, int32_t *dst_tables,
+                                  int32_t dst_max_blocks, unsigned long long *counters,
+                                  void *stream) {
+  if (cache == nullptr || dst == nullptr || block_tables == nullptr || context_lens == nullptr ||
+      dst_tables == nullptr || num_blocks <= 0 || dst_blocks < 0 || max_blocks <= 0 ||
+      dst_max_blocks <= 0 || batch < 0 || max_context_len < 0)
+    return KVQ_ERR_INVALID;
+  const kvq_layout &l = cache->layout, &d = dst->layout;
+  const int32_t out_format = d.k_format;
+  if ((out_format != KVQ_F16 && out_format != KVQ_BF16) || d.v_format != out_format ||
+      d.num_kv_heads != l.num_kv_heads || d.head_dim != l.head_dim ||
+      d.block_size != l.block_size)
+    return KVQ_ERR_INVALID;
+  PagedSide ks, vs, dks, dvs;
+  if (!paged_side(*cache, true, ks) || !paged_side(*cache, false, vs) ||
+      !paged_side(*dst, true, dks) || !paged_side(*dst, false, dvs))
+    return KVQ_ERR_INVALID;
+  if (batch == 0 || max_context_len == 0) return KVQ_OK;
+  if (batch > 65535) return KVQ_ERR_UNSUPPORTED;  // grid y; the Rust API never asks for more
+  if ((int64_t)max_context_len * ks.num_heads > kMaxRows) return KVQ_ERR_UNSUPPORTED;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // The K side writes the scratch tables and counts out-of-range blocks.
+  auto launch_side = [&](const PagedSide &side, const PagedSide &to, int32_t format,
+                         int32_t *tables, unsigned long long *c) {
+    auto with_out = [&](auto fn) {
+      return out_format == KVQ_F16 ? fn(Tag<__half>{}) : fn(Tag<__nv_bfloat16>{});
+    };
+    return with_out([&](auto o) {
+      using Out = typename decltype(o)::type;
+      auto launch = [&](auto f) {
+        constexpr int F = decltype(f)::value;
+        const RowShape shape(side.head_dim, context_ept<F>());
+        const dim3 grid(shape.blocks((int64_t)max_context_len * side.num_heads),
+                        (unsigned)batch);
+        decode_context_kernel<Out, F><<<grid, kThreadsPerBlock, 0, s>>>(
+            shape, side, to, block_tables, max_blocks, context_lens, num_blocks, dst_blocks,
+            tables, dst_max_blocks, c);
+        return launch_status();
+      };
+      if (format == KVQ_INT4_KC) return launch(FormatTag<kInt4Kc>{});
+      return with_format<false>(format, launch);
+    });
+  };
+  const int rk = launch_side(ks, dks, l.k_format, dst_tables, counters);
+  if (rk != KVQ_OK) return rk;
+  return launch_side(vs, dvs, l.v_format, nullptr, nullptr);
 }
 
 extern "C" int kvq_dense_scales(int32_t format, const void *x, int32_t dtype, int64_t rows,

@@ -118,6 +118,22 @@ int kvq_gather_dequantize(const kvq_cache *cache, int64_t num_blocks, const int3
                           int64_t num_tokens, int32_t out_dtype, void *k_out, void *v_out,
                           unsigned long long *counters, void *stream);
 
+/* Decode the contexts of `batch` sequences into the 16-bit pool of `dst` (a cache of kvq_layout
+ * with KVQ_F16 or KVQ_BF16 on both sides, the same heads, head_dim and block_size), once, for a
+ * 16-bit attention pass over them. Sequence b's context is context_lens[b] tokens (clamped to
+ * [0, max_blocks * block_size]) of the blocks block_tables[b * max_blocks + i]; its block i goes
+ * to scratch block f_b + i, with f_b the number of blocks the sequences before it take
+ * (ceil(len / block_size) each), and dst_tables[b * dst_max_blocks + i] is set to f_b + i (for
+ * i < dst_max_blocks). Scratch ids past dst_blocks are written to the table but not decoded.
+ * max_context_len bounds every length (the launch's grid: a longer one is decoded only that far).
+ * Values are those of kvq_gather_dequantize; a block id outside [0, num_blocks) yields zeros
+ * and counts its tokens in counters[KVQ_COUNTER_OUT_OF_RANGE]. batch <= 65535. */
+int kvq_decode_context(const kvq_cache *cache, int64_t num_blocks, const int32_t *block_tables,
+                       int32_t max_blocks, const int32_t *context_lens, int32_t batch,
+                       int32_t max_context_len, const kvq_cache *dst, int64_t dst_blocks,
+                       int32_t *dst_tables, int32_t dst_max_blocks,
+                       unsigned long long *counters, void *stream);
+
 /* Copy whole blocks inside one pool (copy-on-write after a fork, defragmentation): for each
  * i < num_pairs, every byte of block pairs[2i] (codes and metadata of every KV head) to block
  * pairs[2i + 1]. `pairs` is a device array of 2 * num_pairs int32. Destinations must be

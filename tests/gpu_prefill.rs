@@ -4,7 +4,8 @@
 //! after a cached prefix, decode rows and padding, GQA groups 1..8 (6 included), block sizes
 //! 16 / 32 / 64, sliding windows, logit soft-capping, sinks, ALiBi slopes, forced key splits,
 //! strided views and every output type, `int4-kc` keys in sealed blocks and in a sequence's open
-//! last block, plus `merge_states`.
+//! last block, two-pass steps (the context decoded into a 16-bit scratch first), plus
+//! `merge_states`.
 //!
 //! Each case: relative error ‖e‖ / ‖ref‖ over the whole output (e beyond half an ulp of the
 //! output type) ≤ 2e-3 with f16 operands (4e-3 with bf16: P and decoded keys carry 8 bits), no
@@ -28,7 +29,7 @@ use kvq::cuda::decode::DeviceBlockTables;
 use kvq::cuda::ops::{DeviceElement, Dtype};
 use kvq::cuda::prefill::{
     HEAD_DIMS, PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows,
-    kernel_available_for, merge_states,
+    TwoPass, kernel_available_for, merge_states,
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
@@ -114,6 +115,8 @@ struct Case {
     route: bool,
     /// E4M3 operands (`with_e4m3_operands`; fp8-e4m3 caches).
     e4m3: bool,
+    /// Two passes (`with_two_pass`) with a scratch of this many tokens, from any row count.
+    two_pass: Option<usize>,
 }
 
 impl Case {
@@ -135,12 +138,13 @@ impl Case {
             strided: false,
             route: false,
             e4m3: false,
+            two_pass: None,
         }
     }
     fn name(&self) -> String {
         format!(
             "{}/{} d{} bs{} kv{} G{} {} seqs{:?} window{:?} cap{:?} sinks{} alibi{:?} \
-             splits{:?}{}{}{}",
+             splits{:?}{}{}{}{}",
             self.k,
             self.v,
             self.head_dim,
@@ -156,7 +160,11 @@ impl Case {
             self.splits,
             if self.strided { " strided/f32" } else { "" },
             if self.route { " routed" } else { "" },
-            if self.e4m3 { " e4m3-operands" } else { "" }
+            if self.e4m3 { " e4m3-operands" } else { "" },
+            match self.two_pass {
+                Some(t) => format!(" two-pass {t}"),
+                None => String::new(),
+            }
         )
     }
 }
@@ -279,7 +287,12 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     .with_logits_soft_cap(case.cap)
     .expect("cap")
     .with_num_splits(case.splits)
-    .with_e4m3_operands(case.e4m3);
+    .with_e4m3_operands(case.e4m3)
+    .with_two_pass(case.two_pass.map(|scratch_tokens| TwoPass {
+        scratch_tokens,
+        min_rows: 0,
+    }))
+    .expect("two-pass");
     let plan = if case.route {
         let decode = kvq::cuda::DecodePlan::new(
             gpu,
@@ -359,6 +372,11 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
         .collect();
     let lse = s.clone_dtoh(&lse_dev).expect("download lse");
     gpu.synchronize().expect("sync");
+    assert_eq!(
+        ws.two_pass_last_step(),
+        takes_two_pass(case),
+        "{name}: the path taken"
+    );
     if let Err(e) = dcache.check_appends() {
         panic!("{name}: {e}");
     }
@@ -412,6 +430,35 @@ fn run<Q: Elem, O: Elem>(gpu: &Gpu, rng: &mut Rng, case: &Case) -> f64 {
     }
     eprintln!("{name}: rel {rel:.2e}, worst row {worst_row:.2e}");
     rel
+}
+
+/// Whether `case`'s step takes two passes: a quantized side, a scratch that holds the contexts
+/// of the sequences past the routed decode rows (the leading run of the first row's count, 1
+/// to 4), some of which have new tokens, no window, and no E4M3 operands over FP8 E4M3.
+fn takes_two_pass(case: &Case) -> bool {
+    let Some(scratch) = case.two_pass else {
+        return false;
+    };
+    let n0 = case.seqs[0].0;
+    let lead = if case.route && (1..=4).contains(&n0) {
+        case.seqs.iter().take_while(|s| s.0 == n0).count()
+    } else {
+        0
+    };
+    let rest = &case.seqs[lead..];
+    let blocks: usize = rest.iter().map(|s| s.1.div_ceil(case.block_size)).sum();
+    let e4m3 = case.e4m3 && case.k == KvFormat::Fp8E4m3 && case.v == KvFormat::Fp8E4m3;
+    (case.k.bits() < 16 || case.v.bits() < 16)
+        && rest.iter().any(|s| s.0 > 0)
+        && blocks <= scratch.div_ceil(case.block_size)
+        && case.window.is_none()
+        && !e4m3
+}
+
+/// Tokens of a scratch that holds every sequence of `case` in whole blocks.
+fn scratch_for(case: &Case) -> usize {
+    let bs = case.block_size;
+    case.seqs.iter().map(|s| s.1.div_ceil(bs) * bs).sum()
 }
 
 /// E4M3 operands: bounds on the relative error against the reference over E4M3-rounded query
@@ -1001,6 +1048,77 @@ fn int4_kc_sealed_and_open_blocks() {
         c.sinks = true;
         c.window = Some(2 * bs + 7);
         check(&gpu, &mut rng, &c);
+    }
+}
+
+/// Two passes (`with_two_pass`: the step's context decoded once into a 16-bit scratch, then the
+/// 16-bit kernel over it): every format pair with a quantized side at d128 with f16 and bf16
+/// queries; head dims 64 and 256; GQA 6 over blocks of 32 with strided views; a soft cap with
+/// sinks, ALiBi, key splits; routed decode rows before the prefill rows; E4M3 operands and a
+/// window (which stay fused); and a scratch one block short (fused too). Each case also checks
+/// which path ran.
+#[test]
+fn two_pass_decoded_context() {
+    let Some(gpu) = require_gpu_or_skip("two_pass_decoded_context") else {
+        return;
+    };
+    let mut rng = rng("two_pass_decoded_context");
+    let quantized = |k: KvFormat, v: KvFormat| k.bits() < 16 || v.bits() < 16;
+    for (k, v, q_bf16) in pairs(128) {
+        if !quantized(k, v) || (quick() && q_bf16 && k != KvFormat::Int4Kc) {
+            continue;
+        }
+        let mut c = Case::new(k, v, 128, mixed());
+        c.q_bf16 = q_bf16;
+        c.two_pass = Some(scratch_for(&c));
+        check(&gpu, &mut rng, &c);
+    }
+    for (k, v) in [
+        (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+        (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+        (KvFormat::Int4Kc, KvFormat::Fp8E5m2),
+    ] {
+        for d in [64, 256] {
+            let mut c = Case::new(k, v, d, vec![(70, 70), (20, 150)]);
+            c.two_pass = Some(scratch_for(&c));
+            check(&gpu, &mut rng, &c);
+        }
+        let mut c = Case::new(k, v, 128, vec![(45, 45), (13, 200), (2, 33)]);
+        c.group = 6;
+        c.block_size = 32;
+        c.strided = true;
+        c.two_pass = Some(scratch_for(&c));
+        check(&gpu, &mut rng, &c);
+        let base = Case::new(k, v, 128, mixed());
+        let fit = scratch_for(&base);
+        let changes: [fn(&mut Case); 5] = [
+            |c: &mut Case| {
+                c.cap = Some(5.0);
+                c.sinks = true;
+            },
+            |c: &mut Case| c.alibi = Some(1.0),
+            |c: &mut Case| c.splits = Some(3),
+            |c: &mut Case| c.window = Some(40),
+            |c: &mut Case| c.e4m3 = c.k == KvFormat::Fp8E4m3,
+        ];
+        for change in changes {
+            let mut c = base.clone();
+            c.two_pass = Some(fit);
+            change(&mut c);
+            check(&gpu, &mut rng, &c);
+        }
+        // One block short: the fused path.
+        let mut c = base.clone();
+        c.two_pass = Some(fit - c.block_size);
+        check(&gpu, &mut rng, &c);
+        // Routed decode rows first: the scratch holds the prefill rows' contexts only (3 and
+        // 38 blocks).
+        if kvq::cuda::decode::kernel_available_for(k, v, 128) {
+            let mut c = Case::new(k, v, 128, vec![(1, 77), (1, 300), (40, 40), (25, 600)]);
+            c.route = true;
+            c.two_pass = Some(48 + 608);
+            check(&gpu, &mut rng, &c);
+        }
     }
 }
 

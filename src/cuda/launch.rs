@@ -115,6 +115,50 @@ pub(crate) unsafe fn gather_dequantize(
     check_status(status, "kvq_gather_dequantize")
 }
 
+/// `kvq_decode_context`.
+///
+/// # Safety
+/// kvq.h's contract for `kvq_decode_context`: `block_tables` holds `batch * max_blocks`
+/// device int32 of the cache's pool, `context_lens` `batch` device int32, `dst` a live 16-bit
+/// pool of `dst_blocks` blocks apart from the cache's, `dst_tables` `batch * dst_max_blocks`
+/// device int32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn decode_context(
+    cache: &sys::kvq_cache,
+    num_blocks: i64,
+    block_tables: *const i32,
+    max_blocks: i32,
+    context_lens: *const i32,
+    batch: i32,
+    max_context_len: i32,
+    dst: &sys::kvq_cache,
+    dst_blocks: i64,
+    dst_tables: *mut i32,
+    dst_max_blocks: i32,
+    counters: *mut u64,
+    stream: Stream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    let status = unsafe {
+        sys::kvq_decode_context(
+            cache,
+            num_blocks,
+            block_tables,
+            max_blocks,
+            context_lens,
+            batch,
+            max_context_len,
+            dst,
+            dst_blocks,
+            dst_tables,
+            dst_max_blocks,
+            counters,
+            stream.cast(),
+        )
+    };
+    check_status(status, "kvq_decode_context")
+}
+
 /// `kvq_copy_blocks`.
 ///
 /// # Safety

@@ -37,7 +37,8 @@ pub use blocks::{SwapMove, SwapSpace, copy_blocks_all, swap_in_all, swap_out_all
 pub use decode::{DecodeCapacity, DecodePlan, DecodeStep, DecodeWorkspace, RowStrides};
 pub use device::{AppendCounters, DeviceCache};
 pub use prefill::{
-    PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows, merge_states,
+    PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows, TwoPass,
+    merge_states,
 };
 pub use tables::{DeviceBlockTables, TablesCapacity};
 

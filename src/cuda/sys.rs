@@ -163,6 +163,24 @@ unsafe extern "C" {
     ) -> ::std::os::raw::c_int;
 }
 unsafe extern "C" {
+    #[doc = " Decode the contexts of `batch` sequences into the 16-bit pool of `dst` (a cache of kvq_layout\n with KVQ_F16 or KVQ_BF16 on both sides, the same heads, head_dim and block_size), once, for a\n 16-bit attention pass over them. Sequence b's context is context_lens\\[b\\] tokens (clamped to\n \\[0, max_blocks \\* block_size\\]) of the blocks block_tables\\[b \\* max_blocks + i\\]; its block i goes\n to scratch block f_b + i, with f_b the number of blocks the sequences before it take\n (ceil(len / block_size) each), and dst_tables\\[b \\* dst_max_blocks + i\\] is set to f_b + i (for\n i \\< dst_max_blocks). Scratch ids past dst_blocks are written to the table but not decoded.\n max_context_len bounds every length (the launch's grid: a longer one is decoded only that far).\n Values are those of kvq_gather_dequantize; a block id outside \\[0, num_blocks) yields zeros\n and counts its tokens in counters\\[KVQ_COUNTER_OUT_OF_RANGE\\]. batch \\<= 65535."]
+    pub fn kvq_decode_context(
+        cache: *const kvq_cache,
+        num_blocks: i64,
+        block_tables: *const i32,
+        max_blocks: i32,
+        context_lens: *const i32,
+        batch: i32,
+        max_context_len: i32,
+        dst: *const kvq_cache,
+        dst_blocks: i64,
+        dst_tables: *mut i32,
+        dst_max_blocks: i32,
+        counters: *mut ::std::os::raw::c_ulonglong,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> ::std::os::raw::c_int;
+}
+unsafe extern "C" {
     #[doc = " Copy whole blocks inside one pool (copy-on-write after a fork, defragmentation): for each\n i \\< num_pairs, every byte of block pairs\\[2i\\] (codes and metadata of every KV head) to block\n pairs\\[2i + 1\\]. `pairs` is a device array of 2 \\* num_pairs int32. Destinations must be\n distinct and none may also be a source in the same launch (the copies run in parallel; the\n safe Rust API checks this). A pair with an id outside \\[0, num_blocks) is skipped and counted\n in counters\\[KVQ_COUNTER_OUT_OF_RANGE\\] (counters may be null). Bytes are copied 16 at a time:\n layout.block_stride is a multiple of 16 and the pool 16-byte aligned."]
     pub fn kvq_copy_blocks(
         cache: *const kvq_cache,

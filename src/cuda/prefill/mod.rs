@@ -23,6 +23,10 @@
 //! Long contexts with few query rows (a short chunk after a long prefix) are cut into splits of
 //! the keys that run side by side and are merged by a second kernel; [`merge_states`] is the
 //! same merge for an engine's own partial attentions (cascade / shared-prefix attention).
+//!
+//! Long prompts and chunks over a quantized cache may run in two passes
+//! ([`PrefillPlan::with_two_pass`]): the step's context decoded once into a 16-bit scratch
+//! (`kvq_decode_context`), then the 16-bit kernel over it.
 
 mod heuristic;
 
@@ -33,7 +37,7 @@ use super::tables::DeviceBlockTables;
 use super::{Gpu, driver_err, launch, owned_ptr, sys};
 use crate::error::{Error, Result, at_least_one, reserved};
 use crate::format::KvFormat;
-use crate::layout::BlockLayout;
+use crate::layout::{BlockLayout, CacheConfig};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use std::ffi::c_void;
@@ -48,6 +52,40 @@ pub const MAX_SPLITS: usize = sys::KVQ_PREFILL_MAX_SPLITS as usize;
 pub const HEAD_DIMS: [usize; 7] = [64, 80, 96, 112, 128, 192, 256];
 /// Token-splits the workspace holds by default (see [`PrefillPlan::with_split_budget`]).
 pub const DEFAULT_SPLIT_BUDGET: usize = 2048;
+/// [`TwoPass::new`]'s `min_rows`: a step's prefill sequences average at least this many query
+/// rows (new tokens times the query heads of a KV head), so that the fused kernel would decode
+/// each KV tile in about 16 thread blocks or more (narrow tiles; a third of that in triple
+/// tiles). A prediction from the decode's share of the fused times (docs/PERFORMANCE.md,
+/// sessions 48-49), not yet measured.
+pub const TWO_PASS_MIN_ROWS: usize = 1024;
+
+/// How a [`PrefillPlan`] may run a compute-bound step over a quantized cache in two passes
+/// ([`PrefillPlan::with_two_pass`]): first the step's context is decoded once into a 16-bit
+/// scratch cache that the [`PrefillWorkspace`] owns, then the 16-bit kernel attends over it. The
+/// fused kernel instead decodes each KV tile in every thread block that reads it, which at a
+/// long prompt or chunk is tens of times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TwoPass {
+    /// Context tokens the scratch holds: a step takes two passes only when its prefill
+    /// sequences' contexts, each rounded up to whole blocks, fit in these tokens' blocks. The
+    /// workspace allocates `ceil(scratch_tokens / block_size)` blocks of 2 bytes an element.
+    pub scratch_tokens: usize,
+    /// Fewest query rows a step's prefill sequences average for it to take two passes (below
+    /// that each KV tile is read by few thread blocks, and the scratch's bytes cost more than
+    /// the decode they save).
+    pub min_rows: usize,
+}
+
+impl TwoPass {
+    /// A scratch of `scratch_tokens` context tokens, two passes from [`TWO_PASS_MIN_ROWS`]
+    /// rows a sequence.
+    pub fn new(scratch_tokens: usize) -> Self {
+        TwoPass {
+            scratch_tokens,
+            min_rows: TWO_PASS_MIN_ROWS,
+        }
+    }
+}
 
 /// Whether this build has a prefill kernel for keys in `k`, values in `v` at `head_dim`, with
 /// bf16 (`q_bf16`) or f16 queries. The queries' type is also the tensor cores' operand type, so
@@ -309,6 +347,8 @@ pub struct PrefillPlan {
     e4m3_operands: bool,
     /// The decode plan a step's leading decode rows are routed to (`with_decode_rows`).
     decode_rows: Option<DecodePlan>,
+    /// Compute-bound steps decode their context once, then attend in 16 bits (`with_two_pass`).
+    two_pass: Option<TwoPass>,
 }
 
 impl PrefillPlan {
@@ -371,6 +411,7 @@ impl PrefillPlan {
             graph_grid: false,
             e4m3_operands: false,
             decode_rows: None,
+            two_pass: None,
         })
     }
 
@@ -480,6 +521,93 @@ impl PrefillPlan {
         self
     }
 
+    /// Run compute-bound steps over a quantized cache in two passes (off by default; see
+    /// [`TwoPass`]). A step takes them when a side of the cache is quantized, its prefill
+    /// sequences average at least `min_rows` query rows and their contexts fit the scratch, and
+    /// there is no sliding window, no graph grid ([`with_graph_grid`](Self::with_graph_grid))
+    /// and no E4M3 operands ([`with_e4m3_operands`](Self::with_e4m3_operands)); other steps,
+    /// and rows routed to the decode kernel, stay fused. The scratch holds each value decoded
+    /// to the queries' type (f16 or bf16), the operands the fused kernel forms from the same
+    /// codes up to that rounding, so the results agree with the fused path's to within it
+    /// (docs/ACCURACY.md). The workspace made from this plan holds the scratch: 2 bytes an
+    /// element of `scratch_tokens` tokens, all KV heads, keys and values, one buffer for every
+    /// layer. [`PrefillWorkspace::two_pass_last_step`] tells which path a step took.
+    ///
+    /// Errors: [`Error::Config`] for a scratch of no tokens; [`Error::Unsupported`] or
+    /// [`Error::Overflow`] for one whose block ids or bytes are not addressable.
+    pub fn with_two_pass(mut self, two_pass: Option<TwoPass>) -> Result<Self> {
+        if let Some(t) = two_pass {
+            at_least_one(&[("scratch_tokens", t.scratch_tokens)])?;
+            let blocks = t.scratch_tokens.div_ceil(self.layout.config.block_size);
+            to_i32("scratch blocks", blocks)?;
+            self.scratch_layout(Dtype::F16)?.try_pool_bytes(blocks)?;
+        }
+        self.two_pass = two_pass;
+        Ok(self)
+    }
+
+    /// The two-pass setting ([`with_two_pass`](Self::with_two_pass)).
+    pub fn two_pass(&self) -> Option<TwoPass> {
+        self.two_pass
+    }
+
+    /// The layout of the two-pass scratch for queries of `q`: both sides in `q`'s 16 bits, the
+    /// cache's heads, head_dim and block size.
+    fn scratch_layout(&self, q: Dtype) -> Result<BlockLayout> {
+        let format = if q == Dtype::Bf16 {
+            KvFormat::Bf16
+        } else {
+            KvFormat::F16
+        };
+        CacheConfig {
+            k_format: format,
+            v_format: format,
+            ..self.layout.config
+        }
+        .try_layout()
+    }
+
+    /// Blocks of the two-pass scratch, and the stride of its tables (blocks of the longest
+    /// context).
+    fn scratch_blocks(&self) -> Option<(usize, usize)> {
+        let bs = self.layout.config.block_size;
+        self.two_pass.map(|t| {
+            (
+                t.scratch_tokens.div_ceil(bs),
+                self.cap.max_context_len.div_ceil(bs),
+            )
+        })
+    }
+
+    /// Whether a step whose prefill sequences (those past the routed decode rows) have `rows`
+    /// query rows in all, `seqs` of them with contexts of `blocks` blocks in all, takes two
+    /// passes with queries of `q`.
+    fn takes_two_pass(&self, q: Dtype, rows: usize, seqs: usize, blocks: usize) -> bool {
+        let c = &self.layout.config;
+        let Some(t) = self.two_pass else {
+            return false;
+        };
+        let both_e4m3 = c.k_format == KvFormat::Fp8E4m3 && c.v_format == KvFormat::Fp8E4m3;
+        let quantized = c.k_format.bits() < 16 || c.v_format.bits() < 16;
+        quantized
+            && seqs > 0
+            && !self.graph_grid
+            && self.window_left.is_none()
+            && !(self.e4m3_operands && both_e4m3)
+            && rows >= t.min_rows.saturating_mul(seqs)
+            && self
+                .scratch_blocks()
+                .is_some_and(|(have, _)| blocks <= have)
+            && {
+                let f = if q == Dtype::Bf16 {
+                    KvFormat::Bf16
+                } else {
+                    KvFormat::F16
+                };
+                kernel_available_for(f, f, c.head_dim, q == Dtype::Bf16)
+            }
+    }
+
     /// Whether the plan asks for E4M3 operands ([`with_e4m3_operands`](Self::with_e4m3_operands)).
     pub fn e4m3_operands(&self) -> bool {
         self.e4m3_operands
@@ -517,9 +645,17 @@ impl PrefillPlan {
     }
 
     /// Key splits for a step of `total` tokens whose tiles give `ctas` thread blocks (`wide`
-    /// tiles or narrow ones) and whose longest context is `max_len`: at least 256 keys a split,
-    /// within the workspace, as many as [`heuristic::key_splits`] finds fastest.
-    fn splits_for(&self, total: usize, ctas: usize, max_len: usize, wide: bool) -> usize {
+    /// tiles or narrow ones) and whose longest context is `max_len`, over a `quantized` cache or
+    /// a 16-bit one: at least 256 keys a split, within the workspace, as many as
+    /// [`heuristic::key_splits`] finds fastest.
+    fn splits_for(
+        &self,
+        total: usize,
+        ctas: usize,
+        max_len: usize,
+        wide: bool,
+        quantized: bool,
+    ) -> usize {
         if self.graph_grid || total == 0 || self.split_budget < total {
             return 1;
         }
@@ -527,8 +663,6 @@ impl PrefillPlan {
         if let Some(s) = self.forced_splits {
             return s.clamp(1, fit.max(1));
         }
-        let c = &self.layout.config;
-        let quantized = c.k_format.bits() < 16 || c.v_format.bits() < 16;
         let per_sm = heuristic::blocks_per_sm(quantized, wide);
         let slots = per_sm * self.gpu.props().sm_count as usize;
         heuristic::key_splits(ctas, max_len, slots, (max_len / 256).min(fit).max(1))
@@ -566,6 +700,7 @@ impl PrefillPlan {
             )));
         }
         let batch = tables.batch();
+        ws.two_pass_last = false;
         if batch == 0 {
             return Ok(());
         }
@@ -599,8 +734,11 @@ impl PrefillPlan {
                 .count(),
             _ => 0,
         };
-        // Tiles of the kernel's narrow and wide rows (wide_tiles in cuda/prefill.cu).
+        // Tiles of the kernel's narrow and wide rows (wide_tiles in cuda/prefill.cu); the
+        // prefill sequences with new tokens, and the blocks of every prefill sequence's context
+        // (what a two-pass step decodes).
         let (mut tiles, mut wide_tiles, mut max_len) = (0usize, 0usize, 0usize);
+        let (mut prefill_seqs, mut ctx_blocks) = (0usize, 0usize);
         for b in 0..batch {
             let n = (qo[b + 1] - qo[b]) as usize;
             let len = tables.context_len(b).unwrap_or(0);
@@ -615,10 +753,14 @@ impl PrefillPlan {
                     self.cap.max_context_len
                 )));
             }
+            if b >= lead {
+                ctx_blocks += len.div_ceil(c.block_size);
+            }
             if n > 0 && b >= lead {
                 tiles += (n * group).div_ceil(TILE_ROWS);
                 wide_tiles += (n * group).div_ceil(heuristic::WIDE_ROWS);
                 max_len = max_len.max(len);
+                prefill_seqs += 1;
             }
         }
         let total = qo[batch] as usize;
@@ -678,10 +820,22 @@ impl PrefillPlan {
         if total == 0 {
             return Ok(());
         }
+        let prefill_rows = (total - qo[lead] as usize) * group;
+        let two_pass = self.takes_two_pass(Q::DTYPE, prefill_rows, prefill_seqs, ctx_blocks);
+        let scratch = match (two_pass, &ws.scratch) {
+            (true, Some(sc)) => Some((sc.at, self.scratch_layout(Q::DTYPE)?)),
+            _ => None,
+        };
+        // The formats the attention launch reads: the scratch's in a two-pass step.
+        let (k_format, v_format) = match &scratch {
+            Some((_, l)) => (l.config.k_format, l.config.v_format),
+            None => (c.k_format, c.v_format),
+        };
+        let quantized = k_format.bits() < 16 || v_format.bits() < 16;
         // Wide tiles where the sequences average at least their rows, as the launcher decides.
         let wide = total * group >= heuristic::WIDE_ROWS * (batch - lead);
         let ctas = if wide { wide_tiles } else { tiles } * c.num_kv_heads;
-        let splits = self.splits_for(total, ctas, max_len, wide);
+        let splits = self.splits_for(total, ctas, max_len, wide, quantized);
         let split_tokens = max_len.div_ceil(splits).div_ceil(TILE_TOKENS).max(1) * TILE_TOKENS;
         // A wide launch's tile width from the step's sequences; the graph's grid, sized by the
         // capacity, leaves it to the launcher.
@@ -700,7 +854,7 @@ impl PrefillPlan {
                 window_left: self.window_left,
                 sms: self.gpu.props().sm_count as usize,
             };
-            if heuristic::prefer_triple(seqs, &grid, c.k_format, c.v_format) {
+            if heuristic::prefer_triple(seqs, &grid, k_format, v_format) {
                 heuristic::TRIPLE_ROWS
             } else {
                 heuristic::WIDE_ROWS
@@ -712,9 +866,17 @@ impl PrefillPlan {
             total
         };
         let layout = raw_layout(&self.layout)?;
+        let scratch_raw = match &scratch {
+            Some((at, l)) => Some((*at, raw_layout(l)?)),
+            None => None,
+        };
         self.gpu.bind()?;
         self.gpu.check_capture()?;
-        launch::prefill_prepare(&layout, Q::DTYPE.raw())?;
+        launch::prefill_prepare(
+            scratch_raw.as_ref().map_or(&layout, |(_, l)| l),
+            Q::DTYPE.raw(),
+        )?;
+        ws.two_pass_last = scratch_raw.is_some();
         let s = self.gpu.stream();
         let (ctx_lens, block_tables) = tables.device_ptrs();
         let PrefillStep {
@@ -792,10 +954,52 @@ impl PrefillPlan {
                 // The prefill kernel serves sequences lead..batch: their rows of the tables and
                 // of qo_indptr (whose offsets still count tokens from the batch's first).
                 let i32_at = |p: CUdeviceptr, i: usize| (p + 4 * i as CUdeviceptr) as *const i32;
+                let num_blocks = i64::try_from(cache.num_blocks())
+                    .map_err(|_| Error::InvalidArgument("num_blocks exceeds int64".into()))?;
+                let (tables_p, ctx_p) = (
+                    i32_at(block_tables, lead * tables.max_blocks()),
+                    i32_at(ctx_lens, lead),
+                );
+                // A two-pass step decodes the prefill sequences' contexts into the scratch
+                // first, then attends over it with its renumbered tables.
+                let (attend_cache, attend_blocks, attend_tables, attend_max_blocks) =
+                    match &scratch_raw {
+                        Some((at, l)) => {
+                            let dst = sys::kvq_cache {
+                                pool: at.pool as *mut u8,
+                                k_scales: std::ptr::null(),
+                                v_scales: std::ptr::null(),
+                                layout: *l,
+                            };
+                            // SAFETY: the tables' rows lead..batch of the checked pool, their
+                            // lengths (each within max_len, the prefill sequences' longest);
+                            // the workspace's scratch of `at.blocks` blocks and a table of
+                            // `max_batch` rows of `at.stride` (checked against the plan), on
+                            // this stream; the step's blocks fit it (takes_two_pass).
+                            unsafe {
+                                launch::decode_context(
+                                    &cache.as_raw(),
+                                    num_blocks,
+                                    tables_p,
+                                    to_i32("max_blocks", tables.max_blocks())?,
+                                    ctx_p,
+                                    to_i32("batch", batch - lead)?,
+                                    to_i32("max_context_len", max_len)?,
+                                    &dst,
+                                    at.blocks as i64,
+                                    at.tables as *mut i32,
+                                    to_i32("scratch table stride", at.stride)?,
+                                    cache.counters_ptr(),
+                                    s.cu_stream(),
+                                )
+                            }?;
+                            (dst, at.blocks as i64, at.tables as *const i32, at.stride)
+                        }
+                        None => (cache.as_raw(), num_blocks, tables_p, tables.max_blocks()),
+                    };
                 let a = sys::kvq_prefill_args {
-                    cache: cache.as_raw(),
-                    num_blocks: i64::try_from(cache.num_blocks())
-                        .map_err(|_| Error::InvalidArgument("num_blocks exceeds int64".into()))?,
+                    cache: attend_cache,
+                    num_blocks: attend_blocks,
                     q: q_p as *const c_void,
                     out: o_p as *mut c_void,
                     lse: lse_p as *mut f32,
@@ -806,8 +1010,8 @@ impl PrefillPlan {
                     lse_token_stride: l_tok,
                     lse_head_stride: l_head,
                     qo_indptr: i32_at(qo_p, lead),
-                    block_tables: i32_at(block_tables, lead * tables.max_blocks()),
-                    context_lens: i32_at(ctx_lens, lead),
+                    block_tables: attend_tables,
+                    context_lens: ctx_p,
                     sinks: sink_p as *const f32,
                     ws_o: ws.ptrs[0] as *mut f32,
                     ws_lse: ws.ptrs[1] as *mut f32,
@@ -816,7 +1020,7 @@ impl PrefillPlan {
                     out_dtype: O::DTYPE.raw(),
                     batch: to_i32("batch", batch - lead)?,
                     num_q_heads: to_i32("num_q_heads", heads)?,
-                    max_blocks: to_i32("max_blocks", tables.max_blocks())?,
+                    max_blocks: to_i32("max_blocks", attend_max_blocks)?,
                     max_tokens: to_i32("max_tokens", launch_tokens)?,
                     num_splits: splits as i32,
                     split_tokens: to_i32("split_tokens", split_tokens)?,
@@ -827,11 +1031,13 @@ impl PrefillPlan {
                     softmax_scale: self.softmax_scale,
                     logits_soft_cap: self.soft_cap.unwrap_or(0.0),
                     alibi_slopes: slopes_p as *const f32,
-                    e4m3_operands: i32::from(self.e4m3_operands),
+                    e4m3_operands: i32::from(self.e4m3_operands && scratch_raw.is_none()),
                     wide_tile_rows: wide_tile_rows as i32,
                 };
-                // SAFETY: the cache comes from a live DeviceCache of this plan's layout; the tables
-                // were checked against its pool, cover `batch` rows and their (uploaded) lengths
+                // SAFETY: the cache comes from a live DeviceCache of this plan's layout (or is
+                // the workspace's scratch, which the launch above filled and whose tables it
+                // wrote for every block of these lengths); the tables were checked against its
+                // pool, cover `batch` rows and their (uploaded) lengths
                 // hold each sequence's new tokens; q / out / lse / sinks / slopes hold every row
                 // (head) their strides address for `total` tokens (checked above), and the device
                 // qo_indptr is the caller's copy of the checked host one (the kernel clamps it
@@ -842,7 +1048,8 @@ impl PrefillPlan {
     }
 }
 
-/// Split-KV partial outputs and log-sum-exps of a [`PrefillPlan`] (one launch at a time).
+/// Split-KV partial outputs and log-sum-exps of a [`PrefillPlan`], and its two-pass scratch
+/// (one step at a time).
 #[derive(Debug)]
 pub struct PrefillWorkspace {
     gpu: Gpu,
@@ -851,6 +1058,58 @@ pub struct PrefillWorkspace {
     elems: (usize, usize),
     /// The workspace of the plan's routed decode rows (`with_decode_rows`).
     decode: Option<DecodeWorkspace>,
+    /// The 16-bit cache a two-pass step decodes its context into (`with_two_pass`).
+    scratch: Option<Scratch>,
+    /// Whether the last step took two passes.
+    two_pass_last: bool,
+}
+
+/// The two-pass scratch: a pool of 16-bit blocks and its tables, `max_batch` rows of `stride`.
+#[derive(Debug)]
+struct Scratch {
+    _pool: CudaSlice<u8>,
+    _tables: CudaSlice<i32>,
+    at: ScratchAt,
+}
+
+/// Where the scratch lives and its sizes.
+#[derive(Debug, Clone, Copy)]
+struct ScratchAt {
+    pool: CUdeviceptr,
+    tables: CUdeviceptr,
+    blocks: usize,
+    stride: usize,
+    rows: usize,
+}
+
+impl Scratch {
+    fn new(gpu: &Gpu, plan: &PrefillPlan) -> Result<Option<Self>> {
+        let Some((blocks, stride)) = plan.scratch_blocks() else {
+            return Ok(None);
+        };
+        let bytes = plan.scratch_layout(Dtype::F16)?.try_pool_bytes(blocks)?;
+        let rows = plan.cap.max_batch;
+        let s = gpu.stream();
+        // SAFETY: a two-pass step writes every block and table entry its attention reads
+        // (kvq_decode_context) before that launch, on this stream.
+        let pool = unsafe { s.alloc::<u8>(bytes.max(16)) }
+            .map_err(driver_err("allocating the two-pass scratch"))?;
+        // SAFETY: as above.
+        let tables = unsafe { s.alloc::<i32>((rows * stride).max(1)) }
+            .map_err(driver_err("allocating the two-pass scratch tables"))?;
+        let at = ScratchAt {
+            pool: owned_ptr(&pool),
+            tables: owned_ptr(&tables),
+            blocks,
+            stride,
+            rows,
+        };
+        Ok(Some(Scratch {
+            _pool: pool,
+            _tables: tables,
+            at,
+        }))
+    }
 }
 
 impl PrefillWorkspace {
@@ -874,13 +1133,27 @@ impl PrefillWorkspace {
             .as_ref()
             .map(DecodeWorkspace::new)
             .transpose()?;
+        let scratch = Scratch::new(&gpu, plan)?;
         Ok(PrefillWorkspace {
             gpu,
             _buffers: (o, lse),
             ptrs,
             elems,
             decode,
+            scratch,
+            two_pass_last: false,
         })
+    }
+
+    /// Whether the last [`PrefillPlan::prefill`] with this workspace ran two passes
+    /// ([`PrefillPlan::with_two_pass`]) for its prefill rows.
+    pub fn two_pass_last_step(&self) -> bool {
+        self.two_pass_last
+    }
+
+    /// Bytes of the two-pass scratch (0 without one).
+    pub fn scratch_bytes(&self) -> usize {
+        self.scratch.as_ref().map_or(0, |sc| sc._pool.len())
     }
 
     fn gpu(&self) -> &Gpu {
@@ -889,9 +1162,17 @@ impl PrefillWorkspace {
 
     fn check(&self, plan: &PrefillPlan) -> Result<()> {
         let want = plan.workspace_elems();
+        let scratch_short = match (plan.scratch_blocks(), &self.scratch) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some((blocks, stride)), Some(sc)) => {
+                sc.at.blocks < blocks || sc.at.stride != stride || sc.at.rows < plan.cap.max_batch
+            }
+        };
         if self.elems.0 < want.0
             || self.elems.1 < want.1
             || (plan.decode_rows.is_some() && self.decode.is_none())
+            || scratch_short
         {
             return Err(Error::InvalidArgument(
                 "the prefill workspace is smaller than the plan needs (make it from this plan)"
