@@ -11,7 +11,7 @@
 //! ```sh
 //! cargo run --release --features cuda,bench --example prefill_bench -- [--iters N] \
 //!     [--shape SUBSTRING] [--format bf16|fp8-e4m3|int4|int4-k32|int4-kc] [--json FILE] \
-//!     [--splits N] [--route-q-len N] [--seqs SHAPES] [--f16]
+//!     [--splits N] [--route-q-len N] [--seqs SHAPES] [--f16] [--two-pass [--two-pass-rows N]]
 //! ```
 //!
 //! `--f16` adds an f16 cache (bf16 queries, f16 operands) to the formats: the 16-bit kernel on
@@ -20,6 +20,10 @@
 //! per quantized format, the decode of the step's context to f16 by `ops::gather_dequantize`
 //! (the first pass, over-counted by its allocations and table uploads): rows `... gathered to
 //! f16`.
+//! `--two-pass` adds, per quantized format (not with E4M3 operands), the plan with two passes
+//! (`PrefillPlan::with_two_pass`, a scratch that holds the shape's contexts): rows `... (two
+//! passes)`, or `... (two-pass plan, fused)` where the step stayed fused (too few query rows a
+//! sequence: `--two-pass-rows N` sets that bound, 0 takes two passes at every shape).
 //! `--splits N` forces the key splits of every shape; `--route-q-len N` sends, in every shape,
 //! the leading sequences with the same 1 to N new tokens to the decode kernel
 //! (`PrefillPlan::with_decode_rows` with a decode plan of `q_len` N). `--seqs` replaces the grid
@@ -29,7 +33,9 @@
 
 use kvq::cuda::bench::{self, EventTimer};
 use kvq::cuda::decode::{DeviceBlockTables, TablesCapacity};
-use kvq::cuda::prefill::{PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows};
+use kvq::cuda::prefill::{
+    PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, TokenRows, TwoPass,
+};
 use kvq::cuda::{DeviceCache, Gpu, ops};
 use kvq::{CacheConfig, KvFormat, Result};
 
@@ -156,6 +162,17 @@ struct Opts {
     splits: Option<usize>,
     route_q_len: Option<usize>,
     gather: bool,
+    /// `--two-pass-rows`: the two-pass plans' `min_rows`.
+    two_pass_rows: Option<usize>,
+}
+
+/// How a format's attention runs: fused (decoded operands), fused with E4M3 operands
+/// (`with_e4m3_operands`), or planned with two passes (`with_two_pass`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Fused,
+    E4m3,
+    TwoPass,
 }
 
 fn measure(
@@ -164,7 +181,7 @@ fn measure(
     shape: &Shape,
     k: KvFormat,
     v: KvFormat,
-    e4m3: bool,
+    mode: Mode,
     opts: &Opts,
 ) -> Result<Row> {
     let Opts {
@@ -173,7 +190,9 @@ fn measure(
         splits,
         route_q_len,
         gather,
+        two_pass_rows,
     } = *opts;
+    let e4m3 = mode == Mode::E4m3;
     let s = gpu.stream().clone();
     let config = CacheConfig::new(KV_HEADS, D, BLOCK, k, v)?;
     let blocks: Vec<usize> = shape.seqs.iter().map(|&(_, l)| l.div_ceil(BLOCK)).collect();
@@ -236,7 +255,12 @@ fn measure(
         },
     )?
     .with_num_splits(splits)
-    .with_e4m3_operands(e4m3);
+    .with_e4m3_operands(e4m3)
+    .with_two_pass((mode == Mode::TwoPass).then(|| {
+        let mut t = TwoPass::new(num_blocks * BLOCK);
+        t.min_rows = two_pass_rows.unwrap_or(t.min_rows);
+        t
+    }))?;
     let route_q_len = route_q_len.filter(|_| kvq::cuda::decode::kernel_available(k, v));
     let plan = if shape.route || route_q_len.is_some() {
         let q_len = route_q_len.unwrap_or(1);
@@ -281,8 +305,10 @@ fn measure(
             },
         )
     })?;
-    // E4M3 operands read the same cache as decoded FP8: its gather is timed once, there.
-    let gather_us = if gather && !e4m3 && k.bits() < 16 {
+    let two_passes = ws.two_pass_last_step();
+    // E4M3 operands and two passes read the same cache as decoded FP8: its gather is timed
+    // once, there.
+    let gather_us = if gather && mode == Mode::Fused && k.bits() < 16 {
         Some(timer.median_us(3, iters, true, || {
             for (row, &(_, l)) in table_rows.iter().zip(&shape.seqs) {
                 ops::gather_dequantize::<half::f16>(&cache, row, l)?;
@@ -302,10 +328,18 @@ fn measure(
     let gbps = bytes / (us * 1e-6) / 1e9;
     Ok(Row {
         shape: shape.name.clone(),
-        format: match (k == v, e4m3) {
-            (true, false) => k.name().to_string(),
-            (true, true) => format!("{} (e4m3 MMAs)", k.name()),
-            _ => format!("{}/{}", k.name(), v.name()),
+        format: {
+            let pair = if k == v {
+                k.name().to_string()
+            } else {
+                format!("{}/{}", k.name(), v.name())
+            };
+            match (mode, two_passes) {
+                (Mode::Fused, _) => pair,
+                (Mode::E4m3, _) => format!("{pair} (e4m3 MMAs)"),
+                (Mode::TwoPass, true) => format!("{pair} (two passes)"),
+                (Mode::TwoPass, false) => format!("{pair} (two-pass plan, fused)"),
+            }
         },
         us,
         tflops: flops / (us * 1e-6) / 1e12,
@@ -331,6 +365,7 @@ fn main() -> Result<()> {
     };
     let (only_shape, only_format, json) = (arg("--shape"), arg("--format"), arg("--json"));
     let with_f16 = args.iter().any(|a| a == "--f16");
+    let with_two_pass = args.iter().any(|a| a == "--two-pass");
     let mut rows = Vec::new();
     let gpu = Gpu::new(0)?;
     eprintln!("{}", gpu.summary());
@@ -344,6 +379,7 @@ fn main() -> Result<()> {
         splits: arg("--splits").and_then(|x| x.parse().ok()),
         route_q_len: arg("--route-q-len").and_then(|x| x.parse().ok()),
         gather: with_f16,
+        two_pass_rows: arg("--two-pass-rows").and_then(|x| x.parse().ok()),
     };
     println!(
         "prefill, Llama-3-8B heads (32 q / 8 KV, d=128, pages of 16, bf16 q and out) on {}; \
@@ -366,17 +402,25 @@ fn main() -> Result<()> {
         {
             continue;
         }
-        let mut formats = vec![
-            (KvFormat::Bf16, KvFormat::Bf16, false),
-            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, false),
-            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3, true),
-            (KvFormat::Int4Sym32, KvFormat::Int4Affine64, false),
-            (KvFormat::Int4Kc, KvFormat::Int4Affine64, false),
+        let quantized = [
+            (KvFormat::Fp8E4m3, KvFormat::Fp8E4m3),
+            (KvFormat::Int4Sym32, KvFormat::Int4Affine64),
+            (KvFormat::Int4Kc, KvFormat::Int4Affine64),
         ];
-        if with_f16 {
-            formats.push((KvFormat::F16, KvFormat::F16, false));
+        let mut formats = vec![(KvFormat::Bf16, KvFormat::Bf16, Mode::Fused)];
+        for (k, v) in quantized {
+            formats.push((k, v, Mode::Fused));
+            if k == KvFormat::Fp8E4m3 {
+                formats.push((k, v, Mode::E4m3));
+            }
+            if with_two_pass {
+                formats.push((k, v, Mode::TwoPass));
+            }
         }
-        for (k, v, e4m3) in formats {
+        if with_f16 {
+            formats.push((KvFormat::F16, KvFormat::F16, Mode::Fused));
+        }
+        for (k, v, mode) in formats {
             if only_format
                 .as_ref()
                 .is_some_and(|x| !k.name().starts_with(x.as_str()))
@@ -387,7 +431,7 @@ fn main() -> Result<()> {
             if shape.route && !kvq::cuda::decode::kernel_available(k, v) {
                 continue;
             }
-            match measure(&gpu, &mut timer, &shape, k, v, e4m3, &opts) {
+            match measure(&gpu, &mut timer, &shape, k, v, mode, &opts) {
                 Ok(r) => {
                     println!(
                         "| {} | {} | {:.1} | {:.1} | {:.0} | {:.1} |",
