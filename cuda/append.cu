@@ -627,9 +627,9 @@ template <int F> __host__ __device__ constexpr int context_ept() {
 
 // Thread block (x, b) decodes rows [x * rows_per_block, ...) (token-major over the KV heads) of
 // sequence b's context into the 16-bit pool `dst`: its page p goes to scratch block
-// blocks_before(b) + p, which row b of dst_tables names (when not null: one side writes it). F is the side's format (kInt4Kc: keys
-// read sealed or from the window, as gather_kc_kernel). A block id outside the pool decodes to
-// zeros and is counted once a token.
+// blocks_before(b) + p, which row b of dst_tables names (when not null: one side writes it).
+// F is the side's format (kInt4Kc: keys read sealed or from the window, as gather_kc_kernel).
+// A block id outside the pool decodes to zeros and is counted once a token.
 template <typename Out, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     decode_context_kernel(RowShape shape, PagedSide side, PagedSide dst,

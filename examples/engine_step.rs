@@ -14,8 +14,13 @@
 //! graph against a plan made for exactly that batch.
 //!
 //! ```sh
-//! cargo run --release --features cuda --example engine_step -- [--steps N] [--format int4|fp8|f16]
+//! cargo run --release --features cuda --example engine_step -- [--steps N] [--format int4|fp8|f16] \
+//!     [--two-pass]
 //! ```
+//!
+//! `--two-pass`: the prefill plan runs each step whose prefilling requests' contexts fit a
+//! scratch of `TWO_PASS_SCRATCH` tokens in two passes (`PrefillPlan::with_two_pass`, from any
+//! number of rows), the context decoded into the scratch first; checked against the CPU alike.
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use half::f16;
@@ -25,7 +30,7 @@ use kvq::cpu::{
 };
 use kvq::cuda::decode::{DecodeStep, RowStrides};
 use kvq::cuda::prefill::{
-    PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows,
+    PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows, TwoPass,
 };
 use kvq::cuda::{
     DecodeCapacity, DecodePlan, DecodeWorkspace, DeviceBlockTables, DeviceCache, Gpu,
@@ -48,6 +53,8 @@ const PREFILL_BUDGET: usize = 1024;
 /// Requests that may prefill in one step (rows of the prefill tables).
 const PREFILL_ROWS: usize = CAPACITY + 16;
 const ROW: usize = KV_HEADS * D;
+/// Context tokens of the two-pass scratch (`--two-pass`): 134 MB of f16 keys and values.
+const TWO_PASS_SCRATCH: usize = 32768;
 
 struct Request {
     seq: SeqId,
@@ -164,7 +171,7 @@ impl Engine {
     }
 }
 
-fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
+fn run(steps: usize, k: KvFormat, v: KvFormat, two_pass: bool) -> Result<()> {
     let gpu = Gpu::new(0)?;
     println!("{}", gpu.summary());
     // The decode is captured in a CUDA graph: cudarc must not make the captured stream wait on
@@ -258,7 +265,11 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
             max_tokens: PREFILL_BUDGET,
             max_context_len: MAX_CTX,
         },
-    )?;
+    )?
+    .with_two_pass(two_pass.then_some(TwoPass {
+        scratch_tokens: TWO_PASS_SCRATCH,
+        min_rows: 0,
+    }))?;
     let mut pws = PrefillWorkspace::new(&pplan)?;
     let mut ptables = DeviceBlockTables::with_capacity(
         &e.dev,
@@ -276,6 +287,7 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
     let mut chunk_tokens: Vec<usize> = Vec::with_capacity(PREFILL_ROWS);
     let prow = TokenRows::contiguous(HEADS, D);
     let (mut prefilled_tokens, mut prefill_checked) = (0usize, 0usize);
+    let (mut prefill_steps, mut two_pass_steps, mut two_pass_checked) = (0usize, 0usize, 0usize);
     let mut prefill_events = Vec::new();
     let mut prefix_hit: Option<SeqId> = None;
     let mut prefix_hit_checked = false;
@@ -402,6 +414,9 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
             b.record(&s)?;
             let total = *qo.host().last().unwrap() as usize;
             prefilled_tokens += total;
+            prefill_steps += 1;
+            let two_passes = pws.two_pass_last_step();
+            two_pass_steps += usize::from(two_passes);
             let hit_now = prefix_hit.is_some_and(|h| chunks.iter().any(|c| c.0 == h));
             if step == 0 || step == steps / 2 || (hit_now && !prefix_hit_checked) {
                 // Against the CPU reference over the host mirror, with the same tables.
@@ -437,16 +452,18 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
                     )));
                 }
                 prefill_checked += 1;
+                two_pass_checked += usize::from(two_passes);
                 prefix_hit_checked |= hit_now;
                 println!(
-                    "step {step}: prefill of {} chunks ({total} tokens{}) matches the CPU \
+                    "step {step}: prefill of {} chunks ({total} tokens{}{}) matches the CPU \
                      reference (rel {rel:.1e})",
                     chunks.len(),
                     if hit_now {
                         ", the prefix hit's suffix among them"
                     } else {
                         ""
-                    }
+                    },
+                    if two_passes { ", two passes" } else { "" }
                 );
             }
             prefill_events.push((a, b));
@@ -586,6 +603,17 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
             ""
         }
     );
+    if two_pass {
+        println!(
+            "two passes: {two_pass_steps} of {prefill_steps} prefill steps, {two_pass_checked} \
+             of them checked"
+        );
+        if two_pass_checked == 0 {
+            return Err(kvq::Error::InvalidArgument(
+                "--two-pass: no two-pass step was checked against the CPU".into(),
+            ));
+        }
+    }
     if prefix_hit.is_some() && !prefix_hit_checked {
         return Err(kvq::Error::InvalidArgument(
             "the prefix hit's suffix was never checked against the CPU".into(),
@@ -750,13 +778,17 @@ fn run(steps: usize, k: KvFormat, v: KvFormat) -> Result<()> {
 fn main() {
     let mut steps = 200;
     let mut format = "int4".to_string();
+    let mut two_pass = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
             "--steps" => steps = args.next().and_then(|s| s.parse().ok()).unwrap_or(steps),
             "--format" => format = args.next().unwrap_or(format),
+            "--two-pass" => two_pass = true,
             other => {
-                eprintln!("unknown argument {other}; use --steps N --format int4|fp8|f16");
+                eprintln!(
+                    "unknown argument {other}; use --steps N --format int4|fp8|f16 --two-pass"
+                );
                 std::process::exit(2);
             }
         }
@@ -770,7 +802,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(err) = run(steps, k, v) {
+    if let Err(err) = run(steps, k, v, two_pass) {
         eprintln!("engine_step: {err}");
         std::process::exit(1);
     }
