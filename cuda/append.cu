@@ -628,15 +628,17 @@ template <int F> __host__ __device__ constexpr int context_ept() {
 // Thread block (x, b) decodes rows [x * rows_per_block, ...) (token-major over the KV heads) of
 // sequence b's context into the 16-bit pool `dst`: its page p goes to scratch block
 // blocks_before(b) + p, which row b of dst_tables names (when not null: one side writes it).
-// F is the side's format (kInt4Kc: keys read sealed or from the window, as gather_kc_kernel).
-// A block id outside the pool decodes to zeros and is counted once a token.
-template <typename Out, int F>
+// F is the side's format (kInt4Kc: keys read sealed or from the window, as gather_kc_kernel);
+// the scratch holds bf16 when bf16_out, else f16 (an argument, not a template parameter: one
+// instance a format, for the build's time). A block id outside the pool decodes to zeros and
+// is counted once a token.
+template <int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     decode_context_kernel(RowShape shape, PagedSide side, PagedSide dst,
                           const int32_t *__restrict__ block_tables, int max_blocks,
                           const int32_t *__restrict__ context_lens, int64_t num_blocks,
                           int64_t dst_blocks, int32_t *__restrict__ dst_tables,
-                          int dst_max_blocks, unsigned long long *counters) {
+                          int dst_max_blocks, bool bf16_out, unsigned long long *counters) {
   constexpr int E = context_ept<F>();
   const uint32_t b = blockIdx.y;
   const int cap = max_blocks * side.block_size;
@@ -665,10 +667,15 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   } else if (counters != nullptr && head == 0 && g.chunk == 0) {
     atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
   }
-  Out *o = reinterpret_cast<Out *>(dst.row(to, offset, head).codes) + g.chunk * E;
+  uint8_t *const o = dst.row(to, offset, head).codes + g.chunk * E * 2;
 #pragma unroll
-  for (int j = 0; j < E / kChunk; ++j)
-    store8(o + j * kChunk, *reinterpret_cast<const float(*)[8]>(v + j * kChunk));
+  for (int j = 0; j < E / kChunk; ++j) {
+    const float(&part)[8] = *reinterpret_cast<const float(*)[8]>(v + j * kChunk);
+    if (bf16_out)
+      store8(reinterpret_cast<__nv_bfloat16 *>(o) + j * kChunk, part);
+    else
+      store8(reinterpret_cast<__half *>(o) + j * kChunk, part);
+  }
 }
 
 // ---- INT4-KC dense tensors -----------------------------------------------------------------
@@ -1156,26 +1163,20 @@ extern "C" int kvq_decode_context(const kvq_cache *cache, int64_t num_blocks,
   if ((int64_t)max_context_len * ks.num_heads > kMaxRows) return KVQ_ERR_UNSUPPORTED;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // The K side writes the scratch tables and counts out-of-range blocks.
+  const bool bf16_out = out_format == KVQ_BF16;
   auto launch_side = [&](const PagedSide &side, const PagedSide &to, int32_t format,
                          int32_t *tables, unsigned long long *c) {
-    auto with_out = [&](auto fn) {
-      return out_format == KVQ_F16 ? fn(Tag<__half>{}) : fn(Tag<__nv_bfloat16>{});
+    auto launch = [&](auto f) {
+      constexpr int F = decltype(f)::value;
+      const RowShape shape(side.head_dim, context_ept<F>());
+      const dim3 grid(shape.blocks((int64_t)max_context_len * side.num_heads), (unsigned)batch);
+      decode_context_kernel<F><<<grid, kThreadsPerBlock, 0, s>>>(
+          shape, side, to, block_tables, max_blocks, context_lens, num_blocks, dst_blocks,
+          tables, dst_max_blocks, bf16_out, c);
+      return launch_status();
     };
-    return with_out([&](auto o) {
-      using Out = typename decltype(o)::type;
-      auto launch = [&](auto f) {
-        constexpr int F = decltype(f)::value;
-        const RowShape shape(side.head_dim, context_ept<F>());
-        const dim3 grid(shape.blocks((int64_t)max_context_len * side.num_heads),
-                        (unsigned)batch);
-        decode_context_kernel<Out, F><<<grid, kThreadsPerBlock, 0, s>>>(
-            shape, side, to, block_tables, max_blocks, context_lens, num_blocks, dst_blocks,
-            tables, dst_max_blocks, c);
-        return launch_status();
-      };
-      if (format == KVQ_INT4_KC) return launch(FormatTag<kInt4Kc>{});
-      return with_format<false>(format, launch);
-    });
+    if (format == KVQ_INT4_KC) return launch(FormatTag<kInt4Kc>{});
+    return with_format<false>(format, launch);
   };
   const int rk = launch_side(ks, dks, l.k_format, dst_tables, counters);
   if (rk != KVQ_OK) return rk;
