@@ -28,8 +28,8 @@ use kvq::cpu::{Accum, AttentionOptions, HeadTerms, e4m3_operands, prefill_attent
 use kvq::cuda::decode::DeviceBlockTables;
 use kvq::cuda::ops::{DeviceElement, Dtype};
 use kvq::cuda::prefill::{
-    HEAD_DIMS, PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr, TokenRows,
-    TwoPass, kernel_available_for, merge_states,
+    HEAD_DIMS, PrefillCapacity, PrefillPlan, PrefillStep, PrefillWorkspace, QoIndptr,
+    TWO_PASS_MIN_ROWS, TokenRows, TwoPass, kernel_available_for, merge_states,
 };
 use kvq::cuda::{DeviceCache, Gpu, require_gpu_or_skip};
 use kvq::{CacheConfig, KvFormat, ScaleGranularity};
@@ -1063,6 +1063,33 @@ fn two_pass_decoded_context() {
         return;
     };
     let mut rng = rng("two_pass_decoded_context");
+    // The plan's checks and the scratch the workspace holds: 100 tokens in blocks of 16 are 7
+    // blocks of 2 KV heads x 128 x 2 sides x 2 bytes.
+    let config =
+        CacheConfig::new(2, 128, 16, KvFormat::Int4Sym32, KvFormat::Int4Affine64).expect("config");
+    let plan = PrefillPlan::new(
+        &gpu,
+        &config.layout(),
+        PrefillCapacity {
+            max_batch: 2,
+            num_q_heads: 8,
+            max_tokens: 64,
+            max_context_len: 256,
+        },
+    )
+    .expect("plan");
+    let err = plan
+        .clone()
+        .with_two_pass(Some(TwoPass::new(0)))
+        .unwrap_err();
+    assert!(matches!(err, kvq::Error::Config { .. }), "{err}");
+    let plan = plan
+        .with_two_pass(Some(TwoPass::new(100)))
+        .expect("two-pass");
+    assert_eq!(plan.two_pass().map(|t| t.min_rows), Some(TWO_PASS_MIN_ROWS));
+    let ws = PrefillWorkspace::new(&plan).expect("workspace");
+    assert_eq!(ws.scratch_bytes(), 7 * 16 * 2 * 128 * 2 * 2);
+    assert!(!ws.two_pass_last_step());
     let quantized = |k: KvFormat, v: KvFormat| k.bits() < 16 || v.bits() < 16;
     for (k, v, q_bf16) in pairs(128) {
         if !quantized(k, v) || (quick() && q_bf16 && k != KvFormat::Int4Kc) {
