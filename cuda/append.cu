@@ -433,26 +433,58 @@ __global__ void __launch_bounds__(kThreadsPerBlock, AppendTuning<In, F>::kMinBlo
     warp_count(counters ? counters + KVQ_COUNTER_OUT_OF_RANGE : nullptr, out_of_range);
 }
 
+// ---- reading paged rows back --------------------------------------------------------------
+
+// Elements a thread decodes of format F's rows: its codec's chunk, kChunk for INT4-KC keys.
+template <int F> __host__ __device__ constexpr int chunk_elements() {
+  if constexpr (F == kInt4Kc) return kChunk;
+  else return Codec<F>::kEpt;
+}
+
+// Chunk `chunk` of the row at (block, offset, head) of one side of format F into v: INT4-KC keys
+// (`side` their window's, paged_side) from the sealed codes when `sealed`, else from the f16
+// window of a block the sequence has not filled. A block outside [0, num_blocks) leaves v zero
+// and is counted once a token (by its head 0, chunk 0).
+template <int F>
+__device__ __forceinline__ void decode_paged_chunk(const PagedSide &side, int head_dim,
+                                                   int64_t block, int64_t num_blocks,
+                                                   uint32_t offset, uint32_t head, int chunk,
+                                                   bool sealed, unsigned long long *counters,
+                                                   float (&v)[chunk_elements<F>()]) {
+  if (block >= 0 && block < num_blocks) {
+    if constexpr (F == kInt4Kc) {
+      if (sealed) {
+        const uint8_t *section = side.section((uint32_t)block, head);
+        const int code_row = head_dim / 2;
+        const uint32_t codes = reinterpret_cast<const uint32_t *>(
+            section + side.codes_offset + offset * code_row)[chunk];
+        const uint4 *meta = reinterpret_cast<const uint4 *>(section + side.meta_offset);
+        int4_kc_decode8(codes, meta[chunk], meta[head_dim / kChunk + chunk], v);
+      } else {
+        Codec<kF16>::decode(side.row((uint32_t)block, offset, head), chunk, v);
+      }
+    } else {
+      Codec<F>::decode(side.row((uint32_t)block, offset, head), chunk, v);
+    }
+  } else if (counters != nullptr && head == 0 && chunk == 0) {
+    atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
+  }
+}
+
 template <typename Out, int F>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     gather_kernel(RowShape shape, PagedSide side, const int32_t *__restrict__ block_table,
                   uint32_t num_tokens, int64_t num_blocks, Out *__restrict__ out,
                   unsigned long long *counters) {
-  using C = Codec<F>;
-  constexpr int E = C::kEpt;
+  constexpr int E = chunk_elements<F>();
   const RowGrid g = row_grid(shape, blockIdx.x);
   const uint32_t token = side.by_heads.div(g.row);
   const uint32_t head = g.row - token * side.num_heads;
   if (!g.in_block || token >= num_tokens) return;  // no shuffles below
   const uint32_t page = side.by_block_size.div(token);
-  const int64_t block = block_table[page];
   float v[E] = {};
-  if (block >= 0 && block < num_blocks) {
-    C::decode(side.row((uint32_t)block, token - page * side.block_size, head), g.chunk,
-                       v);
-  } else if (counters != nullptr && head == 0 && g.chunk == 0) {
-    atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
-  }
+  decode_paged_chunk<F>(side, shape.head_dim, block_table[page], num_blocks,
+                        token - page * side.block_size, head, g.chunk, false, counters, v);
   Out *o = out + (int64_t)g.row * shape.head_dim + g.chunk * E;
 #pragma unroll
   for (int j = 0; j < E / kChunk; ++j)
@@ -554,22 +586,6 @@ __global__ void __launch_bounds__(kSealThreads)
   }
 }
 
-// Chunk `chunk` (kChunk elements) of an INT4-KC key row: from the sealed codes, or from the f16
-// window of a block the sequence has not filled. `side` is the window's (paged_side).
-__device__ __forceinline__ void kc_decode_chunk(const PagedSide &side, int head_dim,
-                                                uint32_t block, uint32_t offset, uint32_t head,
-                                                int chunk, bool sealed, float (&v)[kChunk]) {
-  if (sealed) {
-    const uint8_t *section = side.section(block, head);
-    const uint32_t codes = reinterpret_cast<const uint32_t *>(
-        section + side.codes_offset + offset * (head_dim / 2))[chunk];
-    const uint4 *meta = reinterpret_cast<const uint4 *>(section + side.meta_offset);
-    int4_kc_decode8(codes, meta[chunk], meta[head_dim / kChunk + chunk], v);
-  } else {
-    Codec<kF16>::decode(side.row(block, offset, head), chunk, v);
-  }
-}
-
 // Gather of INT4-KC keys, kChunk elements a thread: a token of a full block of the sequence (of
 // num_tokens tokens) decodes from the sealed codes, one of its last, unfilled block is its f16
 // window row. `side` is the window's (paged_side).
@@ -584,14 +600,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   if (!g.in_block || token >= num_tokens) return;
   const uint32_t page = side.by_block_size.div(token);
   const uint32_t offset = token - page * side.block_size;
-  const int64_t block = block_table[page];
   float v[kChunk] = {};
-  if (block >= 0 && block < num_blocks) {
-    const bool sealed = (page + 1) * (uint32_t)side.block_size <= num_tokens;
-    kc_decode_chunk(side, shape.head_dim, (uint32_t)block, offset, head, g.chunk, sealed, v);
-  } else if (counters != nullptr && head == 0 && g.chunk == 0) {
-    atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
-  }
+  decode_paged_chunk<kInt4Kc>(side, shape.head_dim, block_table[page], num_blocks, offset, head,
+                              g.chunk, (page + 1) * (uint32_t)side.block_size <= num_tokens,
+                              counters, v);
   store8(out + (int64_t)g.row * shape.head_dim + g.chunk * kChunk, v);
 }
 
@@ -619,16 +631,10 @@ __device__ uint32_t blocks_before(const int32_t *__restrict__ context_lens, uint
   return total;
 }
 
-// Elements a thread decodes of format F's rows (INT4-KC keys: kc_decode_chunk's).
-template <int F> __host__ __device__ constexpr int context_ept() {
-  if constexpr (F == kInt4Kc) return kChunk;
-  else return Codec<F>::kEpt;
-}
-
 // Thread block (x, b) decodes rows [x * rows_per_block, ...) (token-major over the KV heads) of
 // sequence b's context into the 16-bit pool `dst`: its page p goes to scratch block
 // blocks_before(b) + p, which row b of dst_tables names (when not null: one side writes it).
-// F is the side's format (kInt4Kc: keys read sealed or from the window, as gather_kc_kernel);
+// F is the side's format (kInt4Kc: keys read sealed or from the window, decode_paged_chunk);
 // the scratch holds bf16 when bf16_out, else f16 (an argument, not a template parameter: one
 // instance a format, for the build's time). A block id outside the pool decodes to zeros and
 // is counted once a token.
@@ -639,7 +645,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                           const int32_t *__restrict__ context_lens, int64_t num_blocks,
                           int64_t dst_blocks, int32_t *__restrict__ dst_tables,
                           int dst_max_blocks, bool bf16_out, unsigned long long *counters) {
-  constexpr int E = context_ept<F>();
+  constexpr int E = chunk_elements<F>();
   const uint32_t b = blockIdx.y;
   const int cap = max_blocks * side.block_size;
   const uint32_t len = (uint32_t)min(max(context_lens[b], 0), cap);
@@ -656,17 +662,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   if (dst_tables != nullptr && head == 0 && g.chunk == 0 && offset == 0)
     dst_tables[(int64_t)b * dst_max_blocks + page] = (int32_t)to;
   if (to >= dst_blocks) return;  // the attention pass counts the table's id as out of range
-  const int64_t block = block_tables[(int64_t)b * max_blocks + page];
   float v[E] = {};
-  if (block >= 0 && block < num_blocks) {
-    if constexpr (F == kInt4Kc)
-      kc_decode_chunk(side, shape.head_dim, (uint32_t)block, offset, head, g.chunk,
-                      (page + 1) * (uint32_t)side.block_size <= len, v);
-    else
-      Codec<F>::decode(side.row((uint32_t)block, offset, head), g.chunk, v);
-  } else if (counters != nullptr && head == 0 && g.chunk == 0) {
-    atomicAdd(counters + KVQ_COUNTER_OUT_OF_RANGE, 1ull);
-  }
+  decode_paged_chunk<F>(side, shape.head_dim, block_tables[(int64_t)b * max_blocks + page],
+                        num_blocks, offset, head, g.chunk,
+                        (page + 1) * (uint32_t)side.block_size <= len, counters, v);
   uint8_t *const o = dst.row(to, offset, head).codes + g.chunk * E * 2;
 #pragma unroll
   for (int j = 0; j < E / kChunk; ++j) {
@@ -1168,7 +1167,7 @@ extern "C" int kvq_decode_context(const kvq_cache *cache, int64_t num_blocks,
                          int32_t *tables, unsigned long long *c) {
     auto launch = [&](auto f) {
       constexpr int F = decltype(f)::value;
-      const RowShape shape(side.head_dim, context_ept<F>());
+      const RowShape shape(side.head_dim, chunk_elements<F>());
       const dim3 grid(shape.blocks((int64_t)max_context_len * side.num_heads), (unsigned)batch);
       decode_context_kernel<F><<<grid, kThreadsPerBlock, 0, s>>>(
           shape, side, to, block_tables, max_blocks, context_lens, num_blocks, dst_blocks,
