@@ -551,17 +551,12 @@ impl PrefillPlan {
         self.two_pass
     }
 
-    /// The layout of the two-pass scratch for queries of `q`: both sides in `q`'s 16 bits, the
-    /// cache's heads, head_dim and block size.
+    /// The layout of the two-pass scratch for queries of `q`: both sides in
+    /// [`scratch_format`]`(q)`, the cache's heads, head_dim and block size.
     fn scratch_layout(&self, q: Dtype) -> Result<BlockLayout> {
-        let format = if q == Dtype::Bf16 {
-            KvFormat::Bf16
-        } else {
-            KvFormat::F16
-        };
         CacheConfig {
-            k_format: format,
-            v_format: format,
+            k_format: scratch_format(q),
+            v_format: scratch_format(q),
             ..self.layout.config
         }
         .try_layout()
@@ -599,11 +594,7 @@ impl PrefillPlan {
                 .scratch_blocks()
                 .is_some_and(|(have, _)| blocks <= have)
             && {
-                let f = if q == Dtype::Bf16 {
-                    KvFormat::Bf16
-                } else {
-                    KvFormat::F16
-                };
+                let f = scratch_format(q);
                 kernel_available_for(f, f, c.head_dim, q == Dtype::Bf16)
             }
     }
@@ -822,13 +813,14 @@ impl PrefillPlan {
         }
         let prefill_rows = (total - qo[lead] as usize) * group;
         let two_pass = self.takes_two_pass(Q::DTYPE, prefill_rows, prefill_seqs, ctx_blocks);
-        let scratch = match (two_pass, &ws.scratch) {
-            (true, Some(sc)) => Some((sc.at, self.scratch_layout(Q::DTYPE)?)),
+        // Where the scratch is and its raw layout, in a two-pass step.
+        let scratch_raw = match (two_pass, &ws.scratch) {
+            (true, Some(sc)) => Some((sc.at, raw_layout(&self.scratch_layout(Q::DTYPE)?)?)),
             _ => None,
         };
         // The formats the attention launch reads: the scratch's in a two-pass step.
-        let (k_format, v_format) = match &scratch {
-            Some((_, l)) => (l.config.k_format, l.config.v_format),
+        let (k_format, v_format) = match scratch_raw {
+            Some(_) => (scratch_format(Q::DTYPE), scratch_format(Q::DTYPE)),
             None => (c.k_format, c.v_format),
         };
         let quantized = k_format.bits() < 16 || v_format.bits() < 16;
@@ -866,10 +858,6 @@ impl PrefillPlan {
             total
         };
         let layout = raw_layout(&self.layout)?;
-        let scratch_raw = match &scratch {
-            Some((at, l)) => Some((*at, raw_layout(l)?)),
-            None => None,
-        };
         self.gpu.bind()?;
         self.gpu.check_capture()?;
         launch::prefill_prepare(
@@ -1064,10 +1052,19 @@ pub struct PrefillWorkspace {
     two_pass_last: bool,
 }
 
+/// The format of the two-pass scratch for queries of `q`: the tensor cores' operand type.
+fn scratch_format(q: Dtype) -> KvFormat {
+    if q == Dtype::Bf16 {
+        KvFormat::Bf16
+    } else {
+        KvFormat::F16
+    }
+}
+
 /// The two-pass scratch: a pool of 16-bit blocks and its tables, `max_batch` rows of `stride`.
 #[derive(Debug)]
 struct Scratch {
-    _pool: CudaSlice<u8>,
+    pool: CudaSlice<u8>,
     _tables: CudaSlice<i32>,
     at: ScratchAt,
 }
@@ -1105,7 +1102,7 @@ impl Scratch {
             rows,
         };
         Ok(Some(Scratch {
-            _pool: pool,
+            pool,
             _tables: tables,
             at,
         }))
@@ -1153,7 +1150,7 @@ impl PrefillWorkspace {
 
     /// Bytes of the two-pass scratch (0 without one).
     pub fn scratch_bytes(&self) -> usize {
-        self.scratch.as_ref().map_or(0, |sc| sc._pool.len())
+        self.scratch.as_ref().map_or(0, |sc| sc.pool.len())
     }
 
     fn gpu(&self) -> &Gpu {
